@@ -1,0 +1,49 @@
+"""Instruction sets the LUT kernels are generated for, one module per ISA family.
+
+Each ``Isa`` says once what an instruction set is (LLVM target, vector width, the CPU features it needs) and
+offers the same three primitives the code generator composes:
+
+- ``lookup(table16, idx)``: 16-entry int8 table lookup, one table broadcast to every 16-byte lane;
+- ``accumulate(acc, looked, planes)``: add looked-up int8 values into wider accumulators, summing the
+  ``planes`` interleaved bit-plane bytes of a row with weights 1, 2, 4, 8 (the dot-product trick);
+- ``acc_dtype(planes)``: the accumulator vector type that goes with it.
+
+This package imports no TVM; the primitives import it when they are called, i.e. only while compiling.
+"""
+
+from __future__ import annotations
+
+from tmac.cpu import cpu_features, machine_arch
+from .base import Isa
+from .arm import NEON, NEON_DOTPROD
+from .generic import GENERIC_ARM64, GENERIC_X86
+from .x86 import AVX2, AVX2_VNNI, AVX512, AVX512_VNNI
+
+# best first within an architecture
+ISAS: dict[str, Isa] = {i.name: i for i in (AVX512_VNNI, AVX512, AVX2_VNNI, AVX2, GENERIC_X86,
+                                            NEON_DOTPROD, NEON, GENERIC_ARM64)}
+
+# the names `tmac compile --isa` accepts → the best variant of that family a machine could have
+ISA_CHOICES = {"avx512": "avx512_vnni", "avx2": "avx2", "avx2-vnni": "avx2_vnni", "neon": "neon",
+               "neon-dotprod": "neon_dotprod", "generic": None}
+
+
+def isa_by_name(name: str) -> Isa:
+    try:
+        return ISAS[name]
+    except KeyError:
+        raise ValueError(f"unknown ISA {name!r}; known: {sorted(ISAS)}") from None
+
+
+def best_isa(arch: str | None = None, features: frozenset[str] | None = None) -> Isa:
+    """The fastest ISA variant the given (default: this) machine can run."""
+    arch = arch or machine_arch()
+    features = cpu_features() if features is None else features
+    for isa in ISAS.values():
+        if isa.arch == arch and isa.features <= features:
+            return isa
+    raise ValueError(f"unsupported CPU architecture {arch!r}; supported: x86_64, arm64")
+
+
+def isas_for(arch: str) -> list[Isa]:
+    return [i for i in ISAS.values() if i.arch == arch]

@@ -1,0 +1,61 @@
+"""What every ISA description has, and the portable forms of the primitives (plain TIR that LLVM vectorizes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Isa:
+    name: str
+    arch: str  # "x86_64" or "arm64"
+    vector_bytes: int  # bytes in one lookup vector
+    features: frozenset[str]  # tmac.cpu feature names a machine needs to run it
+    target: dict = field(hash=False, compare=False)  # LLVM target, always with explicit triple and cpu/attrs
+    description: str = ""
+
+    def acc_dtype(self, planes: int) -> str:
+        lanes = self.vector_bytes // planes
+        return f"int32x{lanes}" if planes == 4 else f"int16x{lanes}"
+
+    # -- primitives; subclasses override them with instructions ---------------------------------------------
+    def lookup(self, table16, idx):
+        """int8xVL: ``table16[idx[l]]`` in every lane (idx values are 0..15). Portable form: a select chain."""
+        from tvm import tirx
+
+        lanes = self.vector_bytes
+        out = tirx.Broadcast(tirx.IntImm("int8", 0), lanes)
+        for p in range(1, 16):
+            hit = idx == tirx.Broadcast(tirx.IntImm("int8", p), lanes)
+            out = tirx.Select(hit, tirx.Shuffle([table16], [p] * lanes), out)
+        return tirx.Select(idx == tirx.Broadcast(tirx.IntImm("int8", 0), lanes),
+                           tirx.Shuffle([table16], [0] * lanes), out)
+
+    def accumulate(self, acc, looked: list, planes: int):
+        """``acc`` plus, per row, Σ over ``looked`` of Σ_j 2^j·byte(row, plane j) — rows own ``planes`` adjacent
+        bytes. Portable form: widen every plane's bytes and add them shifted."""
+        from tvm import tirx
+
+        lanes = self.vector_bytes // planes
+        wide = "int32" if planes == 4 else "int16"
+        for v in looked:
+            for j in range(planes):
+                part = tirx.Cast(f"{wide}x{lanes}", tirx.Shuffle([v], list(range(j, self.vector_bytes, planes))))
+                acc = acc + (part << tirx.Broadcast(tirx.IntImm(wide, j), lanes) if j else part)
+        return acc
+
+
+def broadcast_table(table16, lanes: int):
+    """A 16-byte table repeated into every 16-byte lane of a ``lanes``-byte vector."""
+    from tvm import tirx
+
+    return table16 if lanes == 16 else tirx.Shuffle([table16] * (lanes // 16), list(range(lanes)))
+
+
+def plane_weights(lanes: int, planes: int, dtype: str):
+    """The constant vector 1, 2, 4, 8 (its first ``planes`` values) repeated over ``lanes`` bytes."""
+    from tvm import tirx
+
+    ramp = tirx.Ramp(tirx.IntImm("int32", 0), tirx.IntImm("int32", 1), lanes)
+    one = tirx.Broadcast(tirx.IntImm("int32", 1), lanes)
+    return tirx.Cast(f"{dtype}x{lanes}", one << (ramp % tirx.Broadcast(tirx.IntImm("int32", planes), lanes)))

@@ -1,0 +1,47 @@
+import numpy as np
+import pytest
+
+from tmac import FORMATS, QuantizedWeight, WeightFormat
+from tmac.formats import GGUF_EXACT
+
+
+def test_gguf_formats_described_once():
+    assert set(GGUF_EXACT) == {"Q4_0", "Q4_1", "TQ1_0", "TQ2_0"}
+    assert FORMATS["q4_1"].has_zeros and not FORMATS["q4_0"].has_zeros
+    assert FORMATS["tq2_0"].ternary and FORMATS["tq2_0"].group_size == 256
+    assert FORMATS["bitnet"].group_size == "tensor"
+
+
+def test_convention_w_equals_s_times_q_minus_offset_minus_z():
+    fmt = WeightFormat.rtn(3, 32, symmetric=False)
+    codes = np.arange(8, dtype=np.uint8).repeat(4).reshape(1, 32)
+    s, z = np.array([[0.5]], np.float32), np.array([[0.25]], np.float32)
+    w = QuantizedWeight(codes, s, z, fmt).dequantize()
+    np.testing.assert_array_equal(w[0], 0.5 * (codes[0].astype(np.float32) - 4) - 0.25)
+
+
+@pytest.mark.parametrize("bad, exc", [
+    (dict(bits=5), ValueError), (dict(bits=0), ValueError), (dict(bits=2.0), TypeError),
+    (dict(group_size=48), ValueError), (dict(group_size="col"), ValueError), (dict(group_size=None), TypeError),
+])
+def test_bad_format_arguments(bad, exc):
+    args = dict(bits=2, group_size=128, symmetric=False) | bad
+    with pytest.raises(exc, match="bits" if "bits" in bad else "group_size"):
+        WeightFormat.rtn(**args)
+
+
+def test_quantized_weight_validates():
+    fmt = WeightFormat.rtn(2, 32, symmetric=True)
+    codes = np.zeros((2, 64), np.uint8)
+    with pytest.raises(ValueError, match="scales must have shape"):
+        QuantizedWeight(codes, np.ones((2, 1), np.float32), None, fmt)
+    with pytest.raises(ValueError, match=r"codes .* must lie in \[0, 3\]"):
+        QuantizedWeight(codes + 4, np.ones((2, 2), np.float32), None, fmt)
+    with pytest.raises(ValueError, match="NaN or inf"):
+        QuantizedWeight(codes, np.full((2, 2), np.nan, np.float32), None, fmt)
+    with pytest.raises(ValueError, match="has no zeros"):
+        QuantizedWeight(codes, np.ones((2, 2), np.float32), np.ones((2, 2), np.float32), fmt)
+    with pytest.raises(TypeError, match="uint8"):
+        QuantizedWeight(codes.astype(np.int32), np.ones((2, 2), np.float32), None, fmt)
+    with pytest.raises(ValueError, match="not divisible by group_size"):
+        QuantizedWeight(np.zeros((2, 48), np.uint8), np.ones((2, 1), np.float32), None, fmt)

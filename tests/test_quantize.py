@@ -1,0 +1,131 @@
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf.quants import dequantize, quantize
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import rel_l2, smollm2_path
+from tmac import import_gguf, quantize_weight
+
+
+@pytest.mark.parametrize("bits, bound", [(1, 0.62), (2, 0.42), (3, 0.19), (4, 0.09)])
+def test_asymmetric_error_bounds(rng, bits, bound):
+    w = rng.standard_normal((64, 512)).astype(np.float32)
+    qw = quantize_weight(w, bits=bits, group_size=32)
+    deq = qw.dequantize()
+    assert rel_l2(deq, w) < bound
+    if bits > 1:  # round-to-nearest inside [min, max]: every weight within half a step
+        step = np.repeat(qw.scales, 32, axis=1)
+        assert (np.abs(deq - w) <= 0.5 * step * (1 + 1e-5) + 1e-7).all()
+
+
+@pytest.mark.parametrize("bits, bound", [(2, 0.45), (3, 0.2), (4, 0.1)])
+def test_symmetric_error_bounds(rng, bits, bound):
+    w = rng.standard_normal((64, 512)).astype(np.float32)
+    qw = quantize_weight(w, bits=bits, group_size=64, symmetric=True)
+    assert qw.zeros is None
+    assert rel_l2(qw.dequantize(), w) < bound
+    # the largest-magnitude weight of each group is represented exactly (llama.cpp's sign trick)
+    g = w.reshape(64, 8, 64)
+    i = np.abs(g).argmax(axis=2)
+    np.testing.assert_allclose(np.take_along_axis(qw.dequantize().reshape(64, 8, 64), i[..., None], 2),
+                               np.take_along_axis(g, i[..., None], 2), rtol=1e-6)
+
+
+def test_ternary_matches_bitnet_reference_formula(rng):
+    w = torch.from_numpy(rng.standard_normal((32, 256)).astype(np.float32))
+    # BitNet b1.58 weight_quant, written independently of tmac
+    scale = 1.0 / w.abs().mean().clamp_(min=1e-5)
+    expected = (w * scale).round().clamp_(-1, 1) / scale
+    qw = quantize_weight(w, ternary=True, group_size="tensor")
+    assert set(np.unique(qw.codes)) <= {1, 2, 3}
+    np.testing.assert_allclose(qw.dequantize(), expected.numpy(), rtol=1e-6, atol=1e-7)
+
+
+def test_per_row_and_per_tensor(rng):
+    w = rng.standard_normal((16, 96)).astype(np.float32)
+    assert quantize_weight(w, bits=4, group_size="row").scales.shape == (16, 1)
+    assert quantize_weight(w, bits=4, group_size="tensor").scales.shape == (1, 1)
+
+
+def _same_bits(a, b):
+    return np.array_equal(np.asarray(a, np.float32).view(np.uint32), np.asarray(b, np.float32).view(np.uint32))
+
+
+def test_gguf_q4_1_import_is_exact_on_smollm2():
+    reader = gguf.GGUFReader(smollm2_path())
+    tensors = [t for t in reader.tensors if t.tensor_type.name == "Q4_1"]
+    assert len(tensors) == 210
+    for t in tensors[::7]:
+        shape = tuple(int(d) for d in reversed(t.shape))
+        qw = import_gguf(t.data, "Q4_1", shape)
+        assert _same_bits(qw.dequantize(), dequantize(t.data, t.tensor_type).reshape(shape)), t.name
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "TQ1_0", "TQ2_0"])
+def test_gguf_import_is_exact_on_quantized_blocks(rng, type_name):
+    qtype = gguf.GGMLQuantizationType[type_name]
+    w = rng.standard_normal((6, 512)).astype(np.float32) * rng.uniform(0.01, 3, (6, 1)).astype(np.float32)
+    blocks = quantize(w, qtype)
+    qw = import_gguf(blocks, type_name, w.shape)
+    assert _same_bits(qw.dequantize(), dequantize(blocks, qtype))
+
+
+def test_gguf_import_rejects_bad_blocks():
+    with pytest.raises(ValueError, match="needs 36 bytes"):
+        import_gguf(b"\0" * 35, "Q4_0", (1, 64))
+    with pytest.raises(ValueError, match="no exact importer for GGUF type Q8_0"):
+        import_gguf(b"", "Q8_0", (1, 32))
+    nan_block = np.frombuffer(np.float16(np.nan).tobytes() + b"\0" * 16, np.uint8)
+    with pytest.raises(ValueError, match="NaN/inf"):
+        import_gguf(nan_block, "Q4_0", (1, 32))
+
+
+@settings(max_examples=60, deadline=None)
+@given(bits=st.sampled_from([1, 2, 3, 4]), group=st.sampled_from([32, 64, 128, 256, "row", "tensor"]),
+       sym=st.booleans(), m=st.integers(1, 9), kg=st.integers(1, 4), seed=st.integers(0, 2**31))
+def test_round_trip_property(bits, group, sym, m, kg, seed):
+    if sym and bits == 1:
+        return
+    k = kg * (group if isinstance(group, int) else 32)
+    w = np.random.default_rng(seed).standard_normal((m, k)).astype(np.float32)
+    qw = quantize_weight(w, bits=bits, group_size=group, symmetric=sym)
+    assert qw.shape == (m, k) and qw.codes.dtype == np.uint8
+    deq = qw.dequantize()
+    # requantizing the dequantized weights reproduces them (the grid is a fixed point), up to float rounding
+    again = quantize_weight(deq, bits=bits, group_size=group, symmetric=sym).dequantize()
+    np.testing.assert_allclose(again, deq, rtol=1e-4, atol=1e-5 * float(np.abs(deq).max() + 1e-30))
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=st.sampled_from(["k_not_divisible", "bits_high", "bits_low", "three_d", "nan", "inf", "int_dtype",
+                             "list", "sym1", "empty"]))
+def test_bad_input_names_the_argument(case):
+    w = np.ones((4, 64), np.float32)
+    kwargs = dict(bits=2, group_size=32)
+    exc, match = ValueError, None
+    if case == "k_not_divisible":
+        w, match = np.ones((4, 48), np.float32), "group_size"
+    elif case == "bits_high":
+        kwargs["bits"], match = 8, "bits"
+    elif case == "bits_low":
+        kwargs["bits"], match = 0, "bits"
+    elif case == "three_d":
+        w, match = np.ones((2, 2, 64), np.float32), "2-D"
+    elif case == "nan":
+        w[1, 3], match = np.nan, "NaN"
+    elif case == "inf":
+        w[0, 0], match = np.inf, "inf"
+    elif case == "int_dtype":
+        w, exc, match = np.ones((4, 64), np.int32), TypeError, "floating-point"
+    elif case == "list":
+        w, exc, match = [[1.0] * 64], TypeError, "numpy array or torch tensor"
+    elif case == "sym1":
+        kwargs.update(bits=1, symmetric=True)
+        match = "symmetric"
+    elif case == "empty":
+        w, match = np.ones((0, 64), np.float32), "empty"
+    with pytest.raises(exc, match=match):
+        quantize_weight(w, **kwargs)

@@ -1,0 +1,57 @@
+"""What CPU this is: architecture, the SIMD features that matter for the LUT kernels, physical cores."""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+import re
+
+FEATURES = ("avx2", "avx512bw", "avx512vnni", "avxvnni", "neon", "dotprod")
+
+# /proc/cpuinfo flag names → our feature names
+_X86_FLAGS = {"avx2": "avx2", "avx512bw": "avx512bw", "avx512_vnni": "avx512vnni", "avx_vnni": "avxvnni"}
+_ARM_FLAGS = {"asimd": "neon", "asimddp": "dotprod"}
+
+
+def machine_arch() -> str:
+    m = platform.machine().lower()
+    return {"amd64": "x86_64", "x86_64": "x86_64", "arm64": "arm64", "aarch64": "arm64"}.get(m, m)
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_features() -> frozenset[str]:
+    arch = machine_arch()
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            text = f.read()
+        m = re.search(r"^(flags|Features)\s*:(.*)$", text, re.M)
+        flags = set(m.group(2).split()) if m else set()
+    except OSError:
+        pass
+    table = _X86_FLAGS if arch == "x86_64" else _ARM_FLAGS
+    found = {ours for theirs, ours in table.items() if theirs in flags}
+    if arch == "arm64" and platform.system() == "Darwin":  # Apple silicon: NEON and dotprod always
+        found |= {"neon", "dotprod"}
+    return frozenset(found)
+
+
+@functools.lru_cache(maxsize=1)
+def physical_cores() -> int:
+    """Physical cores (not SMT siblings) this process may run on."""
+    try:
+        allowed = os.sched_getaffinity(0)
+    except AttributeError:
+        allowed = set(range(os.cpu_count() or 1))
+    cores = set()
+    for cpu in allowed:
+        try:
+            with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/core_id") as f:
+                core = f.read().strip()
+            with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/physical_package_id") as f:
+                pkg = f.read().strip()
+            cores.add((pkg, core))
+        except OSError:
+            cores.add(("?", cpu))
+    return max(1, len(cores))

@@ -1,0 +1,121 @@
+"""Every weight format, described once.
+
+A quantized weight row is cut into groups along K. Each group has a float scale ``s`` and optionally a float
+zero ``z``; each weight is an unsigned code ``q`` of ``bits`` bits, and
+
+    w = s · (q − 2^(bits−1)) − z
+
+This one convention covers symmetric round-to-nearest (z = 0), asymmetric min/max and GPTQ (z ≠ 0), GGUF Q4_0
+(s = d), Q4_1 (s = d, z = −(m + 8d)), TQ1_0/TQ2_0 and BitNet b1.58 (ternary: codes 1, 2, 3 ↔ −1, 0, +1).
+
+``FORMATS`` is the table of named formats (what importers produce); ``WeightFormat.rtn`` builds the
+parametric ones the float quantizers produce. Everything else — quantizers, importers, packing, kernels,
+serialization — reads its facts (bits, group size, zeros, code range, GGUF block layout) from here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+BITS = (1, 2, 3, 4)
+GROUP_SIZES = (32, 64, 128, 256)
+PER_ROW = "row"
+PER_TENSOR = "tensor"
+
+
+@dataclass(frozen=True)
+class GGUFBlock:
+    """How a llama.cpp block type stores one group: its GGUF type name, weights per block and bytes per block."""
+
+    type_name: str
+    block_size: int
+    type_size: int
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    name: str
+    bits: int
+    group_size: int | str  # an int from GROUP_SIZES, PER_ROW or PER_TENSOR
+    has_zeros: bool
+    ternary: bool = False
+    gguf: GGUFBlock | None = None
+
+    def __post_init__(self):
+        check_bits(self.bits)
+        check_group_size(self.group_size)
+        if self.ternary and (self.bits != 2 or self.has_zeros):
+            raise ValueError(f"format {self.name}: ternary weights are stored as 2-bit codes without zeros")
+
+    @property
+    def offset(self) -> int:
+        """The code that means zero: w = s·(q − offset) − z."""
+        return 1 << (self.bits - 1)
+
+    @property
+    def code_range(self) -> tuple[int, int]:
+        """Smallest and largest valid code (ternary uses 1..3 of the 2-bit range)."""
+        return (1, 3) if self.ternary else (0, (1 << self.bits) - 1)
+
+    def groups_per_row(self, k: int) -> int:
+        """How many scale groups one row of length ``k`` has (raises if the group size does not divide k)."""
+        if self.group_size in (PER_ROW, PER_TENSOR):
+            return 1
+        if k % self.group_size:
+            raise ValueError(f"in_features K={k} is not divisible by group_size={self.group_size} ({self.name})")
+        return k // self.group_size
+
+    def scale_shape(self, m: int, k: int) -> tuple[int, int]:
+        if self.group_size == PER_TENSOR:
+            return (1, 1)
+        return (m, self.groups_per_row(k))
+
+    @staticmethod
+    def rtn(bits: int, group_size: int | str = 128, symmetric: bool = False) -> "WeightFormat":
+        """The format of round-to-nearest quantization from float: e.g. ``w2g128`` (asym) or ``w4g32s`` (sym)."""
+        check_bits(bits)
+        check_group_size(group_size)
+        g = group_size if isinstance(group_size, int) else group_size
+        return WeightFormat(f"w{bits}g{g}{'s' if symmetric else ''}", bits, group_size, has_zeros=not symmetric)
+
+    @staticmethod
+    def ternary_format(group_size: int | str = PER_TENSOR) -> "WeightFormat":
+        check_group_size(group_size)
+        return WeightFormat(f"ternary_g{group_size}", 2, group_size, has_zeros=False, ternary=True)
+
+
+def check_bits(bits) -> None:
+    if isinstance(bits, bool) or not isinstance(bits, int):
+        raise TypeError(f"bits must be an int in {BITS}, got {type(bits).__name__}")
+    if bits not in BITS:
+        raise ValueError(f"bits must be one of {BITS}, got {bits}")
+
+
+def check_group_size(group_size) -> None:
+    if isinstance(group_size, str):
+        if group_size not in (PER_ROW, PER_TENSOR):
+            raise ValueError(f"group_size must be one of {GROUP_SIZES}, '{PER_ROW}' or '{PER_TENSOR}', got {group_size!r}")
+        return
+    if isinstance(group_size, bool) or not isinstance(group_size, int):
+        raise TypeError(f"group_size must be an int or '{PER_ROW}'/'{PER_TENSOR}', got {type(group_size).__name__}")
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"group_size must be one of {GROUP_SIZES}, '{PER_ROW}' or '{PER_TENSOR}', got {group_size}")
+
+
+# The named formats importers produce. GGUF block layouts follow ggml-common.h:
+#   Q4_0  {f16 d; u8 qs[16]}                 w = d·(q − 8)           q = low nibbles (j) then high nibbles (j+16)
+#   Q4_1  {f16 d; f16 m; u8 qs[16]}          w = d·q + m
+#   TQ2_0 {u8 qs[64]; f16 d}                 w = d·(q − 1), q ∈ {0,1,2}, 2-bit fields
+#   TQ1_0 {u8 qs[48]; u8 qh[4]; f16 d}       w = d·(q − 1), q ∈ {0,1,2}, base-3 digits packed 5 (qs) / 4 (qh) per byte
+FORMATS: dict[str, WeightFormat] = {
+    f.name: f
+    for f in (
+        WeightFormat("q4_0", 4, 32, has_zeros=False, gguf=GGUFBlock("Q4_0", 32, 18)),
+        WeightFormat("q4_1", 4, 32, has_zeros=True, gguf=GGUFBlock("Q4_1", 32, 20)),
+        WeightFormat("tq1_0", 2, 256, has_zeros=False, ternary=True, gguf=GGUFBlock("TQ1_0", 256, 54)),
+        WeightFormat("tq2_0", 2, 256, has_zeros=False, ternary=True, gguf=GGUFBlock("TQ2_0", 256, 66)),
+        WeightFormat("bitnet", 2, PER_TENSOR, has_zeros=False, ternary=True),
+    )
+}
+
+GGUF_EXACT = {f.gguf.type_name: f for f in FORMATS.values() if f.gguf is not None}

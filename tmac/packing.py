@@ -1,0 +1,138 @@
+"""The byte layout of packed weights, described here and only here, and the packer that produces it.
+
+A kernel variant is a ``KernelSpec``. Rows are processed in blocks of ``block_rows`` (BM); activations in
+*table pairs* of 8 (two 4-activation tables, one per nibble of a byte). The ``bits`` bit planes are split into
+*chunks* of 1, 2 or 4 planes (3 bits = 2 + 1) because the ISAs sum 1, 2 or 4 adjacent bytes of a row in one
+instruction (widening add, ``pmaddubsw``, ``vpdpbusd``/``sdot``).
+
+    W [MB = ceil(M/BM), K/8, BM·bits]  uint8
+
+Within one ``[blk, kp]`` row of BM·bits bytes, chunk c (planes ``o_c .. o_c+P_c−1``) occupies bytes
+``[BM·o_c, BM·(o_c+P_c))``, cut into vectors of VL bytes (the ISA's vector width). Byte ``l`` of vector ``v`` of
+that chunk belongs to row ``v·(VL/P_c) + l // P_c`` of the block and plane ``o_c + l % P_c``; its low nibble is the
+table index of that plane for activations ``8kp .. 8kp+3`` and its high nibble for ``8kp+4 .. 8kp+7`` (bit j of a
+nibble = the plane bit of activation j of the run). Padded rows are code 0.
+
+    S, Z [MB, K/WG, BM]  float32   (scale, zero of row ``blk·BM + r`` for weight group g; per-row: WG = K)
+
+Tables are ``LUT [N', K/4, 16]`` int8, their scales ``LS [N', K/LG]`` and activation sums ``XS [N', K/WG]``
+float32, with N' = N rounded up to the kernel's row tile.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .formats import PER_ROW, PER_TENSOR, check_bits
+from .qweight import QuantizedWeight
+from .reference import default_lut_group, plane_nibbles
+
+CHUNKS = {1: ((0, 1),), 2: ((0, 2),), 3: ((0, 2), (2, 1)), 4: ((0, 4),)}  # bits → ((first plane, planes), ...)
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """Everything a compiled LUT kernel is specialized on. M and N are runtime sizes, not part of it."""
+
+    isa: str
+    vector_bytes: int
+    bits: int
+    k: int
+    group_size: int  # activations per weight scale (K for per-row and per-tensor weights)
+    lut_group: int  # activations per table scale; divides group_size
+    has_zeros: bool
+    block_rows: int = 0  # 0: the default for this ISA and bit width
+    n_tile: int = 4  # activation rows sharing each weight load in the GEMM kernel
+    unroll: int = 4  # table pairs unrolled in the inner loop
+
+    def __post_init__(self):
+        check_bits(self.bits)
+        if self.block_rows == 0:
+            object.__setattr__(self, "block_rows", default_block_rows(self.vector_bytes, self.bits))
+        k, g, lg, bm, vl = self.k, self.group_size, self.lut_group, self.block_rows, self.vector_bytes
+        problems = []
+        if k <= 0 or k % 32:
+            problems.append(f"K={k} must be a positive multiple of 32")
+        if lg not in (32, 64, 128, 256) or k % lg or g % lg:
+            problems.append(f"lut_group={lg} must be 32/64/128/256 and divide K={k} and the group size {g}")
+        if bm <= 0 or bm % vl:
+            problems.append(f"block_rows={bm} must be a positive multiple of the vector width {vl}")
+        if self.n_tile < 1 or self.unroll < 1 or (lg // 8) % self.unroll:
+            problems.append(f"n_tile={self.n_tile}, unroll={self.unroll}: unroll must divide lut_group/8")
+        if problems:
+            raise ValueError("invalid kernel spec: " + "; ".join(problems))
+
+    @property
+    def chunks(self) -> tuple[tuple[int, int], ...]:
+        return CHUNKS[self.bits]
+
+    @property
+    def name(self) -> str:
+        z = "z" if self.has_zeros else "s"
+        return (f"lut_{self.isa}_b{self.bits}_k{self.k}_g{self.group_size}_lg{self.lut_group}{z}"
+                f"_bm{self.block_rows}_nt{self.n_tile}_u{self.unroll}")
+
+    def blocks(self, m: int) -> int:
+        return -(-m // self.block_rows)
+
+    def padded_rows(self, n: int) -> int:
+        return -(-n // self.n_tile) * self.n_tile
+
+
+def default_block_rows(vector_bytes: int, bits: int) -> int:
+    """About four vectors of weights per block: enough independent accumulator chains to hide latency."""
+    return vector_bytes * max(1, 4 // bits)
+
+
+def spec_for(qw: QuantizedWeight, isa, **tiling) -> KernelSpec:
+    """The kernel spec that serves ``qw`` on ``isa`` (a ``tmac.kernels.Isa``)."""
+    m, k = qw.shape
+    fmt = qw.format
+    group = k if fmt.group_size in (PER_ROW, PER_TENSOR) else fmt.group_size
+    return KernelSpec(isa.name, isa.vector_bytes, fmt.bits, k, group, default_lut_group(k, fmt.group_size),
+                      fmt.has_zeros, **tiling)
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """Weights in a kernel's layout. ``m`` is the true row count (W, S, Z are padded to whole blocks)."""
+
+    spec: KernelSpec
+    m: int
+    weights: np.ndarray  # uint8 [MB, K/8, BM·bits]
+    scales: np.ndarray  # float32 [MB, K/WG, BM]
+    zeros: np.ndarray | None
+
+
+def pack(qw: QuantizedWeight, spec: KernelSpec) -> PackedWeight:
+    """Lay ``qw`` out for ``spec``. Deterministic; numpy only (vectorized over the whole matrix)."""
+    m, k = qw.shape
+    if (k, qw.format.bits, qw.format.has_zeros) != (spec.k, spec.bits, spec.has_zeros):
+        raise ValueError(f"weight (K={k}, bits={qw.format.bits}, zeros={qw.format.has_zeros}) does not match "
+                         f"kernel {spec.name}")
+    bm, vl, mb = spec.block_rows, spec.vector_bytes, spec.blocks(m)
+    codes = np.zeros((mb * bm, k), dtype=np.uint8)
+    codes[:m] = qw.codes
+    nib = plane_nibbles(codes, spec.bits)  # [bits, Mp, K/4]
+    pair = nib[:, :, 0::2] | (nib[:, :, 1::2] << 4)  # [bits, Mp, K/8]: low nibble table 2kp, high 2kp+1
+    pair = pair.reshape(spec.bits, mb, bm, k // 8)
+    parts = []
+    for first, planes in spec.chunks:
+        per_vec = vl // planes
+        # [planes, MB, BM, K/8] → [MB, K/8, vectors, rows-in-vector, planes]
+        c = pair[first:first + planes].reshape(planes, mb, bm // per_vec, per_vec, k // 8)
+        parts.append(c.transpose(1, 4, 2, 3, 0).reshape(mb, k // 8, bm * planes))
+    weights = np.ascontiguousarray(np.concatenate(parts, axis=2))
+    return PackedWeight(spec, m, weights, _pack_params(qw.scales, qw, spec),
+                        None if qw.zeros is None else _pack_params(qw.zeros, qw, spec))
+
+
+def _pack_params(p: np.ndarray, qw: QuantizedWeight, spec: KernelSpec) -> np.ndarray:
+    m, k = qw.shape
+    per_row = np.broadcast_to(p, (m, p.shape[1])) if p.shape[0] == 1 else p  # per-tensor → every row
+    g = k // spec.group_size
+    full = np.zeros((spec.blocks(m) * spec.block_rows, g), dtype=np.float32)
+    full[:m] = np.repeat(per_row, g // per_row.shape[1], axis=1) if per_row.shape[1] != g else per_row
+    return np.ascontiguousarray(full.reshape(spec.blocks(m), spec.block_rows, g).transpose(0, 2, 1))

@@ -1,0 +1,170 @@
+"""Float → ``QuantizedWeight`` quantizers, and exact importers of GGUF blocks.
+
+Quantizers (round half to even, as torch and numpy round):
+- asymmetric min/max: s = (max − min)/(2^b − 1), q = round((w − min)/s), z = −(s·2^(b−1) + min) (at 1 bit the
+  two levels are the means of the values below and above the group mean);
+- symmetric absmax, llama.cpp style: the signed value of largest magnitude maps to code 0, s = that / −2^(b−1);
+- ternary absmean (BitNet b1.58): s = mean|w| (at least 1e-5), t = clip(round(w/s), −1, 1), q = t + 2.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .formats import FORMATS, GGUF_EXACT, PER_TENSOR, WeightFormat, check_bits
+from .qweight import QuantizedWeight
+
+
+def quantize_weight(w, bits: int = 2, group_size: int | str = 128, symmetric: bool = False,
+                    ternary: bool = False) -> QuantizedWeight:
+    """Quantize a float matrix ``[out_features, in_features]`` (numpy or torch) group-wise.
+
+    ``group_size`` is 32/64/128/256, ``"row"`` or ``"tensor"``. ``ternary=True`` gives BitNet b1.58 absmean
+    ternary weights (``bits`` and ``symmetric`` are then ignored; BitNet itself uses ``group_size="tensor"``).
+    """
+    w = _as_float_matrix(w)
+    if ternary:
+        fmt = WeightFormat.ternary_format(group_size)
+    else:
+        check_bits(bits)
+        if symmetric and bits == 1:
+            raise ValueError("bits=1 with symmetric=True has only the levels {-s, 0}; use symmetric=False "
+                             "(levels min and max of each group)")
+        fmt = WeightFormat.rtn(bits, group_size, symmetric)
+    m, k = w.shape
+    groups = _grouped(w.astype(np.float64), fmt)  # [M', G, gs]
+    if fmt.ternary:
+        s = np.maximum(np.abs(groups).mean(axis=2), 1e-5)
+        t = np.clip(np.rint(groups / s[..., None]), -1, 1)
+        codes, zeros = t + 2, None
+    elif symmetric:
+        idx = np.abs(groups).argmax(axis=2)[..., None]
+        s = np.take_along_axis(groups, idx, axis=2)[..., 0] / -fmt.offset
+        inv = np.divide(1.0, s, out=np.zeros_like(s), where=s != 0)
+        codes = np.clip(np.rint(groups * inv[..., None]) + fmt.offset, 0, (1 << bits) - 1)
+        zeros = None
+    else:
+        lo, hi = _level_range(groups, bits)
+        s = (hi - lo) / ((1 << bits) - 1)
+        s = np.where(s > 0, s, 1.0)
+        codes = np.clip(np.rint((groups - lo[..., None]) / s[..., None]), 0, (1 << bits) - 1)
+        zeros = -(s * fmt.offset + lo)
+    scales = s.astype(np.float32)
+    if zeros is not None:
+        # zeros are rounded to float32 after the scale, so re-derive them from the stored scale
+        zeros = (-(scales.astype(np.float64) * fmt.offset + lo)).astype(np.float32)
+    return QuantizedWeight(codes.reshape(m, k).astype(np.uint8), scales.reshape(fmt.scale_shape(m, k)),
+                           None if zeros is None else zeros.reshape(fmt.scale_shape(m, k)), fmt)
+
+
+def _level_range(groups: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """Lowest and highest quantization level per group: min/max, except at 1 bit, where min/max levels lose
+    more than they keep (relative error > 1 on Gaussian weights) and the two conditional means around the
+    group mean — the optimal two-level split — are used instead."""
+    if bits > 1:
+        return groups.min(axis=2), groups.max(axis=2)
+    above = groups >= groups.mean(axis=2, keepdims=True)
+    n_above = above.sum(axis=2)
+    hi = np.where(above, groups, 0).sum(axis=2) / np.maximum(n_above, 1)
+    lo = np.where(above, 0, groups).sum(axis=2) / np.maximum(groups.shape[2] - n_above, 1)
+    return np.where(n_above < groups.shape[2], lo, hi), hi
+
+
+def _as_float_matrix(w) -> np.ndarray:
+    if hasattr(w, "detach"):  # torch tensor, without importing torch here
+        if not w.dtype.is_floating_point:
+            raise TypeError(f"weight must be a floating-point tensor, got dtype {w.dtype}")
+        w = w.detach().float().cpu().numpy()
+    if not isinstance(w, np.ndarray):
+        raise TypeError(f"weight must be a numpy array or torch tensor, got {type(w).__name__}")
+    if w.dtype.kind != "f":
+        raise TypeError(f"weight must be a floating-point array, got dtype {w.dtype}")
+    if w.ndim != 2:
+        raise ValueError(f"weight must be 2-D [out_features, in_features], got shape {w.shape}")
+    if 0 in w.shape:
+        raise ValueError(f"weight must not be empty, got shape {w.shape}")
+    if not np.isfinite(w).all():
+        raise ValueError("weight contains NaN or inf")
+    return w
+
+
+def _grouped(w: np.ndarray, fmt: WeightFormat) -> np.ndarray:
+    m, k = w.shape
+    if fmt.group_size == PER_TENSOR:
+        return w.reshape(1, 1, m * k)
+    return w.reshape(m, fmt.groups_per_row(k), -1)
+
+
+# ---- exact GGUF importers ------------------------------------------------------------------------------
+
+def import_gguf(data, type_name: str, shape: tuple[int, int]) -> QuantizedWeight:
+    """Import a GGUF tensor of type Q4_0, Q4_1, TQ1_0 or TQ2_0 without requantizing.
+
+    ``data`` holds the raw blocks (bytes or a uint8 array, as ``gguf.GGUFReader`` gives them); ``shape`` is
+    ``(rows, row_length)`` — numpy order, i.e. GGUF's ``ne`` reversed. ``.dequantize()`` of the result equals
+    ``gguf.quants.dequantize`` bit for bit.
+    """
+    fmt = GGUF_EXACT.get(type_name)
+    if fmt is None:
+        raise ValueError(f"no exact importer for GGUF type {type_name}; exact types: {sorted(GGUF_EXACT)}")
+    m, k = shape
+    blk = fmt.gguf
+    if k % blk.block_size:
+        raise ValueError(f"GGUF {type_name} row length {k} is not a multiple of its block size {blk.block_size}")
+    raw = np.frombuffer(data, dtype=np.uint8) if isinstance(data, (bytes, bytearray, memoryview)) \
+        else np.ascontiguousarray(data, dtype=np.uint8).reshape(-1)
+    nblocks = m * k // blk.block_size
+    if raw.size != nblocks * blk.type_size:
+        raise ValueError(f"GGUF {type_name} tensor of shape {shape} needs {nblocks * blk.type_size} bytes, "
+                         f"got {raw.size}")
+    blocks = raw.reshape(nblocks, blk.type_size)
+    codes, d, zeros = _DECODERS[type_name](blocks)
+    scales = d.reshape(m, k // blk.block_size)
+    if zeros is not None:
+        zeros = zeros.reshape(scales.shape)
+    bad = ~np.isfinite(scales) | (~np.isfinite(zeros) if zeros is not None else False)
+    if bad.any():
+        raise ValueError(f"GGUF {type_name} tensor has {int(bad.sum())} blocks with NaN/inf scale or min")
+    return QuantizedWeight(codes.reshape(m, k), scales, zeros, fmt)
+
+
+def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
+    return blocks[:, at:at + 2].copy().view(np.float16)[:, 0]
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """A block's 16 bytes hold weights j (low nibble) and j + 16 (high nibble)."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=1)
+
+
+def _decode_q4_0(blocks):
+    return _nibbles(blocks[:, 2:]), _f16(blocks, 0).astype(np.float32), None
+
+
+def _decode_q4_1(blocks):
+    d = _f16(blocks, 0).astype(np.float64)
+    m = _f16(blocks, 2).astype(np.float64)
+    # w = d·q + m = d·(q − 8) − z with z = −(m + 8d); exact in float64 (both are float16 values)
+    return _nibbles(blocks[:, 4:]), d.astype(np.float32), -(m + 8.0 * d)
+
+
+def _decode_tq2_0(blocks):
+    qs = blocks[:, :64].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
+    return ((qs & 3) + 1).reshape(-1, 256), _f16(blocks, 64).astype(np.float32), None
+
+
+_POW3 = np.array([1, 3, 9, 27, 81], dtype=np.uint8)
+
+
+def _decode_tq1_0(blocks):
+    def trits(b, n):  # base-3 digits stored as fixed-point fractions of 256; uint8 products wrap on purpose
+        t = (b.reshape(len(b), 1, -1) * _POW3[:n].reshape(1, n, 1)).reshape(len(b), -1)
+        return ((t.astype(np.uint16) * 3) >> 8).astype(np.uint8)
+
+    q = np.concatenate([trits(blocks[:, :32], 5), trits(blocks[:, 32:48], 5), trits(blocks[:, 48:52], 4)], axis=1)
+    return q + 1, _f16(blocks, 52).astype(np.float32), None
+
+
+_DECODERS = {"Q4_0": _decode_q4_0, "Q4_1": _decode_q4_1, "TQ2_0": _decode_tq2_0, "TQ1_0": _decode_tq1_0}
+assert set(_DECODERS) == set(GGUF_EXACT), "every exact GGUF format in formats.FORMATS needs a decoder"
+assert all(FORMATS[f.name] is f for f in GGUF_EXACT.values())

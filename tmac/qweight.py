@@ -1,0 +1,81 @@
+"""``QuantizedWeight``: unpacked codes plus group scales/zeros in one of the formats of ``tmac.formats``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .formats import PER_TENSOR, WeightFormat
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """A weight matrix ``[M, K]`` (out_features × in_features) as codes and group parameters.
+
+    ``codes`` is uint8 ``[M, K]``; ``scales`` (and ``zeros`` when the format has them) are float32 or float64
+    ``format.scale_shape(M, K)``. Float64 is kept where an importer needs it to be exact (GGUF Q4_1's zero
+    ``−(m + 8d)`` is not always representable in float32); kernels use float32 copies.
+    """
+
+    codes: np.ndarray
+    scales: np.ndarray
+    zeros: np.ndarray | None
+    format: WeightFormat
+
+    def __post_init__(self):
+        codes, fmt = self.codes, self.format
+        if not isinstance(codes, np.ndarray) or codes.dtype != np.uint8 or codes.ndim != 2:
+            raise TypeError(f"codes must be a 2-D uint8 numpy array, got {_describe(codes)}")
+        m, k = codes.shape
+        fmt.groups_per_row(k)  # raises when the group size does not divide K
+        lo, hi = fmt.code_range
+        if codes.size and (int(codes.min()) < lo or int(codes.max()) > hi):
+            raise ValueError(f"codes of format {fmt.name} must lie in [{lo}, {hi}], got [{codes.min()}, {codes.max()}]")
+        _check_params("scales", self.scales, fmt.scale_shape(m, k))
+        if fmt.has_zeros:
+            if self.zeros is None:
+                raise ValueError(f"format {fmt.name} needs zeros, got None")
+            _check_params("zeros", self.zeros, fmt.scale_shape(m, k))
+        elif self.zeros is not None:
+            raise ValueError(f"format {fmt.name} has no zeros, but zeros were given")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.codes.shape
+
+    def expanded(self, params: np.ndarray) -> np.ndarray:
+        """Group parameters repeated to one value per weight, ``[M, K]`` (float64)."""
+        m, k = self.shape
+        p = params.astype(np.float64)
+        if self.format.group_size == PER_TENSOR:
+            return np.broadcast_to(p, (m, k))
+        return np.repeat(p, k // p.shape[1], axis=1)
+
+    def dequantize(self) -> np.ndarray:
+        """Float32 ``[M, K]``: ``s·(q − offset) − z``, evaluated exactly in float64 and rounded once."""
+        w = self.expanded(self.scales) * (self.codes.astype(np.float64) - self.format.offset)
+        if self.zeros is not None:
+            w = w - self.expanded(self.zeros)
+        return w.astype(np.float32)
+
+    def nbytes_packed(self) -> int:
+        """Bytes the kernels stream for this weight: codes at ``bits`` per weight plus float32 parameters."""
+        m, k = self.shape
+        params = self.scales.size * (2 if self.zeros is not None else 1)
+        return m * k * self.format.bits // 8 + 4 * params
+
+
+def _check_params(name: str, a, shape: tuple[int, int]) -> None:
+    if not isinstance(a, np.ndarray) or a.dtype not in (np.float32, np.float64):
+        raise TypeError(f"{name} must be a float32/float64 numpy array, got {_describe(a)}")
+    if a.shape != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {a.shape}")
+    if not np.isfinite(a).all():
+        raise ValueError(f"{name} contain NaN or inf")
+
+
+def _describe(a) -> str:
+    if isinstance(a, np.ndarray):
+        return f"ndarray(dtype={a.dtype}, shape={a.shape})"
+    return type(a).__name__

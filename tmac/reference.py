@@ -1,0 +1,115 @@
+r"""The LUT matmul in plain numpy: the oracle every compiled kernel is tested against.
+
+Derivation. A ``b``-bit code is ``q = Σ_i 2^i·β_i`` with bits ``β_i ∈ {0, 1}``. Writing ``σ_i = 2β_i − 1 ∈ {−1, +1}``,
+
+    q − 2^(b−1) = Σ_i 2^(i−1)·σ_i − ½.
+
+So over one scale group (``w = s·(q − 2^(b−1)) − z``)
+
+    Σ_k w_k x_k = s·( Σ_i 2^i · Σ_k ½σ_ik x_k  −  ½ Σ_k x_k )  −  z·Σ_k x_k.
+
+Split ``k`` into runs of 4 activations (index ``t``). For each run there are only 16 sign patterns, so a
+16-entry table ``T_t[p] = Σ_j (bit_j(p) − ½)·x_{4t+j}`` holds every possible ``Σ_j ½σ_j x_{4t+j}``; the
+4 bits of bit-plane ``i`` of the weights of a run form the index ``p``. A matmul becomes table lookups:
+
+    Σ_k ½σ_ik x_k = Σ_t T_t[nibble_it].
+
+Tables are quantized to int8 with one scale per ``lut_group`` activations (``ls = max|T| / 127``), so the
+kernel's inner loop is integer: ``R = Σ_i 2^i Σ_t qT_t[nibble_it]`` per (row, lut group). The float
+epilogue recombines:
+
+    y = Σ_g s_g·ls_g·R_g  −  Σ_G (½·s_G + z_G)·Σ_{k∈G} x_k.
+
+Every float operation of the table build is spelled out in the order the kernels perform it, so the int8
+tables and the integer accumulators ``R`` are bit-exact between this module and the compiled kernels.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .qweight import QuantizedWeight
+
+# sign of activation j in pattern p: +1 where bit j of p is set, −1 elsewhere; shape [16, 4]
+SIGNS = np.array([[1.0 if p >> j & 1 else -1.0 for j in range(4)] for p in range(16)], dtype=np.float32)
+
+
+def default_lut_group(k: int, group_size) -> int:
+    """Activations per table scale: the weight group size up to 128 (finer for per-row/per-tensor weights)."""
+    for lg in (128, 64, 32):
+        if k % lg == 0 and (not isinstance(group_size, int) or group_size % lg == 0):
+            return lg
+    raise ValueError(f"in_features K={k} must be a multiple of 32 for the LUT kernels")
+
+
+def bit_planes(codes: np.ndarray, bits: int) -> np.ndarray:
+    """``[bits, M, K]`` uint8 of 0/1: plane i holds bit i of every code."""
+    return np.stack([(codes >> i) & 1 for i in range(bits)]).astype(np.uint8)
+
+
+def plane_nibbles(codes: np.ndarray, bits: int) -> np.ndarray:
+    """``[bits, M, K/4]`` table indices: bit j of entry t of plane i is bit i of ``codes[:, 4t+j]``."""
+    planes = bit_planes(codes, bits)
+    b, m, k = planes.shape
+    runs = planes.reshape(b, m, k // 4, 4)
+    return (runs << np.arange(4, dtype=np.uint8)).sum(axis=3).astype(np.uint8)
+
+
+def build_tables(x: np.ndarray) -> np.ndarray:
+    """Float32 tables ``[N, K/4, 16]``: ``T[p] = 0.5·((c0·x0 + c1·x1) + (c2·x2 + c3·x3))``, in this fp32 order."""
+    x = np.asarray(x, dtype=np.float32)
+    xr = x.reshape(x.shape[0], -1, 1, 4)
+    c = SIGNS.reshape(1, 1, 16, 4)
+    t = xr * c  # exact: the signs are ±1
+    return np.float32(0.5) * ((t[..., 0] + t[..., 1]) + (t[..., 2] + t[..., 3]))
+
+
+def quantize_tables(tables: np.ndarray, lut_group: int) -> tuple[np.ndarray, np.ndarray]:
+    """int8 tables and their float32 scales ``[N, K/lut_group]``: ``qT = rint(T·(127/amax))``, ``ls = amax/127``."""
+    n, kt, _ = tables.shape
+    per = lut_group // 4
+    tg = tables.reshape(n, kt // per, per * 16)
+    amax = np.abs(tg).max(axis=2)
+    inv = np.divide(np.float32(127), amax, out=np.zeros_like(amax), where=amax > 0)
+    q = np.rint(tg * inv[..., None]).astype(np.int8).reshape(n, kt, 16)
+    return q, (amax / np.float32(127)).astype(np.float32)
+
+
+def group_sums(x: np.ndarray, group: int) -> np.ndarray:
+    """``Σ x`` over each run of ``group`` activations, float64 ``[N, K/group]``."""
+    x = np.asarray(x, dtype=np.float64)
+    return x.reshape(x.shape[0], -1, group).sum(axis=2)
+
+
+def lut_accumulate(qtables: np.ndarray, codes: np.ndarray, bits: int, lut_group: int) -> np.ndarray:
+    """The kernels' integer part: ``R[n, m, g] = Σ_i 2^i Σ_{t∈g} qT[n, t, nibble_i[m, t]]`` (int32)."""
+    nib = plane_nibbles(codes, bits)  # [b, M, K/4]
+    n, kt, _ = qtables.shape
+    m = codes.shape[0]
+    per = lut_group // 4
+    r = np.zeros((n, m, kt // per), dtype=np.int64)
+    t_idx = np.arange(kt)
+    for row in range(n):
+        for i in range(bits):
+            looked = qtables[row, t_idx[None, :], nib[i]].astype(np.int64)  # [M, K/4]
+            r[row] += looked.reshape(m, -1, per).sum(axis=2) << i
+    return r.astype(np.int32)
+
+
+def lut_epilogue(r: np.ndarray, lut_scales: np.ndarray, x: np.ndarray, qw: QuantizedWeight,
+                 lut_group: int) -> np.ndarray:
+    """Float64 ``[N, M]`` from the integer accumulators: ``Σ_g s·ls·R − Σ_G (½s + z)·Σx``."""
+    m, k = qw.shape
+    s_per_k = qw.expanded(qw.scales)  # [M, K]
+    s_lg = s_per_k[:, ::lut_group]  # scale of each lut group (lut groups never straddle weight groups)
+    y = np.einsum("nmg,ng,mg->nm", r.astype(np.float64), lut_scales.astype(np.float64), s_lg)
+    bias = 0.5 * s_per_k + (qw.expanded(qw.zeros) if qw.zeros is not None else 0.0)
+    return y - np.asarray(x, np.float64) @ bias.T
+
+
+def lut_matmul(x: np.ndarray, qw: QuantizedWeight, lut_group: int | None = None) -> np.ndarray:
+    """``x @ W.T`` the LUT way, float64 ``[N, M]``; ``x`` is float ``[N, K]``."""
+    x = np.asarray(x, dtype=np.float32)
+    lg = lut_group or default_lut_group(qw.shape[1], qw.format.group_size)
+    qt, ls = quantize_tables(build_tables(x), lg)
+    return lut_epilogue(lut_accumulate(qt, qw.codes, qw.format.bits, lg), ls, x, qw, lg)
