@@ -21,3 +21,18 @@ def rel_l2(a, b) -> float:
     a = np.asarray(a, np.float64)
     b = np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _kernel_cache(tmp_path_factory):
+    """Tests compile into their own cache, so a stale user cache can neither hide nor cause a failure."""
+    os.environ["TMAC_CACHE_DIR"] = str(tmp_path_factory.mktemp("tmac-cache"))
+    os.environ.pop("TMAC_KERNEL_DIR", None)
+    yield
+
+
+def runnable_isas():
+    from tmac.kernels import ISAS
+    from tmac.cpu import cpu_features, machine_arch
+
+    return [n for n, i in ISAS.items() if i.arch == machine_arch() and i.features <= cpu_features()]

@@ -1,0 +1,138 @@
+"""Compiled LUT kernels against the numpy reference, on every ISA this machine can run."""
+import numpy as np
+import pytest
+import torch
+
+from conftest import rel_l2, runnable_isas
+from tmac import QuantizedWeight, WeightFormat, quantize_weight
+from tmac import reference as ref
+from tmac.kernels import ISAS
+from tmac.cpu import cpu_features, machine_arch
+from tmac.lut_ops import LutWeight
+from tmac.packing import pack, spec_for
+
+RUNNABLE = runnable_isas()
+FAST = [i for i in RUNNABLE if not i.startswith("generic")]
+
+
+def _isa_cases(generic_bits=(2, 3)):
+    for isa in RUNNABLE:
+        for bits in (1, 2, 3, 4) if isa in FAST else generic_bits:
+            yield isa, bits
+
+
+@pytest.mark.parametrize("isa, bits", list(_isa_cases()))
+@pytest.mark.parametrize("group, zeros", [(32, True), (128, False), ("row", True), ("tensor", False)])
+def test_float_output_matches_reference_epilogue(rng, isa, bits, group, zeros):
+    m, k = 200, 512  # 200 rows: a partial last block
+    w = rng.standard_normal((m, k)).astype(np.float32)
+    qw = quantize_weight(w, bits=bits, group_size=group, symmetric=not zeros and bits > 1)
+    if bits == 1 and not zeros:
+        qw = QuantizedWeight(qw.codes, qw.scales, None, WeightFormat("w1s", 1, group, has_zeros=False))
+    lw = LutWeight.from_quantized(qw, isa=isa, n_tile=3)
+    for n in (1, 2, 5):  # GEMV, GEMM with a padded last tile
+        x = rng.standard_normal((n, k)).astype(np.float32)
+        y = lw.matmul(torch.from_numpy(x)).numpy()
+        assert y.shape == (n, m)
+        assert rel_l2(y, ref.lut_matmul(x, qw)) <= 1e-5
+
+
+@pytest.mark.parametrize("isa, bits", list(_isa_cases(generic_bits=(4,))))
+def test_integer_part_is_bit_exact(rng, isa, bits):
+    """With table scale 1 (amax = 127), weight scale 1 and zero −½ (bias term 0), y = Σ_g R_g exactly."""
+    m, k, lg = 96, 256, 64
+    fmt = WeightFormat(f"w{bits}exact", bits, lg, has_zeros=True)
+    codes = rng.integers(0, 1 << bits, (m, k)).astype(np.uint8)
+    qw = QuantizedWeight(codes, np.ones((m, k // lg), np.float32), np.full((m, k // lg), -0.5, np.float32), fmt)
+    x = rng.integers(-40, 41, (3, k)).astype(np.float32) / 2
+    x[:, ::lg] = 0
+    x[:, 0:4 * (k // lg) * 16:16] = 0
+    for g in range(k // lg):  # one run per group with |x| summing to 254: amax = 127 exactly
+        x[:, g * lg:g * lg + 4] = [100.0, -80.0, 50.0, -24.0]
+    qt, ls = ref.quantize_tables(ref.build_tables(x), lg)
+    assert (ls == 1).all()
+    r = ref.lut_accumulate(qt, codes, bits, lg).sum(axis=2)
+    spec = spec_for(qw, ISAS[isa])
+    assert spec.lut_group == lg
+    y = LutWeight(pack(qw, spec)).matmul(torch.from_numpy(x)).numpy()
+    np.testing.assert_array_equal(y, r.astype(np.float32))
+    y1 = LutWeight(pack(qw, spec)).matmul(torch.from_numpy(x[:1])).numpy()
+    np.testing.assert_array_equal(y1[0], r[0].astype(np.float32))
+
+
+@pytest.mark.parametrize("isa", FAST)
+def test_tables_are_bit_exact(rng, isa):
+    from tmac.lut_ops import _workspace
+
+    qw = quantize_weight(rng.standard_normal((64, 384)).astype(np.float32), bits=2, group_size=128)
+    lw = LutWeight.from_quantized(qw, isa=isa)
+    x = (rng.standard_normal((1, 384)) * 10).astype(np.float32)
+    lw.matmul(torch.from_numpy(x))
+    lut, ls, _ = _workspace(lw.spec, 1)
+    qt, rls = ref.quantize_tables(ref.build_tables(x), lw.spec.lut_group)
+    np.testing.assert_array_equal(lut.numpy()[:1], qt)
+    np.testing.assert_array_equal(ls.numpy()[:1], rls)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+def test_close_to_fp64_at_llama_shape(rng, bits):
+    k = 4096
+    qw = quantize_weight(rng.standard_normal((256, k)).astype(np.float32), bits=bits, group_size=128)
+    x = rng.standard_normal((1, k)).astype(np.float32)
+    y = LutWeight.from_quantized(qw).matmul(torch.from_numpy(x)).numpy()
+    assert rel_l2(y, x.astype(np.float64) @ qw.dequantize().astype(np.float64).T) <= 0.015
+
+
+@pytest.mark.parametrize("m, k", [(576, 576), (192, 576), (1536, 576), (576, 1536), (3200, 8640)])
+def test_real_model_shapes(rng, m, k):
+    qw = quantize_weight(rng.standard_normal((m, k)).astype(np.float32), bits=2, group_size=64)
+    x = rng.standard_normal((2, k)).astype(np.float32)
+    y = LutWeight.from_quantized(qw).matmul(torch.from_numpy(x)).numpy()
+    assert rel_l2(y, ref.lut_matmul(x, qw)) <= 1e-5
+
+
+def test_misuse_raises_before_any_kernel_runs(rng):
+    qw = quantize_weight(rng.standard_normal((64, 256)).astype(np.float32), bits=2, group_size=32)
+    lw = LutWeight.from_quantized(qw)
+    good = torch.randn(2, 256)
+    with pytest.raises(TypeError, match="float32"):
+        lw.matmul(good.double())
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        lw.matmul(good.numpy())
+    with pytest.raises(ValueError, match=r"shape \[N, 256\]"):
+        lw.matmul(torch.randn(2, 128))
+    with pytest.raises(ValueError, match=r"shape \[N, 256\]"):
+        lw.matmul(torch.randn(256))
+    with pytest.raises(ValueError, match="contiguous"):
+        lw.matmul(torch.randn(256, 2).t())
+    with pytest.raises(ValueError, match="out must be"):
+        lw.matmul(good, out=torch.empty(2, 63))
+    assert lw.matmul(torch.empty(0, 256)).shape == (0, 64)
+    # an unaligned (offset by one float) but contiguous view works: buffers are declared unaligned
+    base = torch.randn(2 * 256 + 1)
+    x = base[1:].view(2, 256)
+    assert x.data_ptr() % 64 != 0
+    np.testing.assert_allclose(lw.matmul(x).numpy(), lw.matmul(x.clone()).numpy())
+
+
+def test_raw_kernel_checks_shapes(rng):
+    qw = quantize_weight(rng.standard_normal((64, 256)).astype(np.float32), bits=2, group_size=32)
+    lw = LutWeight.from_quantized(qw)
+    kern = lw.kernels
+    with pytest.raises((ValueError, TypeError)):
+        kern.build_tables(torch.randn(1, 128), torch.empty(1, 64, 16, dtype=torch.int8), torch.empty(1, 8),
+                          torch.empty(1, 8))
+
+
+@pytest.mark.skipif(machine_arch() != "x86_64", reason="x86 code generation is inspected on x86 hosts")
+@pytest.mark.parametrize("isa, needle", [("avx512_vnni", "vpdpbusd\t%zmm"), ("avx512", "vpmaddubsw\t%zmm"),
+                                         ("avx2_vnni", "vpdpbusd"), ("avx2", "vpshufb\t%ymm")])
+def test_every_x86_variant_compiles_to_its_instructions(isa, needle):
+    """Variants this CPU cannot run are still generated and checked in assembly."""
+    from tmac.codegen.build import compile_kernel
+
+    target = ISAS[isa]
+    qw = quantize_weight(np.random.default_rng(0).standard_normal((64, 256)).astype(np.float32), bits=4)
+    asm = compile_kernel(spec_for(qw, target), target).mod.inspect_source("asm")
+    assert needle in asm
+    assert "vpshufb" in asm

@@ -1,0 +1,232 @@
+"""Loading compiled kernels, the kernel cache, threads, and the checked calls into compiled code.
+
+Kernels are shared libraries loaded with ``tvm_ffi`` after preloading ``libtvm_runtime.so`` (which fills the
+thread-pool and workspace hooks the libraries call), so running with cached kernels never imports ``tvm``;
+only a cache miss imports ``tmac.codegen`` (and with it TVM) to compile.
+
+Cache: ``$TMAC_CACHE_DIR`` or ``~/.cache/tmac``, one subdirectory per TVM version, one ``<spec>.so`` plus a
+``<spec>.json`` sidecar (spec, ISA, TVM version, sha256) per kernel. Writes go to a temporary file and are
+renamed into place under a file lock, so concurrent processes never load a half-written library; a library
+whose hash does not match its sidecar is rebuilt, never loaded. ``$TMAC_KERNEL_DIR`` (or an explicit
+directory) with a ``manifest.json`` written by ``tmac compile`` is looked in first.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import fcntl
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+import warnings
+
+from .cpu import physical_cores
+from .errors import KernelUnavailableError
+from .packing import KernelSpec
+
+_lock = threading.Lock()
+_loaded: dict[tuple[str, str | None], "KernelLibrary"] = {}
+_num_threads = 0
+_local = threading.local()
+
+
+# ---- threads ------------------------------------------------------------------------------------------------
+
+def _default_threads() -> int:
+    env = os.environ.get("TMAC_NUM_THREADS")
+    if env:
+        try:
+            n = int(env)
+        except ValueError:
+            raise ValueError(f"TMAC_NUM_THREADS must be a positive integer, got {env!r}") from None
+        if n >= 1:
+            return n
+        raise ValueError(f"TMAC_NUM_THREADS must be a positive integer, got {env!r}")
+    return physical_cores()
+
+
+def set_num_threads(n: int) -> None:
+    """Threads the kernels use (default: ``$TMAC_NUM_THREADS`` or the number of physical cores)."""
+    global _num_threads
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"number of threads must be a positive int, got {n!r}")
+    _num_threads = n
+
+
+def get_num_threads() -> int:
+    global _num_threads
+    if not _num_threads:
+        _num_threads = _default_threads()
+    return _num_threads
+
+
+def apply_threads() -> None:
+    """TVM's pool is per calling thread and sized when first used: configure this thread's pool if needed."""
+    n = get_num_threads()
+    if getattr(_local, "threads", None) != n:
+        _ffi().get_global_func("runtime.config_threadpool")(1, n)  # 1 = kBig: the fastest cores
+        _local.threads = n
+
+
+# ---- loading --------------------------------------------------------------------------------------------------
+
+def tvm_runtime_library() -> str:
+    spec = importlib.util.find_spec("tvm")
+    if spec is None or not spec.submodule_search_locations:
+        raise KernelUnavailableError("apache-tvm is not installed (it provides libtvm_runtime.so)")
+    path = os.path.join(spec.submodule_search_locations[0], "lib", "libtvm_runtime.so")
+    if not os.path.exists(path):
+        raise KernelUnavailableError(f"libtvm_runtime.so not found at {path}")
+    return path
+
+
+_ffi_module = None
+
+
+def _ffi():
+    global _ffi_module
+    if _ffi_module is None:
+        # the pool is created with TVM_NUM_THREADS workers (TVM's default is half the cores); allow all of them,
+        # set_num_threads() then narrows per call site
+        os.environ.setdefault("TVM_NUM_THREADS", str(max(os.cpu_count() or 1, 1)))
+        ctypes.CDLL(tvm_runtime_library(), mode=ctypes.RTLD_GLOBAL)
+        import tvm_ffi
+
+        _ffi_module = tvm_ffi
+    return _ffi_module
+
+
+def tvm_version() -> str:
+    try:
+        return importlib.metadata.version("apache-tvm")
+    except importlib.metadata.PackageNotFoundError:
+        raise KernelUnavailableError("apache-tvm is not installed") from None
+
+
+def cache_dir() -> str:
+    root = os.environ.get("TMAC_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tmac")
+    return os.path.join(root, f"tvm-{tvm_version()}")
+
+
+def sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def kernel_entry(spec: KernelSpec, isa, file: str, digest: str) -> dict:
+    """What a manifest records about one compiled kernel."""
+    return {"name": spec.name, "file": file, "isa": isa.name, "arch": isa.arch, "target": isa.target,
+            "tvm_version": tvm_version(), "sha256": digest, "spec": dataclasses.asdict(spec)}
+
+
+class KernelLibrary:
+    """The three functions of one compiled spec (``build_tables``, ``lut_gemv``, ``lut_gemm``)."""
+
+    def __init__(self, spec: KernelSpec, path: str):
+        self.spec = spec
+        self.path = path
+        module = _ffi().load_module(path)
+        self.build_tables = module["build_tables"]
+        self.lut_gemv = module["lut_gemv"]
+        self.lut_gemm = module["lut_gemm"]
+        self._module = module  # keeps the library loaded
+
+
+def load_kernels(spec: KernelSpec, isa, kernel_dir: str | None = None, progress: bool = True) -> KernelLibrary:
+    """The compiled kernels of ``spec``: from ``kernel_dir``/``$TMAC_KERNEL_DIR``, else the cache, else compiled now."""
+    kernel_dir = kernel_dir or os.environ.get("TMAC_KERNEL_DIR") or None
+    key = (spec.name, kernel_dir)
+    with _lock:
+        lib = _loaded.get(key)
+        if lib is None:
+            path = _from_kernel_dir(spec, kernel_dir) if kernel_dir else None
+            lib = KernelLibrary(spec, path or _from_cache(spec, isa, progress))
+            _loaded[key] = lib
+    return lib
+
+
+def _from_kernel_dir(spec: KernelSpec, kernel_dir: str) -> str | None:
+    manifest = os.path.join(kernel_dir, "manifest.json")
+    try:
+        with open(manifest) as f:
+            entries = json.load(f)["kernels"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise KernelUnavailableError(f"kernel directory {kernel_dir}: cannot read manifest.json ({e})") from None
+    for entry in entries:
+        if isinstance(entry, dict) and entry.get("name") == spec.name:
+            path = os.path.join(kernel_dir, os.path.basename(str(entry.get("file", ""))))
+            if not os.path.exists(path) or sha256(path) != entry.get("sha256"):
+                raise KernelUnavailableError(f"kernel directory {kernel_dir}: {entry.get('file')} is missing or "
+                                             f"does not match its sha256 in manifest.json")
+            return path
+    return None
+
+
+def _writable_cache() -> str:
+    d = cache_dir()
+    try:
+        os.makedirs(d, exist_ok=True)
+        probe = tempfile.NamedTemporaryFile(dir=d, prefix=".probe-")
+        probe.close()
+        return d
+    except OSError as e:
+        fallback = os.path.join(tempfile.gettempdir(), f"tmac-cache-{os.getuid()}", os.path.basename(d))
+        warnings.warn(f"kernel cache {d} is not writable ({e.strerror}); using {fallback}", stacklevel=3)
+        os.makedirs(fallback, exist_ok=True)
+        return fallback
+
+
+def _valid_cached(so: str, meta: str, spec: KernelSpec) -> bool:
+    try:
+        with open(meta) as f:
+            entry = json.load(f)
+        return entry.get("spec") == dataclasses.asdict(spec) and sha256(so) == entry.get("sha256")
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _from_cache(spec: KernelSpec, isa, progress: bool) -> str:
+    d = _writable_cache()
+    so, meta = os.path.join(d, spec.name + ".so"), os.path.join(d, spec.name + ".json")
+    if _valid_cached(so, meta, spec):
+        return so
+    with open(os.path.join(d, spec.name + ".lock"), "w") as lockfile:
+        fcntl.flock(lockfile, fcntl.LOCK_EX)  # another process may be compiling the same kernel
+        if _valid_cached(so, meta, spec):
+            return so
+        from .codegen.build import build_library  # imports TVM: only on a cache miss
+
+        t0 = time.perf_counter()
+        if progress:
+            print(f"tmac: compiling kernel {spec.name} for {isa.name} ...", end="", file=sys.stderr, flush=True)
+        fd, tmp = tempfile.mkstemp(dir=d, prefix=".build-", suffix=".so")
+        os.close(fd)
+        try:
+            build_library(spec, isa, tmp)
+            entry = kernel_entry(spec, isa, os.path.basename(so), sha256(tmp))
+            _atomic_write_text(meta + ".tmp", json.dumps(entry, indent=1))
+            os.replace(tmp, so)
+            os.replace(meta + ".tmp", meta)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        if progress:
+            print(f" {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
+    return so
+
+
+def _atomic_write_text(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
