@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .formats import PER_ROW, PER_TENSOR, check_bits
+from .formats import PER_ROW, PER_TENSOR, WeightFormat, check_bits
 from .qweight import QuantizedWeight
 from .reference import default_lut_group, plane_nibbles
 
@@ -55,6 +55,8 @@ class KernelSpec:
         problems = []
         if k <= 0 or k % 32:
             problems.append(f"K={k} must be a positive multiple of 32")
+        if g <= 0 or k % g:
+            problems.append(f"group_size={g} does not divide K={k}")
         if lg not in (32, 64, 128, 256) or k % lg or g % lg:
             problems.append(f"lut_group={lg} must be 32/64/128/256 and divide K={k} and the group size {g}")
         if bm <= 0 or bm % vl:
@@ -88,8 +90,11 @@ def default_block_rows(vector_bytes: int, bits: int) -> int:
 
 def spec_for(qw: QuantizedWeight, isa, **tiling) -> KernelSpec:
     """The kernel spec that serves ``qw`` on ``isa`` (a ``tmac.kernels.Isa``)."""
-    m, k = qw.shape
-    fmt = qw.format
+    return spec_for_format(qw.format, qw.shape[1], isa, **tiling)
+
+
+def spec_for_format(fmt: WeightFormat, k: int, isa, **tiling) -> KernelSpec:
+    """The kernel spec for weights of format ``fmt`` with ``k`` inputs on ``isa``."""
     group = k if fmt.group_size in (PER_ROW, PER_TENSOR) else fmt.group_size
     return KernelSpec(isa.name, isa.vector_bytes, fmt.bits, k, group, default_lut_group(k, fmt.group_size),
                       fmt.has_zeros, **tiling)
