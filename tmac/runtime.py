@@ -96,8 +96,9 @@ def _ffi():
         # the pool is created with TVM_NUM_THREADS workers (TVM's default is half the cores); allow all of them,
         # set_num_threads() then narrows per call site
         os.environ.setdefault("TVM_NUM_THREADS", str(max(os.cpu_count() or 1, 1)))
+        import tvm_ffi  # first: it loads libtvm_ffi.so, which libtvm_runtime.so links against
+
         ctypes.CDLL(tvm_runtime_library(), mode=ctypes.RTLD_GLOBAL)
-        import tvm_ffi
 
         _ffi_module = tvm_ffi
     return _ffi_module
