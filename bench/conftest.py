@@ -1,0 +1,71 @@
+"""Collects every benchmark's median and prints ratio tables at the end (ratios within one run only)."""
+import os
+import time
+
+import pytest
+import torch
+
+RESULTS: dict[tuple, float] = {}  # (regime, threads, shape, candidate) → median seconds
+
+
+def pytest_addoption(parser):
+    parser.addoption("--threads", default="1,2", help="thread counts to measure, e.g. 1 or 1,2")
+
+
+def pytest_generate_tests(metafunc):
+    if "threads" in metafunc.fixturenames:
+        metafunc.parametrize("threads", [int(t) for t in metafunc.config.getoption("threads").split(",")])
+
+
+def cpu_busy_fraction(seconds: float = 0.5) -> float:
+    """Share of all CPUs busy during ``seconds`` (from /proc/stat): the load check for 2-thread numbers."""
+    def snap():
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return sum(v), v[3] + v[4]
+    t0, i0 = snap()
+    time.sleep(seconds)
+    t1, i1 = snap()
+    return 1 - (i1 - i0) / max(t1 - t0, 1)
+
+
+@pytest.fixture
+def set_threads(threads):
+    import tmac
+
+    old_t, old_k = torch.get_num_threads(), tmac.get_num_threads()
+    if threads > 1:
+        busy = cpu_busy_fraction()
+        if busy > 0.25:
+            pytest.skip(f"machine busy ({busy:.0%} of CPUs) before a {threads}-thread run: numbers would be noise")
+    torch.set_num_threads(threads)
+    tmac.set_num_threads(threads)
+    yield threads
+    torch.set_num_threads(old_t)
+    tmac.set_num_threads(old_k)
+
+
+def record(benchmark, key):
+    RESULTS[key] = benchmark.stats.stats.median
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not RESULTS:
+        return
+    tr = terminalreporter
+    groups = sorted({k[:3] for k in RESULTS})
+    for regime, threads, shape in groups:
+        base = RESULTS.get((regime, threads, shape, "torch fp32"))
+        int4 = RESULTS.get((regime, threads, shape, "torch int4wo"))
+        tr.write_line(f"\n{regime}, {threads} thread(s), GEMV {shape}:")
+        tr.write_line(f"  {'candidate':<16}{'ms':>9}{'vs fp32':>10}{'vs int4wo':>11}{'GB/s':>8}")
+        for (r, t, s, cand), sec in sorted(RESULTS.items(), key=lambda kv: kv[1]):
+            if (r, t, s) != (regime, threads, shape):
+                continue
+            gbs = BYTES.get((s, cand))
+            tr.write_line(f"  {cand:<16}{sec * 1e3:>9.3f}{(base / sec if base else float('nan')):>9.2f}x"
+                          f"{(int4 / sec if int4 else float('nan')):>10.2f}x"
+                          f"{(gbs / sec / 1e9 if gbs else float('nan')):>8.1f}")
+
+
+BYTES: dict[tuple, int] = {}  # (shape, candidate) → weight bytes streamed per call

@@ -1,0 +1,95 @@
+"""GEMV: tmac W1-W4 against torch fp32, bf16, int4 and int8 weight-only, warm and cold, 1 and 2 threads.
+
+warm: one matrix, weights cache-resident. cold: cycle through enough copies (≥ 1 GiB in all) that weights
+stream from DRAM, the regime of real models. Run: `make bench` (or pytest bench -k 4096x4096 --threads 1).
+"""
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import BYTES, record
+from tmac import quantize_weight
+from tmac.lut_ops import LutWeight
+
+SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008), (3200, 8640), (8640, 3200)]
+COLD_BYTES = 1 << 30
+
+
+def _weights(m, k):
+    return torch.from_numpy(np.random.default_rng(0).standard_normal((m, k), dtype=np.float32))
+
+
+def _int4pack(w, group=128):
+    m, k = w.shape
+    g = w.reshape(m, -1, group)
+    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+    s = (hi - lo).clamp(min=1e-6) / 15
+    q = ((g - lo) / s).round().clamp(0, 15).to(torch.int32).reshape(m, k)
+    sz = torch.stack([s.reshape(m, -1).t(), (lo + 8 * s).reshape(m, -1).t()], -1).to(torch.bfloat16).contiguous()
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), sz
+
+
+def _candidates(m, k):
+    """name → (make one weight copy, call with (copy, x), bytes per copy)."""
+    w = _weights(m, k)
+    x = torch.randn(1, k)
+    xb = x.to(torch.bfloat16)
+    out = {
+        "torch fp32": (lambda: w.clone(), lambda c: F.linear(x, c), m * k * 4),
+        "torch bf16": (lambda: w.to(torch.bfloat16), lambda c: F.linear(xb, c), m * k * 2),
+        "torch int4wo": (lambda: _int4pack(w), lambda c: torch.ops.aten._weight_int4pack_mm_for_cpu(xb, c[0], 128, c[1]),
+                         m * k // 2 + m * k // 128 * 4),
+    }
+    s8 = w.abs().amax(1) / 127
+    w8 = (w / s8[:, None]).round().to(torch.int8)
+    out["torch int8wo"] = (lambda: (w8.clone(), s8.clone()), lambda c: torch.ops.aten._weight_int8pack_mm(x, c[0], c[1]),
+                           m * k + m * 4)
+    for bits in (1, 2, 3, 4):
+        lw = LutWeight.from_quantized(quantize_weight(w.numpy(), bits=bits, group_size=128))
+        lw.matmul(x)  # compile / load outside the timing
+
+        def copy(lw=lw):
+            c = LutWeight.__new__(LutWeight)
+            c.__dict__.update(lw.__dict__)
+            c.weights, c.scales = lw.weights.clone(), lw.scales.clone()
+            c.zeros = None if lw.zeros is None else lw.zeros.clone()
+            return c
+        out[f"tmac W{bits}"] = (copy, lambda c: c.matmul(x), sum(t.numel() * t.element_size() for t in lw.tensors()))
+    return out
+
+
+_CACHE = {}
+
+
+@pytest.mark.parametrize("regime", ["warm", "cold"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("cand", ["torch fp32", "torch bf16", "torch int4wo", "torch int8wo",
+                                  "tmac W1", "tmac W2", "tmac W3", "tmac W4"])
+def test_gemv(benchmark, set_threads, regime, shape, cand):
+    if shape not in _CACHE:
+        _CACHE.clear()
+        _CACHE[shape] = _candidates(*shape)
+    make, call, nbytes = _CACHE[shape][cand]
+    copies = [make() for _ in range(1 if regime == "warm" else max(2, COLD_BYTES // nbytes))]
+    state = {"i": 0}
+
+    def step():
+        c = copies[state["i"] % len(copies)]
+        state["i"] += 1
+        return call(c)
+
+    benchmark.group = f"{regime} {set_threads}t {shape}"
+    benchmark.pedantic(step, rounds=30 if regime == "warm" else 10, iterations=len(copies) if regime == "cold" else 20,
+                       warmup_rounds=1)
+    BYTES[(shape, cand)] = nbytes
+    record(benchmark, (regime, set_threads, shape, cand))
+
+
+def test_dram_bandwidth(benchmark, set_threads):
+    """What the hardware can stream: a sum over 1 GiB (one read per byte)."""
+    buf = torch.ones(COLD_BYTES // 4)
+    benchmark.group = f"bandwidth {set_threads}t"
+    benchmark.pedantic(lambda: buf.sum(), rounds=5, iterations=1, warmup_rounds=1)
+    BYTES[("dram", "read 1 GiB")] = COLD_BYTES
+    record(benchmark, ("bandwidth", set_threads, "dram", "read 1 GiB"))
