@@ -24,12 +24,11 @@ class Isa:
         from tvm import tirx
 
         lanes = self.vector_bytes
-        out = tirx.Broadcast(tirx.IntImm("int8", 0), lanes)
+        out = tirx.Shuffle([table16], [0] * lanes)
         for p in range(1, 16):
             hit = idx == tirx.Broadcast(tirx.IntImm("int8", p), lanes)
             out = tirx.Select(hit, tirx.Shuffle([table16], [p] * lanes), out)
-        return tirx.Select(idx == tirx.Broadcast(tirx.IntImm("int8", 0), lanes),
-                           tirx.Shuffle([table16], [0] * lanes), out)
+        return out
 
     def accumulate(self, acc, looked: list, planes: int):
         """``acc`` plus, per row, Σ over ``looked`` of Σ_j 2^j·byte(row, plane j) — rows own ``planes`` adjacent

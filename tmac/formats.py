@@ -75,8 +75,8 @@ class WeightFormat:
         """The format of round-to-nearest quantization from float: e.g. ``w2g128`` (asym) or ``w4g32s`` (sym)."""
         check_bits(bits)
         check_group_size(group_size)
-        g = group_size if isinstance(group_size, int) else group_size
-        return WeightFormat(f"w{bits}g{g}{'s' if symmetric else ''}", bits, group_size, has_zeros=not symmetric)
+        return WeightFormat(f"w{bits}g{group_size}{'s' if symmetric else ''}", bits, group_size,
+                            has_zeros=not symmetric)
 
     @staticmethod
     def ternary_format(group_size: int | str = PER_TENSOR) -> "WeightFormat":

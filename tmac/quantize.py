@@ -48,10 +48,8 @@ def quantize_weight(w, bits: int = 2, group_size: int | str = 128, symmetric: bo
         s = (hi - lo) / ((1 << bits) - 1)
         s = np.where(s > 0, s, 1.0)
         codes = np.clip(np.rint((groups - lo[..., None]) / s[..., None]), 0, (1 << bits) - 1)
-        zeros = -(s * fmt.offset + lo)
     scales = s.astype(np.float32)
-    if zeros is not None:
-        # zeros are rounded to float32 after the scale, so re-derive them from the stored scale
+    if fmt.has_zeros:  # derived from the stored float32 scale, so that the lowest level stays at lo
         zeros = (-(scales.astype(np.float64) * fmt.offset + lo)).astype(np.float32)
     return QuantizedWeight(codes.reshape(m, k).astype(np.uint8), scales.reshape(fmt.scale_shape(m, k)),
                            None if zeros is None else zeros.reshape(fmt.scale_shape(m, k)), fmt)
