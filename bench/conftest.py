@@ -1,5 +1,4 @@
 """Collects every benchmark's median and prints ratio tables at the end (ratios within one run only)."""
-import os
 import time
 
 import pytest

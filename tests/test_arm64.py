@@ -67,7 +67,7 @@ def test_arm64_kernels_under_qemu(harness, tmp_path, rng, isa, bits, zeros):
     tables = [f"lut int8 3 {rows} {k // 4} 16", f"ls float32 2 {rows} {k // spec.lut_group}",
               f"xs float32 2 {rows} {k // spec.group_size}"]
     weights = [_write(d, "w", pw.weights), _write(d, "s", pw.scales)] + ([_write(d, "z", pw.zeros)] if zeros else [])
-    calls = [f"build_tables 4", x_line, *tables,
+    calls = ["build_tables 4", x_line, *tables,
              f"lut_gemm {len(weights) + 4}", *weights, *tables, f"y float32 2 {n} {m}",
              f"lut_gemv {len(weights) + 4}", *weights, *tables, f"y1 float32 2 1 {m}"]
     (tmp_path / "calls.txt").write_text("\n".join(calls) + "\n")

@@ -7,7 +7,7 @@ from conftest import rel_l2, runnable_isas
 from tmac import QuantizedWeight, WeightFormat, quantize_weight
 from tmac import reference as ref
 from tmac.kernels import ISAS
-from tmac.cpu import cpu_features, machine_arch
+from tmac.cpu import machine_arch
 from tmac.lut_ops import LutWeight
 from tmac.packing import pack, spec_for
 
