@@ -56,7 +56,8 @@ def pytest_terminal_summary(terminalreporter):
     for regime, threads, shape in groups:
         base = RESULTS.get((regime, threads, shape, "torch fp32"))
         int4 = RESULTS.get((regime, threads, shape, "torch int4wo"))
-        tr.write_line(f"\n{regime}, {threads} thread(s), GEMV {shape}:")
+        what = shape if isinstance(shape, str) else f"GEMV {shape[0]}x{shape[1]}"
+        tr.write_line(f"\n{regime}, {threads} thread(s), {what}:")
         tr.write_line(f"  {'candidate':<16}{'ms':>9}{'vs fp32':>10}{'vs int4wo':>11}{'GB/s':>8}")
         for (r, t, s, cand), sec in sorted(RESULTS.items(), key=lambda kv: kv[1]):
             if (r, t, s) != (regime, threads, shape):

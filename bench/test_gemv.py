@@ -3,42 +3,27 @@
 warm: one matrix, weights cache-resident. cold: cycle through enough copies (≥ 1 GiB in all) that weights
 stream from DRAM, the regime of real models. Run: `make bench` (or pytest bench -k 4096x4096 --threads 1).
 """
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
+from baselines import COLD_BYTES, int4_linear, int4pack, random_weights
 from conftest import BYTES, record
 from tmac import quantize_weight
 from tmac.lut_ops import LutWeight
 
 SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008), (3200, 8640), (8640, 3200)]
-COLD_BYTES = 1 << 30
-
-
-def _weights(m, k):
-    return torch.from_numpy(np.random.default_rng(0).standard_normal((m, k), dtype=np.float32))
-
-
-def _int4pack(w, group=128):
-    m, k = w.shape
-    g = w.reshape(m, -1, group)
-    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
-    s = (hi - lo).clamp(min=1e-6) / 15
-    q = ((g - lo) / s).round().clamp(0, 15).to(torch.int32).reshape(m, k)
-    sz = torch.stack([s.reshape(m, -1).t(), (lo + 8 * s).reshape(m, -1).t()], -1).to(torch.bfloat16).contiguous()
-    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), sz
 
 
 def _candidates(m, k):
     """name → (make one weight copy, call with (copy, x), bytes per copy)."""
-    w = _weights(m, k)
+    w = random_weights(m, k)
     x = torch.randn(1, k)
     xb = x.to(torch.bfloat16)
     out = {
         "torch fp32": (lambda: w.clone(), lambda c: F.linear(x, c), m * k * 4),
         "torch bf16": (lambda: w.to(torch.bfloat16), lambda c: F.linear(xb, c), m * k * 2),
-        "torch int4wo": (lambda: _int4pack(w), lambda c: torch.ops.aten._weight_int4pack_mm_for_cpu(xb, c[0], 128, c[1]),
+        "torch int4wo": (lambda: int4pack(w), lambda c: int4_linear(xb, c),
                          m * k // 2 + m * k // 128 * 4),
     }
     s8 = w.abs().amax(1) / 127
@@ -55,7 +40,7 @@ def _candidates(m, k):
             c.weights, c.scales = lw.weights.clone(), lw.scales.clone()
             c.zeros = None if lw.zeros is None else lw.zeros.clone()
             return c
-        out[f"tmac W{bits}"] = (copy, lambda c: c.matmul(x), sum(t.numel() * t.element_size() for t in lw.tensors()))
+        out[f"tmac W{bits}"] = (copy, lambda c: c.matmul(x), lw.nbytes)
     return out
 
 

@@ -14,6 +14,7 @@ This package imports no TVM; the primitives import it when they are called, i.e.
 from __future__ import annotations
 
 from tmac.cpu import cpu_features, machine_arch
+from tmac.errors import KernelUnavailableError
 from .base import Isa
 from .arm import NEON, NEON_DOTPROD
 from .generic import GENERIC_ARM64, GENERIC_X86
@@ -47,3 +48,12 @@ def best_isa(arch: str | None = None, features: frozenset[str] | None = None) ->
 
 def isas_for(arch: str) -> list[Isa]:
     return [i for i in ISAS.values() if i.arch == arch]
+
+
+def check_runnable(isa: Isa) -> None:
+    """Raise unless this machine can execute ``isa``'s code (running it anyway would die by SIGILL)."""
+    arch, features = machine_arch(), cpu_features()
+    if isa.arch != arch or not isa.features <= features:
+        lacking = sorted(isa.features - features) if isa.arch == arch else [f"arch {isa.arch}"]
+        raise KernelUnavailableError(f"kernels for ISA {isa.name} cannot run on this {arch} CPU (lacks: "
+                                     f"{', '.join(lacking)}); repack the weights for {best_isa().name}")

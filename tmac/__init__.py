@@ -18,6 +18,10 @@ __version__ = "0.1.0"
 _LAZY = {
     "set_num_threads": "tmac.runtime",
     "get_num_threads": "tmac.runtime",
+    "Linear": "tmac.linear",
+    "quantize_model": "tmac.swap",
+    "save": "tmac.serialize",
+    "load": "tmac.serialize",
 }
 
 

@@ -70,6 +70,22 @@ class WeightFormat:
             return (1, 1)
         return (m, self.groups_per_row(k))
 
+    def to_dict(self) -> dict:
+        return {"name": self.name, "bits": self.bits, "group_size": self.group_size, "has_zeros": self.has_zeros,
+                "ternary": self.ternary}
+
+    @staticmethod
+    def from_dict(d) -> "WeightFormat":
+        """The inverse of ``to_dict``, for metadata read from files (validated like any other format)."""
+        keys = {"name", "bits", "group_size", "has_zeros", "ternary"}
+        if not isinstance(d, dict) or set(d) != keys:
+            raise ValueError(f"a weight format needs exactly the keys {sorted(keys)}, got {d!r:.200}")
+        if not isinstance(d["name"], str) or type(d["has_zeros"]) is not bool or type(d["ternary"]) is not bool:
+            raise ValueError(f"malformed weight format {d!r:.200}")
+        fmt = WeightFormat(**d)
+        named = FORMATS.get(fmt.name)
+        return named if named is not None and named.to_dict() == fmt.to_dict() else fmt
+
     @staticmethod
     def rtn(bits: int, group_size: int | str = 128, symmetric: bool = False) -> "WeightFormat":
         """The format of round-to-nearest quantization from float: e.g. ``w2g128`` (asym) or ``w4g32s`` (sym)."""

@@ -1,4 +1,4 @@
-"""``LutWeight``: packed weights as torch tensors plus their kernels, and the one checked path into them.
+"""The one checked path into the compiled LUT kernels, and ``LutWeight``, packed weights as torch tensors.
 
 Every argument is validated here (type, dtype, device, shape, contiguity) before a pointer reaches compiled
 code; the kernels additionally check shapes and dtypes themselves, and declare every buffer unaligned, so a
@@ -13,59 +13,44 @@ import torch
 
 from . import runtime
 from .kernels import best_isa, isa_by_name
-from .packing import KernelSpec, PackedWeight, pack, spec_for
+from .packing import KernelSpec, PackedWeight, pack, packed_shapes, spec_for
 from .qweight import QuantizedWeight
 
 _workspaces = threading.local()
+_libraries: dict[tuple[KernelSpec, str | None], runtime.KernelLibrary] = {}
 
 
-class LutWeight:
-    """A weight ``[M, K]`` ready for the LUT kernels of one ISA."""
+def kernels_for(spec: KernelSpec, kernel_dir: str | None = None) -> runtime.KernelLibrary:
+    lib = _libraries.get((spec, kernel_dir))
+    if lib is None:
+        lib = _libraries[(spec, kernel_dir)] = runtime.load_kernels(spec, isa_by_name(spec.isa), kernel_dir)
+    return lib
 
-    def __init__(self, packed: PackedWeight, kernel_dir: str | None = None):
-        self.spec: KernelSpec = packed.spec
-        self.m = packed.m
-        self.k = packed.spec.k
-        self.weights = torch.from_numpy(packed.weights)
-        self.scales = torch.from_numpy(packed.scales)
-        self.zeros = None if packed.zeros is None else torch.from_numpy(packed.zeros)
-        self.kernel_dir = kernel_dir
-        self._kernels = None
 
-    @classmethod
-    def from_quantized(cls, qw: QuantizedWeight, isa: str | None = None, kernel_dir: str | None = None,
-                       **tiling) -> "LutWeight":
-        target = isa_by_name(isa) if isa else best_isa()
-        return cls(pack(qw, spec_for(qw, target, **tiling)), kernel_dir)
-
-    @property
-    def kernels(self) -> runtime.KernelLibrary:
-        if self._kernels is None:
-            self._kernels = runtime.load_kernels(self.spec, isa_by_name(self.spec.isa), self.kernel_dir)
-        return self._kernels
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [self.weights, self.scales] + ([self.zeros] if self.zeros is not None else [])
-
-    def matmul(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """``x @ W.T`` for float32 ``x [N, K]``; returns float32 ``[N, M]``."""
-        check_activations(x, self.k)
-        n = x.shape[0]
-        if out is None:
-            out = torch.empty((n, self.m), dtype=torch.float32)
-        elif out.dtype != torch.float32 or tuple(out.shape) != (n, self.m) or not out.is_contiguous():
-            raise ValueError(f"out must be a contiguous float32 tensor of shape {(n, self.m)}, got "
-                             f"{out.dtype} {tuple(out.shape)}")
-        if n == 0:
-            return out
-        kernels = self.kernels
-        runtime.apply_threads()
-        gemv = n == 1
-        rows = 1 if gemv else self.spec.padded_rows(n)
-        lut, ls, xs = _workspace(self.spec, rows)
-        kernels.build_tables(x, lut, ls, xs)
-        (kernels.lut_gemv if gemv else kernels.lut_gemm)(*self.tensors(), lut, ls, xs, out)
+def lut_linear(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+               bias: torch.Tensor | None, spec: KernelSpec, m: int, kernel_dir: str | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` for float32 ``x [N, K]`` and packed ``W`` of ``m`` rows; float32 ``[N, m]``."""
+    check_activations(x, spec.k)
+    check_packed(spec, m, weights, scales, zeros, bias)
+    n = x.shape[0]
+    if out is None:
+        out = torch.empty((n, m), dtype=torch.float32)
+    elif out.dtype != torch.float32 or tuple(out.shape) != (n, m) or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous float32 tensor of shape {(n, m)}, got "
+                         f"{out.dtype} {tuple(out.shape)}")
+    if n == 0:
         return out
+    kernels = kernels_for(spec, kernel_dir)
+    runtime.apply_threads()
+    gemv = n == 1
+    lut, ls, xs = _workspace(spec, 1 if gemv else spec.padded_rows(n))
+    kernels.build_tables(x, lut, ls, xs)
+    params = (weights, scales) if zeros is None else (weights, scales, zeros)
+    (kernels.lut_gemv if gemv else kernels.lut_gemm)(*params, lut, ls, xs, out)
+    if bias is not None:
+        out.add_(bias)
+    return out
 
 
 def check_activations(x, k: int) -> None:
@@ -79,6 +64,27 @@ def check_activations(x, k: int) -> None:
         raise ValueError(f"activations must have shape [N, {k}], got {list(x.shape)}")
     if not x.is_contiguous():
         raise ValueError("activations must be contiguous")
+
+
+def check_packed(spec: KernelSpec, m, weights, scales, zeros, bias) -> None:
+    """Packed tensors must be exactly what ``spec`` reads for ``m`` rows: a kernel trusts these shapes."""
+    if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+        raise ValueError(f"out_features must be a positive int, got {m!r}")
+    w_shape, s_shape = packed_shapes(spec, m)
+    expected = [("weights", weights, torch.uint8, w_shape), ("scales", scales, torch.float32, s_shape)]
+    if spec.has_zeros:
+        expected.append(("zeros", zeros, torch.float32, s_shape))
+    elif zeros is not None:
+        raise ValueError(f"kernel {spec.name} takes no zeros, but zeros were given")
+    if bias is not None:
+        expected.append(("bias", bias, torch.float32, (m,)))
+    for name, t, dtype, shape in expected:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"packed {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != dtype or tuple(t.shape) != shape or t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError(f"packed {name} must be a contiguous CPU {dtype} tensor of shape {shape} for "
+                             f"kernel {spec.name} with {m} rows, got {t.dtype} {tuple(t.shape)} on {t.device}"
+                             + ("" if t.is_contiguous() else " (non-contiguous)"))
 
 
 def _workspace(spec: KernelSpec, rows: int):
@@ -96,3 +102,33 @@ def _workspace(spec: KernelSpec, rows: int):
     return bufs
 
 
+class LutWeight:
+    """A weight ``[M, K]`` packed for the LUT kernels of one ISA (the kernel-level handle tests and benches use)."""
+
+    def __init__(self, packed: PackedWeight, kernel_dir: str | None = None):
+        self.spec: KernelSpec = packed.spec
+        self.m = packed.m
+        self.k = packed.spec.k
+        self.weights = torch.from_numpy(packed.weights)
+        self.scales = torch.from_numpy(packed.scales)
+        self.zeros = None if packed.zeros is None else torch.from_numpy(packed.zeros)
+        self.kernel_dir = kernel_dir
+
+    @classmethod
+    def from_quantized(cls, qw: QuantizedWeight, isa: str | None = None, kernel_dir: str | None = None,
+                       **tiling) -> "LutWeight":
+        target = isa_by_name(isa) if isa else best_isa()
+        return cls(pack(qw, spec_for(qw, target, **tiling)), kernel_dir)
+
+    @property
+    def kernels(self) -> runtime.KernelLibrary:
+        return kernels_for(self.spec, self.kernel_dir)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a GEMV streams: packed weights and their parameters."""
+        return sum(t.numel() * t.element_size() for t in (self.weights, self.scales, self.zeros) if t is not None)
+
+    def matmul(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ W.T`` for float32 ``x [N, K]``; returns float32 ``[N, M]``."""
+        return lut_linear(x, self.weights, self.scales, self.zeros, None, self.spec, self.m, self.kernel_dir, out)

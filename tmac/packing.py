@@ -21,7 +21,8 @@ float32, with N' = N rounded up to the kernel's row tile.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
@@ -75,6 +76,21 @@ class KernelSpec:
         z = "z" if self.has_zeros else "s"
         return (f"lut_{self.isa}_b{self.bits}_k{self.k}_g{self.group_size}_lg{self.lut_group}{z}"
                 f"_bm{self.block_rows}_nt{self.n_tile}_u{self.unroll}")
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d) -> "KernelSpec":
+        names = {f.name for f in fields(cls)}
+        if not isinstance(d, dict) or set(d) != names:
+            raise ValueError(f"a kernel spec needs exactly the fields {sorted(names)}, got {d!r:.200}")
+        for name in names - {"isa"}:
+            if type(d[name]) is not (bool if name == "has_zeros" else int):
+                raise ValueError(f"kernel spec field {name!r} has the wrong type: {d[name]!r:.50}")
+        if not isinstance(d["isa"], str):
+            raise ValueError(f"kernel spec field 'isa' must be a string, got {d['isa']!r:.50}")
+        return cls(**d)
 
     def blocks(self, m: int) -> int:
         return -(-m // self.block_rows)
@@ -132,6 +148,41 @@ def pack(qw: QuantizedWeight, spec: KernelSpec) -> PackedWeight:
     weights = np.ascontiguousarray(np.concatenate(parts, axis=2))
     return PackedWeight(spec, m, weights, _pack_params(qw.scales, qw, spec),
                         None if qw.zeros is None else _pack_params(qw.zeros, qw, spec))
+
+
+def packed_shapes(spec: KernelSpec, m: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shapes of W and of S (= Z) for ``m`` rows."""
+    mb = spec.blocks(m)
+    return (mb, spec.k // 8, spec.block_rows * spec.bits), (mb, spec.k // spec.group_size, spec.block_rows)
+
+
+def unpack(packed: PackedWeight, fmt: WeightFormat) -> QuantizedWeight:
+    """The exact inverse of ``pack``: codes and parameters of the ``packed.m`` true rows in format ``fmt``."""
+    spec, m, k = packed.spec, packed.m, packed.spec.k
+    bm, vl, mb = spec.block_rows, spec.vector_bytes, spec.blocks(m)
+    if (fmt.bits, fmt.has_zeros) != (spec.bits, spec.has_zeros):
+        raise ValueError(f"format {fmt.name} does not match kernel {spec.name}")
+    pair = np.empty((spec.bits, mb, bm, k // 8), dtype=np.uint8)
+    start = 0
+    for first, planes in spec.chunks:
+        per_vec = vl // planes
+        c = packed.weights[:, :, start:start + bm * planes].reshape(mb, k // 8, bm // per_vec, per_vec, planes)
+        pair[first:first + planes] = c.transpose(4, 0, 2, 3, 1).reshape(planes, mb, bm, k // 8)
+        start += bm * planes
+    nib = np.empty((spec.bits, mb * bm, k // 4), dtype=np.uint8)
+    nib[:, :, 0::2] = pair.reshape(spec.bits, mb * bm, k // 8) & 15
+    nib[:, :, 1::2] = pair.reshape(spec.bits, mb * bm, k // 8) >> 4
+    codes = np.zeros((mb * bm, k), dtype=np.uint8)
+    for plane in range(spec.bits):
+        for j in range(4):
+            codes[:, j::4] |= ((nib[plane] >> j) & 1) << plane
+    return QuantizedWeight(np.ascontiguousarray(codes[:m]), _unpack_params(packed.scales, m, fmt),
+                           None if packed.zeros is None else _unpack_params(packed.zeros, m, fmt), fmt)
+
+
+def _unpack_params(p: np.ndarray, m: int, fmt: WeightFormat) -> np.ndarray:
+    rows = p.transpose(0, 2, 1).reshape(-1, p.shape[1])[:m]  # [M, K/WG]
+    return np.ascontiguousarray(rows[:1, :1] if fmt.group_size == PER_TENSOR else rows)
 
 
 def _pack_params(p: np.ndarray, qw: QuantizedWeight, spec: KernelSpec) -> np.ndarray:

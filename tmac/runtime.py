@@ -145,6 +145,9 @@ class KernelLibrary:
 
 def load_kernels(spec: KernelSpec, isa, kernel_dir: str | None = None, progress: bool = True) -> KernelLibrary:
     """The compiled kernels of ``spec``: from ``kernel_dir``/``$TMAC_KERNEL_DIR``, else the cache, else compiled now."""
+    from .kernels import check_runnable
+
+    check_runnable(isa)
     kernel_dir = kernel_dir or os.environ.get("TMAC_KERNEL_DIR") or None
     key = (spec.name, kernel_dir)
     with _lock:

@@ -1,0 +1,116 @@
+"""``tmac.save`` / ``tmac.load``: a model's state dict as safetensors — tensors plus JSON metadata, no pickle.
+
+The file holds every tensor of ``model.state_dict()`` once (tied weights are stored once and recorded as
+aliases) and, in the safetensors metadata, the JSON extra states of ``tmac.Linear`` layers (format and
+kernel spec). ``load`` needs the model to fill — typically the float architecture built on the ``meta``
+device — and turns the ``nn.Linear`` layers the file holds quantized into ``tmac.Linear`` first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+
+import torch
+from torch import nn
+
+from .errors import ModelFormatError
+from .linear import Linear
+
+FILE_VERSION = 1
+
+
+def save(model: nn.Module, path: str | os.PathLike) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"tmac.save takes an nn.Module, got {type(model).__name__}")
+    from safetensors.torch import save_file
+
+    tensors, extras, aliases, seen = {}, {}, {}, {}
+    for key, value in model.state_dict().items():
+        if isinstance(value, torch.Tensor):
+            ident = (value.untyped_storage().data_ptr(), value.storage_offset(), value.dtype, tuple(value.shape),
+                     value.stride())
+            if value.numel() and ident in seen:
+                aliases[key] = seen[ident]
+                continue
+            seen[ident] = key
+            tensors[key] = value.detach().cpu().contiguous()
+        else:
+            try:
+                json.dumps(value)
+            except TypeError:
+                raise TypeError(f"state {key!r} is a {type(value).__name__}, which tmac.save cannot store without "
+                                f"pickle (only tensors and JSON extra states)") from None
+            extras[key] = value
+    meta = {"format": "pt", "tmac": json.dumps({"version": FILE_VERSION, "extra_state": extras, "aliases": aliases})}
+    path = os.fspath(path)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".tmac-save-")
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata=meta)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def load(path: str | os.PathLike, model: nn.Module | None = None, *, strict: bool = True) -> nn.Module:
+    """Fill ``model`` (e.g. built under ``torch.device("meta")``) from a file ``tmac.save`` wrote; returns it."""
+    if model is None:
+        raise TypeError("tmac.load(path, model) needs the model to fill, e.g. the float architecture built under "
+                        "torch.device('meta'); the file stores weights, not code")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"tmac.load fills an nn.Module, got {type(model).__name__}")
+    state = read_state(path)
+    for key, extra in state.items():
+        if not key.endswith("_extra_state") or not isinstance(extra, dict) or "spec" not in extra:
+            continue
+        prefix = key[:-len("_extra_state")].rstrip(".")
+        parent_name, _, child = prefix.rpartition(".")
+        try:
+            parent = model.get_submodule(parent_name)
+            current = getattr(parent, child)
+        except AttributeError:
+            continue  # load_state_dict reports the unexpected key
+        if type(current) is nn.Linear:
+            try:
+                setattr(parent, child, Linear._empty(extra))
+            except (ValueError, TypeError) as e:
+                raise ModelFormatError(f"{path}: layer {prefix}: {e}") from None
+    meta_params = any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers())
+    try:
+        model.load_state_dict(state, strict=strict, assign=meta_params)
+    except RuntimeError as e:
+        raise ModelFormatError(f"{path}: {e}") from None
+    return model
+
+
+def read_state(path: str | os.PathLike) -> dict:
+    """The state dict stored in ``path`` (tensors, aliases resolved, extra states), validated."""
+    from safetensors import safe_open
+
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no such model file: {path}")
+    try:
+        with safe_open(path, framework="pt") as f:
+            meta = f.metadata() or {}
+            state = {key: f.get_tensor(key) for key in f.keys()}
+    except Exception as e:  # safetensors raises its own error types for malformed headers
+        raise ModelFormatError(f"{path}: not a readable safetensors file ({e})") from None
+    try:
+        info = json.loads(meta["tmac"])
+        if info.get("version") != FILE_VERSION:
+            raise ValueError(f"file version {info.get('version')!r}, this tmac reads {FILE_VERSION}")
+        extras, aliases = info["extra_state"], info["aliases"]
+        if not isinstance(extras, dict) or not isinstance(aliases, dict):
+            raise ValueError("extra_state and aliases must be objects")
+    except (KeyError, ValueError, TypeError, AttributeError) as e:
+        raise ModelFormatError(f"{path}: missing or malformed tmac metadata ({e})") from None
+    for key, target in aliases.items():
+        if target not in state:
+            raise ModelFormatError(f"{path}: alias {key!r} points to missing tensor {target!r}")
+        state[key] = state[target]
+    state.update(extras)
+    return state
