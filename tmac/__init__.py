@@ -22,6 +22,7 @@ _LAZY = {
     "quantize_model": "tmac.swap",
     "save": "tmac.serialize",
     "load": "tmac.serialize",
+    "load_model": "tmac.models.load",
 }
 
 

@@ -9,6 +9,7 @@ import os
 import sys
 import time
 
+from . import cli_generate
 from .formats import GROUP_SIZES, PER_ROW, PER_TENSOR, WeightFormat
 
 
@@ -30,6 +31,8 @@ def main(argv: list[str] | None = None) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tmac", description="Low-bit LLM inference on CPUs with table lookups.")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     sub = p.add_subparsers(dest="command", required=True)
 
     info = sub.add_parser("info", help="CPU features, kernel ISA, threads, versions, kernel cache")
@@ -47,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--model", metavar="PATH", help="a GGUF model: compile for every linear layer's K")
     c.add_argument("-o", "--output", required=True, metavar="DIR")
     c.set_defaults(func=cmd_compile)
+    cli_generate.add_parsers(sub, common)
     return p
 
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 
-from .formats import PER_TENSOR, WeightFormat
+from .formats import PER_ROW, PER_TENSOR, WeightFormat
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,29 @@ class QuantizedWeight:
         m, k = self.shape
         params = self.scales.size * (2 if self.zeros is not None else 1)
         return m * k * self.format.bits // 8 + 4 * params
+
+
+def stack_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
+    """One weight holding the rows of ``parts`` in order (fused projections). Parts must share bits, zeros,
+    K and group size; per-tensor scales become per-row ones so that each part keeps its own."""
+    def kind(p):
+        g = p.format.group_size
+        return p.format.bits, p.format.has_zeros, p.format.ternary, p.shape[1], g if isinstance(g, int) else "whole row"
+
+    if not parts or len({kind(p) for p in parts}) != 1:
+        raise ValueError(f"cannot stack weights of formats {[p.format.name for p in parts]} with K "
+                         f"{[p.shape[1] for p in parts]}")
+    fmt = parts[0].format
+    if len(parts) > 1 and not isinstance(fmt.group_size, int) and (fmt.group_size == PER_TENSOR
+                                                                   or any(p.format != fmt for p in parts)):
+        fmt = dataclasses.replace(fmt, name=f"{fmt.name}_rows", group_size=PER_ROW, gguf=None)
+
+    def per_row(p, params):
+        return np.broadcast_to(params, (p.shape[0], 1)) if p.format.group_size != fmt.group_size else params
+
+    scales = np.concatenate([per_row(p, p.scales).astype(np.float64) for p in parts])
+    zeros = None if fmt.has_zeros is False else np.concatenate([per_row(p, p.zeros).astype(np.float64) for p in parts])
+    return QuantizedWeight(np.concatenate([p.codes for p in parts]), scales, zeros, fmt)
 
 
 def _check_params(name: str, a, shape: tuple[int, int]) -> None:

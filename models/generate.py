@@ -1,0 +1,163 @@
+"""Sampling and the generation loop: one batched prefill, then one token at a time from the KV cache.
+
+The cache remembers which tokens it holds; a new prompt that extends them (the next turn of a chat) only
+prefills what is new. Sampling follows llama.cpp's order: repetition penalty over the last
+``repeat_last_n`` tokens, then top-k, top-p and temperature; ``temperature=0`` is greedy.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+
+def check_ids(ids, vocab: int, what: str = "prompt_ids") -> list[int]:
+    if isinstance(ids, torch.Tensor):
+        ids = ids.tolist()
+    if not isinstance(ids, (list, tuple)) or not all(type(i) is int for i in ids):
+        raise TypeError(f"{what} must be a list of ints")
+    bad = [i for i in ids if not 0 <= i < vocab]
+    if bad:
+        raise ValueError(f"{what} holds ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+    return list(ids)
+
+
+def next_token(logits: torch.Tensor, history: list[int], temperature: float = 0.0, top_k: int = 0,
+               top_p: float = 1.0, repetition_penalty: float = 1.0, repeat_last_n: int = 64,
+               generator: torch.Generator | None = None) -> int:
+    logits = logits.float().clone()
+    if repetition_penalty != 1.0 and history and repeat_last_n:
+        idx = torch.tensor(sorted(set(history[-repeat_last_n:])))
+        seen = logits[idx]
+        logits[idx] = torch.where(seen > 0, seen / repetition_penalty, seen * repetition_penalty)
+    if temperature <= 0:
+        return int(logits.argmax())
+    if 0 < top_k < logits.numel():
+        kth = torch.topk(logits, top_k).values[-1]
+        logits[logits < kth] = float("-inf")
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cum - sorted_logits.softmax(-1) >= top_p  # keep the smallest prefix reaching top_p
+        logits[order[drop]] = float("-inf")
+    probs = (logits / temperature).softmax(-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+class GenerationMixin:
+    """``generate`` and ``logits`` for a model with ``forward(ids, start, last_only)``, ``setup_cache`` and
+    ``.tokenizer``."""
+
+    cached_ids: list[int]
+    last_stats: dict
+
+    def logits(self, ids: list[int]) -> torch.Tensor:
+        """Float32 logits ``[len(ids), vocab]`` of a fresh sequence (for scoring and perplexity)."""
+        ids = check_ids(ids, self.config.vocab_size, "ids")
+        if not ids:
+            return torch.empty((0, self.config.vocab_size))
+        self._check_room(len(ids), 0)
+        self.cached_ids = []
+        with torch.inference_mode():
+            out = self(torch.tensor(ids), 0)
+        self.cached_ids = ids
+        return out
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, repetition_penalty: float = 1.0, repeat_last_n: int = 64,
+                 seed: int | None = None, stop: list[str] | tuple[str, ...] = (), stop_on_eos: bool = True,
+                 callback: Callable[[int], object] | None = None) -> list[int]:
+        """New token ids after ``prompt_ids``. ``callback(id)`` is called as each token is produced (streaming);
+        generation stops at an end-of-generation token (returned), at a ``stop`` string or after
+        ``max_new_tokens``. Statistics land in ``self.last_stats``."""
+        prompt = check_ids(prompt_ids, self.config.vocab_size)
+        if not prompt:
+            raise ValueError("prompt_ids is empty: generation needs at least one token")
+        _check_sampling(max_new_tokens, temperature, top_k, top_p, repetition_penalty, repeat_last_n)
+        if isinstance(stop, str):
+            stop = (stop,)
+        self._check_room(len(prompt), max_new_tokens)
+        generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        if stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer, and this model was loaded without one")
+        stop_ids = self.tokenizer.stop_ids if stop_on_eos and self.tokenizer is not None else frozenset()
+
+        reuse = _common_prefix(getattr(self, "cached_ids", []), prompt)
+        reuse = min(reuse, len(prompt) - 1)  # the last prompt token is always fed: its logits start decoding
+        out: list[int] = []
+        stats = self.last_stats = {"prompt_tokens": len(prompt), "prefill_tokens": len(prompt) - reuse,
+                                   "prefill_s": 0.0, "generated_tokens": 0, "decode_s": 0.0, "stop_reason": "length"}
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            self.cached_ids = prompt[:reuse]
+            logits = self(torch.tensor(prompt[reuse:]), reuse, last_only=True)[-1]
+            self.cached_ids = list(prompt)
+            stats["prefill_s"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            history = list(prompt)
+            try:
+                self._decode(out, history, logits, max_new_tokens, stats, stop, stop_ids, callback,
+                             dict(temperature=temperature, top_k=top_k, top_p=top_p,
+                                  repetition_penalty=repetition_penalty, repeat_last_n=repeat_last_n,
+                                  generator=generator))
+            finally:  # an interrupted generation keeps its tokens and its statistics
+                stats["decode_s"] = time.perf_counter() - t0
+        return out
+
+    def _decode(self, out, history, logits, max_new_tokens, stats, stop, stop_ids, callback, sampling) -> None:
+        while len(out) < max_new_tokens:
+            token = next_token(logits, history, **sampling)
+            out.append(token)
+            history.append(token)
+            stats["generated_tokens"] = len(out)
+            if callback is not None:
+                callback(token)
+            if token in stop_ids:
+                stats["stop_reason"] = "eos"
+                return
+            if stop and any(s in self.tokenizer.decode(out) for s in stop):
+                stats["stop_reason"] = "stop"
+                return
+            if len(out) == max_new_tokens:
+                return
+            pos = len(self.cached_ids)
+            logits = self(torch.tensor([token]), pos, last_only=True)[-1]
+            self.cached_ids.append(token)
+
+    def _check_room(self, prompt: int, new: int) -> None:
+        if prompt + new > self.context:
+            raise ValueError(f"prompt ({prompt} tokens) + max_new_tokens ({new}) exceed the context of "
+                             f"{self.context} tokens; shorten the prompt, lower max_new_tokens or load with a "
+                             f"larger context (model maximum: {self.config.context_length})")
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _check_sampling(max_new_tokens, temperature, top_k, top_p, repetition_penalty, repeat_last_n) -> None:
+    def is_int(v):
+        return type(v) is int
+
+    def is_num(v):
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
+
+    checks = [
+        (is_int(max_new_tokens) and max_new_tokens >= 0, f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}"),
+        (is_num(temperature) and temperature >= 0, f"temperature must be a number >= 0, got {temperature!r}"),
+        (is_int(top_k) and top_k >= 0, f"top_k must be an int >= 0 (0: off), got {top_k!r}"),
+        (is_num(top_p) and 0 < top_p <= 1, f"top_p must be in (0, 1], got {top_p!r}"),
+        (is_num(repetition_penalty) and repetition_penalty > 0,
+         f"repetition_penalty must be > 0, got {repetition_penalty!r}"),
+        (is_int(repeat_last_n) and repeat_last_n >= 0, f"repeat_last_n must be an int >= 0, got {repeat_last_n!r}"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(message)

@@ -1,0 +1,156 @@
+"""GGUF files (llama architecture): config, tokenizer and weights, read lazily from the memory-mapped file.
+
+Weights come back as ``QuantizedWeight`` when the type imports exactly (Q4_0, Q4_1, TQ1_0, TQ2_0) and the
+caller wants it, else as float32 (F32/F16/BF16 read directly, every other type through
+``gguf.quants.dequantize``). GGUF stores q/k rows interleaved for llama.cpp's RoPE; they are permuted back to
+the Hugging Face "rotate half" order the model uses (a row permutation, so exact imports stay exact).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+from tmac.errors import ModelFormatError
+from tmac.formats import GGUF_EXACT
+from tmac.qweight import QuantizedWeight
+from tmac.quantize import import_gguf
+
+from .llama import LlamaConfig
+from .tokenizer import Tokenizer
+
+ARCHITECTURES = ("llama",)
+
+# our parameter names ← GGUF tensor names (per layer: {i})
+LAYER_TENSORS = {
+    "attention_norm.weight": "attn_norm.weight", "ffn_norm.weight": "ffn_norm.weight",
+    "attention.wq.weight": "attn_q.weight", "attention.wk.weight": "attn_k.weight",
+    "attention.wv.weight": "attn_v.weight", "attention.wo.weight": "attn_output.weight",
+    "feed_forward.w1.weight": "ffn_gate.weight", "feed_forward.w3.weight": "ffn_up.weight",
+    "feed_forward.w2.weight": "ffn_down.weight",
+}
+GLOBAL_TENSORS = {"tok_embeddings.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
+                  "output.weight": "output.weight"}
+
+
+class GGUFModel:
+    """An open GGUF file: ``config``, ``tokenizer`` and ``weight(name, exact)``."""
+
+    def __init__(self, path: str):
+        import gguf
+
+        self.path = path
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"no such model file: {path}")
+        try:
+            self.reader = gguf.GGUFReader(path)
+        except Exception as e:  # the reader raises ValueError/KeyError/struct errors on malformed files
+            raise ModelFormatError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+        self.meta = {}
+        for key, f in self.reader.fields.items():
+            if key.startswith("GGUF."):
+                continue
+            try:
+                self.meta[key] = f.contents()
+            except Exception as e:
+                raise ModelFormatError(f"{path}: metadata {key}: unreadable value ({e})") from None
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        self.config = self._config()
+        self.tokenizer = Tokenizer.from_gguf_metadata(self.meta, path)
+
+    def _config(self) -> LlamaConfig:
+        arch = self.meta.get("general.architecture")
+        if arch not in ARCHITECTURES:
+            raise ModelFormatError(f"{self.path}: architecture {arch!r} is not supported; supported: "
+                                   f"{', '.join(ARCHITECTURES)}")
+
+        def get(key, kind, default=None):
+            value = self.meta.get(f"{arch}.{key}", default)
+            if value is None:
+                raise ModelFormatError(f"{self.path}: metadata {arch}.{key} is missing")
+            if kind is int and type(value) is not int or kind is float and not isinstance(value, (int, float)):
+                raise ModelFormatError(f"{self.path}: metadata {arch}.{key}={value!r:.50} is not a {kind.__name__}")
+            return kind(value)
+
+        n_heads = get("attention.head_count", int)
+        embd = self.tensors.get("token_embd.weight")
+        if embd is None:
+            raise ModelFormatError(f"{self.path}: tensor token_embd.weight is missing")
+        scaling = None
+        if "rope_freqs.weight" in self.tensors:
+            raise ModelFormatError(f"{self.path}: rope_freqs.weight (precomputed RoPE factors) is not supported yet")
+        try:
+            return LlamaConfig(
+                vocab_size=int(embd.shape[1]), dim=get("embedding_length", int), n_layers=get("block_count", int),
+                n_heads=n_heads, n_kv_heads=get("attention.head_count_kv", int, n_heads),
+                ffn_dim=get("feed_forward_length", int),
+                head_dim=get("attention.key_length", int, 0),
+                norm_eps=get("attention.layer_norm_rms_epsilon", float, 1e-5),
+                rope_theta=get("rope.freq_base", float, 10000.0), rope_scaling=scaling,
+                context_length=get("context_length", int, 2048),
+                tie_embeddings="output.weight" not in self.tensors)
+        except ValueError as e:
+            raise ModelFormatError(f"{self.path}: {e}") from None
+
+    def names(self) -> list[str]:
+        """Our parameter names the file provides."""
+        names = [n for n, g in GLOBAL_TENSORS.items() if g in self.tensors]
+        return names + [f"layers.{i}.{n}" for i in range(self.config.n_layers) for n in LAYER_TENSORS]
+
+    def weight(self, name: str, exact: bool = False) -> torch.Tensor | QuantizedWeight:
+        """The tensor ``name`` (our naming); a ``QuantizedWeight`` when ``exact`` and its type imports exactly."""
+        gname = _gguf_name(name)
+        t = self.tensors.get(gname)
+        if t is None:
+            raise ModelFormatError(f"{self.path}: tensor {gname} is missing")
+        shape = tuple(int(d) for d in reversed(t.shape))  # numpy order: rows first
+        type_name = t.tensor_type.name
+        try:
+            if exact and len(shape) == 2 and type_name in GGUF_EXACT:
+                value = import_gguf(t.data, type_name, shape)
+            else:
+                value = torch.from_numpy(_dequantize(t, type_name, shape))
+        except ValueError as e:
+            raise ModelFormatError(f"{self.path}: tensor {gname} ({type_name}, {shape}): {e}") from None
+        return self._unpermute(name, value)
+
+    def _unpermute(self, name, value):
+        cfg = self.config
+        heads = cfg.n_heads if name.endswith("wq.weight") else cfg.n_kv_heads if name.endswith("wk.weight") else 0
+        if not heads:
+            return value
+        rows = value.shape[0]
+        if rows != heads * cfg.head_dim:
+            raise ModelFormatError(f"{self.path}: {name} has {rows} rows, expected {heads}×{cfg.head_dim}")
+        order = np.arange(rows).reshape(heads, cfg.head_dim // 2, 2).transpose(0, 2, 1).reshape(-1)
+        if isinstance(value, QuantizedWeight):
+            return QuantizedWeight(value.codes[order], value.scales[order] if value.scales.shape[0] == rows
+                                   else value.scales, None if value.zeros is None else value.zeros[order],
+                                   value.format)
+        return value[torch.from_numpy(order)]
+
+
+def _gguf_name(name: str) -> str:
+    if name in GLOBAL_TENSORS:
+        return GLOBAL_TENSORS[name]
+    _, i, rest = name.split(".", 2)
+    return f"blk.{i}.{LAYER_TENSORS[rest]}"
+
+
+def _dequantize(t, type_name: str, shape: tuple[int, ...]) -> np.ndarray:
+    import gguf
+
+    if type_name == "F32":
+        a = np.array(t.data, dtype=np.float32)  # a copy: the file's pages are read-only
+    elif type_name == "F16":
+        a = np.asarray(t.data, dtype=np.float16).astype(np.float32)
+    elif type_name == "BF16":
+        a = (np.asarray(t.data).view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    else:
+        a = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).astype(np.float32, copy=False)
+    a = a.reshape(shape)
+    if not np.isfinite(a).all():
+        raise ValueError("contains NaN or inf")
+    return a

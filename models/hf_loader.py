@@ -1,0 +1,111 @@
+"""Hugging Face model directories: ``config.json`` + safetensors (single file or sharded index), float Llama.
+
+Tensors are read one at a time from the memory-mapped safetensors files.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from tmac.errors import ModelFormatError
+
+from .jsonfile import read_json
+from .llama import LlamaConfig
+from .tokenizer import Tokenizer
+
+ARCHITECTURES = ("LlamaForCausalLM",)
+
+LAYER_TENSORS = {
+    "attention_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attention.wq.weight": "self_attn.q_proj.weight", "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight", "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight", "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+}
+GLOBAL_TENSORS = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+                  "output.weight": "lm_head.weight"}
+
+
+class HFModel:
+    """An open Hugging Face directory: ``config``, ``tokenizer`` (None without tokenizer.json) and ``weight``."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.hf_config = read_json(os.path.join(path, "config.json"))
+        self.files = self._index()
+        self.config = self._config()
+        self.tokenizer = Tokenizer.from_hf_dir(path) if os.path.exists(os.path.join(path, "tokenizer.json")) else None
+
+    def _index(self) -> dict[str, str]:
+        """Tensor name → safetensors file."""
+        index = os.path.join(self.path, "model.safetensors.index.json")
+        if os.path.exists(index):
+            weight_map = read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise ModelFormatError(f"{index}: weight_map missing or malformed")
+            files = {}
+            for name, file in weight_map.items():
+                full = os.path.join(self.path, os.path.basename(file))  # never outside the directory
+                if not os.path.exists(full):
+                    raise ModelFormatError(f"{index}: shard {file} of tensor {name} does not exist")
+                files[name] = full
+            return files
+        single = os.path.join(self.path, "model.safetensors")
+        if not os.path.exists(single):
+            raise ModelFormatError(f"{self.path}: neither model.safetensors nor model.safetensors.index.json")
+        from safetensors import safe_open
+
+        try:
+            with safe_open(single, framework="pt") as f:
+                return {name: single for name in f.keys()}
+        except Exception as e:
+            raise ModelFormatError(f"{single}: not a readable safetensors file ({e})") from None
+
+    def _config(self) -> LlamaConfig:
+        c = self.hf_config
+        arch = (c.get("architectures") or [None])[0]
+        if arch not in ARCHITECTURES:
+            raise ModelFormatError(f"{self.path}/config.json: architecture {arch!r} is not supported; supported: "
+                                   f"{', '.join(ARCHITECTURES)}")
+        rope = c.get("rope_parameters") or c.get("rope_scaling") or {}  # transformers 5 / 4 spelling
+        rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else None
+        if rope_type not in ("default", "llama3"):
+            raise ModelFormatError(f"{self.path}/config.json: RoPE type {rope_type!r} is not supported; supported: "
+                                   f"default, llama3")
+        try:
+            heads = c["num_attention_heads"]
+            return LlamaConfig(
+                vocab_size=c["vocab_size"], dim=c["hidden_size"], n_layers=c["num_hidden_layers"], n_heads=heads,
+                n_kv_heads=c.get("num_key_value_heads") or heads, ffn_dim=c["intermediate_size"],
+                head_dim=c.get("head_dim") or 0, norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
+                rope_scaling=rope if rope_type == "llama3" else None,
+                context_length=c.get("max_position_embeddings", 2048),
+                tie_embeddings=bool(c.get("tie_word_embeddings", False)) or "lm_head.weight" not in self.files)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ModelFormatError(f"{self.path}/config.json: {type(e).__name__}: {e}") from None
+
+    def weight(self, name: str, exact: bool = False) -> torch.Tensor:
+        hf = GLOBAL_TENSORS.get(name)
+        if hf is None:
+            _, i, rest = name.split(".", 2)
+            hf = f"model.layers.{i}.{LAYER_TENSORS[rest]}"
+        file = self.files.get(hf)
+        if file is None:
+            raise ModelFormatError(f"{self.path}: tensor {hf} is missing")
+        from safetensors import safe_open
+
+        try:
+            with safe_open(file, framework="pt") as f:
+                t = f.get_tensor(hf)
+        except Exception as e:
+            raise ModelFormatError(f"{file}: tensor {hf}: {e}") from None
+        if not t.is_floating_point():
+            raise ModelFormatError(f"{file}: tensor {hf} has dtype {t.dtype}, expected a float type")
+        t = t.float()
+        if not torch.isfinite(t).all():
+            raise ModelFormatError(f"{file}: tensor {hf} contains NaN or inf")
+        return t
+

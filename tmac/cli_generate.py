@@ -1,0 +1,180 @@
+"""``tmac run`` and ``tmac chat``: generate text from a model, streaming tokens as they come."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import time
+
+
+def add_parsers(sub, common) -> None:
+    r = sub.add_parser("run", parents=[common], help="generate text from a prompt")
+    _model_args(r)
+    r.add_argument("--prompt", "-p", required=True, help="the prompt text")
+    r.add_argument("--json", action="store_true", help="print one JSON object (text, ids, speeds) instead")
+    r.set_defaults(func=cmd_run)
+
+    c = sub.add_parser("chat", parents=[common], help="interactive multi-turn chat (/reset, /exit; Ctrl-C stops "
+                                                      "an answer)")
+    _model_args(c)
+    c.set_defaults(func=cmd_chat, chat=True)
+
+
+def _model_args(p) -> None:
+    p.add_argument("model", nargs="?", default=None,
+                   help="GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct Q4_1)")
+    p.add_argument("--bits", type=int, choices=[1, 2, 3, 4], help="requantize the projections to this many bits")
+    p.add_argument("--group-size", type=int, choices=[32, 64, 128, 256], help="group size with --bits")
+    p.add_argument("--threads", "-t", type=int, help="kernel and torch threads (default: physical cores)")
+    p.add_argument("--context", type=int, help="context size in tokens (default: the model's, at most 4096)")
+    p.add_argument("--max-new-tokens", "-n", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--repeat-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop when TEXT appears (repeatable)")
+    p.add_argument("--system", help="system message for the chat template")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="wrap the prompt in the model's chat template (default: when the model has one)")
+
+
+def _load(args):
+    import torch
+
+    import tmac
+
+    if args.group_size is not None and args.bits is None:
+        raise ValueError("--group-size needs --bits (the file's own quantization is used otherwise)")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        tmac.set_num_threads(args.threads)
+        torch.set_num_threads(args.threads)
+    else:
+        torch.set_num_threads(tmac.get_num_threads())
+    t0 = time.perf_counter()
+    model = tmac.load_model(args.model, bits=args.bits, group_size=args.group_size, context=args.context)
+    if model.tokenizer is None:
+        raise ValueError(f"{model.source}: the model has no tokenizer (tokenizer.json), so it cannot take text")
+    return model, time.perf_counter() - t0
+
+
+def _sampling(args) -> dict:
+    return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                repetition_penalty=args.repeat_penalty, seed=args.seed, stop=tuple(args.stop))
+
+
+def _prompt_ids(model, args, messages: list[dict]) -> list[int]:
+    tok = model.tokenizer
+    use_chat = args.chat if args.chat is not None else tok.chat_template is not None
+    if not use_chat:
+        return tok.encode(messages[-1]["content"])
+    if args.system and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": args.system})
+    return tok.encode(tok.render_chat(messages))
+
+
+class Streamer:
+    """Prints generated text as it grows, never half a UTF-8 character, and drops stop strings."""
+
+    def __init__(self, tokenizer, stop: tuple[str, ...], out=None):
+        self.tok, self.stop, self.out = tokenizer, stop, out
+        self.ids: list[int] = []
+        self.printed = 0
+
+    def text(self) -> str:
+        text = self.tok.decode(self.ids, skip_special=True)
+        for s in self.stop:
+            if s in text:
+                text = text[:text.index(s)]
+        return text
+
+    def __call__(self, token: int) -> None:
+        self.ids.append(token)
+        text = self.text()
+        held = max((len(s) - 1 for s in self.stop), default=0)  # a stop string may be forming
+        end = len(text) - held
+        while end > self.printed and text[end - 1] == "\ufffd":  # an incomplete UTF-8 sequence
+            end -= 1
+        if self.out is not None and end > self.printed:
+            self.out.write(text[self.printed:end])
+            self.out.flush()
+        self.printed = max(self.printed, end)
+
+    def finish(self) -> str:
+        text = self.text()
+        if self.out is not None:
+            self.out.write(text[self.printed:])
+            self.out.flush()
+        self.printed = len(text)
+        return text
+
+
+def _stats(model, load_s: float) -> dict:
+    s = model.last_stats
+    return {"prompt_tokens": s["prompt_tokens"], "prefill_tokens": s["prefill_tokens"],
+            "prompt_tokens_per_s": s["prefill_tokens"] / s["prefill_s"] if s["prefill_s"] else 0.0,
+            "generated_tokens": s["generated_tokens"],
+            "gen_tokens_per_s": s["generated_tokens"] / s["decode_s"] if s["decode_s"] else 0.0,
+            "load_s": load_s, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "stop_reason": s["stop_reason"]}
+
+
+def _stats_line(st: dict) -> str:
+    return (f"prompt: {st['prompt_tokens']} tokens ({st['prefill_tokens']} prefilled) at "
+            f"{st['prompt_tokens_per_s']:.1f} tok/s | generated: {st['generated_tokens']} tokens at "
+            f"{st['gen_tokens_per_s']:.1f} tok/s | load {st['load_s']:.2f} s | peak RSS {st['peak_rss_mb']:.0f} MB")
+
+
+def cmd_run(args) -> int:
+    model, load_s = _load(args)
+    ids = _prompt_ids(model, args, [{"role": "user", "content": args.prompt}])
+    streamer = Streamer(model.tokenizer, tuple(args.stop), None if args.json else sys.stdout)
+    interrupted = False
+    try:
+        model.generate(ids, callback=streamer, **_sampling(args))
+    except KeyboardInterrupt:  # keep what was generated
+        interrupted = True
+        model.last_stats["stop_reason"] = "interrupted"
+    text = streamer.finish()
+    st = _stats(model, load_s)
+    if args.json:
+        print(json.dumps({"text": text, "prompt_ids": ids, "generated_ids": streamer.ids, **st}))
+    else:
+        print()
+        print(_stats_line(st), file=sys.stderr)
+    return 130 if interrupted else 0
+
+
+def cmd_chat(args) -> int:
+    model, load_s = _load(args)
+    print(f"tmac chat: {model.source} loaded in {load_s:.1f} s. /reset starts over, /exit quits, Ctrl-C stops an "
+          f"answer.", file=sys.stderr)
+    messages: list[dict] = []
+    while True:
+        try:
+            line = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return 0
+        if line.strip() == "/exit":
+            return 0
+        if line.strip() == "/reset":
+            messages = []
+            print("(conversation reset)", file=sys.stderr)
+            continue
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        ids = _prompt_ids(model, args, list(messages))
+        streamer = Streamer(model.tokenizer, tuple(args.stop), sys.stdout)
+        try:
+            model.generate(ids, callback=streamer, **_sampling(args))
+        except KeyboardInterrupt:
+            model.last_stats["stop_reason"] = "interrupted"
+        messages.append({"role": "assistant", "content": streamer.finish()})
+        print()
+        print(_stats_line(_stats(model, load_s)), file=sys.stderr)
