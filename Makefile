@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/tmac info
+	$(BIN)/tmac run --prompt "Explain in two sentences why the sky is blue." --max-new-tokens 96
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

@@ -1,3 +1,4 @@
+import json
 import subprocess
 import sys
 
@@ -40,3 +41,43 @@ def test_compile_arm64_needs_no_arm_machine(tmp_path):
     assert "neon_dotprod" in r.stdout
     lib = next(tmp_path.glob("*.so")).read_bytes()
     assert lib[:4] == b"\x7fELF" and int.from_bytes(lib[18:20], "little") == 183  # EM_AARCH64
+
+
+def test_run_default_model_json():
+    r = tmac("run", "--prompt", "What is 2+2?", "-n", "6", "--json", "--threads", "1")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    for key in ("text", "prompt_ids", "generated_ids", "prompt_tokens_per_s", "gen_tokens_per_s", "load_s",
+                "peak_rss_mb"):
+        assert key in out
+    assert 1 <= len(out["generated_ids"]) <= 6 and out["prompt_tokens_per_s"] > 0 and out["peak_rss_mb"] > 0
+    assert out["prompt_ids"][:2] == [1, 9690]  # <|im_start|>system: the chat template was applied
+    raw = tmac("run", "--prompt", "What is 2+2?", "-n", "2", "--json", "--no-chat")
+    raw_ids = json.loads(raw.stdout)["prompt_ids"]
+    assert 1 not in raw_ids and len(raw_ids) < 10  # no template, no BOS (SmolLM2's metadata adds none)
+
+
+def test_run_streams_text_and_prints_stats():
+    r = tmac("run", "--prompt", "Name a color.", "-n", "8")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip()
+    assert "tok/s" in r.stderr and "peak RSS" in r.stderr
+
+
+def test_chat_two_turns_through_stdin():
+    r = tmac("chat", "-n", "8", input="Hello!\nAnd again?\n/exit\n")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("> ") >= 3 and r.stderr.count("peak RSS") == 2
+
+
+def test_run_errors_are_one_line(tmp_path):
+    not_gguf = tmp_path / "model.bin"
+    not_gguf.write_bytes(b"\x00" * 64)
+    cases = [(["run", "/no/such/model.gguf", "-p", "x"], "no such model"),
+             (["run", str(not_gguf), "-p", "x"], "not a model"),
+             (["run", "-p", "x", "--group-size", "64"], "--group-size needs --bits"),
+             (["run", "-p", "x " * 5000, "--context", "512"], "exceed the context of 512")]
+    for args, needle in cases:
+        r = tmac(*args)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 1 and needle in lines[-1] and "Traceback" not in r.stderr, (args, r.stderr)
