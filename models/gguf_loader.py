@@ -18,10 +18,12 @@ from tmac.formats import GGUF_EXACT
 from tmac.qweight import QuantizedWeight
 from tmac.quantize import import_gguf
 
+from .gguf_file import GGUFFile
 from .llama import LlamaConfig
 from .tokenizer import Tokenizer
 
 ARCHITECTURES = ("llama",)
+DEQUANT_ROWS = 1024
 
 # our parameter names ← GGUF tensor names (per layer: {i})
 LAYER_TENSORS = {
@@ -41,24 +43,11 @@ class GGUFModel:
     family = "llama"
 
     def __init__(self, path: str):
-        import gguf
-
         self.path = path
         if not os.path.isfile(path):
             raise FileNotFoundError(f"no such model file: {path}")
-        try:
-            self.reader = gguf.GGUFReader(path)
-        except Exception as e:  # the reader raises ValueError/KeyError/struct errors on malformed files
-            raise ModelFormatError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
-        self.meta = {}
-        for key, f in self.reader.fields.items():
-            if key.startswith("GGUF."):
-                continue
-            try:
-                self.meta[key] = f.contents()
-            except Exception as e:
-                raise ModelFormatError(f"{path}: metadata {key}: unreadable value ({e})") from None
-        self.tensors = {t.name: t for t in self.reader.tensors}
+        file = GGUFFile(path)
+        self.meta, self.tensors = file.metadata, file.tensors
         self.config = self._config()
         self.tokenizer = Tokenizer.from_gguf_metadata(self.meta, path)
 
@@ -85,7 +74,7 @@ class GGUFModel:
             raise ModelFormatError(f"{self.path}: rope_freqs.weight (precomputed RoPE factors) is not supported yet")
         try:
             return LlamaConfig(
-                vocab_size=int(embd.shape[1]), dim=get("embedding_length", int), n_layers=get("block_count", int),
+                vocab_size=embd.shape[0], dim=get("embedding_length", int), n_layers=get("block_count", int),
                 n_heads=n_heads, n_kv_heads=get("attention.head_count_kv", int, n_heads),
                 ffn_dim=get("feed_forward_length", int),
                 head_dim=get("attention.key_length", int, 0),
@@ -107,13 +96,12 @@ class GGUFModel:
         t = self.tensors.get(gname)
         if t is None:
             raise ModelFormatError(f"{self.path}: tensor {gname} is missing")
-        shape = tuple(int(d) for d in reversed(t.shape))  # numpy order: rows first
-        type_name = t.tensor_type.name
+        shape, type_name = t.shape, t.type_name
         try:
             if exact and len(shape) == 2 and type_name in GGUF_EXACT:
                 value = import_gguf(t.data, type_name, shape)
             else:
-                value = torch.from_numpy(_dequantize(t, type_name, shape))
+                value = torch.from_numpy(_dequantize(t.data, type_name, shape))
         except ValueError as e:
             raise ModelFormatError(f"{self.path}: tensor {gname} ({type_name}, {shape}): {e}") from None
         return self._unpermute(name, value)
@@ -141,17 +129,22 @@ def _gguf_name(name: str) -> str:
     return f"blk.{i}.{LAYER_TENSORS[rest]}"
 
 
-def _dequantize(t, type_name: str, shape: tuple[int, ...]) -> np.ndarray:
+def _dequantize(data: np.ndarray, type_name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """Float32 values of a tensor's raw bytes (a copy: the file's pages stay read-only and shared)."""
     import gguf
 
     if type_name == "F32":
-        a = np.array(t.data, dtype=np.float32)  # a copy: the file's pages are read-only
+        a = data.view(np.float32).copy()
     elif type_name == "F16":
-        a = np.asarray(t.data, dtype=np.float16).astype(np.float32)
+        a = data.view(np.float16).astype(np.float32)
     elif type_name == "BF16":
-        a = (np.asarray(t.data).view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+        a = (data.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
     else:
-        a = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).astype(np.float32, copy=False)
+        rows = data.reshape(int(np.prod(shape[:-1], dtype=np.int64)), -1)
+        qtype = gguf.GGMLQuantizationType[type_name]
+        a = np.empty((rows.shape[0], shape[-1]), dtype=np.float32)
+        for start in range(0, rows.shape[0], DEQUANT_ROWS):  # in slices: the dequantizer's temporaries stay small
+            a[start:start + DEQUANT_ROWS] = gguf.quants.dequantize(rows[start:start + DEQUANT_ROWS], qtype)
     a = a.reshape(shape)
     if not np.isfinite(a).all():
         raise ValueError("contains NaN or inf")

@@ -142,12 +142,11 @@ def resolve_isa(arch: str | None, isa_choice: str | None):
 
 def model_in_features(path: str) -> list[int]:
     """Distinct K of the 2-D weight tensors of a GGUF model (the inputs of its linear layers)."""
-    import gguf
+    from .models.gguf_file import GGUFFile
 
     if not os.path.isfile(path):
         raise FileNotFoundError(f"model file not found: {path}")
-    reader = gguf.GGUFReader(path)
-    ks = {int(t.shape[0]) for t in reader.tensors if len(t.shape) == 2 and t.name.endswith(".weight")}
+    ks = {t.shape[1] for t in GGUFFile(path).tensors.values() if len(t.shape) == 2 and t.name.endswith(".weight")}
     if not ks:
         raise ValueError(f"{path}: no 2-D weight tensors found")
     return sorted(ks)

@@ -1,0 +1,66 @@
+"""Our GGUF reader against the gguf package's, and against malformed files."""
+import struct
+
+import gguf
+import numpy as np
+import pytest
+
+from conftest import smollm2_path
+from tmac import ModelFormatError
+from tmac.models.gguf_file import GGUFFile
+
+
+def test_reads_smollm2_like_the_gguf_package():
+    ours, ref = GGUFFile(smollm2_path()), gguf.GGUFReader(smollm2_path())
+    for key, field in ref.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        want = field.contents()
+        got = ours.metadata[key]
+        assert got == pytest.approx(want) if isinstance(want, float) else got == want, key
+    assert len(ours.tensors) == len(ref.tensors)
+    for t in ref.tensors:
+        mine = ours.tensors[t.name]
+        assert mine.type_name == t.tensor_type.name
+        assert mine.shape == tuple(int(d) for d in reversed(t.shape))
+        assert np.array_equal(mine.data, np.asarray(t.data).view(np.uint8).reshape(-1)), t.name
+
+
+def _header(version=3, tensors=0, kvs=0):
+    return b"GGUF" + struct.pack("<IQQ", version, tensors, kvs)
+
+
+def _string(s: bytes):
+    return struct.pack("<Q", len(s)) + s
+
+
+@pytest.mark.parametrize("blob, field", [
+    (b"GGU", "header"),
+    (b"GGML" + bytes(20), "magic"),
+    (_header(version=7), "version"),
+    (_header(kvs=1 << 60), "kv_count"),
+    (_header(tensors=1 << 40), "tensor_count"),
+    (_header(kvs=1) + _string(b"k") + struct.pack("<I", 8) + struct.pack("<Q", 1 << 50), "k"),
+    (_header(kvs=1) + _string(b"arr") + struct.pack("<IIQ", 9, 6, 1 << 40), "arr length"),
+    (_header(kvs=1) + _string(b"x") + struct.pack("<I", 99) + bytes(16), "x"),
+    (_header(kvs=1) + _string(b"\xff\xfe") + struct.pack("<I", 4) + bytes(4), "metadata key"),
+    (_header(tensors=1) + _string(b"w") + struct.pack("<I", 9) + bytes(64), "tensor w"),
+    (_header(tensors=1) + _string(b"w") + struct.pack("<IQQIQ", 2, 32, 1 << 39, 0, 0) + bytes(32), "tensor w"),
+    (_header(tensors=1) + _string(b"w") + struct.pack("<IQIQ", 1, 64, 12345, 0) + bytes(32), "tensor w"),
+    (_header(tensors=1) + _string(b"w") + struct.pack("<IQIQ", 1, 30, 2, 0) + bytes(64), "tensor w"),
+])
+def test_malformed_files_raise_model_format_error(tmp_path, blob, field):
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(blob)
+    with pytest.raises(ModelFormatError, match=field) as e:
+        GGUFFile(str(path))
+    assert "bad.gguf" in str(e.value)
+
+
+def test_truncated_smollm2_fails_cleanly(tmp_path):
+    data = open(smollm2_path(), "rb").read()
+    for cut in (30, 5000, 2_000_000, len(data) - 10):
+        path = tmp_path / "cut.gguf"
+        path.write_bytes(data[:cut])
+        with pytest.raises(ModelFormatError, match="cut.gguf"):
+            GGUFFile(str(path))
