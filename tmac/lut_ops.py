@@ -29,10 +29,12 @@ def kernels_for(spec: KernelSpec, kernel_dir: str | None = None) -> runtime.Kern
 
 def lut_linear(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                bias: torch.Tensor | None, spec: KernelSpec, m: int, kernel_dir: str | None = None,
-               out: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ W.T (+ bias)`` for float32 ``x [N, K]`` and packed ``W`` of ``m`` rows; float32 ``[N, m]``."""
+               out: torch.Tensor | None = None, packed_checked: bool = False) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` for float32 ``x [N, K]`` and packed ``W`` of ``m`` rows; float32 ``[N, m]``.
+    ``packed_checked``: the caller has validated exactly these packed tensors with ``check_packed``."""
     check_activations(x, spec.k)
-    check_packed(spec, m, weights, scales, zeros, bias)
+    if not packed_checked:
+        check_packed(spec, m, weights, scales, zeros, bias)
     n = x.shape[0]
     if out is None:
         out = torch.empty((n, m), dtype=torch.float32)

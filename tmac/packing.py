@@ -30,7 +30,8 @@ from .formats import PER_ROW, PER_TENSOR, WeightFormat, check_bits
 from .qweight import QuantizedWeight
 from .reference import default_lut_group, plane_nibbles
 
-CHUNKS = {1: ((0, 1),), 2: ((0, 2),), 3: ((0, 2), (2, 1)), 4: ((0, 4),)}  # bits → ((first plane, planes), ...)
+PACK_ROWS = 4096
+CHUNKS = {1: ((0, 1),), 2: ((0, 2),), 3: ((0, 2), (2, 1)), 4: ((0, 4),), 8: ((0, 4), (4, 4))}  # bits → ((first plane, planes), ...)
 
 
 @dataclass(frozen=True)
@@ -128,16 +129,30 @@ class PackedWeight:
 
 
 def pack(qw: QuantizedWeight, spec: KernelSpec) -> PackedWeight:
-    """Lay ``qw`` out for ``spec``. Deterministic; numpy only (vectorized over the whole matrix)."""
+    """Lay ``qw`` out for ``spec``. Deterministic; numpy, vectorized over slices of ~``PACK_ROWS`` rows."""
     m, k = qw.shape
     if (k, qw.format.bits, qw.format.has_zeros) != (spec.k, spec.bits, spec.has_zeros):
         raise ValueError(f"weight (K={k}, bits={qw.format.bits}, zeros={qw.format.has_zeros}) does not match "
                          f"kernel {spec.name}")
-    bm, vl, mb = spec.block_rows, spec.vector_bytes, spec.blocks(m)
-    codes = np.zeros((mb * bm, k), dtype=np.uint8)
-    codes[:m] = qw.codes
-    nib = plane_nibbles(codes, spec.bits)  # [bits, Mp, K/4]
-    pair = nib[:, :, 0::2] | (nib[:, :, 1::2] << 4)  # [bits, Mp, K/8]: low nibble table 2kp, high 2kp+1
+    bm, mb = spec.block_rows, spec.blocks(m)
+    weights = np.empty(packed_shapes(spec, m)[0], dtype=np.uint8)
+    step = max(1, PACK_ROWS // bm)  # blocks per slice: the bit-plane temporaries are bits × the slice's codes
+    for b0 in range(0, mb, step):
+        b1 = min(mb, b0 + step)
+        codes = np.zeros(((b1 - b0) * bm, k), dtype=np.uint8)
+        rows = qw.codes[b0 * bm:b1 * bm]
+        codes[:rows.shape[0]] = rows
+        weights[b0:b1] = _pack_blocks(codes, spec)
+    return PackedWeight(spec, m, weights, _pack_params(qw.scales, qw, spec),
+                        None if qw.zeros is None else _pack_params(qw.zeros, qw, spec))
+
+
+def _pack_blocks(codes: np.ndarray, spec: KernelSpec) -> np.ndarray:
+    """W for whole row blocks of codes ``[blocks·BM, K]``."""
+    bm, vl, k = spec.block_rows, spec.vector_bytes, spec.k
+    mb = codes.shape[0] // bm
+    nib = plane_nibbles(codes, spec.bits)  # [bits, rows, K/4]
+    pair = nib[:, :, 0::2] | (nib[:, :, 1::2] << 4)  # [bits, rows, K/8]: low nibble table 2kp, high 2kp+1
     pair = pair.reshape(spec.bits, mb, bm, k // 8)
     parts = []
     for first, planes in spec.chunks:
@@ -145,9 +160,7 @@ def pack(qw: QuantizedWeight, spec: KernelSpec) -> PackedWeight:
         # [planes, MB, BM, K/8] → [MB, K/8, vectors, rows-in-vector, planes]
         c = pair[first:first + planes].reshape(planes, mb, bm // per_vec, per_vec, k // 8)
         parts.append(c.transpose(1, 4, 2, 3, 0).reshape(mb, k // 8, bm * planes))
-    weights = np.ascontiguousarray(np.concatenate(parts, axis=2))
-    return PackedWeight(spec, m, weights, _pack_params(qw.scales, qw, spec),
-                        None if qw.zeros is None else _pack_params(qw.zeros, qw, spec))
+    return np.concatenate(parts, axis=2)
 
 
 def packed_shapes(spec: KernelSpec, m: int) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -139,6 +139,11 @@ def _decode_q4_0(blocks):
     return _nibbles(blocks[:, 2:]), _f16(blocks, 0).astype(np.float32), None
 
 
+def _decode_q8_0(blocks):
+    # w = d·q with q signed; code q + 128 so that w = d·(code − 128)
+    return (blocks[:, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8), _f16(blocks, 0).astype(np.float32), None
+
+
 def _decode_q4_1(blocks):
     d = _f16(blocks, 0).astype(np.float64)
     m = _f16(blocks, 2).astype(np.float64)
@@ -163,6 +168,6 @@ def _decode_tq1_0(blocks):
     return q + 1, _f16(blocks, 52).astype(np.float32), None
 
 
-_DECODERS = {"Q4_0": _decode_q4_0, "Q4_1": _decode_q4_1, "TQ2_0": _decode_tq2_0, "TQ1_0": _decode_tq1_0}
+_DECODERS = {"Q8_0": _decode_q8_0, "Q4_0": _decode_q4_0, "Q4_1": _decode_q4_1, "TQ2_0": _decode_tq2_0, "TQ1_0": _decode_tq1_0}
 assert set(_DECODERS) == set(GGUF_EXACT), "every exact GGUF format in formats.FORMATS needs a decoder"
 assert all(FORMATS[f.name] is f for f in GGUF_EXACT.values())
