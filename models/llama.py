@@ -152,6 +152,21 @@ class Transformer(GenerationMixin, nn.Module):
         self.context = 0
         self.cache_k = self.cache_v = self.cos = self.sin = None
 
+    @classmethod
+    def skeleton(cls, cfg: LlamaConfig) -> "Transformer":
+        """The modules on the meta device, uninitialized, for a loader to fill. (Random init on meta tensors
+        goes through torch's Python reference ops, which import torch._dynamo: 1.6 s for nothing.)"""
+        names = ("normal_", "uniform_", "kaiming_uniform_")
+        saved = {n: getattr(nn.init, n) for n in names}
+        try:
+            for n in names:
+                setattr(nn.init, n, lambda tensor, *args, **kwargs: tensor)
+            with torch.device("meta"):
+                return cls(cfg)
+        finally:
+            for n, f in saved.items():
+                setattr(nn.init, n, f)
+
     def setup_cache(self, context: int) -> None:
         """Preallocate the KV cache and the RoPE table for ``context`` positions."""
         cfg = self.config

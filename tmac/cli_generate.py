@@ -16,6 +16,15 @@ def add_parsers(sub, common) -> None:
     r.add_argument("--json", action="store_true", help="print one JSON object (text, ids, speeds) instead")
     r.set_defaults(func=cmd_run)
 
+    v = sub.add_parser("convert", parents=[common], help="write a pre-packed .tmac model file")
+    v.add_argument("model", help="GGUF file or Hugging Face directory")
+    v.add_argument("--bits", type=int, choices=[1, 2, 3, 4, 8], help="requantize the projections (default: keep "
+                                                                     "the file's exact quantization)")
+    v.add_argument("--group-size", type=int, choices=[32, 64, 128, 256], help="group size with --bits")
+    v.add_argument("--head-bits", type=int, choices=[1, 2, 3, 4, 8], help="quantize the output head too")
+    v.add_argument("-o", "--output", required=True, metavar="OUT.tmac")
+    v.set_defaults(func=cmd_convert)
+
     c = sub.add_parser("chat", parents=[common], help="interactive multi-turn chat (/reset, /exit; Ctrl-C stops "
                                                       "an answer)")
     _model_args(c)
@@ -147,6 +156,30 @@ def cmd_run(args) -> int:
         print()
         print(_stats_line(st), file=sys.stderr)
     return 130 if interrupted else 0
+
+
+def cmd_convert(args) -> int:
+    import os
+
+    import tmac
+    from tmac.models.tmac_file import save_model
+
+    if args.group_size is not None and args.bits is None:
+        raise ValueError("--group-size needs --bits")
+    t0 = time.perf_counter()
+    model = tmac.load_model(args.model, bits=args.bits, group_size=args.group_size, head_bits=args.head_bits,
+                            context=1, progress=True)
+    save_model(model, args.output)
+    linears = [m for m in model.modules() if isinstance(m, tmac.Linear)]
+    formats = sorted({m.format.name for m in linears})
+    rows = [("source", args.model), ("output", args.output),
+            ("quantized layers", f"{len(linears)} ({', '.join(formats) or 'none'})"),
+            ("file size", f"{os.path.getsize(args.output) / 2**20:.1f} MiB"),
+            ("time", f"{time.perf_counter() - t0:.1f} s")]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    return 0
 
 
 def cmd_chat(args) -> int:

@@ -21,7 +21,7 @@ from torch import nn
 from .formats import WeightFormat
 from .kernels import best_isa, isa_by_name
 from .lut_ops import check_packed, lut_linear
-from .packing import KernelSpec, PackedWeight, pack, spec_for, unpack
+from .packing import KernelSpec, PackedWeight, pack, packed_shapes, spec_for, spec_for_format, unpack
 from .qweight import QuantizedWeight
 from .quantize import quantize_weight
 
@@ -108,10 +108,11 @@ class Linear(nn.Module):
         self = cls.__new__(cls)
         nn.Module.__init__(self)
         self.format, self.kernel_dir = fmt, kernel_dir
-        k = spec.k
-        qw = QuantizedWeight(np.full((m, k), fmt.code_range[0], np.uint8), np.ones(fmt.scale_shape(m, k), np.float32),
-                             np.zeros(fmt.scale_shape(m, k), np.float32) if fmt.has_zeros else None, fmt)
-        self._set(qw, torch.zeros(m) if bias else None, None, kernel_dir)
+        local = spec_for_format(fmt, spec.k, best_isa())  # what this machine runs; loading repacks if it differs
+        w_shape, s_shape = packed_shapes(local, m)
+        self._set_packed(PackedWeight(local, m, np.zeros(w_shape, np.uint8), np.zeros(s_shape, np.float32),
+                                      np.zeros(s_shape, np.float32) if fmt.has_zeros else None),
+                         torch.zeros(m) if bias else None)
         return self
 
     # ---- use -------------------------------------------------------------------------------------------------

@@ -21,7 +21,8 @@ from .linear import Linear
 FILE_VERSION = 1
 
 
-def save(model: nn.Module, path: str | os.PathLike) -> None:
+def save(model: nn.Module, path: str | os.PathLike, model_info: dict | None = None) -> None:
+    """Write ``model``'s state dict to ``path``; ``model_info`` (JSON) describes how to rebuild the model."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"tmac.save takes an nn.Module, got {type(model).__name__}")
     from safetensors.torch import save_file
@@ -44,6 +45,8 @@ def save(model: nn.Module, path: str | os.PathLike) -> None:
                                 f"pickle (only tensors and JSON extra states)") from None
             extras[key] = value
     meta = {"format": "pt", "tmac": json.dumps({"version": FILE_VERSION, "extra_state": extras, "aliases": aliases})}
+    if model_info is not None:
+        meta["tmac_model"] = json.dumps(model_info)
     path = os.fspath(path)
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".tmac-save-")
     os.close(fd)
@@ -84,6 +87,18 @@ def load(path: str | os.PathLike, model: nn.Module | None = None, *, strict: boo
     except RuntimeError as e:
         raise ModelFormatError(f"{path}: {e}") from None
     return model
+
+
+def read_model_info(path: str | os.PathLike) -> dict | None:
+    """The ``model_info`` a file was saved with (None for plain state dicts), reading only the header."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(os.fspath(path), framework="pt") as f:
+            info = (f.metadata() or {}).get("tmac_model")
+        return None if info is None else json.loads(info)
+    except Exception as e:  # safetensors and json raise their own error types for malformed files
+        raise ModelFormatError(f"{path}: not a readable tmac model file ({e})") from None
 
 
 def read_state(path: str | os.PathLike) -> dict:
