@@ -224,3 +224,23 @@ def test_packed_bitnet_matches_transformers_bitlinear(tmp_path, monkeypatch):
     # semantics are exact (the same model with float dequantized weights is within 5e-7 of the reference); what
     # remains is int8 table rounding, which squared ReLU and the sub-norms of a random 2-layer model amplify
     assert err <= 0.06
+
+
+def test_greedy_tokens_do_not_depend_on_thread_count(smollm2):
+    """The kernels split rows, never a dot product, across threads, so results are bit-identical."""
+    ref = _reference("smollm2_llamacpp.json")
+    runs = []
+    old = tmac.get_num_threads(), torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            tmac.set_num_threads(threads)
+            torch.set_num_threads(threads)
+            out = []
+            for case in ref["greedy"][:3]:
+                smollm2.cached_ids = []
+                out.append(smollm2.generate(case["prompt_ids"], max_new_tokens=24))
+            runs.append(out)
+    finally:
+        tmac.set_num_threads(old[0])
+        torch.set_num_threads(old[1])
+    assert runs[0] == runs[1]
