@@ -26,5 +26,9 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m pytest -q bench --benchmark-columns=median,ops --benchmark-sort=name
 
+# a longer fuzz campaign: 2,600 fresh cases for each of the 4 model-file targets (>= 10,000) and the 2 misuse targets
+fuzz: $(STAMP)
+	TMAC_FUZZ_EXAMPLES=2600 $(BIN)/python -m pytest -q tests/test_fuzz.py
+
 clean:
 	rm -rf $(VENV) build *.egg-info

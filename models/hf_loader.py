@@ -73,8 +73,16 @@ class HFModel:
             raise ModelFormatError(f"{single}: not a readable safetensors file ({e})") from None
 
     def _config(self) -> LlamaConfig:
-        c = self.hf_config
-        arch = (c.get("architectures") or [None])[0]
+        try:
+            return self._parse_config(self.hf_config)
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError) as e:
+            if isinstance(e, ModelFormatError):
+                raise
+            raise ModelFormatError(f"{self.path}/config.json: malformed ({type(e).__name__}: {e})") from None
+
+    def _parse_config(self, c: dict) -> LlamaConfig:
+        archs = c.get("architectures")
+        arch = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
         if arch not in ARCHITECTURES:
             raise ModelFormatError(f"{self.path}/config.json: architecture {arch!r} is not supported; supported: "
                                    f"{', '.join(ARCHITECTURES)}")
@@ -101,18 +109,15 @@ class HFModel:
         if rope_type not in ("default", "llama3"):
             raise ModelFormatError(f"{self.path}/config.json: RoPE type {rope_type!r} is not supported; supported: "
                                    f"default, llama3")
-        try:
-            heads = c["num_attention_heads"]
-            return LlamaConfig(
-                vocab_size=c["vocab_size"], dim=c["hidden_size"], n_layers=c["num_hidden_layers"], n_heads=heads,
-                n_kv_heads=c.get("num_key_value_heads") or heads, ffn_dim=c["intermediate_size"],
-                head_dim=c.get("head_dim") or 0, norm_eps=float(c.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
-                rope_scaling=rope if rope_type == "llama3" else None,
-                context_length=c.get("max_position_embeddings", 2048),
-                tie_embeddings=bool(c.get("tie_word_embeddings", False)) or "lm_head.weight" not in self.files)
-        except (KeyError, TypeError, ValueError) as e:
-            raise ModelFormatError(f"{self.path}/config.json: {type(e).__name__}: {e}") from None
+        heads = c["num_attention_heads"]
+        return LlamaConfig(
+            vocab_size=c["vocab_size"], dim=c["hidden_size"], n_layers=c["num_hidden_layers"], n_heads=heads,
+            n_kv_heads=c.get("num_key_value_heads") or heads, ffn_dim=c["intermediate_size"],
+            head_dim=c.get("head_dim") or 0, norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
+            rope_scaling=rope if rope_type == "llama3" else None,
+            context_length=c.get("max_position_embeddings", 2048),
+            tie_embeddings=bool(c.get("tie_word_embeddings", False)) or "lm_head.weight" not in self.files)
 
     def weight(self, name: str, exact: bool = False) -> torch.Tensor | QuantizedWeight:
         hf = GLOBAL_TENSORS.get(name)

@@ -18,6 +18,19 @@ from torch import nn
 from .generate import GenerationMixin
 
 
+# upper bounds far above any real model: a config from a file is untrusted, and sizes drive allocations
+LIMITS = {"vocab_size": 1 << 22, "dim": 1 << 16, "n_layers": 1 << 10, "n_heads": 1 << 10, "n_kv_heads": 1 << 10,
+          "ffn_dim": 1 << 18, "head_dim": 1 << 12, "context_length": 1 << 24}
+
+
+def _valid_llama3_scaling(s) -> bool:
+    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    if not isinstance(s, dict) or not all(isinstance(s.get(k), (int, float)) and not isinstance(s.get(k), bool)
+                                          and 0 < s[k] < 1e30 for k in keys):
+        return False
+    return s["low_freq_factor"] < s["high_freq_factor"]
+
+
 @dataclass
 class LlamaConfig:
     vocab_size: int
@@ -34,11 +47,18 @@ class LlamaConfig:
     tie_embeddings: bool = False
 
     def __post_init__(self):
-        if self.head_dim == 0:
+        problems = [f"{name}={getattr(self, name)!r:.40}" for name, most in LIMITS.items()
+                    if type(getattr(self, name)) is not int or not 0 <= getattr(self, name) <= most]
+        if not problems and self.head_dim == 0 and self.n_heads:
             self.head_dim = self.dim // self.n_heads
-        problems = [f"{name}={getattr(self, name)!r}" for name in
-                    ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "head_dim", "context_length")
-                    if type(getattr(self, name)) is not int or getattr(self, name) < 1]
+        problems += [f"{name}={getattr(self, name)!r}" for name in LIMITS if getattr(self, name) == 0]
+        for name in ("norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1e30:
+                problems.append(f"{name}={value!r:.40}")
+        if self.rope_scaling is not None and not _valid_llama3_scaling(self.rope_scaling):
+            problems.append(f"rope_scaling={self.rope_scaling!r:.200} (llama3 needs numbers factor, "
+                            f"low_freq_factor < high_freq_factor, original_max_position_embeddings)")
         if not problems and self.n_heads % self.n_kv_heads:
             problems.append(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
         if not problems and self.head_dim % 2:

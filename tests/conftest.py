@@ -1,5 +1,6 @@
 import importlib.util
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -36,3 +37,13 @@ def runnable_isas():
     from tmac.cpu import cpu_features, machine_arch
 
     return [n for n, i in ISAS.items() if i.arch == machine_arch() and i.features <= cpu_features()]
+
+
+def pytest_terminal_summary(terminalreporter):
+    fuzz = sys.modules.get("test_fuzz")
+    if fuzz is not None and fuzz.RESULTS:
+        total = sum(c["accepted"] + c["rejected"] for c in fuzz.RESULTS.values())
+        terminalreporter.write_line(f"\nfuzz cases run: {total} in the targets that passed")
+        for target, c in sorted(fuzz.RESULTS.items()):
+            terminalreporter.write_line(f"  {target:<16} {c['accepted']:>6} accepted and correct, {c['rejected']:>6} "
+                                        f"rejected with a clear Python exception")

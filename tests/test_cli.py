@@ -1,6 +1,10 @@
 import json
+import os
+import select
+import signal
 import subprocess
 import sys
+import time
 
 from conftest import smollm2_path
 
@@ -96,3 +100,22 @@ def test_convert_then_run_gives_the_same_greedy_ids(tmp_path):
     assert runs[0]["prompt_ids"] == runs[1]["prompt_ids"]  # tokenizer and chat template travel in the file
     r = tmac("run", str(out), "-p", "x", "--bits", "2")
     assert r.returncode == 1 and "already converted" in r.stderr
+
+
+def test_ctrl_c_in_run_keeps_the_partial_output():
+    proc = subprocess.Popen([sys.executable, "-m", "tmac.cli", "run", "-p", "Write a long story about a dragon.",
+                             "-n", "1500", "--context", "2048"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    first = ""
+    deadline = time.time() + 300
+    while len(first) < 40 and time.time() < deadline:  # wait until generation streams
+        if select.select([proc.stdout], [], [], 1.0)[0]:
+            first += os.read(proc.stdout.fileno(), 4096).decode()
+    assert len(first) >= 40, "no tokens streamed"
+    proc.send_signal(signal.SIGINT)
+    rest, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "generated:" in err  # the stats line of what was generated
+    generated = int(err.split("generated: ")[1].split()[0])
+    assert 0 < generated < 1500
+    assert len(first + rest) >= 40 and "interrupted" not in err.splitlines()[-1]

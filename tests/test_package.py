@@ -15,3 +15,49 @@ def test_subpackages_map_to_top_level_folders():
 
     for mod, folder in ((tmac.codegen, "codegen"), (tmac.kernels, "kernels"), (tmac.models, "models")):
         assert mod.__file__.replace("\\", "/").split("/")[-2] == folder
+
+
+def test_nothing_in_the_package_can_execute_a_model_file():
+    """No pickle anywhere: no pickle/marshal/shelve imports, no torch.load or numpy allow_pickle, no eval/exec.
+    (Model files are safetensors, GGUF and JSON; chat templates render sandboxed — next test.)"""
+    import ast
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    offenders = []
+    for folder in ("tmac", "models", "codegen", "kernels"):
+        for dirpath, _, files in os.walk(os.path.join(root, folder)):
+            for name in files:
+                if not name.endswith(".py"):
+                    continue
+                path = os.path.join(dirpath, name)
+                for node in ast.walk(ast.parse(open(path).read(), path)):
+                    if isinstance(node, (ast.Import, ast.ImportFrom)):
+                        mods = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
+                        offenders += [(path, m) for m in mods if m.split(".")[0] in ("pickle", "marshal", "shelve",
+                                                                                       "dill", "cloudpickle")]
+                    elif isinstance(node, ast.Call):
+                        f = node.func
+                        called = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+                        owner = getattr(f.value, "id", "") if isinstance(f, ast.Attribute) else ""
+                        kwargs = {k.arg for k in node.keywords}
+                        if called in ("eval", "exec") and not owner or (owner, called) == ("torch", "load") \
+                                or "allow_pickle" in kwargs:
+                            offenders.append((path, ast.unparse(node)[:80]))
+    assert not offenders, offenders
+
+
+def test_chat_templates_render_in_a_sandbox():
+    import pytest
+    from jinja2.exceptions import SecurityError
+
+    from tmac.models.tokenizer import _compile_template
+
+    hostile = "{{ ''.__class__.__mro__[1].__subclasses__() }}"
+    with pytest.raises(SecurityError):
+        _compile_template(hostile).render(messages=[])
+    mutate = "{% set m = messages %}{{ m.append(1) }}"
+    with pytest.raises(SecurityError):
+        _compile_template(mutate).render(messages=[])
+    assert _compile_template("{% for m in messages %}{{ m.content }}{% endfor %}").render(
+        messages=[{"content": "hi"}]) == "hi"

@@ -38,12 +38,22 @@ def test_cached_kernels_run_without_importing_tvm(tmp_path):
     assert second.stdout.split()[1] == first.stdout.split()[1]
 
 
-def test_corrupted_cached_library_is_rebuilt_not_loaded(tmp_path):
+@pytest.mark.parametrize("damage", ["truncated library", "flipped byte", "garbage sidecar", "no sidecar"])
+def test_corrupted_cached_library_is_rebuilt_not_loaded(tmp_path, damage):
     env = dict(os.environ, TMAC_CACHE_DIR=str(tmp_path))
     assert _run(RUN_CACHED.format(bits=2), env).returncode == 0
     (lib,) = [os.path.join(r, f) for r, _, fs in os.walk(tmp_path) for f in fs if f.endswith(".so")]
-    with open(lib, "r+b") as f:
-        f.truncate(1000)
+    if damage == "truncated library":
+        with open(lib, "r+b") as f:
+            f.truncate(1000)
+    elif damage == "flipped byte":
+        data = bytearray(open(lib, "rb").read())
+        data[len(data) // 2] ^= 0xFF
+        open(lib, "wb").write(bytes(data))
+    elif damage == "garbage sidecar":
+        open(lib[:-3] + ".json", "w").write('{"spec": [1, 2')
+    else:
+        os.unlink(lib[:-3] + ".json")
     again = _run(RUN_CACHED.format(bits=2), env)
     assert again.returncode == 0, again.stderr
     assert "compiling kernel" in again.stderr
@@ -97,6 +107,9 @@ def test_kernel_dir_with_tampered_library_is_refused(tmp_path):
     lib.write_bytes(lib.read_bytes()[:-10])
     qw = quantize_weight(np.ones((8, 128), np.float32), bits=2, group_size=64)
     with pytest.raises(tmac.KernelUnavailableError, match="sha256"):
+        LutWeight.from_quantized(qw, kernel_dir=str(out)).matmul(torch.ones(1, 128))
+    (out / "manifest.json").write_text('{"kernels": [{"name": ')  # a damaged manifest is refused, not guessed at
+    with pytest.raises(tmac.KernelUnavailableError, match="manifest.json"):
         LutWeight.from_quantized(qw, kernel_dir=str(out)).matmul(torch.ones(1, 128))
 
 

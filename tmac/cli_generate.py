@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import signal
 import sys
 import time
 
@@ -86,11 +87,33 @@ def _prompt_ids(model, args, messages: list[dict]) -> list[int]:
     return tok.encode(tok.render_chat(messages))
 
 
+class Interrupted(Exception):
+    """Ctrl-C during generation: stop after the current token, keeping what was generated."""
+
+
+class CtrlCStops:
+    """While active, Ctrl-C only sets a flag that the streamer checks after each token, so generation stops
+    between tokens, never inside a kernel call or a half-updated KV cache; a second Ctrl-C interrupts at once."""
+
+    def __enter__(self):
+        self.hit = False
+        self._old = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.hit:
+            raise KeyboardInterrupt
+        self.hit = True
+
+    def __exit__(self, *exc):
+        signal.signal(signal.SIGINT, self._old)
+
+
 class Streamer:
     """Prints generated text as it grows, never half a UTF-8 character, and drops stop strings."""
 
-    def __init__(self, tokenizer, stop: tuple[str, ...], out=None):
-        self.tok, self.stop, self.out = tokenizer, stop, out
+    def __init__(self, tokenizer, stop: tuple[str, ...], out=None, ctrl_c: CtrlCStops | None = None):
+        self.tok, self.stop, self.out, self.ctrl_c = tokenizer, stop, out, ctrl_c
         self.ids: list[int] = []
         self.printed = 0
 
@@ -112,6 +135,8 @@ class Streamer:
             self.out.write(text[self.printed:end])
             self.out.flush()
         self.printed = max(self.printed, end)
+        if self.ctrl_c is not None and self.ctrl_c.hit:
+            raise Interrupted
 
     def finish(self) -> str:
         text = self.text()
@@ -141,13 +166,14 @@ def _stats_line(st: dict) -> str:
 def cmd_run(args) -> int:
     model, load_s = _load(args)
     ids = _prompt_ids(model, args, [{"role": "user", "content": args.prompt}])
-    streamer = Streamer(model.tokenizer, tuple(args.stop), None if args.json else sys.stdout)
     interrupted = False
-    try:
-        model.generate(ids, callback=streamer, **_sampling(args))
-    except KeyboardInterrupt:  # keep what was generated
-        interrupted = True
-        model.last_stats["stop_reason"] = "interrupted"
+    with CtrlCStops() as ctrl_c:
+        streamer = Streamer(model.tokenizer, tuple(args.stop), None if args.json else sys.stdout, ctrl_c)
+        try:
+            model.generate(ids, callback=streamer, **_sampling(args))
+        except (Interrupted, KeyboardInterrupt):  # keep what was generated
+            interrupted = True
+            model.last_stats["stop_reason"] = "interrupted"
     text = streamer.finish()
     st = _stats(model, load_s)
     if args.json:
@@ -203,11 +229,12 @@ def cmd_chat(args) -> int:
             continue
         messages.append({"role": "user", "content": line})
         ids = _prompt_ids(model, args, list(messages))
-        streamer = Streamer(model.tokenizer, tuple(args.stop), sys.stdout)
-        try:
-            model.generate(ids, callback=streamer, **_sampling(args))
-        except KeyboardInterrupt:
-            model.last_stats["stop_reason"] = "interrupted"
+        with CtrlCStops() as ctrl_c:
+            streamer = Streamer(model.tokenizer, tuple(args.stop), sys.stdout, ctrl_c)
+            try:
+                model.generate(ids, callback=streamer, **_sampling(args))
+            except (Interrupted, KeyboardInterrupt):
+                model.last_stats["stop_reason"] = "interrupted"
         messages.append({"role": "assistant", "content": streamer.finish()})
         print()
         print(_stats_line(_stats(model, load_s)), file=sys.stderr)

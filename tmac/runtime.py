@@ -4,7 +4,7 @@ Kernels are shared libraries loaded with ``tvm_ffi`` after preloading ``libtvm_r
 thread-pool and workspace hooks the libraries call), so running with cached kernels never imports ``tvm``;
 only a cache miss imports ``tmac.codegen`` (and with it TVM) to compile.
 
-Cache: ``$TMAC_CACHE_DIR`` or ``~/.cache/tmac``, one subdirectory per TVM version, one ``<spec>.so`` plus a
+Cache: ``$TMAC_CACHE_DIR`` or ``~/.cache/tmac``, one subdirectory per TVM version and kernel generator version, one ``<spec>.so`` plus a
 ``<spec>.json`` sidecar (spec, ISA, TVM version, sha256) per kernel. Writes go to a temporary file and are
 renamed into place under a file lock, so concurrent processes never load a half-written library; a library
 whose hash does not match its sidecar is rebuilt, never loaded. ``$TMAC_KERNEL_DIR`` (or an explicit
@@ -29,7 +29,7 @@ import warnings
 
 from .cpu import physical_cores
 from .errors import KernelUnavailableError
-from .packing import KernelSpec
+from .packing import KERNEL_VERSION, KernelSpec
 
 _lock = threading.Lock()
 _loaded: dict[tuple[str, str | None], "KernelLibrary"] = {}
@@ -116,7 +116,7 @@ def tvm_version() -> str:
 
 def cache_dir() -> str:
     root = os.environ.get("TMAC_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tmac")
-    return os.path.join(root, f"tvm-{tvm_version()}")
+    return os.path.join(root, f"tvm-{tvm_version()}-k{KERNEL_VERSION}")
 
 
 def sha256(path: str) -> str:
@@ -130,7 +130,8 @@ def sha256(path: str) -> str:
 def kernel_entry(spec: KernelSpec, isa, file: str, digest: str) -> dict:
     """What a manifest records about one compiled kernel."""
     return {"name": spec.name, "file": file, "isa": isa.name, "arch": isa.arch, "target": isa.target,
-            "tvm_version": tvm_version(), "sha256": digest, "spec": dataclasses.asdict(spec)}
+            "tvm_version": tvm_version(), "kernel_version": KERNEL_VERSION, "sha256": digest,
+            "spec": dataclasses.asdict(spec)}
 
 
 class KernelLibrary:
@@ -170,7 +171,8 @@ def _from_kernel_dir(spec: KernelSpec, kernel_dir: str) -> str | None:
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise KernelUnavailableError(f"kernel directory {kernel_dir}: cannot read manifest.json ({e})") from None
     for entry in entries:
-        if isinstance(entry, dict) and entry.get("name") == spec.name:
+        if isinstance(entry, dict) and entry.get("name") == spec.name \
+                and entry.get("kernel_version") == KERNEL_VERSION:
             path = os.path.join(kernel_dir, os.path.basename(str(entry.get("file", ""))))
             if not os.path.exists(path) or sha256(path) != entry.get("sha256"):
                 raise KernelUnavailableError(f"kernel directory {kernel_dir}: {entry.get('file')} is missing or "
