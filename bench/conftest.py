@@ -1,8 +1,9 @@
 """Collects every benchmark's median and prints ratio tables at the end (ratios within one run only)."""
-import time
 
 import pytest
 import torch
+
+from tmac.bench import BUSY_LIMIT, cpu_busy_fraction
 
 RESULTS: dict[tuple, float] = {}  # (regime, threads, shape, candidate) → median seconds
 
@@ -16,18 +17,6 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("threads", [int(t) for t in metafunc.config.getoption("threads").split(",")])
 
 
-def cpu_busy_fraction(seconds: float = 0.5) -> float:
-    """Share of all CPUs busy during ``seconds`` (from /proc/stat): the load check for 2-thread numbers."""
-    def snap():
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:]]
-        return sum(v), v[3] + v[4]
-    t0, i0 = snap()
-    time.sleep(seconds)
-    t1, i1 = snap()
-    return 1 - (i1 - i0) / max(t1 - t0, 1)
-
-
 @pytest.fixture
 def set_threads(threads):
     import tmac
@@ -35,7 +24,7 @@ def set_threads(threads):
     old_t, old_k = torch.get_num_threads(), tmac.get_num_threads()
     if threads > 1:
         busy = cpu_busy_fraction()
-        if busy > 0.25:
+        if busy > BUSY_LIMIT:
             pytest.skip(f"machine busy ({busy:.0%} of CPUs) before a {threads}-thread run: numbers would be noise")
     torch.set_num_threads(threads)
     tmac.set_num_threads(threads)

@@ -34,8 +34,11 @@ def build_tables_func(spec: KernelSpec):
             LUT = T.match_buffer(T.arg("lut", T.handle()), (np_, k // 4, 16), "int8", align=1)
             LS = T.match_buffer(T.arg("ls", T.handle()), (np_, k // lg), f32, align=1)
             XS = T.match_buffer(T.arg("xs", T.handle()), (np_, k // wg), f32, align=1)
-            tab = T.alloc_buffer((lg * 4,), f32, scope="local")  # the lg/4 float tables of one lut group
-            amax = T.alloc_buffer((1,), f32, scope="local")
+            # scratch buffers are "global" scope: TVM puts small global-scope buffers on the stack (registers, once
+            # LLVM promotes them), but services "local" ones with a workspace allocation per use
+            tab = T.alloc_buffer((lg * 4,), f32, scope="global")  # the lg/4 float tables of one lut group
+            amax = T.alloc_buffer((1,), f32, scope="global")
+            lanes = T.alloc_buffer((16,), f32, scope="global")
             # the Python wrappers check this too; a raw call must still not write past the tables
             with T.Assert(n <= np_, "build_tables: the table buffers have fewer rows than the activations",
                           "ValueError"):
@@ -47,19 +50,28 @@ def build_tables_func(spec: KernelSpec):
                                 signed = [tirx.Select((p >> j) & 1 == 1, xs[j], -xs[j]) for j in range(4)]
                                 T.buffer_store(tab, tirx.FloatImm(f32, 0.5) * ((signed[0] + signed[1])
                                                                               + (signed[2] + signed[3])), [t * 16 + p])
+                        # the largest |entry| of a table is its all-signs-agree entry (rounded addition is
+                        # monotonic, so this holds in fp32 too): one candidate per table, not 16
                         T.buffer_store(amax, tirx.FloatImm(f32, 0.0), [0])
-                        with T.serial(0, lg * 4) as i:
-                            T.buffer_store(amax, tirx.max(amax[0], tirx.abs(tab[i])), [0])
+                        with T.serial(0, lg // 4) as t:
+                            xa = [tirx.abs(X[row, g * lg + t * 4 + j]) for j in range(4)]
+                            T.buffer_store(amax, tirx.max(amax[0], tirx.FloatImm(f32, 0.5) * ((xa[0] + xa[1])
+                                                                                             + (xa[2] + xa[3]))), [0])
                         inv = tirx.Select(amax[0] > tirx.FloatImm(f32, 0.0),
                                           tirx.FloatImm(f32, 127.0) / amax[0], tirx.FloatImm(f32, 0.0))
                         with T.vectorized(0, lg * 4) as i:
                             T.buffer_store(LUT, tirx.Cast("int8", tirx.nearbyint(tab[i] * inv)),
                                            [row, g * (lg // 4) + i // 16, i % 16])
                         T.buffer_store(LS, amax[0] / tirx.FloatImm(f32, 127.0), [row, g])
-                    with T.serial(0, k // wg) as g:
+                    with T.serial(0, k // wg) as g:  # activation sums: 16 running lanes, then their total
+                        with T.vectorized(0, 16) as p:
+                            T.buffer_store(lanes, X[row, g * wg + p], [p])
+                        with T.serial(1, wg // 16) as i:
+                            with T.vectorized(0, 16) as p:
+                                T.buffer_store(lanes, lanes[p] + X[row, g * wg + i * 16 + p], [p])
                         T.buffer_store(XS, tirx.FloatImm(f32, 0.0), [row, g])
-                        with T.serial(0, wg) as i:
-                            T.buffer_store(XS, XS[row, g] + X[row, g * wg + i], [row, g])
+                        with T.serial(0, 16) as p:
+                            T.buffer_store(XS, XS[row, g] + lanes[p], [row, g])
     return ib.get()
 
 
@@ -94,9 +106,9 @@ def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str):
             with T.Assert(tirx.all(n <= np_, np_ % n_tile == 0),
                           f"{name}: the tables must cover every output row in whole tiles of {n_tile}", "ValueError"):
                 with T.parallel(0, mb) as blk:
-                    out = T.alloc_buffer((n_tile * bm,), f32, scope="local")
-                    racc = T.alloc_buffer((bm,), "int32", scope="local")
-                    accs = [T.alloc_buffer((nv * n_tile,), isa.acc_dtype(p), scope="local") for _, p, nv, _, _ in chunks]
+                    out = T.alloc_buffer((n_tile * bm,), f32, scope="global")
+                    racc = T.alloc_buffer((bm,), "int32", scope="global")
+                    accs = [T.alloc_buffer((nv * n_tile,), isa.acc_dtype(p), scope="global") for _, p, nv, _, _ in chunks]
                     with T.serial(0, np_ // n_tile) as nt:
                         with T.vectorized(0, n_tile * bm) as i:
                             T.buffer_store(out, tirx.FloatImm(f32, 0.0), [i])

@@ -87,5 +87,9 @@ def load_model_file(path: str) -> Transformer:
 def _tokenizer(tok: dict) -> Tokenizer:
     from tokenizers import Tokenizer as HFTokenizer
 
-    return Tokenizer(HFTokenizer.from_str(tok["json"]), tok["bos_id"], tok["eos_id"], bool(tok["add_bos"]),
+    try:
+        backend = HFTokenizer.from_str(tok["json"])
+    except Exception as e:  # tokenizers raises a bare Exception for malformed JSON
+        raise ValueError(f"tokenizer: {e}") from None
+    return Tokenizer(backend, tok["bos_id"], tok["eos_id"], bool(tok["add_bos"]),
                      tok["chat_template"], frozenset(int(i) for i in tok["stop_ids"]))

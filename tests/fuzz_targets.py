@@ -43,61 +43,15 @@ HEADROOM = 1 << 30  # bytes of private memory a case may allocate beyond what lo
 FLOAT_BITS = [math.nan, math.inf, -math.inf, 0.0, -0.0, 1e38, 1e-45]
 
 
-def _byte_tokens() -> list[str]:
-    """GPT-2's byte-to-unicode alphabet: the 256 single-byte tokens of a byte-level BPE."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
-    extra = [b for b in range(256) if b not in keep]
-    chars = {b: chr(b) for b in keep} | {b: chr(256 + i) for i, b in enumerate(extra)}
-    return [chars[b] for b in range(256)]
-
-
 def write_gguf(path: str) -> None:
     """A 1-layer llama GGUF whose projections are Q4_0, Q4_1 and F16, with a tokenizer and a chat template."""
-    import gguf
+    from tmac.models.llama import LlamaConfig
+    from tmac.models.synthetic import write_random_gguf
 
-    rng = np.random.default_rng(0)
-    tokens = _byte_tokens() + ["he", "ll", "hell", "<|endoftext|>"]
-    w = gguf.GGUFWriter(path, "llama")
-    w.add_block_count(LAYERS)
-    w.add_context_length(64)
-    w.add_embedding_length(DIM)
-    w.add_feed_forward_length(FFN)
-    w.add_head_count(HEADS)
-    w.add_head_count_kv(KV_HEADS)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt2")
-    w.add_token_list(tokens)
-    w.add_token_types([1] * (len(tokens) - 1) + [3])
-    w.add_token_merges(["h e", "l l", "he ll"])
-    w.add_eos_token_id(len(tokens) - 1)
-    w.add_chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}")
-
-    def add(name, shape, qtype):
-        data = rng.standard_normal(shape).astype(np.float32)
-        if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
-            w.add_tensor(name, data.astype(np.float16 if qtype == gguf.GGMLQuantizationType.F16 else np.float32))
-        else:
-            w.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
-
-    q40, q41 = gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1
-    add("token_embd.weight", (len(tokens), DIM), gguf.GGMLQuantizationType.F32)
-    add("output_norm.weight", (DIM,), gguf.GGMLQuantizationType.F32)
-    hd = DIM // HEADS
-    for i in range(LAYERS):
-        add(f"blk.{i}.attn_norm.weight", (DIM,), gguf.GGMLQuantizationType.F32)
-        add(f"blk.{i}.ffn_norm.weight", (DIM,), gguf.GGMLQuantizationType.F32)
-        add(f"blk.{i}.attn_q.weight", (HEADS * hd, DIM), q40)
-        add(f"blk.{i}.attn_k.weight", (KV_HEADS * hd, DIM), q40)
-        add(f"blk.{i}.attn_v.weight", (KV_HEADS * hd, DIM), q40)
-        add(f"blk.{i}.attn_output.weight", (DIM, HEADS * hd), q41)
-        add(f"blk.{i}.ffn_gate.weight", (FFN, DIM), q40)
-        add(f"blk.{i}.ffn_up.weight", (FFN, DIM), q40)
-        add(f"blk.{i}.ffn_down.weight", (DIM, FFN), gguf.GGMLQuantizationType.F16)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    types = {"attn_output": "Q4_1", "ffn_down": "F16", "token_embd": "F32"}
+    cfg = LlamaConfig(vocab_size=260, dim=DIM, n_layers=LAYERS, n_heads=HEADS, n_kv_heads=KV_HEADS, ffn_dim=FFN,
+                      context_length=64, tie_embeddings=True)
+    write_random_gguf(path, cfg, lambda name: types.get(name.split(".")[-2], "Q4_0"))
 
 
 def write_hf_dir(path: str) -> None:

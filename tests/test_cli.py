@@ -119,3 +119,51 @@ def test_ctrl_c_in_run_keeps_the_partial_output():
     generated = int(err.split("generated: ")[1].split()[0])
     assert 0 < generated < 1500
     assert len(first + rest) >= 40 and "interrupted" not in err.splitlines()[-1]
+
+
+def test_bench_kernels_table_json_and_plot(tmp_path):
+    png = tmp_path / "kernels.png"
+    r = tmac("bench", "--shape", "256x512", "--bits", "2,4", "--threads", "1", "--json", "--plot", str(png))
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    got = {row["candidate"]: row for row in out["rows"]}
+    assert {"torch fp32", "torch bf16", "torch int4wo", "tmac W2", "tmac W4"} <= set(got)
+    assert all(row["value"] > 0 and row["extra"]["GB/s"] > 0 and row["what"] == "256x512" for row in got.values())
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+    r = tmac("bench", "--shape", "256x512", "--bits", "2", "--threads", "1")
+    lines = r.stdout.splitlines()
+    assert r.returncode == 0 and "vs torch fp32" in lines[0] and any("tmac W2" in line for line in lines[2:])
+
+
+def test_bench_end_to_end_on_the_default_model():
+    r = tmac("bench", "--bits", "2", "--threads", "1", "--prompt-tokens", "8", "--gen-tokens", "8", "--no-peer",
+             "--json")
+    assert r.returncode == 0, r.stderr
+    (row,) = json.loads(r.stdout)["rows"]
+    assert row["candidate"] == "tmac W2" and row["threads"] == 1 and row["value"] > 0
+    assert row["extra"]["prefill tok/s"] > 0 and 20 < row["extra"]["model MiB"] < 400
+
+
+def test_bench_errors_are_one_line():
+    for args, needle in [(["bench", "--threads", "0"], "--threads"), (["bench", "--shape", "8x64", "--bits", "5"],
+                                                                       "--bits"),
+                         (["bench", "m.gguf", "--shape", "8x64"], "not both"),
+                         (["bench", "--gen-tokens", "2"], "--gen-tokens")]:
+        r = tmac(*args)
+        assert r.returncode == 1 and needle in r.stderr.strip().splitlines()[-1] and "Traceback" not in r.stderr, args
+
+
+def test_compile_for_a_model_gives_every_kernel_it_runs(tmp_path):
+    """`tmac compile --model` without --bits compiles the kernels of the file's exact formats (SmolLM2: Q4_1
+    layers and a Q8_0 head); running from that directory with an empty cache then compiles nothing."""
+    r = tmac("compile", "--model", smollm2_path(), "-o", str(tmp_path / "k"))
+    assert r.returncode == 0, r.stderr
+    specs = [e["spec"] for e in json.load(open(tmp_path / "k" / "manifest.json"))["kernels"]]
+    assert sorted((s["bits"], s["k"], s["has_zeros"]) for s in specs) == [(4, 576, True), (4, 1536, True),
+                                                                          (8, 576, False)]
+    env = dict(os.environ, TMAC_KERNEL_DIR=str(tmp_path / "k"), TMAC_CACHE_DIR=str(tmp_path / "empty-cache"))
+    r = tmac("run", "-p", "Hi", "-n", "4", "--json", env=env)
+    assert r.returncode == 0 and "compiling" not in r.stderr, r.stderr
+    assert len(json.loads(r.stdout)["generated_ids"]) > 0
+    r = tmac("compile", "--shape", "64x128", "-o", str(tmp_path / "x"))
+    assert r.returncode == 1 and "--bits is required" in r.stderr

@@ -137,3 +137,23 @@ def test_two_threads_give_the_same_result(rng):
     finally:
         tmac.set_num_threads(old)
     assert torch.equal(one, two)
+
+
+def test_tune_persists_and_later_kernels_use_it(tmp_path):
+    env = dict(os.environ, TMAC_CACHE_DIR=str(tmp_path))
+    r = subprocess.run([sys.executable, "-m", "tmac.cli", "tune", "--bits", "2", "--k", "256"], capture_output=True,
+                       text=True, env=env, timeout=900)
+    assert r.returncode == 0, r.stderr
+    assert "tuned GEMV ms" in r.stdout and "w2g128" in r.stdout
+    (path,) = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path) for f in fs if f == "tuning.json"]
+    ((key, tiling),) = json.load(open(path)).items()
+    assert key.endswith("|b2|k256|g128|lg128|z") and set(tiling) == {"block_rows", "unroll", "n_tile"}
+    check = ("import numpy as np, tmac; from tmac.lut_ops import LutWeight; "
+             "qw = tmac.quantize_weight(np.ones((64, 256), np.float32), bits=2, group_size=128); "
+             "s = LutWeight.from_quantized(qw).spec; print(s.block_rows, s.unroll, s.n_tile)")
+    used = _run(check, env)
+    assert used.returncode == 0, used.stderr
+    assert used.stdout.split() == [str(tiling["block_rows"]), str(tiling["unroll"]), str(tiling["n_tile"])]
+    open(path, "w").write("{not json")  # a damaged tuning file means defaults, not a crash
+    again = _run(check, env)
+    assert again.returncode == 0 and again.stdout.split()[1:] == ["4", "4"], again.stderr

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.metadata
 import json
 import os
@@ -42,7 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--arch", choices=["x86_64", "arm64"], default=None, help="target architecture (default: this)")
     c.add_argument("--isa", choices=["avx512", "avx2", "avx2-vnni", "neon", "neon-dotprod", "generic"],
                    help="instruction set (default: this CPU's best, or the common one of --arch)")
-    c.add_argument("--bits", type=int, required=True, choices=[1, 2, 3, 4])
+    c.add_argument("--bits", type=int, choices=[1, 2, 3, 4, 8],
+                   help="weights requantized to this many bits (with --model, default: the kernels the file's own "
+                        "exactly imported tensors need, e.g. Q4_1 layers and a Q8_0 head)")
     c.add_argument("--group-size", default="128", help=f"one of {GROUP_SIZES}, '{PER_ROW}' or '{PER_TENSOR}'")
     c.add_argument("--symmetric", action="store_true", help="weights without zeros")
     src = c.add_mutually_exclusive_group(required=True)
@@ -51,6 +54,29 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("-o", "--output", required=True, metavar="DIR")
     c.set_defaults(func=cmd_compile)
     cli_generate.add_parsers(sub, common)
+
+    t = sub.add_parser("tune", parents=[common], help="grid-search kernel tiling for this machine; later runs use it")
+    t.add_argument("--bits", default="1,2,3,4", help="comma-separated bit widths (default 1,2,3,4)")
+    t.add_argument("--group-size", default="128", help=f"one of {GROUP_SIZES}, '{PER_ROW}' or '{PER_TENSOR}'")
+    t.add_argument("--symmetric", action="store_true", help="weights without zeros")
+    src = t.add_mutually_exclusive_group(required=True)
+    src.add_argument("--k", metavar="K", help="comma-separated input sizes, e.g. 4096,11008")
+    src.add_argument("--model", metavar="PATH", help="a GGUF model: tune every kernel it runs as loaded")
+    t.set_defaults(func=cmd_tune)
+
+    b = sub.add_parser("bench", parents=[common], help="kernel (--shape) or end-to-end (MODEL) benchmarks against "
+                                                      "torch and, when installed, llama.cpp")
+    b.add_argument("model", nargs="?", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)")
+    b.add_argument("--shape", nargs="+", action="extend", metavar="MxK", help="benchmark GEMV kernels at these shapes")
+    b.add_argument("--bits", default=None, help="comma-separated bit widths (default: kernels 1,2,3,4; models: the "
+                                                "file's own quantization and 2)")
+    b.add_argument("--threads", default="1,2", help="comma-separated thread counts (default 1,2)")
+    b.add_argument("--prompt-tokens", type=int, default=64)
+    b.add_argument("--gen-tokens", type=int, default=64)
+    b.add_argument("--no-peer", action="store_true", help="do not run llama.cpp even if installed")
+    b.add_argument("--plot", metavar="PNG", help="write a bar chart (needs matplotlib)")
+    b.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
+    b.set_defaults(func=cmd_bench)
     return p
 
 
@@ -140,16 +166,35 @@ def resolve_isa(arch: str | None, isa_choice: str | None):
     return isa
 
 
-def model_in_features(path: str) -> list[int]:
-    """Distinct K of the 2-D weight tensors of a GGUF model (the inputs of its linear layers)."""
+def model_layers(path: str) -> list[tuple[str, int]]:
+    """(GGML type, K) of the 2-D weight tensors of a GGUF model, distinct: what its linear layers need."""
     from .models.gguf_file import GGUFFile
 
     if not os.path.isfile(path):
         raise FileNotFoundError(f"model file not found: {path}")
-    ks = {t.shape[1] for t in GGUFFile(path).tensors.values() if len(t.shape) == 2 and t.name.endswith(".weight")}
-    if not ks:
+    tensors = GGUFFile(path).tensors
+    head = "output.weight" if "output.weight" in tensors else "token_embd.weight"  # tied: the embedding is the head
+    layers = {(t.type_name, t.shape[1]) for t in tensors.values() if len(t.shape) == 2 and t.name.endswith(".weight")
+              and (t.name != "token_embd.weight" or head == "token_embd.weight")}
+    if not layers:
         raise ValueError(f"{path}: no 2-D weight tensors found")
-    return sorted(ks)
+    return sorted(layers)
+
+
+def kernel_formats(args) -> list[tuple[WeightFormat, int]]:
+    """(format, K) of every kernel ``tmac compile`` is asked for."""
+    from .formats import GGUF_EXACT
+
+    if args.bits is None:
+        if not args.model:
+            raise ValueError("--bits is required with --shape (only --model can default to the file's own formats)")
+        pairs = [(GGUF_EXACT[t], k) for t, k in model_layers(args.model) if t in GGUF_EXACT]
+        if not pairs:
+            raise ValueError(f"{args.model}: no tensor imports exactly (Q4_0/Q4_1/Q8_0/TQ1_0/TQ2_0); give --bits")
+        return pairs
+    fmt = WeightFormat.rtn(args.bits, parse_group_size(args.group_size), args.symmetric)
+    ks = {parse_shape(s)[1] for s in args.shape} if args.shape else {k for _, k in model_layers(args.model)}
+    return [(fmt, k) for k in sorted(ks)]
 
 
 def cmd_compile(args) -> int:
@@ -159,10 +204,8 @@ def cmd_compile(args) -> int:
 
     isa = resolve_isa(args.arch, args.isa)
     linker_for(isa.arch)  # fail early, naming the Debian package, when the cross linker is missing
-    group = parse_group_size(args.group_size)
-    fmt = WeightFormat.rtn(args.bits, group, args.symmetric)
-    ks = sorted({parse_shape(s)[1] for s in args.shape}) if args.shape else model_in_features(args.model)
-    specs = [spec_for_format(fmt, k, isa) for k in ks]  # raises naming K when the group size does not divide it
+    # raises naming K when the group size does not divide it
+    specs = list(dict.fromkeys(spec_for_format(fmt, k, isa) for fmt, k in kernel_formats(args)))
     os.makedirs(args.output, exist_ok=True)
     entries, rows = [], []
     for i, spec in enumerate(specs, 1):
@@ -182,6 +225,87 @@ def cmd_compile(args) -> int:
     os.replace(os.path.join(args.output, "manifest.json.tmp"), os.path.join(args.output, "manifest.json"))
     _print_table(rows, header=("kernel", "K", "bits", "group", "seconds", "bytes"))
     print(f"wrote {len(entries)} kernel(s) and manifest.json to {args.output} ({isa.arch}, {isa.name})")
+    return 0
+
+
+# ---- tune ----------------------------------------------------------------------------------------------------------
+
+def cmd_tune(args) -> int:
+    from . import tuning
+    from .kernels import best_isa
+    from .packing import KernelSpec
+    from .progress import Progress
+    from .reference import default_lut_group
+
+    isa = best_isa()
+    if args.model:
+        work = [(fmt, k) for fmt, k in kernel_formats(argparse.Namespace(bits=None, model=args.model, shape=None))]
+    else:
+        group = parse_group_size(args.group_size)
+        work = [(WeightFormat.rtn(b, group, args.symmetric), k) for b in _int_list(args.bits, "--bits", (1, 2, 3, 4))
+                for k in _int_list(args.k, "--k")]
+    rows = []
+    for i, (fmt, k) in enumerate(work, 1):
+        defaults = KernelSpec(isa.name, isa.vector_bytes, fmt.bits, k, k if isinstance(fmt.group_size, str)
+                              else fmt.group_size, default_lut_group(k, fmt.group_size), fmt.has_zeros)
+        n = len(tuning.candidates(isa.vector_bytes, defaults.lut_group)) + 3
+        with Progress(f"[{i}/{len(work)}] tuning {fmt.name} K={k}", n, None) as bar:
+            best, measured = tuning.tune(fmt, k, isa, progress=bar)
+        gemv = {(t["block_rows"], t["unroll"]): sec for t, sec in measured[:-3]}
+        rows.append((fmt.name, k, best["block_rows"], best["unroll"], best["n_tile"],
+                     f"{gemv[(defaults.block_rows, defaults.unroll)] * 1e3:.3f}",
+                     f"{gemv[(best['block_rows'], best['unroll'])] * 1e3:.3f}"))
+    _print_table(rows, header=("format", "K", "block_rows", "unroll", "n_tile", "default GEMV ms", "tuned GEMV ms"))
+    print(f"saved to {tuning.tuning_file()}; later kernels for these parameters use it")
+    return 0
+
+
+# ---- bench ---------------------------------------------------------------------------------------------------------
+
+def _int_list(text: str, what: str, allowed=None) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"{what} takes comma-separated integers, got {text!r}") from None
+    bad = [v for v in values if v < 1 or (allowed is not None and v not in allowed)]
+    if not values or bad:
+        raise ValueError(f"{what}: invalid value(s) {bad or text!r}" + (f"; allowed: {allowed}" if allowed else ""))
+    return values
+
+
+def cmd_bench(args) -> int:
+    from . import bench
+    from .progress import Progress
+
+    threads = _int_list(args.threads, "--threads")
+    notes: list[str] = []
+    if args.shape:
+        if args.model:
+            raise ValueError("give either MODEL (end-to-end) or --shape (kernels), not both")
+        shapes = [parse_shape(s) for s in args.shape]
+        bits = _int_list(args.bits or "1,2,3,4", "--bits", (1, 2, 3, 4))
+        total = len(shapes) * len(threads) * (len(bits) + 3)
+        with Progress("benchmarking kernels", total, None) as bar:
+            rows = bench.kernel_bench(shapes, bits, threads, notes, bar)
+        unit, baseline, ylabel = "ms", "torch fp32", "ms per GEMV (lower is better)"
+    else:
+        bits = [None, 2] if args.bits is None else _int_list(args.bits, "--bits", (1, 2, 3, 4))
+        for n, name in ((args.prompt_tokens, "--prompt-tokens"), (args.gen_tokens, "--gen-tokens")):
+            if n < 8:
+                raise ValueError(f"{name} must be >= 8, got {n}")
+        with Progress("benchmarking generation", len(bits) * len(threads) + len(threads), None) as bar:
+            rows = bench.e2e_bench(args.model, bits, threads, notes, args.prompt_tokens, args.gen_tokens,
+                                   not args.no_peer, bar)
+        unit, baseline, ylabel = "tok/s", rows[0].candidate if rows else "", "generated tokens/s (higher is better)"
+    if args.json:
+        print(json.dumps({"unit": unit, "notes": notes, "rows": [dataclasses.asdict(r) for r in rows]}))
+    else:
+        print(bench.table(rows, unit, baseline))
+        for note in dict.fromkeys(notes):
+            print(f"note: {note}")
+    if args.plot:
+        bench.plot(rows, args.plot, ylabel)
+        print(f"wrote {args.plot}", file=sys.stderr)
     return 0
 
 

@@ -30,7 +30,7 @@ from .formats import PER_ROW, PER_TENSOR, WeightFormat, check_bits
 from .qweight import QuantizedWeight
 from .reference import default_lut_group, plane_nibbles
 
-KERNEL_VERSION = 2  # of the generated code for a given spec: part of every cache key, bumped when codegen changes
+KERNEL_VERSION = 3  # of the generated code for a given spec: part of every cache key, bumped when codegen changes
 PACK_ROWS = 4096
 CHUNKS = {1: ((0, 1),), 2: ((0, 2),), 3: ((0, 2), (2, 1)), 4: ((0, 4),), 8: ((0, 4), (4, 4))}  # bits → ((first plane, planes), ...)
 
@@ -62,7 +62,9 @@ class KernelSpec:
             problems.append(f"group_size={g} does not divide K={k}")
         if lg not in (32, 64, 128, 256) or k % lg or g % lg:
             problems.append(f"lut_group={lg} must be 32/64/128/256 and divide K={k} and the group size {g}")
-        if bm <= 0 or bm % vl:
+        if vl not in (16, 32, 64):
+            problems.append(f"vector_bytes={vl} must be 16, 32 or 64")
+        elif bm <= 0 or bm % vl:
             problems.append(f"block_rows={bm} must be a positive multiple of the vector width {vl}")
         if self.n_tile < 1 or self.unroll < 1 or (lg // 8) % self.unroll:
             problems.append(f"n_tile={self.n_tile}, unroll={self.unroll}: unroll must divide lut_group/8")
@@ -112,10 +114,15 @@ def spec_for(qw: QuantizedWeight, isa, **tiling) -> KernelSpec:
 
 
 def spec_for_format(fmt: WeightFormat, k: int, isa, **tiling) -> KernelSpec:
-    """The kernel spec for weights of format ``fmt`` with ``k`` inputs on ``isa``."""
+    """The kernel spec for weights of format ``fmt`` with ``k`` inputs on ``isa``; tiling not given explicitly
+    comes from ``tmac tune``'s results for these parameters, else the defaults."""
+    from .tuning import tuned_tiling
+
     group = k if fmt.group_size in (PER_ROW, PER_TENSOR) else fmt.group_size
-    return KernelSpec(isa.name, isa.vector_bytes, fmt.bits, k, group, default_lut_group(k, fmt.group_size),
-                      fmt.has_zeros, **tiling)
+    lut_group = default_lut_group(k, fmt.group_size)
+    if not tiling:
+        tiling = tuned_tiling(isa.name, fmt.bits, k, group, lut_group, fmt.has_zeros)
+    return KernelSpec(isa.name, isa.vector_bytes, fmt.bits, k, group, lut_group, fmt.has_zeros, **tiling)
 
 
 @dataclass(frozen=True)

@@ -49,10 +49,15 @@ def bit_planes(codes: np.ndarray, bits: int) -> np.ndarray:
 
 def plane_nibbles(codes: np.ndarray, bits: int) -> np.ndarray:
     """``[bits, M, K/4]`` table indices: bit j of entry t of plane i is bit i of ``codes[:, 4t+j]``."""
-    planes = bit_planes(codes, bits)
-    b, m, k = planes.shape
-    runs = planes.reshape(b, m, k // 4, 4)
-    return (runs << np.arange(4, dtype=np.uint8)).sum(axis=3).astype(np.uint8)
+    m, k = codes.shape
+    # one little-endian uint32 per run of 4 codes: byte j is code 4t+j. Bit i of each byte, masked into bits
+    # 0/8/16/24 and multiplied by 2^24 + 2^17 + 2^10 + 2^3, lands byte j's bit at bit 24+j with no two partial
+    # products on the same bit (no carries); >> 24 is then the nibble
+    runs = np.ascontiguousarray(codes).view("<u4")
+    out = np.empty((bits, m, k // 4), dtype=np.uint8)
+    for i in range(bits):
+        out[i] = (((runs >> np.uint32(i)) & np.uint32(0x01010101)) * np.uint32(0x01020408)) >> np.uint32(24)
+    return out
 
 
 def build_tables(x: np.ndarray) -> np.ndarray:

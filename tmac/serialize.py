@@ -123,8 +123,11 @@ def read_state(path: str | os.PathLike) -> dict:
             raise ValueError("extra_state and aliases must be objects")
     except (KeyError, ValueError, TypeError, AttributeError) as e:
         raise ModelFormatError(f"{path}: missing or malformed tmac metadata ({e})") from None
+    for key, t in state.items():  # NaN/inf weights, scales or zeros would only surface as garbage text later
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            raise ModelFormatError(f"{path}: tensor {key} contains NaN or inf")
     for key, target in aliases.items():
-        if target not in state:
+        if not isinstance(target, str) or target not in state:
             raise ModelFormatError(f"{path}: alias {key!r} points to missing tensor {target!r}")
         state[key] = state[target]
     state.update(extras)

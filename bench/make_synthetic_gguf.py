@@ -1,0 +1,48 @@
+"""Write a seeded random GGUF of a real model's shape, for end-to-end benchmarks that tmac and llama.cpp run on the
+very same file. Example:
+
+    .venv/bin/python bench/make_synthetic_gguf.py llama-1b --type Q4_0 -o /tmp/llama-1b-q4_0.gguf
+    .venv/bin/tmac bench /tmp/llama-1b-q4_0.gguf --bits 2
+
+Shapes: ``llama-1b`` (hidden 2048, ffn 8192, 16 layers, 32/8 heads, vocab 49152) and ``bitnet-3b-llama``
+(BitNet b1.58 3B's projection shapes with ffn and hidden rounded up to llama.cpp's 256-blocks, 3328/8704,
+26 layers, as a llama-architecture file — for ternary TQ1_0/TQ2_0 weights).
+"""
+import argparse
+import sys
+import time
+
+from tmac.models.llama import LlamaConfig
+from tmac.models.synthetic import write_random_gguf
+from tmac.progress import Progress
+
+SHAPES = {
+    "llama-1b": LlamaConfig(vocab_size=49152, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192,
+                            context_length=2048),
+    "bitnet-3b-llama": LlamaConfig(vocab_size=32000, dim=3328, n_layers=26, n_heads=26, n_kv_heads=26, ffn_dim=8704,
+                                   context_length=2048),
+    "tiny": LlamaConfig(vocab_size=512, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=512, context_length=256),
+}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("shape", choices=sorted(SHAPES))
+    p.add_argument("--type", default="Q4_0", help="GGML type of the projections and head (Q4_0, Q4_1, Q8_0, TQ2_0, "
+                                                  "TQ1_0, F16, ...); the embedding follows it unless --embd-type")
+    p.add_argument("--embd-type", help="GGML type of the token embedding (default: as --type)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("-o", "--output", required=True)
+    args = p.parse_args()
+    cfg = SHAPES[args.shape]
+    total = 2 + (not cfg.tie_embeddings) + cfg.n_layers * 9
+    t0 = time.perf_counter()
+    with Progress(f"writing {args.output}", total, True) as bar:
+        write_random_gguf(args.output, cfg, lambda name: (args.embd_type or args.type) if name.startswith("token_embd")
+                          else args.type, args.seed, bar.advance)
+    print(f"wrote {args.output} ({args.shape}, {args.type}) in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

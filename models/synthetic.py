@@ -1,0 +1,86 @@
+"""Seeded random Llama-architecture GGUF files: benchmark models of real shapes without downloading any, and small
+models for tests. tmac and llama.cpp read the very same file, so their speeds compare like for like.
+
+The tokenizer is a byte-level BPE (GPT-2's 256 byte tokens, a few merges, filler tokens up to the vocabulary
+size and an end-of-text token), enough for both to tokenize and generate.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from .llama import LlamaConfig
+
+# the projections of one layer: GGUF name → (rows, columns) from the config
+LAYER_MATRICES = {
+    "attn_q": lambda c: (c.n_heads * c.head_dim, c.dim), "attn_k": lambda c: (c.n_kv_heads * c.head_dim, c.dim),
+    "attn_v": lambda c: (c.n_kv_heads * c.head_dim, c.dim), "attn_output": lambda c: (c.dim, c.n_heads * c.head_dim),
+    "ffn_gate": lambda c: (c.ffn_dim, c.dim), "ffn_up": lambda c: (c.ffn_dim, c.dim),
+    "ffn_down": lambda c: (c.dim, c.ffn_dim),
+}
+
+
+def byte_tokens() -> list[str]:
+    """GPT-2's byte-to-unicode alphabet: the 256 single-byte tokens of a byte-level BPE."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
+    extra = [b for b in range(256) if b not in keep]
+    chars = {b: chr(b) for b in keep} | {b: chr(256 + i) for i, b in enumerate(extra)}
+    return [chars[b] for b in range(256)]
+
+
+def write_random_gguf(path: str, cfg: LlamaConfig, weight_type: str | Callable[[str], str] = "Q4_0",
+                      seed: int = 0, progress: Callable[[str], object] | None = None) -> None:
+    """Write a llama GGUF of shape ``cfg`` whose matrices hold N(0, 0.02) weights in ``weight_type`` (a GGML type
+    name, or a function of the GGUF tensor name giving one) and whose norms are F32 ones."""
+    import gguf
+
+    if cfg.vocab_size < 260:
+        raise ValueError(f"vocab_size={cfg.vocab_size}: a byte-level tokenizer needs at least 260 tokens")
+    type_of = weight_type if callable(weight_type) else (lambda name: weight_type)
+    rng = np.random.default_rng(seed)
+    tokens = byte_tokens() + ["he", "ll", "hell"]
+    tokens += [f"<filler{i}>" for i in range(cfg.vocab_size - len(tokens) - 1)] + ["<|endoftext|>"]
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_block_count(cfg.n_layers)
+    w.add_context_length(cfg.context_length)
+    w.add_embedding_length(cfg.dim)
+    w.add_feed_forward_length(cfg.ffn_dim)
+    w.add_head_count(cfg.n_heads)
+    w.add_head_count_kv(cfg.n_kv_heads)
+    w.add_layer_norm_rms_eps(cfg.norm_eps)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types([1] * (len(tokens) - 1) + [3])
+    w.add_token_merges(["h e", "l l", "he ll"])
+    w.add_eos_token_id(len(tokens) - 1)
+    w.add_chat_template("{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
+
+    def add(name: str, shape: tuple[int, ...]) -> None:
+        kind = type_of(name) if len(shape) == 2 else "F32"
+        data = np.ones(shape, np.float32) if len(shape) == 1 else \
+            rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02)
+        qtype = gguf.GGMLQuantizationType[kind]
+        if kind in ("F32", "F16"):
+            w.add_tensor(name, data.astype(np.float16 if kind == "F16" else np.float32))
+        else:
+            w.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        if progress:
+            progress(name)
+
+    add("token_embd.weight", (cfg.vocab_size, cfg.dim))
+    add("output_norm.weight", (cfg.dim,))
+    if not cfg.tie_embeddings:
+        add("output.weight", (cfg.vocab_size, cfg.dim))
+    for i in range(cfg.n_layers):
+        add(f"blk.{i}.attn_norm.weight", (cfg.dim,))
+        add(f"blk.{i}.ffn_norm.weight", (cfg.dim,))
+        for name, shape in LAYER_MATRICES.items():
+            add(f"blk.{i}.{name}.weight", shape(cfg))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

@@ -1,0 +1,222 @@
+"""``tmac bench``: kernel benchmarks (GEMV at given shapes) and end-to-end generation benchmarks, against torch
+and — when the optional ``peer`` extra (llama-cpp-python) is installed — llama.cpp on the same GGUF file.
+
+Speeds are compared within one run (the machine may be shared); more than one thread is measured only when
+the other CPUs are idle (a ``/proc/stat`` load check), and skipped with a note otherwise.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import statistics
+import time
+from dataclasses import dataclass
+
+BUSY_LIMIT = 0.25  # share of all CPUs busy before a multi-thread run above which its numbers would be noise
+
+
+def cpu_busy_fraction(seconds: float = 0.5) -> float:
+    """Share of all CPUs busy during ``seconds`` (from /proc/stat; 0.0 where that does not exist)."""
+    def snap():
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return sum(v), v[3] + v[4]
+    try:
+        t0, i0 = snap()
+        time.sleep(seconds)
+        t1, i1 = snap()
+    except OSError:
+        return 0.0
+    return 1 - (i1 - i0) / max(t1 - t0, 1)
+
+
+def median_seconds(fn, min_seconds: float = 0.3, min_runs: int = 5) -> float:
+    """Median wall time of ``fn()`` after one warm-up call, over at least ``min_runs`` calls and ``min_seconds``."""
+    fn()
+    times, start = [], time.perf_counter()
+    while len(times) < min_runs or time.perf_counter() - start < min_seconds:
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def int4pack(w, group: int = 128):
+    """Asymmetric 4-bit groups in the layout of torch's ``_weight_int4pack_mm_for_cpu``: (packed, scales_zeros)."""
+    import torch
+
+    m, k = w.shape
+    g = w.reshape(m, -1, group)
+    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+    s = (hi - lo).clamp(min=1e-6) / 15
+    q = ((g - lo) / s).round().clamp(0, 15).to(torch.int32).reshape(m, k)
+    sz = torch.stack([s.reshape(m, -1).t(), (lo + 8 * s).reshape(m, -1).t()], -1).to(torch.bfloat16).contiguous()
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), sz
+
+
+def int4_linear(x, packed, group: int = 128):
+    import torch
+
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed[0], group, packed[1])
+
+
+@dataclass
+class Row:
+    what: str  # shape or model
+    candidate: str
+    threads: int
+    value: float  # ms per GEMV (kernels) or generated tok/s (end to end)
+    extra: dict
+
+
+def measured_threads(threads_list: list[int], notes: list[str]):
+    """Each thread count that may be measured now, set for tmac and torch in turn; a count above 1 is skipped,
+    with a note, while other processes keep the CPUs busy."""
+    import torch
+
+    import tmac
+
+    for threads in threads_list:
+        busy = cpu_busy_fraction() if threads > 1 else 0.0
+        if busy > BUSY_LIMIT:
+            notes.append(f"machine busy ({busy:.0%} of CPUs): {threads}-thread numbers skipped")
+            continue
+        tmac.set_num_threads(threads)
+        torch.set_num_threads(threads)
+        yield threads
+
+
+def kernel_bench(shapes, bits_list, threads_list, notes: list[str], progress=None) -> list[Row]:
+    """GEMV (one activation row, table build included) per shape: tmac at each bit width, torch fp32, bf16 and
+    int4 weight-only. Weights are cache-warm (one matrix); ``bench/`` also measures DRAM-streaming copies."""
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+
+    from .lut_ops import LutWeight
+    from .quantize import quantize_weight
+
+    rows = []
+    for m, k in shapes:
+        w = torch.from_numpy(np.random.default_rng(0).standard_normal((m, k), dtype=np.float32))
+        x = torch.randn(1, k)
+        xb, wb = x.to(torch.bfloat16), w.to(torch.bfloat16)
+        cands = {"torch fp32": (lambda: F.linear(x, w), m * k * 4),
+                 "torch bf16": (lambda: F.linear(xb, wb), m * k * 2)}
+        if k % 128 == 0:
+            packed4 = int4pack(w)
+            cands["torch int4wo"] = (lambda: int4_linear(xb, packed4), m * k // 2 + m * k // 128 * 4)
+        for bits in bits_list:
+            group = 128 if k % 128 == 0 else 32
+            lw = LutWeight.from_quantized(quantize_weight(w.numpy(), bits=bits, group_size=group))
+            cands[f"tmac W{bits}"] = (lambda lw=lw: lw.matmul(x), lw.nbytes)
+        for threads in measured_threads(threads_list, notes):
+            for name, (fn, nbytes) in cands.items():
+                sec = median_seconds(fn)
+                rows.append(Row(f"{m}x{k}", name, threads, sec * 1e3, {"GB/s": nbytes / sec / 1e9}))
+                if progress:
+                    progress.advance(f"{m}x{k} {name} {threads}t")
+    return rows
+
+
+def e2e_bench(source, bits_list, threads_list, notes: list[str], prompt_tokens=64, gen_tokens=64, peer=True,
+              progress=None) -> list[Row]:
+    """Prefill and decode tok/s of a model as a file gives it (``None`` in ``bits_list``) and requantized, and of
+    llama.cpp on the same GGUF file when llama-cpp-python is installed."""
+    import torch
+
+    from .models.load import default_model_path, load_model
+
+    path = str(source) if source is not None else default_model_path()
+    rows = []
+    prompt = [(i * 7919) % 1000 + 100 for i in range(prompt_tokens)]  # fixed ids inside any real vocabulary
+    for bits in bits_list:
+        model = load_model(path, bits=bits, context=prompt_tokens + gen_tokens + 8, progress=False)
+        tensors = {t.data_ptr(): t for t in model.state_dict().values() if isinstance(t, torch.Tensor)}  # tied once
+        size = sum(t.numel() * t.element_size() for t in tensors.values())
+        label = "tmac " + ("file's own" if bits is None else f"W{bits}")
+        for threads in measured_threads(threads_list, notes):
+            model.generate(prompt[:8], max_new_tokens=4, stop_on_eos=False)  # warm-up: kernels, thread pools
+            model.cached_ids = []  # prefill the whole prompt
+            model.generate(prompt, max_new_tokens=gen_tokens, stop_on_eos=False)
+            s = model.last_stats
+            rows.append(Row(path, label, threads, s["generated_tokens"] / s["decode_s"],
+                            {"prefill tok/s": s["prefill_tokens"] / s["prefill_s"], "model MiB": size / 2**20}))
+            if progress:
+                progress.advance(f"{label} {threads}t")
+        del model
+    if peer and path.endswith(".gguf") and importlib.util.find_spec("llama_cpp") is not None:
+        rows += _llama_cpp_rows(path, threads_list, prompt, gen_tokens, progress, notes)
+    elif peer:
+        notes.append("llama.cpp not measured: install the optional peer extra (llama-cpp-python; see README)")
+    return rows
+
+
+def _llama_cpp_rows(path, threads_list, prompt, gen_tokens, progress, notes) -> list[Row]:
+    import os
+
+    import numpy as np
+    from llama_cpp import Llama, llama_get_logits_ith
+
+    rows = []
+    for threads in measured_threads(threads_list, notes):
+        llm = Llama(path, n_ctx=len(prompt) + gen_tokens + 8, n_threads=threads, n_threads_batch=threads,
+                    n_batch=len(prompt), verbose=False)
+        t0 = time.perf_counter()
+        llm.eval(prompt)
+        prefill = time.perf_counter() - t0
+        token = prompt[-1]
+        t0 = time.perf_counter()
+        for _ in range(gen_tokens):  # greedy decode one token at a time, as tmac does
+            token = int(np.ctypeslib.as_array(llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),)).argmax())
+            llm.eval([token])
+        decode = time.perf_counter() - t0
+        rows.append(Row(path, "llama.cpp (same file)", threads, gen_tokens / decode,
+                        {"prefill tok/s": len(prompt) / prefill, "model MiB": os.path.getsize(path) / 2**20}))
+        del llm
+        if progress:
+            progress.advance(f"llama.cpp {threads}t")
+    return rows
+
+
+def table(rows: list[Row], unit: str, baseline: str) -> str:
+    """Rows as an aligned text table, with each candidate's ratio to ``baseline`` at the same shape/threads."""
+    base = {(r.what, r.threads): r.value for r in rows if r.candidate == baseline}
+    keys = sorted({k for r in rows for k in r.extra})
+    header = ["", "candidate", "threads", unit, f"vs {baseline}", *keys]
+    lines = [header]
+    for r in rows:
+        b = base.get((r.what, r.threads))
+        ratio = (b / r.value if unit == "ms" else r.value / b) if b else float("nan")
+        lines.append([r.what if len(r.what) < 40 else "…" + r.what[-39:], r.candidate, str(r.threads),
+                      f"{r.value:.3f}" if unit == "ms" else f"{r.value:.1f}", f"{ratio:.2f}x",
+                      *(f"{r.extra[k]:.1f}" if k in r.extra else "" for k in keys)])
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    out = ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines]
+    out.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+def plot(rows: list[Row], path: str, ylabel: str) -> None:
+    """A grouped bar chart: one group per candidate, one bar per thread count."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise RuntimeError("--plot needs matplotlib: pip install matplotlib (or the tmac[plot] extra)") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cands = list(dict.fromkeys(f"{r.candidate}\n{r.what.split('/')[-1]}" for r in rows))
+    threads = sorted({r.threads for r in rows})
+    fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(cands)), 4))
+    width = 0.8 / len(threads)
+    for i, t in enumerate(threads):
+        values = {f"{r.candidate}\n{r.what.split('/')[-1]}": r.value for r in rows if r.threads == t}
+        ax.bar([c + i * width for c in range(len(cands))], [values.get(c, 0) for c in cands], width,
+               label=f"{t} thread{'s' if t > 1 else ''}")
+    ax.set_xticks([c + width * (len(threads) - 1) / 2 for c in range(len(cands))], cands, fontsize=7)
+    ax.set_ylabel(ylabel)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
