@@ -41,7 +41,7 @@ def pytest_terminal_summary(terminalreporter):
     if not RESULTS:
         return
     tr = terminalreporter
-    groups = sorted({k[:3] for k in RESULTS})
+    groups = sorted({k[:3] for k in RESULTS}, key=str)
     for regime, threads, shape in groups:
         base = RESULTS.get((regime, threads, shape, "torch fp32"))
         int4 = RESULTS.get((regime, threads, shape, "torch int4wo"))

@@ -78,3 +78,19 @@ def test_dram_bandwidth(benchmark, set_threads):
     benchmark.pedantic(lambda: buf.sum(), rounds=5, iterations=1, warmup_rounds=1)
     BYTES[("dram", "read 1 GiB")] = COLD_BYTES
     record(benchmark, ("bandwidth", set_threads, "dram", "read 1 GiB"))
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("how", ["GEMM", "looped GEMV"])
+def test_gemm_vs_looped_gemv(benchmark, set_threads, bits, how):
+    """16 activation rows at 4096x4096: one GEMM call (each weight load reused across a tile of rows) against
+    16 GEMV calls — the GEMM must win, or prefill would be better off calling GEMV."""
+    w = random_weights(4096, 4096)
+    lw = LutWeight.from_quantized(quantize_weight(w.numpy(), bits=bits, group_size=128))
+    x = torch.randn(16, 4096)
+    rows = [x[i:i + 1].clone() for i in range(16)]
+    call = (lambda: lw.matmul(x)) if how == "GEMM" else (lambda: [lw.matmul(r) for r in rows])
+    call()
+    benchmark.group = f"gemm {set_threads}t W{bits}"
+    benchmark.pedantic(call, rounds=20, iterations=5, warmup_rounds=1)
+    record(benchmark, ("warm", set_threads, "GEMM 16x4096x4096", f"tmac W{bits} {how}"))
