@@ -52,7 +52,7 @@ def write_random_gguf(path: str, cfg: LlamaConfig, weight_type: str | Callable[[
     w.add_layer_norm_rms_eps(cfg.norm_eps)
     w.add_rope_freq_base(cfg.rope_theta)
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt2")
+    w.add_tokenizer_pre("gpt-2")  # the name llama.cpp knows the GPT-2 pre-tokenizer by
     w.add_token_list(tokens)
     w.add_token_types([1] * (len(tokens) - 1) + [3])
     w.add_token_merges(["h e", "l l", "he ll"])
