@@ -120,9 +120,10 @@ def kernel_bench(shapes, bits_list, threads_list, notes: list[str], progress=Non
 
 
 def e2e_bench(source, bits_list, threads_list, notes: list[str], prompt_tokens=64, gen_tokens=64, peer=True,
-              progress=None) -> list[Row]:
-    """Prefill and decode tok/s of a model as a file gives it (``None`` in ``bits_list``) and requantized, and of
-    llama.cpp on the same GGUF file when llama-cpp-python is installed."""
+              progress=None, head_bits: int | None = None) -> list[Row]:
+    """Prefill and decode tok/s of a model as a file gives it (``None`` in ``bits_list``) and requantized (the
+    output head too with ``head_bits``), and of llama.cpp on the same GGUF file when llama-cpp-python is
+    installed."""
     import torch
 
     from .models.load import default_model_path, load_model
@@ -131,10 +132,11 @@ def e2e_bench(source, bits_list, threads_list, notes: list[str], prompt_tokens=6
     rows = []
     prompt = [(i * 7919) % 1000 + 100 for i in range(prompt_tokens)]  # fixed ids inside any real vocabulary
     for bits in bits_list:
-        model = load_model(path, bits=bits, context=prompt_tokens + gen_tokens + 8, progress=False)
+        model = load_model(path, bits=bits, head_bits=None if bits is None else head_bits,
+                           context=prompt_tokens + gen_tokens + 8, progress=False)
         tensors = {t.data_ptr(): t for t in model.state_dict().values() if isinstance(t, torch.Tensor)}  # tied once
         size = sum(t.numel() * t.element_size() for t in tensors.values())
-        label = "tmac " + ("file's own" if bits is None else f"W{bits}")
+        label = "tmac " + ("file's own" if bits is None else f"W{bits}" + (f", head W{head_bits}" if head_bits else ""))
         for threads in measured_threads(threads_list, notes):
             model.generate(prompt[:8], max_new_tokens=4, stop_on_eos=False)  # warm-up: kernels, thread pools
             model.cached_ids = []  # prefill the whole prompt

@@ -70,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--shape", nargs="+", action="extend", metavar="MxK", help="benchmark GEMV kernels at these shapes")
     b.add_argument("--bits", default=None, help="comma-separated bit widths (default: kernels 1,2,3,4; models: the "
                                                 "file's own quantization and 2)")
+    b.add_argument("--head-bits", type=int, choices=[1, 2, 3, 4, 8], help="with --bits: quantize the output head too")
     b.add_argument("--threads", default="1,2", help="comma-separated thread counts (default 1,2)")
     b.add_argument("--prompt-tokens", type=int, default=64)
     b.add_argument("--gen-tokens", type=int, default=64)
@@ -295,7 +296,7 @@ def cmd_bench(args) -> int:
                 raise ValueError(f"{name} must be >= 8, got {n}")
         with Progress("benchmarking generation", len(bits) * len(threads) + len(threads), None) as bar:
             rows = bench.e2e_bench(args.model, bits, threads, notes, args.prompt_tokens, args.gen_tokens,
-                                   not args.no_peer, bar)
+                                   not args.no_peer, bar, args.head_bits)
         unit, baseline, ylabel = "tok/s", rows[0].candidate if rows else "", "generated tokens/s (higher is better)"
     if args.json:
         print(json.dumps({"unit": unit, "notes": notes, "rows": [dataclasses.asdict(r) for r in rows]}))
