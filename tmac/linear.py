@@ -102,9 +102,15 @@ class Linear(nn.Module):
         self.register_buffer("bias", bias)
 
     @classmethod
-    def _empty(cls, extra: dict, kernel_dir: str | None = None) -> "Linear":
-        """A module shaped by a saved extra state, with zero weights, to be filled by ``load_state_dict``."""
+    def _empty(cls, extra: dict, qweight, kernel_dir: str | None = None) -> "Linear":
+        """A module shaped by a saved extra state, with zero weights, to be filled by ``load_state_dict``.
+        ``qweight`` is the saved packed weight: the sizes in ``extra`` are trusted only when they match it, so a
+        file cannot make this allocate more than its own tensors hold."""
         fmt, spec, m, bias = _parse_extra(extra)
+        want = packed_shapes(spec, m)[0]
+        if not isinstance(qweight, torch.Tensor) or tuple(qweight.shape) != want:
+            raise ValueError(f"packed weight has shape {tuple(getattr(qweight, 'shape', ()))}, its extra state "
+                             f"({spec.name}, {m} rows) implies {want}")
         self = cls.__new__(cls)
         nn.Module.__init__(self)
         self.format, self.kernel_dir = fmt, kernel_dir

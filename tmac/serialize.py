@@ -78,7 +78,7 @@ def load(path: str | os.PathLike, model: nn.Module | None = None, *, strict: boo
             continue  # load_state_dict reports the unexpected key
         if type(current) is nn.Linear:
             try:
-                setattr(parent, child, Linear._empty(extra))
+                setattr(parent, child, Linear._empty(extra, state.get(prefix + ".qweight" if prefix else "qweight")))
             except (ValueError, TypeError) as e:
                 raise ModelFormatError(f"{path}: layer {prefix}: {e}") from None
     meta_params = any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers())
