@@ -240,7 +240,7 @@ def cmd_tune(args) -> int:
 
     isa = best_isa()
     if args.model:
-        work = [(fmt, k) for fmt, k in kernel_formats(argparse.Namespace(bits=None, model=args.model, shape=None))]
+        work = kernel_formats(argparse.Namespace(bits=None, model=args.model, shape=None))
     else:
         group = parse_group_size(args.group_size)
         work = [(WeightFormat.rtn(b, group, args.symmetric), k) for b in _int_list(args.bits, "--bits", (1, 2, 3, 4))
