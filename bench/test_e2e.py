@@ -1,9 +1,15 @@
-"""End to end: generation and prefill tok/s of SmolLM2 (exact Q4_1 import, and W2) and of a synthetic Llama-1B-shape
-model (exact Q4_0 import; W2 with a W2 head), 1 and 2 threads, beside llama.cpp on the very same GGUF file when
-the optional `peer` extra is installed. The 1B file is written once (seeded) into the bench cache directory.
+"""End to end: generation and prefill tok/s (and the weight GB/s they imply) at 1 and 2 threads, beside llama.cpp on
+the very same GGUF file when the optional `peer` extra is installed:
 
-Run: `pytest -q bench/test_e2e.py --threads 1` (or `tmac bench MODEL` for any model).
+- SmolLM2-135M-Instruct Q4_1 (imported exactly) and requantized W2;
+- a synthetic Llama-1B-shape model: Q4_0 (exact) and W2 g128 with a W2 head; ternary TQ2_0 (exact, head too);
+  Q2_K made by llama.cpp's own quantizer with `--pure` semantics, against tmac W2 g128 of the same weights;
+- the BitNet-3B projection shapes rounded to llama.cpp's 256-blocks (3328/8704, 26 layers), ternary TQ2_0.
+
+Synthetic files are written once (seeded) into the bench cache directory. Run:
+`pytest -q bench/test_e2e.py --threads 1 -s` (or `tmac bench --e2e MODEL` for any model).
 """
+import importlib.util
 import os
 
 import pytest
@@ -11,29 +17,55 @@ import pytest
 from tmac.bench import e2e_bench, table
 
 CACHE = os.path.join(os.path.dirname(__file__), "..", ".benchmarks")
+LLAMA_FTYPE_MOSTLY_Q2_K = 10  # llama.cpp's enum llama_ftype
 
 
-def _llama_1b() -> str:
+def _synthetic(shape: str, weight_type: str, embd_type: str = "Q8_0") -> str:
     from make_synthetic_gguf import SHAPES
 
     from tmac.models.synthetic import write_random_gguf
 
-    path = os.path.join(CACHE, "llama-1b-q4_0.gguf")
+    path = os.path.join(CACHE, f"{shape}-{weight_type.lower()}.gguf")
     if not os.path.exists(path):
         os.makedirs(CACHE, exist_ok=True)
-        write_random_gguf(path + ".tmp", SHAPES["llama-1b"], lambda name: "Q8_0" if name.startswith("token_embd")
-                          else "Q4_0")
+        write_random_gguf(path + ".tmp", SHAPES[shape], lambda name: embd_type if name.startswith("token_embd")
+                          else weight_type)
         os.replace(path + ".tmp", path)
     return path
 
 
-@pytest.mark.parametrize("model", ["smollm2", "llama-1b"])
-def test_generation_speed(request, model):
+def _llama_cpp_q2_k(shape: str) -> str:
+    """Q2_K for every projection and the head (llama.cpp's `--pure`), quantized by llama.cpp from an F16 file."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        pytest.skip("Q2_K needs llama.cpp's quantizer: install the optional peer extra")
+    import llama_cpp
+
+    path = os.path.join(CACHE, f"{shape}-q2_k-pure.gguf")
+    if not os.path.exists(path):
+        source = _synthetic(shape, "F16", "F16")
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype, params.pure, params.nthread = LLAMA_FTYPE_MOSTLY_Q2_K, True, 2
+        if llama_cpp.llama_model_quantize(source.encode(), (path + ".tmp").encode(), params) != 0:
+            raise RuntimeError("llama.cpp failed to quantize to Q2_K")
+        os.replace(path + ".tmp", path)
+    return path
+
+
+CASES = {  # name → (file, tmac variants: None = the file's own weights, else requantized bits; head bits)
+    "smollm2": (lambda: None, [None, 2], None),
+    "llama-1b-q4_0": (lambda: _synthetic("llama-1b", "Q4_0"), [None, 2], 2),
+    "llama-1b-tq2_0": (lambda: _synthetic("llama-1b", "TQ2_0"), [None], None),
+    "llama-1b-q2_k": (lambda: _llama_cpp_q2_k("llama-1b"), [2], 2),
+    "bitnet-3b-tq2_0": (lambda: _synthetic("bitnet-3b-llama", "TQ2_0"), [None], None),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_generation_speed(request, case):
     threads = [int(t) for t in request.config.getoption("threads").split(",")]
     notes: list[str] = []
-    source = None if model == "smollm2" else _llama_1b()
-    rows = e2e_bench(source, [None, 2], threads, notes, prompt_tokens=64, gen_tokens=64,
-                     head_bits=None if model == "smollm2" else 2)
+    make, bits, head_bits = CASES[case]
+    rows = e2e_bench(make(), bits, threads, notes, prompt_tokens=64, gen_tokens=64, head_bits=head_bits)
     print("\n" + table(rows, "tok/s", rows[0].candidate))
     for note in dict.fromkeys(notes):
         print("note:", note)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 
 from tmac.cpu import machine_arch
+from tmac.glue import GlueSpec
 from tmac.packing import KernelSpec
 
 CROSS_LINKERS = {"arm64": ("aarch64-linux-gnu-gcc", "gcc-aarch64-linux-gnu"),
@@ -24,15 +25,16 @@ def linker_for(arch: str) -> str | None:
     return cc
 
 
-def compile_kernel(spec: KernelSpec, isa):
-    """The compiled (not yet exported) TVM executable of ``spec`` for ``isa``."""
+def compile_kernel(spec: KernelSpec | GlueSpec, isa):
+    """The compiled (not yet exported) TVM executable of ``spec`` (LUT kernels or decode glue) for ``isa``."""
     import tvm
 
-    from .lut import module
+    from . import glue, lut
 
     if spec.isa != isa.name or spec.vector_bytes != isa.vector_bytes:
         raise ValueError(f"kernel spec {spec.name} is not for ISA {isa.name}")
-    return tvm.compile(module(spec, isa), target=isa.target)
+    generator = glue if isinstance(spec, GlueSpec) else lut
+    return tvm.compile(generator.module(spec, isa), target=isa.target)
 
 
 def build_library(spec: KernelSpec, isa, path: str) -> None:

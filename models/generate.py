@@ -52,6 +52,7 @@ class GenerationMixin:
 
     cached_ids: list[int]
     last_stats: dict
+    static_decode = True  # decode through a ``DecodePlan`` (compiled glue, no torch ops) when the model allows it
 
     def logits(self, ids: list[int]) -> torch.Tensor:
         """Float32 logits ``[len(ids), vocab]`` of a fresh sequence (for scoring and perplexity)."""
@@ -96,9 +97,14 @@ class GenerationMixin:
             self.cached_ids = list(prompt)
             stats["prefill_s"] = time.perf_counter() - t0
             t0 = time.perf_counter()
+            plan = None
+            if self.static_decode and max_new_tokens > 1:
+                from .decode import DecodePlan  # it knows the model classes, which import this module
+
+                plan = DecodePlan.build(self)
             history = list(prompt)
             try:
-                self._decode(out, history, logits, max_new_tokens, stats, stop, stop_ids, callback,
+                self._decode(plan, out, history, logits, max_new_tokens, stats, stop, stop_ids, callback,
                              dict(temperature=temperature, top_k=top_k, top_p=top_p,
                                   repetition_penalty=repetition_penalty, repeat_last_n=repeat_last_n,
                                   generator=generator))
@@ -106,7 +112,7 @@ class GenerationMixin:
                 stats["decode_s"] = time.perf_counter() - t0
         return out
 
-    def _decode(self, out, history, logits, max_new_tokens, stats, stop, stop_ids, callback, sampling) -> None:
+    def _decode(self, plan, out, history, logits, max_new_tokens, stats, stop, stop_ids, callback, sampling) -> None:
         while len(out) < max_new_tokens:
             token = next_token(logits, history, **sampling)
             out.append(token)
@@ -123,7 +129,7 @@ class GenerationMixin:
             if len(out) == max_new_tokens:
                 return
             pos = len(self.cached_ids)
-            logits = self(torch.tensor([token]), pos, last_only=True)[-1]
+            logits = plan.step(token, pos) if plan else self(torch.tensor([token]), pos, last_only=True)[-1]
             self.cached_ids.append(token)
 
     def _check_room(self, prompt: int, new: int) -> None:

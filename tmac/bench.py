@@ -136,14 +136,16 @@ def e2e_bench(source, bits_list, threads_list, notes: list[str], prompt_tokens=6
                            context=prompt_tokens + gen_tokens + 8, progress=False)
         tensors = {t.data_ptr(): t for t in model.state_dict().values() if isinstance(t, torch.Tensor)}  # tied once
         size = sum(t.numel() * t.element_size() for t in tensors.values())
+        streamed = streamed_bytes(model)
         label = "tmac " + ("file's own" if bits is None else f"W{bits}" + (f", head W{head_bits}" if head_bits else ""))
         for threads in measured_threads(threads_list, notes):
             model.generate(prompt[:8], max_new_tokens=4, stop_on_eos=False)  # warm-up: kernels, thread pools
             model.cached_ids = []  # prefill the whole prompt
             model.generate(prompt, max_new_tokens=gen_tokens, stop_on_eos=False)
             s = model.last_stats
-            rows.append(Row(path, label, threads, s["generated_tokens"] / s["decode_s"],
-                            {"prefill tok/s": s["prefill_tokens"] / s["prefill_s"], "model MiB": size / 2**20}))
+            tok_s = s["generated_tokens"] / s["decode_s"]
+            rows.append(Row(path, label, threads, tok_s, {"prefill tok/s": s["prefill_tokens"] / s["prefill_s"],
+                                                         "model MiB": size / 2**20, "GB/s": streamed * tok_s / 1e9}))
             if progress:
                 progress.advance(f"{label} {threads}t")
         del model
@@ -152,6 +154,21 @@ def e2e_bench(source, bits_list, threads_list, notes: list[str], prompt_tokens=6
     elif peer:
         notes.append("llama.cpp not measured: install the optional peer extra (llama-cpp-python; see README)")
     return rows
+
+
+def streamed_bytes(model) -> int:
+    """Bytes of weights one decode step reads: the layers and the head, not the embedding (one row of it)."""
+    tensors = {t.data_ptr(): t for part in (model.layers, model.output) for t in (*part.parameters(), *part.buffers())}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def gguf_streamed_bytes(path: str) -> int:
+    """The same for llama.cpp on a GGUF file: all tensors but the embedding (unless it is the tied head)."""
+    from .models.gguf_file import GGUFFile
+
+    tensors = GGUFFile(path).tensors
+    tied = "output.weight" not in tensors
+    return sum(t.data.nbytes for name, t in tensors.items() if tied or name != "token_embd.weight")
 
 
 def _llama_cpp_rows(path, threads_list, prompt, gen_tokens, progress, notes) -> list[Row]:
@@ -174,7 +191,8 @@ def _llama_cpp_rows(path, threads_list, prompt, gen_tokens, progress, notes) -> 
             llm.eval([token])
         decode = time.perf_counter() - t0
         rows.append(Row(path, "llama.cpp (same file)", threads, gen_tokens / decode,
-                        {"prefill tok/s": len(prompt) / prefill, "model MiB": os.path.getsize(path) / 2**20}))
+                        {"prefill tok/s": len(prompt) / prefill, "model MiB": os.path.getsize(path) / 2**20,
+                         "GB/s": gguf_streamed_bytes(path) * gen_tokens / decode / 1e9}))
         del llm
         if progress:
             progress.advance(f"llama.cpp {threads}t")

@@ -64,9 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--model", metavar="PATH", help="a GGUF model: tune every kernel it runs as loaded")
     t.set_defaults(func=cmd_tune)
 
-    b = sub.add_parser("bench", parents=[common], help="kernel (--shape) or end-to-end (MODEL) benchmarks against "
-                                                      "torch and, when installed, llama.cpp")
+    b = sub.add_parser("bench", parents=[common], help="kernel (--shape) or end-to-end (--e2e, the default) "
+                                                      "benchmarks against torch and, when installed, llama.cpp")
     b.add_argument("model", nargs="?", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)")
+    b.add_argument("--e2e", action="store_true", help="end-to-end generation of MODEL (what runs without --shape)")
     b.add_argument("--shape", nargs="+", action="extend", metavar="MxK", help="benchmark GEMV kernels at these shapes")
     b.add_argument("--bits", default=None, help="comma-separated bit widths (default: kernels 1,2,3,4; models: the "
                                                 "file's own quantization and 2)")
@@ -207,18 +208,24 @@ def cmd_compile(args) -> int:
     linker_for(isa.arch)  # fail early, naming the Debian package, when the cross linker is missing
     # raises naming K when the group size does not divide it
     specs = list(dict.fromkeys(spec_for_format(fmt, k, isa) for fmt, k in kernel_formats(args)))
+    if args.model:  # and the decode glue of its shape
+        from .models.decode import glue_spec
+        from .models.gguf_loader import GGUFModel
+
+        source = GGUFModel(args.model)
+        specs.append(glue_spec(source.config, source.family == "bitnet", isa))
     os.makedirs(args.output, exist_ok=True)
     entries, rows = [], []
     for i, spec in enumerate(specs, 1):
-        print(f"[{i}/{len(specs)}] compiling K={spec.k} for {isa.name} ...", file=sys.stderr, flush=True)
+        print(f"[{i}/{len(specs)}] compiling {spec.name} ...", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         path = os.path.join(args.output, spec.name + ".so")
         tmp = path + ".tmp"
         build_library(spec, isa, tmp)
         os.replace(tmp, path)
         entries.append(runtime.kernel_entry(spec, isa, os.path.basename(path), runtime.sha256(path)))
-        rows.append((spec.name, spec.k, spec.bits, spec.group_size, f"{time.perf_counter() - t0:.2f}",
-                     os.path.getsize(path)))
+        rows.append((spec.name, getattr(spec, "k", "-"), getattr(spec, "bits", "-"), getattr(spec, "group_size", "-"),
+                     f"{time.perf_counter() - t0:.2f}", os.path.getsize(path)))
     manifest = {"format": 1, "arch": isa.arch, "isa": isa.name, "tvm_version": runtime.tvm_version(),
                 "kernels": entries}
     with open(os.path.join(args.output, "manifest.json.tmp"), "w") as f:
@@ -281,8 +288,8 @@ def cmd_bench(args) -> int:
     threads = _int_list(args.threads, "--threads")
     notes: list[str] = []
     if args.shape:
-        if args.model:
-            raise ValueError("give either MODEL (end-to-end) or --shape (kernels), not both")
+        if args.model or args.e2e:
+            raise ValueError("give either MODEL/--e2e (end-to-end) or --shape (kernels), not both")
         shapes = [parse_shape(s) for s in args.shape]
         bits = _int_list(args.bits or "1,2,3,4", "--bits", (1, 2, 3, 4))
         total = len(shapes) * len(threads) * (len(bits) + 3)

@@ -81,6 +81,8 @@ class KernelSpec:
         return (f"lut_{self.isa}_b{self.bits}_k{self.k}_g{self.group_size}_lg{self.lut_group}{z}"
                 f"_bm{self.block_rows}_nt{self.n_tile}_u{self.unroll}")
 
+    functions = ("build_tables", "lut_gemv", "lut_gemm")  # what its library exports (a class attribute)
+
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
 

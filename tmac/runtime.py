@@ -71,7 +71,7 @@ def apply_threads() -> None:
     """TVM's pool is per calling thread and sized when first used: configure this thread's pool if needed."""
     n = get_num_threads()
     if getattr(_local, "threads", None) != n:
-        _ffi().get_global_func("runtime.config_threadpool")(1, n)  # 1 = kBig: the fastest cores
+        ffi().get_global_func("runtime.config_threadpool")(1, n)  # 1 = kBig: the fastest cores
         _local.threads = n
 
 
@@ -90,7 +90,8 @@ def tvm_runtime_library() -> str:
 _ffi_module = None
 
 
-def _ffi():
+def ffi():
+    """The ``tvm_ffi`` module, with ``libtvm_runtime.so`` preloaded (compiled kernels need its hooks)."""
     global _ffi_module
     if _ffi_module is None:
         # the pool is created with TVM_NUM_THREADS workers (TVM's default is half the cores); allow all of them,
@@ -135,20 +136,21 @@ def kernel_entry(spec: KernelSpec, isa, file: str, digest: str) -> dict:
 
 
 class KernelLibrary:
-    """The three functions of one compiled spec (``build_tables``, ``lut_gemv``, ``lut_gemm``)."""
+    """The functions of one compiled spec as attributes (``spec.functions``: for a ``KernelSpec``
+    ``build_tables``, ``lut_gemv``, ``lut_gemm``; for a ``GlueSpec`` the decode glue)."""
 
-    def __init__(self, spec: KernelSpec, path: str):
+    def __init__(self, spec, path: str):
         self.spec = spec
         self.path = path
-        module = _ffi().load_module(path)
-        self.build_tables = module["build_tables"]
-        self.lut_gemv = module["lut_gemv"]
-        self.lut_gemm = module["lut_gemm"]
+        module = ffi().load_module(path)
+        for name in spec.functions:
+            setattr(self, name, module[name])
         self._module = module  # keeps the library loaded
 
 
-def load_kernels(spec: KernelSpec, isa, kernel_dir: str | None = None, progress: bool = True) -> KernelLibrary:
-    """The compiled kernels of ``spec``: from ``kernel_dir``/``$TMAC_KERNEL_DIR``, else the cache, else compiled now."""
+def load_kernels(spec, isa, kernel_dir: str | None = None, progress: bool = True) -> KernelLibrary:
+    """The compiled kernels of ``spec`` (a ``KernelSpec`` or ``GlueSpec``): from ``kernel_dir``/``$TMAC_KERNEL_DIR``,
+    else the cache, else compiled now."""
     from .kernels import check_runnable
 
     check_runnable(isa)

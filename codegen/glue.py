@@ -1,0 +1,213 @@
+"""Generate the decode glue of one ``GlueSpec`` (what each function does: ``tmac.glue``) as TIR.
+
+The float operations follow the eager model's order (RMSNorm: ``x·rsqrt(mean(x²)+eps)·w``; RoPE then the
+``head_dim^-½`` scale; softmax as ``exp(s − max) / Σ``), so the two paths differ only in summation order.
+Vectors are ``lanes`` floats (the widest power of two up to the ISA's vector that divides the length); sums
+run in vector lanes and are folded once at the end.
+"""
+
+from __future__ import annotations
+
+from tmac.glue import GlueSpec
+
+F32 = "float32"
+
+
+def _lanes(n: int, widest: int) -> int:
+    lanes = widest
+    while n % lanes:
+        lanes //= 2
+    return lanes
+
+
+def _fold(v, lanes: int, op):
+    """One value from the ``lanes`` lanes of ``v``, halving with shuffles."""
+    from tvm import tirx
+
+    while lanes > 1:
+        half = lanes // 2
+        v = op(tirx.Shuffle([v], list(range(half))), tirx.Shuffle([v], list(range(half, lanes))))
+        lanes = half
+    return v
+
+
+def _f(value: float):
+    from tvm import tirx
+
+    return tirx.FloatImm(F32, value)
+
+
+def _bcast(value, lanes: int):
+    from tvm import tirx
+
+    return value if lanes == 1 else tirx.Broadcast(value, lanes)
+
+
+def _vec(start, lanes: int):
+    from tvm import tirx
+
+    return tirx.Ramp(start, 1, lanes) if lanes > 1 else start
+
+
+def rms_norm_func(name: str, n: int, widest: int, residual: bool, quantize: bool):
+    from tvm import tirx
+    from tvm.script.ir_builder import IRBuilder
+    from tvm.script.ir_builder import tirx as T
+
+    lanes = _lanes(n, widest)
+    with IRBuilder() as ib:
+        with T.prim_func():
+            T.func_name(name)
+            T.func_attr({"tir.noalias": True})
+            X = T.match_buffer(T.arg("x", T.handle()), (1, n), F32, align=1)
+            D = T.match_buffer(T.arg("delta", T.handle()), (1, n), F32, align=1) if residual else None
+            W = T.match_buffer(T.arg("w", T.handle()), (n,), F32, align=1)
+            eps = T.arg("eps", T.float32())
+            OUT = T.match_buffer(T.arg("out", T.handle()), (1, n), F32, align=1)
+            acc = T.alloc_buffer((lanes,), F32, scope="global")
+            scale = T.alloc_buffer((1,), F32, scope="global")
+            T.buffer_store(acc, _bcast(_f(0.0), lanes), [_vec(0, lanes)])
+            with T.serial(0, n // lanes) as c:
+                at = _vec(c * lanes, lanes)
+                if residual:
+                    T.buffer_store(X, X[0, at] + D[0, at], [0, at])
+                T.buffer_store(acc, acc[_vec(0, lanes)] + X[0, at] * X[0, at], [_vec(0, lanes)])
+            total = _fold(acc[_vec(0, lanes)], lanes, lambda a, b: a + b)
+            T.buffer_store(scale, _f(1.0) / tirx.sqrt(total / _f(float(n)) + eps), [0])
+            with T.serial(0, n // lanes) as c:
+                at = _vec(c * lanes, lanes)
+                T.buffer_store(OUT, X[0, at] * _bcast(scale[0], lanes) * W[at], [0, at])
+            if quantize:  # BitNet: per-token absmax int8, x·s rounded half-to-even, clamped, divided back
+                T.buffer_store(acc, _bcast(_f(0.0), lanes), [_vec(0, lanes)])
+                with T.serial(0, n // lanes) as c:
+                    T.buffer_store(acc, tirx.max(acc[_vec(0, lanes)], tirx.abs(OUT[0, _vec(c * lanes, lanes)])),
+                                   [_vec(0, lanes)])
+                amax = _fold(acc[_vec(0, lanes)], lanes, tirx.max)
+                T.buffer_store(scale, _f(127.0) / tirx.max(amax, _f(1e-5)), [0])
+                with T.serial(0, n // lanes) as c:
+                    at = _vec(c * lanes, lanes)
+                    s = _bcast(scale[0], lanes)
+                    q = tirx.min(tirx.max(tirx.nearbyint(OUT[0, at] * s), _bcast(_f(-128.0), lanes)),
+                                 _bcast(_f(127.0), lanes))
+                    T.buffer_store(OUT, q / s, [0, at])
+    return ib.get()
+
+
+def attend_func(spec: GlueSpec, widest: int):
+    from tvm import tirx
+    from tvm.script.ir_builder import IRBuilder
+    from tvm.script.ir_builder import tirx as T
+
+    h, kv, hd = spec.n_heads, spec.n_kv_heads, spec.head_dim
+    group, half = h // kv, hd // 2
+    # vectors over rotation halves (q is written and read in these: TVM 0.27's storage rewrite segfaults on a
+    # scratch buffer accessed in two lane counts) and over whole heads (values)
+    lr, ld = _lanes(half, widest), _lanes(hd, widest)
+    with IRBuilder() as ib:
+        with T.prim_func():
+            T.func_name("attend")
+            T.func_attr({"tir.noalias": True})
+            ctx = T.int32()
+            QKV = T.match_buffer(T.arg("qkv", T.handle()), (1, (h + 2 * kv) * hd), F32, align=1)
+            COS = T.match_buffer(T.arg("cos", T.handle()), (ctx, 1, hd), F32, align=1)
+            SIN = T.match_buffer(T.arg("sin", T.handle()), (ctx, 1, hd), F32, align=1)
+            CK = T.match_buffer(T.arg("cache_k", T.handle()), (kv, ctx, hd), F32, align=1)
+            CV = T.match_buffer(T.arg("cache_v", T.handle()), (kv, ctx, hd), F32, align=1)
+            SC = T.match_buffer(T.arg("scores", T.handle()), (h, ctx), F32, align=1)
+            pos = T.arg("pos", T.int32())
+            OUT = T.match_buffer(T.arg("out", T.handle()), (1, h * hd), F32, align=1)
+            q = T.alloc_buffer((h * hd,), F32, scope="global")
+            acc = T.alloc_buffer((group * hd,), F32, scope="global")
+            stat = T.alloc_buffer((2,), F32, scope="global")  # running max, then the sum of exponentials
+
+            def rotated(head, c):
+                """The two rotated halves of vector ``c`` of ``head`` (q heads first, then k heads)."""
+                x1, x2 = QKV[0, _vec(head * hd + c * lr, lr)], QKV[0, _vec(head * hd + half + c * lr, lr)]
+                c1, s1 = COS[pos, 0, _vec(c * lr, lr)], SIN[pos, 0, _vec(c * lr, lr)]
+                c2, s2 = COS[pos, 0, _vec(half + c * lr, lr)], SIN[pos, 0, _vec(half + c * lr, lr)]
+                return x1 * c1 + (_bcast(_f(0.0), lr) - x2) * s1, x2 * c2 + x1 * s2
+
+            with T.Assert(tirx.all(0 <= pos, pos < ctx), "attend: position outside the KV cache", "ValueError"):
+                scale = _bcast(_f(hd ** -0.5), lr)
+                with T.serial(0, h) as head:
+                    with T.serial(0, half // lr) as c:
+                        r1, r2 = rotated(head, c)
+                        T.buffer_store(q, r1 * scale, [_vec(head * hd + c * lr, lr)])
+                        T.buffer_store(q, r2 * scale, [_vec(head * hd + half + c * lr, lr)])
+                with T.serial(0, kv) as kh:
+                    with T.serial(0, half // lr) as c:
+                        r1, r2 = rotated(h + kh, c)
+                        T.buffer_store(CK, r1, [kh, pos, _vec(c * lr, lr)])
+                        T.buffer_store(CK, r2, [kh, pos, _vec(half + c * lr, lr)])
+                    with T.serial(0, hd // ld) as c:
+                        T.buffer_store(CV, QKV[0, _vec((h + kv + kh) * hd + c * ld, ld)], [kh, pos, _vec(c * ld, ld)])
+                with T.serial(0, kv) as kh:  # scores: each cached key is read once for the heads sharing it
+                    with T.serial(0, pos + 1) as t:
+                        for g in range(group):
+                            head = kh * group + g
+                            dots = [q[_vec(head * hd + c * lr, lr)] * CK[kh, t, _vec(c * lr, lr)] for c in range(hd // lr)]
+                            total = dots[0]
+                            for d in dots[1:]:
+                                total = total + d
+                            T.buffer_store(SC, _fold(total, lr, lambda a, b: a + b), [head, t])
+                with T.serial(0, h) as head:
+                    T.buffer_store(stat, SC[head, 0], [0])
+                    with T.serial(1, pos + 1) as t:
+                        T.buffer_store(stat, tirx.max(stat[0], SC[head, t]), [0])
+                    T.buffer_store(stat, _f(0.0), [1])
+                    with T.serial(0, pos + 1) as t:
+                        T.buffer_store(SC, tirx.exp(SC[head, t] - stat[0]), [head, t])
+                        T.buffer_store(stat, stat[1] + SC[head, t], [1])
+                    with T.serial(0, pos + 1) as t:
+                        T.buffer_store(SC, SC[head, t] / stat[1], [head, t])
+                with T.serial(0, kv) as kh:  # values: each cached value is read once for the heads sharing it
+                    with T.serial(0, group * hd // ld) as c:
+                        T.buffer_store(acc, _bcast(_f(0.0), ld), [_vec(c * ld, ld)])
+                    with T.serial(0, pos + 1) as t:
+                        for g in range(group):
+                            p = _bcast(SC[kh * group + g, t], ld)
+                            for c in range(hd // ld):
+                                at = _vec(g * hd + c * ld, ld)
+                                T.buffer_store(acc, acc[at] + p * CV[kh, t, _vec(c * ld, ld)], [at])
+                    with T.serial(0, group * hd // ld) as c:
+                        T.buffer_store(OUT, acc[_vec(c * ld, ld)], [0, _vec(kh * group * hd + c * ld, ld)])
+    return ib.get()
+
+
+def gated_act_func(spec: GlueSpec, widest: int):
+    from tvm import tirx
+    from tvm.script.ir_builder import IRBuilder
+    from tvm.script.ir_builder import tirx as T
+
+    f = spec.ffn_dim
+    lanes = _lanes(f, widest)
+    with IRBuilder() as ib:
+        with T.prim_func():
+            T.func_name("gated_act")
+            T.func_attr({"tir.noalias": True})
+            GU = T.match_buffer(T.arg("gate_up", T.handle()), (1, 2 * f), F32, align=1)
+            OUT = T.match_buffer(T.arg("out", T.handle()), (1, f), F32, align=1)
+            with T.serial(0, f // lanes) as c:
+                g, u = GU[0, _vec(c * lanes, lanes)], GU[0, _vec(f + c * lanes, lanes)]
+                if spec.act == "silu":
+                    a = g / (_bcast(_f(1.0), lanes) + tirx.exp(_bcast(_f(0.0), lanes) - g))
+                else:  # relu2
+                    r = tirx.max(g, _bcast(_f(0.0), lanes))
+                    a = r * r
+                T.buffer_store(OUT, a * u, [0, _vec(c * lanes, lanes)])
+    return ib.get()
+
+
+def module(spec: GlueSpec, isa):
+    """The IRModule of ``spec``'s glue functions."""
+    import tvm
+
+    widest = max(isa.vector_bytes // 4, 4)
+    funcs = {"norm_in": rms_norm_func("norm_in", spec.dim, widest, True, spec.bitnet),
+             "norm_final": rms_norm_func("norm_final", spec.dim, widest, True, False),
+             "attend": attend_func(spec, widest),
+             "gated_act": gated_act_func(spec, widest)}
+    if spec.bitnet:
+        funcs["norm_attn"] = rms_norm_func("norm_attn", spec.n_heads * spec.head_dim, widest, False, True)
+        funcs["norm_hidden"] = rms_norm_func("norm_hidden", spec.ffn_dim, widest, False, True)
+    return tvm.IRModule({name: f.with_attr("global_symbol", name) for name, f in funcs.items()})

@@ -1,0 +1,167 @@
+"""The static decode path: one token through the model with no torch op and no allocation per layer.
+
+``DecodePlan.build(model)`` resolves, once per generation, every tensor a step touches into a handle the
+compiled code takes directly: the packed weights of each LUT projection, the preallocated activations, table
+buffers and KV cache. A layer is then three or four glue-kernel calls (``tmac.glue``) and two kernel calls per
+projection, straight from Python. What the plan cannot run (a float projection, a module it does not know)
+makes ``build`` return ``None`` and generation stays on the eager ``forward``; a float part of a projection
+(e.g. an unquantized head) runs as one ``torch.mm`` into its slice of the output.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from tmac import runtime
+from tmac.glue import GlueSpec
+from tmac.kernels import isa_by_name
+from tmac.linear import Linear
+from tmac.lut_ops import check_packed, kernels_for
+
+from .bitnet import ActivationQuantized, BitNetTransformer, relu2
+from .llama import RMSNorm
+from .tmac_file import Concat
+
+
+class _Unsupported(Exception):
+    pass
+
+
+def _handle(t: torch.Tensor):
+    """A zero-copy tvm_ffi view: passing it skips the per-call DLPack conversion of a torch tensor."""
+    return runtime.ffi().from_dlpack(t)
+
+
+def _projection(module: nn.Module, x: torch.Tensor, out: torch.Tensor, tables: dict) -> list:
+    """The calls computing ``out = x @ Wᵀ`` for one fused projection: LUT parts run their two kernels, float parts
+    one ``torch.mm``, each into its column slice of ``out`` (contiguous: one row)."""
+    parts = list(module.parts) if isinstance(module, Concat) else [module]
+    calls, start = [], 0
+    for part in parts:
+        m = part.out_features
+        dest = out[:, start:start + m]
+        if isinstance(part, Linear):
+            spec = part.spec
+            check_packed(spec, m, part.qweight, part.scales, part.zeros, part.bias)
+            if part.bias is not None:
+                raise _Unsupported("a LUT projection with a bias")
+            kernels = kernels_for(spec, part.kernel_dir)
+            key = (spec.k, spec.lut_group, spec.group_size)
+            if key not in tables:
+                tables[key] = [torch.empty((1, spec.k // 4, 16), dtype=torch.int8),
+                               torch.empty((1, spec.k // spec.lut_group)), torch.empty((1, spec.k // spec.group_size))]
+            lut = [_handle(t) for t in tables[key]]
+            params = [_handle(t) for t in (part.qweight, part.scales, part.zeros) if t is not None]
+            calls += [(kernels.build_tables, [_handle(x), *lut]), (kernels.lut_gemv, [*params, *lut, _handle(dest)])]
+        elif type(part) is nn.Linear and part.bias is None and part.weight.dtype == torch.float32:
+            calls.append((functools.partial(torch.mm, out=dest), [x, part.weight.detach().t()]))
+        else:
+            raise _Unsupported(f"projection part {type(part).__name__}")
+        start += m
+    if start != out.shape[1]:
+        raise _Unsupported("projection widths do not add up")
+    return calls
+
+
+def glue_spec(cfg, bitnet: bool, isa) -> GlueSpec:
+    """The glue kernels a model of config ``cfg`` (Llama, or BitNet with ``bitnet``) decodes with on ``isa``."""
+    return GlueSpec(isa.name, isa.vector_bytes, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim,
+                    "relu2" if bitnet else "silu", bitnet)
+
+
+class DecodePlan:
+    def __init__(self, model, calls: list, positions: list, buffers: dict, keep: tuple):
+        self.model, self.calls, self.positions, self.buf = model, calls, positions, buffers
+        self.embedding = model.tok_embeddings.weight
+        self._keep = keep  # scratch tensors the handles in ``calls`` point into
+
+    @classmethod
+    def build(cls, model) -> "DecodePlan | None":
+        """The plan for ``model`` with its current cache, or ``None`` when some part needs the eager path."""
+        try:
+            return cls._build(model)
+        except _Unsupported:
+            return None
+
+    @classmethod
+    def _build(cls, model) -> "DecodePlan":
+        cfg = model.config
+        if model.cache_k is None or model.tok_embeddings.weight.dtype != torch.float32:
+            raise _Unsupported("no cache or a non-float32 embedding")
+        bitnet = isinstance(model, BitNetTransformer)
+        first = model.layers[0].attention.wqkv
+        first = first.linear if isinstance(first, ActivationQuantized) else first
+        first = first.parts[0] if isinstance(first, Concat) else first
+        if not isinstance(first, Linear):
+            raise _Unsupported("float projections")
+        isa = isa_by_name(first.spec.isa)
+        glue = runtime.load_kernels(glue_spec(cfg, bitnet, isa), isa)
+        q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        names = {"x": cfg.dim, "delta": cfg.dim, "zero": cfg.dim, "xn": cfg.dim, "qkv": q_dim + 2 * kv_dim,
+                 "att": q_dim, "att_n": q_dim, "gu": 2 * cfg.ffn_dim, "hid": cfg.ffn_dim, "hid_n": cfg.ffn_dim,
+                 "logits": cfg.vocab_size}
+        buf = {name: torch.zeros((1, n)) for name, n in names.items()}
+        scores = torch.zeros((cfg.n_heads, model.context))
+        tables: dict = {}
+        h = {name: _handle(t) for name, t in buf.items()}
+        cos, sin, sc = _handle(model.cos), _handle(model.sin), _handle(scores)
+        eps = float(cfg.norm_eps)
+        calls, positions = [], []
+
+        def project(module, src: str, dst: str, sub_norm=None, norm_fn=None):
+            if bitnet and sub_norm is not None:  # BitNet's norm before the output and down projections
+                calls.append((norm_fn, [h[src], _norm(sub_norm), eps, h[src + "_n"]]))
+                src += "_n"
+            calls.extend(_projection(_inner(module, bitnet), buf[src], buf[dst], tables))
+
+        for i, layer in enumerate(model.layers):
+            attn, ffn = layer.attention, layer.feed_forward
+            expected_act = relu2 if bitnet else torch.nn.functional.silu
+            if ffn.act is not expected_act or not bitnet and not (isinstance(attn.out_norm, nn.Identity)
+                                                                  and isinstance(ffn.hidden_norm, nn.Identity)):
+                raise _Unsupported("a layer with other norms or activation")
+            attend = [h["qkv"], cos, sin, _handle(model.cache_k[i]), _handle(model.cache_v[i]), sc, 0, h["att"]]
+            positions.append(attend)
+            calls.append((glue.norm_in, [h["x"], h["zero" if i == 0 else "delta"], _norm(layer.attention_norm), eps,
+                                         h["xn"]]))
+            project(attn.wqkv, "xn", "qkv")
+            calls.append((glue.attend, attend))
+            project(attn.wo, "att", "delta", attn.out_norm, getattr(glue, "norm_attn", None))
+            calls.append((glue.norm_in, [h["x"], h["delta"], _norm(layer.ffn_norm), eps, h["xn"]]))
+            project(ffn.w13, "xn", "gu")
+            calls.append((glue.gated_act, [h["gu"], h["hid"]]))
+            project(ffn.w2, "hid", "delta", ffn.hidden_norm, getattr(glue, "norm_hidden", None))
+        calls.append((glue.norm_final, [h["x"], h["delta"], _norm(model.norm), eps, h["xn"]]))
+        calls += _projection(model.output, buf["xn"], buf["logits"], tables)
+        return cls(model, calls, positions, buf, (scores, tables, glue))
+
+    def step(self, token: int, pos: int) -> torch.Tensor:
+        """Logits ``[vocab]`` of ``token`` at position ``pos`` (the cache holds positions ``< pos``). The returned
+        tensor is the plan's buffer: the next step overwrites it."""
+        if not 0 <= pos < self.model.context:
+            raise ValueError(f"position {pos} is outside the context of {self.model.context} tokens")
+        if not 0 <= token < self.embedding.shape[0]:
+            raise ValueError(f"token id {token} is outside the vocabulary [0, {self.embedding.shape[0]})")
+        runtime.apply_threads()
+        for args in self.positions:
+            args[6] = pos
+        self.buf["x"][0].copy_(self.embedding[token])
+        for fn, args in self.calls:
+            fn(*args)
+        return self.buf["logits"][0]
+
+
+def _inner(module: nn.Module, bitnet: bool) -> nn.Module:
+    """The projection behind BitNet's activation quantization (which the glue norms apply)."""
+    if bitnet != isinstance(module, ActivationQuantized):
+        raise _Unsupported("activation quantization on some projections only")
+    return module.linear if bitnet else module
+
+
+def _norm(norm: nn.Module):
+    if not isinstance(norm, RMSNorm) or norm.weight.dtype != torch.float32:
+        raise _Unsupported("a norm that is not a float32 RMSNorm")
+    return _handle(norm.weight.detach())

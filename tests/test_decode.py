@@ -1,0 +1,178 @@
+"""The static decode path: each glue kernel against a float64 numpy statement of its math, and whole decode steps
+against the eager model (itself checked against transformers and llama.cpp in test_models.py)."""
+import numpy as np
+import pytest
+import torch
+import transformers
+
+import tmac
+from conftest import rel_l2, runnable_isas
+from tmac import runtime
+from tmac.glue import GlueSpec
+from tmac.kernels import isa_by_name
+from tmac.models.decode import DecodePlan
+
+
+def _glue(isa_name, **shape):
+    isa = isa_by_name(isa_name)
+    spec = GlueSpec(isa.name, isa.vector_bytes, **{"dim": 96, "n_heads": 6, "n_kv_heads": 2, "head_dim": 16,
+                                                    "ffn_dim": 80, "act": "silu", "bitnet": False, **shape})
+    return spec, runtime.load_kernels(spec, isa)
+
+
+def _rms_ref(x, w, eps):
+    return x / np.sqrt(np.mean(x * x) + eps) * w
+
+
+def _quantize_ref(x):
+    scale = 127.0 / max(np.abs(x).max(), 1e-5)
+    return np.clip(np.round(x * scale), -128, 127) / scale
+
+
+@pytest.mark.parametrize("isa", runnable_isas())
+def test_norms_and_activations_match_their_math(isa, rng):
+    spec, g = _glue(isa, bitnet=True)
+    x, d = rng.standard_normal((2, 1, 96)).astype(np.float32)
+    w = rng.standard_normal(96).astype(np.float32)
+    xt, out = torch.from_numpy(x.copy()), torch.zeros(1, 96)
+    g.norm_final(xt, torch.from_numpy(d), torch.from_numpy(w), 1e-5, out)
+    ref_x = x.astype(np.float64) + d
+    np.testing.assert_allclose(xt.numpy(), ref_x, rtol=1e-6)
+    np.testing.assert_allclose(out.numpy(), _rms_ref(ref_x, w, 1e-5), rtol=1e-5, atol=1e-6)
+    g.norm_in(torch.from_numpy(x.copy()), torch.from_numpy(d), torch.from_numpy(w), 1e-5, out)
+    q = _quantize_ref(_rms_ref(ref_x, w, 1e-5))
+    step = np.abs(q).max() / 127  # a value at a rounding tie may land one step away
+    assert np.abs(out.numpy() - q).max() <= step * 1.001 and np.mean(np.abs(out.numpy() - q) < 1e-5) > 0.98
+    h = rng.standard_normal((1, 80)).astype(np.float32)
+    out_h = torch.zeros(1, 80)
+    g.norm_hidden(torch.from_numpy(h), torch.ones(80), 1e-6, out_h)
+    np.testing.assert_allclose(np.abs(out_h.numpy()).max() * 127 / np.abs(_rms_ref(h, 1, 1e-6)).max(), 127, rtol=1e-5)
+    gu = rng.standard_normal((1, 160)).astype(np.float32) * 4
+    for act, ref in (("silu", lambda a: a / (1 + np.exp(-a))), ("relu2", lambda a: np.maximum(a, 0) ** 2)):
+        _, ga = _glue(isa, act=act)
+        out_a = torch.zeros(1, 80)
+        ga.gated_act(torch.from_numpy(gu), out_a)
+        g64 = gu.astype(np.float64)
+        np.testing.assert_allclose(out_a.numpy(), ref(g64[:, :80]) * g64[:, 80:], rtol=2e-6, atol=1e-6)
+
+
+def _attend_ref(qkv, cos, sin, ck, cv, pos, h, kv, hd):
+    """RoPE ("rotate half"), the cache write at ``pos`` and grouped-query attention over ``0..pos``, in float64."""
+    qkv, cos, sin = (a.astype(np.float64) for a in (qkv[0], cos[pos, 0], sin[pos, 0]))
+    heads = qkv[:(h + kv) * hd].reshape(h + kv, hd)
+    rot = np.concatenate([-heads[:, hd // 2:], heads[:, :hd // 2]], axis=1)
+    roped = heads * cos + rot * sin
+    ck, cv = ck.astype(np.float64), cv.astype(np.float64)
+    ck[:, pos] = roped[h:]
+    cv[:, pos] = qkv[(h + kv) * hd:].reshape(kv, hd)
+    out = np.empty((h, hd))
+    for head in range(h):
+        kh = head // (h // kv)
+        s = ck[kh, :pos + 1] @ roped[head] / np.sqrt(hd)
+        p = np.exp(s - s.max())
+        out[head] = (p / p.sum()) @ cv[kh, :pos + 1]
+    return out.reshape(1, -1), ck, cv
+
+
+@pytest.mark.parametrize("isa", runnable_isas())
+@pytest.mark.parametrize("heads", [(6, 2, 16), (4, 4, 20), (8, 1, 64)], ids=["gqa", "mha-hd20", "mqa"])
+def test_attend_matches_its_math(isa, heads, rng):
+    h, kv, hd = heads
+    _, g = _glue(isa, n_heads=h, n_kv_heads=kv, head_dim=hd)
+    ctx = 12
+    angles = rng.uniform(0, 6, (ctx, 1, hd // 2))
+    cos = np.cos(np.concatenate([angles, angles], -1)).astype(np.float32)
+    sin = np.sin(np.concatenate([angles, angles], -1)).astype(np.float32)
+    for pos in (0, 5, ctx - 1):
+        qkv = rng.standard_normal((1, (h + 2 * kv) * hd)).astype(np.float32)
+        ck, cv = rng.standard_normal((2, kv, ctx, hd)).astype(np.float32)
+        ref, ref_k, ref_v = _attend_ref(qkv, cos, sin, ck, cv, pos, h, kv, hd)
+        tk, tv, out = torch.from_numpy(ck.copy()), torch.from_numpy(cv.copy()), torch.zeros(1, h * hd)
+        g.attend(torch.from_numpy(qkv), torch.from_numpy(cos), torch.from_numpy(sin), tk, tv, torch.zeros(h, ctx),
+                 pos, out)
+        np.testing.assert_allclose(tk.numpy(), ref_k, rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(tv.numpy(), ref_v)
+        np.testing.assert_allclose(out.numpy(), ref, rtol=1e-4, atol=1e-5)
+
+
+def test_attend_refuses_positions_outside_the_cache():
+    isa = runnable_isas()[0]
+    _, g = _glue(isa)
+    ctx = 8
+    args = [torch.zeros(1, 10 * 16), torch.zeros(ctx, 1, 16), torch.zeros(ctx, 1, 16), torch.zeros(2, ctx, 16),
+            torch.zeros(2, ctx, 16), torch.zeros(6, ctx)]
+    for pos in (ctx, -1, 1 << 30):
+        with pytest.raises(ValueError, match="outside the KV cache"):
+            g.attend(*args, pos, torch.zeros(1, 96))
+    with pytest.raises(ValueError):  # a scores buffer shorter than the cache
+        g.attend(*args[:5], torch.zeros(6, ctx - 1), 3, torch.zeros(1, 96))
+
+
+def _tiny(tmp_path, bitnet=False):
+    kw = dict(vocab_size=256, hidden_size=128, intermediate_size=384, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=128)
+    torch.manual_seed(0)
+    if bitnet:
+        hf = transformers.BitNetForCausalLM(transformers.BitNetConfig(**kw))
+    else:
+        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw))
+    hf.eval().save_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("case", ["llama-w4", "llama-w2-head-w4", "bitnet-ternary"])
+def test_decode_plan_matches_the_eager_model(tmp_path, case):
+    _tiny(tmp_path, bitnet=case.startswith("bitnet"))
+    if case == "bitnet-ternary":
+        model = tmac.load_model(tmp_path, context=64)
+        for layer in model.layers:  # the eager BitNet path, made ternary as BitNet checkpoints are
+            for name in ("wqkv", "wo"):
+                setattr(layer.attention, name, _ternary(getattr(layer.attention, name)))
+            for name in ("w13", "w2"):
+                setattr(layer.feed_forward, name, _ternary(getattr(layer.feed_forward, name)))
+    else:
+        bits, head = (4, None) if case == "llama-w4" else (2, 4)
+        model = tmac.load_model(tmp_path, bits=bits, head_bits=head, group_size=64, context=64)
+    prompt = list(range(3, 40))
+    with torch.inference_mode():
+        model.logits(prompt)
+        plan = DecodePlan.build(model)
+        assert plan is not None
+        saved = model.cache_k.clone(), model.cache_v.clone()
+        eager = [model(torch.tensor([t]), len(prompt) + i, last_only=True)[-1].clone() for i, t in enumerate((7, 9))]
+        eager_cache = model.cache_k.clone(), model.cache_v.clone()
+        model.cache_k.copy_(saved[0])
+        model.cache_v.copy_(saved[1])
+        fast = [plan.step(t, len(prompt) + i).clone() for i, t in enumerate((7, 9))]
+    # the paths differ in summation order only, which int8 table rounding (and BitNet's int8 activations) amplify
+    tol = 2e-3 if case.startswith("llama") else 2e-2
+    for e, f in zip(eager, fast):
+        assert rel_l2(f.numpy(), e.numpy()) < tol
+    new = slice(len(prompt), len(prompt) + 2)
+    for got, want in zip((model.cache_k, model.cache_v), eager_cache):
+        assert rel_l2(got[:, :, new].numpy(), want[:, :, new].numpy()) < tol
+        assert torch.equal(got[:, :, :len(prompt)], want[:, :, :len(prompt)])
+    with pytest.raises(ValueError, match="outside the context"):
+        plan.step(1, 64)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        plan.step(256, 1)
+
+
+def _ternary(module):
+    from tmac.models.bitnet import ActivationQuantized
+
+    inner = module.linear if isinstance(module, ActivationQuantized) else module
+    return ActivationQuantized(tmac.Linear.from_float(inner.weight.detach(), ternary=True))
+
+
+def test_generation_uses_the_plan_and_agrees_with_eager(tmp_path):
+    _tiny(tmp_path)
+    model = tmac.load_model(tmp_path, bits=4, group_size=64, context=64)
+    prompt = list(range(5, 25))
+    fast = model.generate(prompt, max_new_tokens=12, stop_on_eos=False)
+    model.static_decode = False
+    model.cached_ids = []
+    assert model.generate(prompt, max_new_tokens=12, stop_on_eos=False) == fast
+    float_model = tmac.load_model(tmp_path, context=64)
+    with torch.inference_mode():
+        float_model.logits(prompt)
+    assert DecodePlan.build(float_model) is None  # float projections: generation stays eager

@@ -1,0 +1,52 @@
+"""``GlueSpec``: the compiled code that runs between the LUT projections of one decode step.
+
+Eager PyTorch spends ~20 small ops per layer on RMSNorm, RoPE, the KV-cache write, single-token attention and
+the gated activation, at 2-20 µs of dispatch each — more than the projections themselves on a small model. The
+glue kernels do each of those stretches in one call (``tmac.codegen.glue`` generates them):
+
+- ``norm_in(x, delta, w, eps, out)``: the residual ``x += delta``, then ``out = rmsnorm(x)·w``, with BitNet's
+  int8 activation fake-quantization when ``bitnet``; ``norm_final`` the same without it;
+- ``norm_attn(x, w, eps, out)``, ``norm_hidden``: BitNet's norms before the output and down projections;
+- ``attend(qkv, cos, sin, cache_k, cache_v, scores, pos, out)``: RoPE on q and k, the cache write at ``pos``,
+  and attention of every head over positions ``0..pos`` (grouped-query);
+- ``gated_act(gate_up, out)``: ``act(gate)·up`` (SiLU for Llama, squared ReLU for BitNet).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+ACTIVATIONS = ("silu", "relu2")
+
+
+@dataclass(frozen=True)
+class GlueSpec:
+    isa: str
+    vector_bytes: int
+    dim: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    act: str
+    bitnet: bool
+
+    def __post_init__(self):
+        sizes = (self.dim, self.n_heads, self.n_kv_heads, self.head_dim, self.ffn_dim)
+        if not all(type(v) is int and v > 0 for v in sizes) or self.n_heads % self.n_kv_heads or self.head_dim % 2:
+            raise ValueError(f"invalid glue spec sizes: dim, heads, kv heads, head_dim, ffn = {sizes}")
+        if self.act not in ACTIVATIONS:
+            raise ValueError(f"activation {self.act!r} has no glue kernel; known: {ACTIVATIONS}")
+
+    @property
+    def name(self) -> str:
+        return (f"glue_{self.isa}_d{self.dim}_h{self.n_heads}x{self.n_kv_heads}x{self.head_dim}_f{self.ffn_dim}"
+                f"_{self.act}{'_bitnet' if self.bitnet else ''}")
+
+    @property
+    def functions(self) -> tuple[str, ...]:
+        extra = ("norm_attn", "norm_hidden") if self.bitnet else ()
+        return ("norm_in", "norm_final", "attend", "gated_act", *extra)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
