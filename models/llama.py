@@ -218,7 +218,7 @@ class Transformer(GenerationMixin, nn.Module):
         t = ids.shape[0]
         if start + t > self.context:
             raise ValueError(f"{start + t} positions exceed the context of {self.context} tokens")
-        x = self.tok_embeddings(ids)
+        x = self.tok_embeddings(ids).float()  # loaders may keep the table in float16
         cos, sin = self.cos[start:start + t], self.sin[start:start + t]
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, self.cache_k[i], self.cache_v[i], start)

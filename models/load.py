@@ -98,6 +98,10 @@ def load_model(source: str | os.PathLike | None = None, *, bits: int | None = No
         else:
             model.output = make_linear([head], **{**opts, "bits": head_bits})
         bar.advance("output head")
+    # requantized models keep the lookup table in float16 (its rounding is far below the weights' own error);
+    # the file's own weights (exact imports, float models) keep it exact
+    if bits is not None and getattr(model.output, "weight", None) is not model.tok_embeddings.weight:
+        model.tok_embeddings = _half_embedding(model.tok_embeddings)
     model.tokenizer = src.tokenizer
     model.source = path
     model.setup_cache(context)
@@ -158,6 +162,12 @@ def _make_linear(parts, bits, group_size, symmetric, isa, kernel_dir) -> nn.Modu
         raise ValueError(f"cannot quantize a layer with {k} inputs in groups of {group_size or '32/64/128'}: "
                          f"the group size must divide the inputs")
     return Linear.from_float(weight, bits=bits, group_size=group, symmetric=symmetric, isa=isa, kernel_dir=kernel_dir)
+
+
+def _half_embedding(embedding: nn.Embedding) -> nn.Embedding:
+    """The lookup table in float16 when every value fits (half the memory; a step reads one row, as float32)."""
+    half = embedding.weight.detach().half()
+    return nn.Embedding.from_pretrained(half, freeze=True) if torch.isfinite(half).all() else embedding
 
 
 def _param(t: torch.Tensor) -> nn.Parameter:

@@ -167,6 +167,7 @@ def _ternary(module):
 def test_generation_uses_the_plan_and_agrees_with_eager(tmp_path):
     _tiny(tmp_path)
     model = tmac.load_model(tmp_path, bits=4, group_size=64, context=64)
+    assert model.tok_embeddings.weight.dtype == torch.float16  # requantized: the lookup table is halved
     prompt = list(range(5, 25))
     fast = model.generate(prompt, max_new_tokens=12, stop_on_eos=False)
     model.static_decode = False
