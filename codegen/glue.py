@@ -49,7 +49,7 @@ def _vec(start, lanes: int):
     return tirx.Ramp(start, 1, lanes) if lanes > 1 else start
 
 
-def rms_norm_func(name: str, n: int, widest: int, residual: bool, quantize: bool):
+def rms_norm_func(name: str, n: int, widest: int, residual: bool):
     from tvm import tirx
     from tvm.script.ir_builder import IRBuilder
     from tvm.script.ir_builder import tirx as T
@@ -77,19 +77,35 @@ def rms_norm_func(name: str, n: int, widest: int, residual: bool, quantize: bool
             with T.serial(0, n // lanes) as c:
                 at = _vec(c * lanes, lanes)
                 T.buffer_store(OUT, X[0, at] * _bcast(scale[0], lanes) * W[at], [0, at])
-            if quantize:  # BitNet: per-token absmax int8, x·s rounded half-to-even, clamped, divided back
-                T.buffer_store(acc, _bcast(_f(0.0), lanes), [_vec(0, lanes)])
-                with T.serial(0, n // lanes) as c:
-                    T.buffer_store(acc, tirx.max(acc[_vec(0, lanes)], tirx.abs(OUT[0, _vec(c * lanes, lanes)])),
-                                   [_vec(0, lanes)])
-                amax = _fold(acc[_vec(0, lanes)], lanes, tirx.max)
-                T.buffer_store(scale, _f(127.0) / tirx.max(amax, _f(1e-5)), [0])
-                with T.serial(0, n // lanes) as c:
-                    at = _vec(c * lanes, lanes)
-                    s = _bcast(scale[0], lanes)
-                    q = tirx.min(tirx.max(tirx.nearbyint(OUT[0, at] * s), _bcast(_f(-128.0), lanes)),
-                                 _bcast(_f(127.0), lanes))
-                    T.buffer_store(OUT, q / s, [0, at])
+    return ib.get()
+
+
+def quantize_func(name: str, n: int, widest: int):
+    """Per-token absmax int8 fake-quantization in place: ``x·s`` rounded half-to-even, clamped, divided back."""
+    from tvm import tirx
+    from tvm.script.ir_builder import IRBuilder
+    from tvm.script.ir_builder import tirx as T
+
+    lanes = _lanes(n, widest)
+    with IRBuilder() as ib:
+        with T.prim_func():
+            T.func_name(name)
+            T.func_attr({"tir.noalias": True})
+            X = T.match_buffer(T.arg("x", T.handle()), (1, n), F32, align=1)
+            acc = T.alloc_buffer((lanes,), F32, scope="global")
+            scale = T.alloc_buffer((1,), F32, scope="global")
+            T.buffer_store(acc, _bcast(_f(0.0), lanes), [_vec(0, lanes)])
+            with T.serial(0, n // lanes) as c:
+                T.buffer_store(acc, tirx.max(acc[_vec(0, lanes)], tirx.abs(X[0, _vec(c * lanes, lanes)])),
+                               [_vec(0, lanes)])
+            amax = _fold(acc[_vec(0, lanes)], lanes, tirx.max)
+            T.buffer_store(scale, _f(127.0) / tirx.max(amax, _f(1e-5)), [0])
+            with T.serial(0, n // lanes) as c:
+                at = _vec(c * lanes, lanes)
+                s = _bcast(scale[0], lanes)
+                q = tirx.min(tirx.max(tirx.nearbyint(X[0, at] * s), _bcast(_f(-128.0), lanes)),
+                             _bcast(_f(127.0), lanes))
+                T.buffer_store(X, q / s, [0, at])
     return ib.get()
 
 
@@ -203,11 +219,14 @@ def module(spec: GlueSpec, isa):
     import tvm
 
     widest = max(isa.vector_bytes // 4, 4)
-    funcs = {"norm_in": rms_norm_func("norm_in", spec.dim, widest, True, spec.bitnet),
-             "norm_final": rms_norm_func("norm_final", spec.dim, widest, True, False),
-             "attend": attend_func(spec, widest),
-             "gated_act": gated_act_func(spec, widest)}
-    if spec.bitnet:
-        funcs["norm_attn"] = rms_norm_func("norm_attn", spec.n_heads * spec.head_dim, widest, False, True)
-        funcs["norm_hidden"] = rms_norm_func("norm_hidden", spec.ffn_dim, widest, False, True)
+    q_dim = spec.n_heads * spec.head_dim
+    funcs = {"norm_in": rms_norm_func("norm_in", spec.dim, widest, True),
+             "norm_final": rms_norm_func("norm_final", spec.dim, widest, True),
+             "attend": attend_func(spec, widest), "gated_act": gated_act_func(spec, widest)}
+    if spec.sub_norms:
+        funcs["norm_attn"] = rms_norm_func("norm_attn", q_dim, widest, False)
+        funcs["norm_hidden"] = rms_norm_func("norm_hidden", spec.ffn_dim, widest, False)
+    if spec.act_quant:
+        for name, n in (("dim", spec.dim), ("q", q_dim), ("ffn", spec.ffn_dim)):
+            funcs[f"quantize_{name}"] = quantize_func(f"quantize_{name}", n, widest)
     return tvm.IRModule({name: f.with_attr("global_symbol", name) for name, f in funcs.items()})

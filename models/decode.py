@@ -66,10 +66,15 @@ def _projection(module: nn.Module, x: torch.Tensor, out: torch.Tensor, tables: d
     return calls
 
 
-def glue_spec(cfg, bitnet: bool, isa) -> GlueSpec:
-    """The glue kernels a model of config ``cfg`` (Llama, or BitNet with ``bitnet``) decodes with on ``isa``."""
+def glue_spec(cfg, bitnet: bool, act_quant: bool, isa) -> GlueSpec:
+    """The glue kernels a model of config ``cfg`` (Llama, or BitNet with ``bitnet``; with int8 activations in front
+    of some projections with ``act_quant``) decodes with on ``isa``."""
     return GlueSpec(isa.name, isa.vector_bytes, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim,
-                    "relu2" if bitnet else "silu", bitnet)
+                    "relu2" if bitnet else "silu", bitnet, act_quant)
+
+
+QUANTIZE = {"xn": "quantize_dim", "att": "quantize_q", "att_n": "quantize_q", "hid": "quantize_ffn",
+            "hid_n": "quantize_ffn"}  # input buffer → the glue function quantizing it in place
 
 
 class DecodePlan:
@@ -98,7 +103,8 @@ class DecodePlan:
         if not isinstance(first, Linear):
             raise _Unsupported("float projections")
         isa = isa_by_name(first.spec.isa)
-        glue = runtime.load_kernels(glue_spec(cfg, bitnet, isa), isa)
+        act_quant = any(isinstance(m, ActivationQuantized) for m in model.modules())
+        glue = runtime.load_kernels(glue_spec(cfg, bitnet, act_quant, isa), isa)
         q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
         names = {"x": cfg.dim, "delta": cfg.dim, "zero": cfg.dim, "xn": cfg.dim, "qkv": q_dim + 2 * kv_dim,
                  "att": q_dim, "att_n": q_dim, "gu": 2 * cfg.ffn_dim, "hid": cfg.ffn_dim, "hid_n": cfg.ffn_dim,
@@ -115,7 +121,10 @@ class DecodePlan:
             if bitnet and sub_norm is not None:  # BitNet's norm before the output and down projections
                 calls.append((norm_fn, [h[src], _norm(sub_norm), eps, h[src + "_n"]]))
                 src += "_n"
-            calls.extend(_projection(_inner(module, bitnet), buf[src], buf[dst], tables))
+            if isinstance(module, ActivationQuantized):  # the input is consumed only here: quantize it in place
+                calls.append((getattr(glue, QUANTIZE[src]), [h[src]]))
+                module = module.linear
+            calls.extend(_projection(module, buf[src], buf[dst], tables))
 
         for i, layer in enumerate(model.layers):
             attn, ffn = layer.attention, layer.feed_forward
@@ -135,7 +144,7 @@ class DecodePlan:
             calls.append((glue.gated_act, [h["gu"], h["hid"]]))
             project(ffn.w2, "hid", "delta", ffn.hidden_norm, getattr(glue, "norm_hidden", None))
         calls.append((glue.norm_final, [h["x"], h["delta"], _norm(model.norm), eps, h["xn"]]))
-        calls += _projection(model.output, buf["xn"], buf["logits"], tables)
+        project(model.output, "xn", "logits")
         return cls(model, calls, positions, buf, (scores, tables, glue))
 
     def step(self, token: int, pos: int) -> torch.Tensor:
@@ -152,13 +161,6 @@ class DecodePlan:
         for fn, args in self.calls:
             fn(*args)
         return self.buf["logits"][0]
-
-
-def _inner(module: nn.Module, bitnet: bool) -> nn.Module:
-    """The projection behind BitNet's activation quantization (which the glue norms apply)."""
-    if bitnet != isinstance(module, ActivationQuantized):
-        raise _Unsupported("activation quantization on some projections only")
-    return module.linear if bitnet else module
 
 
 def _norm(norm: nn.Module):

@@ -209,11 +209,13 @@ def cmd_compile(args) -> int:
     # raises naming K when the group size does not divide it
     specs = list(dict.fromkeys(spec_for_format(fmt, k, isa) for fmt, k in kernel_formats(args)))
     if args.model:  # and the decode glue of its shape
+        from .formats import GGUF_EXACT
         from .models.decode import glue_spec
         from .models.gguf_loader import GGUFModel
 
         source = GGUFModel(args.model)
-        specs.append(glue_spec(source.config, source.family == "bitnet", isa))
+        ternary = args.bits is None and any(GGUF_EXACT[t].ternary for t, _ in model_layers(args.model) if t in GGUF_EXACT)
+        specs.append(glue_spec(source.config, source.family == "bitnet", ternary, isa))
     os.makedirs(args.output, exist_ok=True)
     entries, rows = [], []
     for i, spec in enumerate(specs, 1):

@@ -4,9 +4,12 @@ Eager PyTorch spends ~20 small ops per layer on RMSNorm, RoPE, the KV-cache writ
 the gated activation, at 2-20 µs of dispatch each — more than the projections themselves on a small model. The
 glue kernels do each of those stretches in one call (``tmac.codegen.glue`` generates them):
 
-- ``norm_in(x, delta, w, eps, out)``: the residual ``x += delta``, then ``out = rmsnorm(x)·w``, with BitNet's
-  int8 activation fake-quantization when ``bitnet``; ``norm_final`` the same without it;
-- ``norm_attn(x, w, eps, out)``, ``norm_hidden``: BitNet's norms before the output and down projections;
+- ``norm_in(x, delta, w, eps, out)``: the residual ``x += delta``, then ``out = rmsnorm(x)·w`` (``norm_final``
+  is the same function for the head, a separate symbol so a profile tells them apart);
+- ``norm_attn(x, w, eps, out)``, ``norm_hidden``: BitNet's norms before the output and down projections
+  (``sub_norms``);
+- ``quantize_dim(x)``, ``quantize_q``, ``quantize_ffn``: int8 absmax fake-quantization in place, in front of
+  projections that carry it (BitNet and llama.cpp's ternary types; ``act_quant``);
 - ``attend(qkv, cos, sin, cache_k, cache_v, scores, pos, out)``: RoPE on q and k, the cache write at ``pos``,
   and attention of every head over positions ``0..pos`` (grouped-query);
 - ``gated_act(gate_up, out)``: ``act(gate)·up`` (SiLU for Llama, squared ReLU for BitNet).
@@ -29,7 +32,8 @@ class GlueSpec:
     head_dim: int
     ffn_dim: int
     act: str
-    bitnet: bool
+    sub_norms: bool
+    act_quant: bool
 
     def __post_init__(self):
         sizes = (self.dim, self.n_heads, self.n_kv_heads, self.head_dim, self.ffn_dim)
@@ -41,12 +45,12 @@ class GlueSpec:
     @property
     def name(self) -> str:
         return (f"glue_{self.isa}_d{self.dim}_h{self.n_heads}x{self.n_kv_heads}x{self.head_dim}_f{self.ffn_dim}"
-                f"_{self.act}{'_bitnet' if self.bitnet else ''}")
+                f"_{self.act}{'_subnorms' if self.sub_norms else ''}{'_aq' if self.act_quant else ''}")
 
     @property
     def functions(self) -> tuple[str, ...]:
-        extra = ("norm_attn", "norm_hidden") if self.bitnet else ()
-        return ("norm_in", "norm_final", "attend", "gated_act", *extra)
+        return ("norm_in", "norm_final", "attend", "gated_act", *self.sub_norms * ("norm_attn", "norm_hidden"),
+                *self.act_quant * ("quantize_dim", "quantize_q", "quantize_ffn"))
 
     def to_dict(self) -> dict:
         return asdict(self)
