@@ -49,6 +49,16 @@ def _vec(start, lanes: int):
     return tirx.Ramp(start, 1, lanes) if lanes > 1 else start
 
 
+def _lane_fold(T, n: int, lanes: int, op, term):
+    """``op`` folded over ``term(at)`` for the ``n/lanes`` vectors ``at``: per lane in a loop, then across lanes.
+    ``term`` may also emit stores, which land inside the loop."""
+    acc = T.alloc_buffer((lanes,), F32, scope="global")
+    T.buffer_store(acc, _bcast(_f(0.0), lanes), [_vec(0, lanes)])
+    with T.serial(0, n // lanes) as c:
+        T.buffer_store(acc, op(acc[_vec(0, lanes)], term(_vec(c * lanes, lanes))), [_vec(0, lanes)])
+    return _fold(acc[_vec(0, lanes)], lanes, op)
+
+
 def rms_norm_func(name: str, n: int, widest: int, residual: bool):
     from tvm import tirx
     from tvm.script.ir_builder import IRBuilder
@@ -64,15 +74,14 @@ def rms_norm_func(name: str, n: int, widest: int, residual: bool):
             W = T.match_buffer(T.arg("w", T.handle()), (n,), F32, align=1)
             eps = T.arg("eps", T.float32())
             OUT = T.match_buffer(T.arg("out", T.handle()), (1, n), F32, align=1)
-            acc = T.alloc_buffer((lanes,), F32, scope="global")
             scale = T.alloc_buffer((1,), F32, scope="global")
-            T.buffer_store(acc, _bcast(_f(0.0), lanes), [_vec(0, lanes)])
-            with T.serial(0, n // lanes) as c:
-                at = _vec(c * lanes, lanes)
+
+            def square(at):
                 if residual:
                     T.buffer_store(X, X[0, at] + D[0, at], [0, at])
-                T.buffer_store(acc, acc[_vec(0, lanes)] + X[0, at] * X[0, at], [_vec(0, lanes)])
-            total = _fold(acc[_vec(0, lanes)], lanes, lambda a, b: a + b)
+                return X[0, at] * X[0, at]
+
+            total = _lane_fold(T, n, lanes, lambda a, b: a + b, square)
             T.buffer_store(scale, _f(1.0) / tirx.sqrt(total / _f(float(n)) + eps), [0])
             with T.serial(0, n // lanes) as c:
                 at = _vec(c * lanes, lanes)
@@ -92,13 +101,8 @@ def quantize_func(name: str, n: int, widest: int):
             T.func_name(name)
             T.func_attr({"tir.noalias": True})
             X = T.match_buffer(T.arg("x", T.handle()), (1, n), F32, align=1)
-            acc = T.alloc_buffer((lanes,), F32, scope="global")
             scale = T.alloc_buffer((1,), F32, scope="global")
-            T.buffer_store(acc, _bcast(_f(0.0), lanes), [_vec(0, lanes)])
-            with T.serial(0, n // lanes) as c:
-                T.buffer_store(acc, tirx.max(acc[_vec(0, lanes)], tirx.abs(X[0, _vec(c * lanes, lanes)])),
-                               [_vec(0, lanes)])
-            amax = _fold(acc[_vec(0, lanes)], lanes, tirx.max)
+            amax = _lane_fold(T, n, lanes, tirx.max, lambda at: tirx.abs(X[0, at]))
             T.buffer_store(scale, _f(127.0) / tirx.max(amax, _f(1e-5)), [0])
             with T.serial(0, n // lanes) as c:
                 at = _vec(c * lanes, lanes)
