@@ -8,6 +8,8 @@ from tmac.cpu import machine_arch
 from tmac.glue import GlueSpec
 from tmac.packing import KernelSpec
 
+# the glue calls libm (expf); TVM puts options before the objects, where --as-needed would drop a plain -lm
+LINK_LIBM = ["-Wl,--no-as-needed", "-lm"]
 CROSS_LINKERS = {"arm64": ("aarch64-linux-gnu-gcc", "gcc-aarch64-linux-gnu"),
                  "x86_64": ("x86_64-linux-gnu-gcc", "gcc-x86-64-linux-gnu")}
 
@@ -42,6 +44,6 @@ def build_library(spec: KernelSpec, isa, path: str) -> None:
     cc = linker_for(isa.arch)
     executable = compile_kernel(spec, isa)
     if cc is None:
-        executable.export_library(path)
+        executable.export_library(path, options=LINK_LIBM)
     else:
-        executable.export_library(path, cc=cc)
+        executable.export_library(path, cc=cc, options=LINK_LIBM)

@@ -96,3 +96,50 @@ def test_arm64_argument_check_reaches_the_caller(harness, tmp_path):
     r = subprocess.run(["qemu-aarch64", "-L", "/usr/aarch64-linux-gnu", harness, lib, str(tmp_path)],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "shape" in r.stderr
+
+
+@pytest.mark.parametrize("isa", ["neon_dotprod", "neon"])
+def test_arm64_decode_glue_under_qemu(harness, tmp_path, rng, isa):
+    """The decode glue for arm64 (norms, attention over the cache, activation, int8 quantization), against the
+    float64 statements of test_decode."""
+    from test_decode import _attend_ref, _quantize_ref, _rms_ref
+
+    from tmac.codegen.build import build_library
+    from tmac.glue import GlueSpec
+
+    dim, h, kv, hd, ffn, ctx, pos = 96, 6, 2, 20, 80, 10, 6  # head_dim 20: vectors of 2 and 4 lanes as well
+    spec = GlueSpec(isa, 16, dim, h, kv, hd, ffn, "silu", True, True)
+    lib = str(tmp_path / "glue.so")
+    build_library(spec, ISAS[isa], lib)
+    d = str(tmp_path)
+    x, delta, w = (rng.standard_normal((1, dim)).astype(np.float32) for _ in range(3))
+    qkv = rng.standard_normal((1, (h + 2 * kv) * hd)).astype(np.float32)
+    angles = rng.uniform(0, 6, (ctx, 1, hd // 2))
+    cos, sin = (f(np.concatenate([angles, angles], -1)).astype(np.float32) for f in (np.cos, np.sin))
+    ck, cv = rng.standard_normal((2, kv, ctx, hd)).astype(np.float32)
+    gu = rng.standard_normal((1, 2 * ffn)).astype(np.float32)
+    calls = ["norm_in 5", _write(d, "x", x), _write(d, "delta", delta), _write(d, "w", w[0]), "=f 1e-5",
+             f"xn float32 2 1 {dim}",
+             "attend 8", _write(d, "qkv", qkv), _write(d, "cos", cos), _write(d, "sin", sin), _write(d, "ck", ck),
+             _write(d, "cv", cv), f"sc float32 2 {h} {ctx}", f"=i {pos}", f"att float32 2 1 {h * hd}",
+             "gated_act 2", _write(d, "gu", gu), f"hid float32 2 1 {ffn}",
+             "quantize_q 1", f"att float32 2 1 {h * hd}"]
+    (tmp_path / "calls.txt").write_text("\n".join(calls) + "\n")
+    r = subprocess.run(["qemu-aarch64", "-L", "/usr/aarch64-linux-gnu", harness, lib, d], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+
+    def out(name, shape):
+        return np.fromfile(os.path.join(d, name + ".out"), np.float32).reshape(shape)
+
+    x64 = x.astype(np.float64) + delta
+    np.testing.assert_allclose(out("xn", (1, dim)), _rms_ref(x64, w[0], 1e-5), rtol=1e-5, atol=1e-6)
+    att, ref_k, ref_v = _attend_ref(qkv, cos, sin, ck, cv, pos, h, kv, hd)
+    np.testing.assert_allclose(out("ck", ck.shape), ref_k, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(out("cv", cv.shape), ref_v)
+    q = _quantize_ref(att)
+    got = out("att", (1, h * hd))
+    assert np.abs(got - q).max() <= np.abs(q).max() / 127 * 1.001 and np.mean(np.abs(got - q) < 1e-5) > 0.98
+    g = gu.astype(np.float64)
+    np.testing.assert_allclose(out("hid", (1, ffn)), g[:, :ffn] / (1 + np.exp(-g[:, :ffn])) * g[:, ffn:], rtol=2e-6,
+                               atol=1e-6)

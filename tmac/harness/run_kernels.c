@@ -2,9 +2,10 @@
  *
  *   run_kernels LIB.so DIR
  *
- * DIR/calls.txt lists calls, one per line: `FUNCTION NARGS` followed by NARGS tensor lines
- * `NAME DTYPE NDIM DIM...` (DTYPE: float32 | int8 | uint8). A tensor is read from DIR/NAME.bin when that file
- * exists and starts zeroed otherwise; a name used again refers to the same tensor. After all calls every
+ * DIR/calls.txt lists calls, one per line: `FUNCTION NARGS` followed by NARGS argument lines, each a tensor
+ * `NAME DTYPE NDIM DIM...` (DTYPE: float32 | int8 | uint8) or a scalar `=f VALUE` (float) / `=i VALUE` (int).
+ * A tensor is read from DIR/NAME.bin when that file exists and starts zeroed otherwise; a name used again
+ * refers to the same tensor. After all calls every
  * tensor is written to DIR/NAME.out. The library's thread-pool and workspace hooks are filled with pthreads
  * and malloc, as libtvm_runtime would fill them; errors raised by the kernels are printed and exit with 2.
  */
@@ -81,10 +82,10 @@ static int dtype_of(const char *s, DLDataType *dt) {
   return 0;
 }
 
-static Tensor *tensor(const char *dir, FILE *calls) {
-  char name[64], dtype[16];
+static Tensor *tensor(const char *dir, const char *name, FILE *calls) {
+  char dtype[16];
   int ndim;
-  if (fscanf(calls, "%63s %15s %d", name, dtype, &ndim) != 3 || ndim < 1 || ndim > 8) return NULL;
+  if (fscanf(calls, "%15s %d", dtype, &ndim) != 2 || ndim < 1 || ndim > 8) return NULL;
   int64_t shape[8];
   size_t count = 1;
   for (int i = 0; i < ndim; i++) {
@@ -135,11 +136,19 @@ int main(int argc, char **argv) {
     if (nargs < 0 || nargs > 16) { fprintf(stderr, "bad argument count %d\n", nargs); return 1; }
     TVMFFIAny args[16];
     for (int i = 0; i < nargs; i++) {
-      Tensor *t = tensor(argv[2], calls);
-      if (!t) { fprintf(stderr, "bad tensor line for %s argument %d\n", fname, i); return 1; }
+      char name[64];
       memset(&args[i], 0, sizeof(TVMFFIAny));
-      args[i].type_index = kTVMFFIDLTensorPtr;
-      args[i].v_ptr = &t->t;
+      if (fscanf(calls, "%63s", name) != 1) { fprintf(stderr, "missing argument %d of %s\n", i, fname); return 1; }
+      if (!strcmp(name, "=f") && fscanf(calls, "%lf", &args[i].v_float64) == 1) {
+        args[i].type_index = kTVMFFIFloat;
+      } else if (!strcmp(name, "=i") && fscanf(calls, "%ld", &args[i].v_int64) == 1) {
+        args[i].type_index = kTVMFFIInt;
+      } else {
+        Tensor *t = name[0] == '=' ? NULL : tensor(argv[2], name, calls);
+        if (!t) { fprintf(stderr, "bad argument line for %s argument %d\n", fname, i); return 1; }
+        args[i].type_index = kTVMFFIDLTensorPtr;
+        args[i].v_ptr = &t->t;
+      }
     }
     char sym[160];
     snprintf(sym, sizeof(sym), "__tvm_ffi_%s", fname);
