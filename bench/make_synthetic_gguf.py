@@ -21,6 +21,8 @@ SHAPES = {
                             context_length=2048),
     "bitnet-3b-llama": LlamaConfig(vocab_size=32000, dim=3328, n_layers=26, n_heads=26, n_kv_heads=26, ffn_dim=8704,
                                    context_length=2048),
+    "bitnet-3b": LlamaConfig(vocab_size=32002, dim=3200, n_layers=26, n_heads=32, n_kv_heads=32, ffn_dim=8640,
+                             context_length=2048),  # BitNet b1.58 3B's real shape: an HF directory, not a GGUF
     "tiny": LlamaConfig(vocab_size=512, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=512, context_length=256),
 }
 

@@ -4,7 +4,9 @@ the very same GGUF file when the optional `peer` extra is installed:
 - SmolLM2-135M-Instruct Q4_1 (imported exactly) and requantized W2;
 - a synthetic Llama-1B-shape model: Q4_0 (exact) and W2 g128 with a W2 head; ternary TQ2_0 (exact, head too);
   Q2_K made by llama.cpp's own quantizer with `--pure` semantics, against tmac W2 g128 of the same weights;
-- the BitNet-3B projection shapes rounded to llama.cpp's 256-blocks (3328/8704, 26 layers), ternary TQ2_0.
+- the BitNet-3B projection shapes rounded to llama.cpp's 256-blocks (3328/8704, 26 layers), ternary TQ2_0;
+  and at its real shape (3200/8640, 32 heads of 100) as a packed-ternary Hugging Face directory with a W4 head,
+  tmac only (llama.cpp's ternary types need 256-multiples).
 
 Synthetic files are written once (seeded) into the bench cache directory. Run:
 `pytest -q bench/test_e2e.py --threads 1 -s` (or `tmac bench --e2e MODEL` for any model).
@@ -34,6 +36,17 @@ def _synthetic(shape: str, weight_type: str, embd_type: str = "Q8_0") -> str:
     return path
 
 
+def _bitnet_dir(shape: str) -> str:
+    from make_synthetic_gguf import SHAPES
+
+    from tmac.models.synthetic import write_random_bitnet_dir
+
+    path = os.path.join(CACHE, f"{shape}-hf")
+    if not os.path.exists(os.path.join(path, "model.safetensors")):
+        write_random_bitnet_dir(path, SHAPES[shape])
+    return path
+
+
 def _llama_cpp_q2_k(shape: str) -> str:
     """Q2_K for every projection and the head (llama.cpp's `--pure`), quantized by llama.cpp from an F16 file."""
     if importlib.util.find_spec("llama_cpp") is None:
@@ -51,12 +64,13 @@ def _llama_cpp_q2_k(shape: str) -> str:
     return path
 
 
-CASES = {  # name → (file, tmac variants: None = the file's own weights, else requantized bits; head bits)
-    "smollm2": (lambda: None, [None, 2], None),
-    "llama-1b-q4_0": (lambda: _synthetic("llama-1b", "Q4_0"), [None, 2], 2),
-    "llama-1b-tq2_0": (lambda: _synthetic("llama-1b", "TQ2_0"), [None], None),
-    "llama-1b-q2_k": (lambda: _llama_cpp_q2_k("llama-1b"), [2], 2),
-    "bitnet-3b-tq2_0": (lambda: _synthetic("bitnet-3b-llama", "TQ2_0"), [None], None),
+CASES = {  # name → (file, tmac variants (bits, head bits); bits None = the file's own weights)
+    "smollm2": (lambda: None, [(None, None), (2, None)]),
+    "llama-1b-q4_0": (lambda: _synthetic("llama-1b", "Q4_0"), [(None, None), (2, 2)]),
+    "llama-1b-tq2_0": (lambda: _synthetic("llama-1b", "TQ2_0"), [(None, None)]),
+    "llama-1b-q2_k": (lambda: _llama_cpp_q2_k("llama-1b"), [(2, 2)]),
+    "bitnet-3b-tq2_0": (lambda: _synthetic("bitnet-3b-llama", "TQ2_0"), [(None, None)]),
+    "bitnet-3b-real-shape": (lambda: _bitnet_dir("bitnet-3b"), [(None, 4)]),  # tmac only: 3200/8640, W4 head
 }
 
 
@@ -64,8 +78,8 @@ CASES = {  # name → (file, tmac variants: None = the file's own weights, else 
 def test_generation_speed(request, case):
     threads = [int(t) for t in request.config.getoption("threads").split(",")]
     notes: list[str] = []
-    make, bits, head_bits = CASES[case]
-    rows = e2e_bench(make(), bits, threads, notes, prompt_tokens=64, gen_tokens=64, head_bits=head_bits)
+    make, variants = CASES[case]
+    rows = e2e_bench(make(), variants, threads, notes, prompt_tokens=64, gen_tokens=64)
     print("\n" + table(rows, "tok/s", rows[0].candidate))
     for note in dict.fromkeys(notes):
         print("note:", note)

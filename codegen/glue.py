@@ -120,9 +120,7 @@ def attend_func(spec: GlueSpec, widest: int):
 
     h, kv, hd = spec.n_heads, spec.n_kv_heads, spec.head_dim
     group, half = h // kv, hd // 2
-    # vectors over rotation halves (q is written and read in these: TVM 0.27's storage rewrite segfaults on a
-    # scratch buffer accessed in two lane counts) and over whole heads (values)
-    lr, ld = _lanes(half, widest), _lanes(hd, widest)
+    lr, ld = _lanes(half, widest), _lanes(hd, widest)  # vectors over rotation halves, over whole heads
     with IRBuilder() as ib:
         with T.prim_func():
             T.func_name("attend")
@@ -136,7 +134,9 @@ def attend_func(spec: GlueSpec, widest: int):
             SC = T.match_buffer(T.arg("scores", T.handle()), (h, ctx), F32, align=1)
             pos = T.arg("pos", T.int32())
             OUT = T.match_buffer(T.arg("out", T.handle()), (1, h * hd), F32, align=1)
-            q = T.alloc_buffer((h * hd,), F32, scope="global")
+            # the rotated, scaled queries live in ``out`` until the values overwrite it: a scratch buffer written in
+            # one vector width and read in another segfaults TVM 0.27's storage rewrite (argument buffers are fine)
+            q = OUT
             acc = T.alloc_buffer((group * hd,), F32, scope="global")
             stat = T.alloc_buffer((2,), F32, scope="global")  # running max, then the sum of exponentials
 
@@ -152,8 +152,8 @@ def attend_func(spec: GlueSpec, widest: int):
                 with T.serial(0, h) as head:
                     with T.serial(0, half // lr) as c:
                         r1, r2 = rotated(head, c)
-                        T.buffer_store(q, r1 * scale, [_vec(head * hd + c * lr, lr)])
-                        T.buffer_store(q, r2 * scale, [_vec(head * hd + half + c * lr, lr)])
+                        T.buffer_store(q, r1 * scale, [0, _vec(head * hd + c * lr, lr)])
+                        T.buffer_store(q, r2 * scale, [0, _vec(head * hd + half + c * lr, lr)])
                 with T.serial(0, kv) as kh:
                     with T.serial(0, half // lr) as c:
                         r1, r2 = rotated(h + kh, c)
@@ -165,11 +165,11 @@ def attend_func(spec: GlueSpec, widest: int):
                     with T.serial(0, pos + 1) as t:
                         for g in range(group):
                             head = kh * group + g
-                            dots = [q[_vec(head * hd + c * lr, lr)] * CK[kh, t, _vec(c * lr, lr)] for c in range(hd // lr)]
+                            dots = [q[0, _vec(head * hd + c * ld, ld)] * CK[kh, t, _vec(c * ld, ld)] for c in range(hd // ld)]
                             total = dots[0]
                             for d in dots[1:]:
                                 total = total + d
-                            T.buffer_store(SC, _fold(total, lr, lambda a, b: a + b), [head, t])
+                            T.buffer_store(SC, _fold(total, ld, lambda a, b: a + b), [head, t])
                 with T.serial(0, h) as head:
                     T.buffer_store(stat, SC[head, 0], [0])
                     with T.serial(1, pos + 1) as t:

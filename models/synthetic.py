@@ -84,3 +84,46 @@ def write_random_gguf(path: str, cfg: LlamaConfig, weight_type: str | Callable[[
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def write_random_bitnet_dir(path: str, cfg: LlamaConfig, seed: int = 0,
+                            progress: Callable[[str], object] | None = None) -> None:
+    """Write a Hugging Face BitNet b1.58 directory of shape ``cfg`` in the packed ternary ("offline" bitlinear)
+    layout: uniformly random ternary projections with a per-tensor ``weight_scale``, float16 embedding and head.
+    Real BitNet shapes (hidden 3200) are not multiples of llama.cpp's 256-blocks, so this is tmac's own case."""
+    import json
+    import os
+
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(seed)
+    os.makedirs(path, exist_ok=True)
+    config = {"architectures": ["BitNetForCausalLM"], "model_type": "bitnet", "hidden_act": "relu2",
+              "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_dim,
+              "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+              "num_key_value_heads": cfg.n_kv_heads, "max_position_embeddings": cfg.context_length,
+              "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "tie_word_embeddings": False,
+              "quantization_config": {"quant_method": "bitnet", "linear_class": "bitlinear",
+                                      "quantization_mode": "offline"}}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+    hf = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+          "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+          "ffn_down": "mlp.down_proj"}
+    tensors = {"model.embed_tokens.weight": (rng.standard_normal((cfg.vocab_size, cfg.dim), np.float32) * 0.02
+                                             ).astype(np.float16),
+               "lm_head.weight": (rng.standard_normal((cfg.vocab_size, cfg.dim), np.float32) * 0.02).astype(np.float16),
+               "model.norm.weight": np.ones(cfg.dim, np.float16)}
+    for i in range(cfg.n_layers):
+        p = f"model.layers.{i}."
+        for norm, n in (("input_layernorm", cfg.dim), ("post_attention_layernorm", cfg.dim),
+                        ("self_attn.attn_sub_norm", cfg.dim), ("mlp.ffn_sub_norm", cfg.ffn_dim)):
+            tensors[p + norm + ".weight"] = np.ones(n, np.float16)
+        for name, shape in LAYER_MATRICES.items():
+            rows, cols = shape(cfg)
+            fields = rng.integers(0, 3, (4, rows // 4, cols), dtype=np.uint8)  # w + 1, four rows per byte
+            tensors[p + hf[name] + ".weight"] = fields[0] | fields[1] << 2 | fields[2] << 4 | fields[3] << 6
+            tensors[p + hf[name] + ".weight_scale"] = np.array([40.0], np.float32)
+        if progress:
+            progress(f"layer {i}")
+    save_file(tensors, os.path.join(path, "model.safetensors"))

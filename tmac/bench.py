@@ -119,11 +119,11 @@ def kernel_bench(shapes, bits_list, threads_list, notes: list[str], progress=Non
     return rows
 
 
-def e2e_bench(source, bits_list, threads_list, notes: list[str], prompt_tokens=64, gen_tokens=64, peer=True,
-              progress=None, head_bits: int | None = None) -> list[Row]:
-    """Prefill and decode tok/s of a model as a file gives it (``None`` in ``bits_list``) and requantized (the
-    output head too with ``head_bits``), and of llama.cpp on the same GGUF file when llama-cpp-python is
-    installed."""
+def e2e_bench(source, variants, threads_list, notes: list[str], prompt_tokens=64, gen_tokens=64, peer=True,
+              progress=None) -> list[Row]:
+    """Prefill and decode tok/s of a model loaded as each ``(bits, head_bits)`` of ``variants`` (``bits=None``:
+    the file's own weights; ``head_bits``: requantize the output head too), and of llama.cpp on the same GGUF
+    file when llama-cpp-python is installed."""
     import torch
 
     from .models.load import default_model_path, load_model
@@ -131,13 +131,13 @@ def e2e_bench(source, bits_list, threads_list, notes: list[str], prompt_tokens=6
     path = str(source) if source is not None else default_model_path()
     rows = []
     prompt = [(i * 7919) % 1000 + 100 for i in range(prompt_tokens)]  # fixed ids inside any real vocabulary
-    for bits in bits_list:
-        model = load_model(path, bits=bits, head_bits=None if bits is None else head_bits,
-                           context=prompt_tokens + gen_tokens + 8, progress=False)
+    for bits, head_bits in variants:
+        model = load_model(path, bits=bits, head_bits=head_bits, context=prompt_tokens + gen_tokens + 8,
+                           progress=False)
         tensors = {t.data_ptr(): t for t in model.state_dict().values() if isinstance(t, torch.Tensor)}  # tied once
         size = sum(t.numel() * t.element_size() for t in tensors.values())
         streamed = streamed_bytes(model)
-        label = "tmac " + ("file's own" if bits is None else f"W{bits}" + (f", head W{head_bits}" if head_bits else ""))
+        label = "tmac " + ("file's own" if bits is None else f"W{bits}") + (f", head W{head_bits}" if head_bits else "")
         for threads in measured_threads(threads_list, notes):
             model.generate(prompt[:8], max_new_tokens=4, stop_on_eos=False)  # warm-up: kernels, thread pools
             model.cached_ids = []  # prefill the whole prompt
@@ -151,6 +151,8 @@ def e2e_bench(source, bits_list, threads_list, notes: list[str], prompt_tokens=6
         del model
     if peer and path.endswith(".gguf") and importlib.util.find_spec("llama_cpp") is not None:
         rows += _llama_cpp_rows(path, threads_list, prompt, gen_tokens, progress, notes)
+    elif peer and not path.endswith(".gguf"):
+        notes.append("llama.cpp not measured: it reads GGUF files only")
     elif peer:
         notes.append("llama.cpp not measured: install the optional peer extra (llama-cpp-python; see README)")
     return rows

@@ -304,8 +304,9 @@ def cmd_bench(args) -> int:
             if n < 8:
                 raise ValueError(f"{name} must be >= 8, got {n}")
         with Progress("benchmarking generation", len(bits) * len(threads) + len(threads), None) as bar:
-            rows = bench.e2e_bench(args.model, bits, threads, notes, args.prompt_tokens, args.gen_tokens,
-                                   not args.no_peer, bar, args.head_bits)
+            variants = [(b, args.head_bits if b else None) for b in bits]
+            rows = bench.e2e_bench(args.model, variants, threads, notes, args.prompt_tokens, args.gen_tokens,
+                                   not args.no_peer, bar)
         unit, baseline, ylabel = "tok/s", rows[0].candidate if rows else "", "generated tokens/s (higher is better)"
     if args.json:
         print(json.dumps({"unit": unit, "notes": notes, "rows": [dataclasses.asdict(r) for r in rows]}))
