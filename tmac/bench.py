@@ -144,8 +144,10 @@ def e2e_bench(source, variants, threads_list, notes: list[str], prompt_tokens=64
             model.generate(prompt, max_new_tokens=gen_tokens, stop_on_eos=False)
             s = model.last_stats
             tok_s = s["generated_tokens"] / s["decode_s"]
+            gbps = streamed * tok_s / 1e9
             rows.append(Row(path, label, threads, tok_s, {"prefill tok/s": s["prefill_tokens"] / s["prefill_s"],
-                                                         "model MiB": size / 2**20, "GB/s": streamed * tok_s / 1e9}))
+                                                         "model MiB": size / 2**20, "GB/s": gbps,
+                                                         "% DRAM": 100 * gbps / dram_read_bandwidth()}))
             if progress:
                 progress.advance(f"{label} {threads}t")
         del model
@@ -156,6 +158,20 @@ def e2e_bench(source, variants, threads_list, notes: list[str], prompt_tokens=64
     elif peer:
         notes.append("llama.cpp not measured: install the optional peer extra (llama-cpp-python; see README)")
     return rows
+
+
+_DRAM_GBPS: dict[int, float] = {}  # thread count → probed read bandwidth, once per process
+
+
+def dram_read_bandwidth() -> float:
+    """GB/s a torch sum over 1 GiB reaches at the current thread count: the ceiling a decode step streams at."""
+    import torch
+
+    threads = torch.get_num_threads()
+    if threads not in _DRAM_GBPS:
+        buf = torch.ones(1 << 28)
+        _DRAM_GBPS[threads] = (1 << 30) / median_seconds(lambda: buf.sum(), min_seconds=0.5, min_runs=3) / 1e9
+    return _DRAM_GBPS[threads]
 
 
 def streamed_bytes(model) -> int:
@@ -192,9 +208,10 @@ def _llama_cpp_rows(path, threads_list, prompt, gen_tokens, progress, notes) -> 
             token = int(np.ctypeslib.as_array(llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),)).argmax())
             llm.eval([token])
         decode = time.perf_counter() - t0
+        gbps = gguf_streamed_bytes(path) * gen_tokens / decode / 1e9
         rows.append(Row(path, "llama.cpp (same file)", threads, gen_tokens / decode,
                         {"prefill tok/s": len(prompt) / prefill, "model MiB": os.path.getsize(path) / 2**20,
-                         "GB/s": gguf_streamed_bytes(path) * gen_tokens / decode / 1e9}))
+                         "GB/s": gbps, "% DRAM": 100 * gbps / dram_read_bandwidth()}))
         del llm
         if progress:
             progress.advance(f"llama.cpp {threads}t")
