@@ -11,6 +11,7 @@ makes ``build`` return ``None`` and generation stays on the eager ``forward``; a
 from __future__ import annotations
 
 import functools
+import time
 
 import torch
 from torch import nn
@@ -35,7 +36,7 @@ def _handle(t: torch.Tensor):
     return runtime.ffi().from_dlpack(t)
 
 
-def _projection(module: nn.Module, x: torch.Tensor, out: torch.Tensor, tables: dict) -> list:
+def _projection(module: nn.Module, x: torch.Tensor, out: torch.Tensor, tables: dict, labels: dict) -> list:
     """The calls computing ``out = x @ Wᵀ`` for one fused projection: LUT parts run their two kernels, float parts
     one ``torch.mm``, each into its column slice of ``out`` (contiguous: one row)."""
     parts = list(module.parts) if isinstance(module, Concat) else [module]
@@ -56,8 +57,10 @@ def _projection(module: nn.Module, x: torch.Tensor, out: torch.Tensor, tables: d
             lut = [_handle(t) for t in tables[key]]
             params = [_handle(t) for t in (part.qweight, part.scales, part.zeros) if t is not None]
             calls += [(kernels.build_tables, [_handle(x), *lut]), (kernels.lut_gemv, [*params, *lut, _handle(dest)])]
+            labels.update({id(kernels.build_tables): "build_tables", id(kernels.lut_gemv): "lut_gemv"})
         elif type(part) is nn.Linear and part.bias is None and part.weight.dtype == torch.float32:
             calls.append((functools.partial(torch.mm, out=dest), [x, part.weight.detach().t()]))
+            labels[id(calls[-1][0])] = "float projection (torch.mm)"
         else:
             raise _Unsupported(f"projection part {type(part).__name__}")
         start += m
@@ -78,10 +81,12 @@ QUANTIZE = {"xn": "quantize_dim", "att": "quantize_q", "att_n": "quantize_q", "h
 
 
 class DecodePlan:
-    def __init__(self, model, calls: list, positions: list, buffers: dict, keep: tuple):
-        self.model, self.calls, self.positions, self.buf = model, calls, positions, buffers
+    """One token's step as a flat list of ``(function, args)`` calls into compiled code (see the module doc)."""
+
+    def __init__(self, model, calls: list, positions: list, buffers: dict, labels: dict, keep: tuple):
+        self.model, self.calls, self.positions, self.buf, self.labels = model, calls, positions, buffers, labels
         self.embedding = model.tok_embeddings.weight
-        self._keep = keep  # scratch tensors the handles in ``calls`` point into
+        self._keep = keep  # the glue library and the scratch tensors the handles in ``calls`` point into
 
     @classmethod
     def build(cls, model) -> "DecodePlan | None":
@@ -116,6 +121,7 @@ class DecodePlan:
         cos, sin, sc = _handle(model.cos), _handle(model.sin), _handle(scores)
         eps = float(cfg.norm_eps)
         calls, positions = [], []
+        labels = {id(getattr(glue, name)): name for name in glue.spec.functions}  # id(function) → its name
 
         def project(module, src: str, dst: str, sub_norm=None, norm_fn=None):
             if bitnet and sub_norm is not None:  # BitNet's norm before the output and down projections
@@ -124,7 +130,7 @@ class DecodePlan:
             if isinstance(module, ActivationQuantized):  # the input is consumed only here: quantize it in place
                 calls.append((getattr(glue, QUANTIZE[src]), [h[src]]))
                 module = module.linear
-            calls.extend(_projection(module, buf[src], buf[dst], tables))
+            calls.extend(_projection(module, buf[src], buf[dst], tables, labels))
 
         for i, layer in enumerate(model.layers):
             attn, ffn = layer.attention, layer.feed_forward
@@ -145,7 +151,7 @@ class DecodePlan:
             project(ffn.w2, "hid", "delta", ffn.hidden_norm, getattr(glue, "norm_hidden", None))
         calls.append((glue.norm_final, [h["x"], h["delta"], _norm(model.norm), eps, h["xn"]]))
         project(model.output, "xn", "logits")
-        return cls(model, calls, positions, buf, (scores, tables, glue))
+        return cls(model, calls, positions, buf, labels, (glue, scores, tables))
 
     def step(self, token: int, pos: int) -> torch.Tensor:
         """Logits ``[vocab]`` of ``token`` at position ``pos`` (the cache holds positions ``< pos``). The returned
@@ -161,6 +167,25 @@ class DecodePlan:
         for fn, args in self.calls:
             fn(*args)
         return self.buf["logits"][0]
+
+    def profile(self, token: int, pos: int, rounds: int = 5) -> dict[str, float]:
+        """Seconds per step in each kind of call (glue function, ``build_tables``, ``lut_gemv``, float projection),
+        each call timed in place, from the round whose calls sum lowest; ``"step"``: the fastest untimed step.
+        Like ``step``, it writes the KV cache at ``pos``."""
+        steps, splits = [], []
+        self.step(token, pos)
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            self.step(token, pos)
+            steps.append(time.perf_counter() - t0)
+            self.buf["x"][0].copy_(self.embedding[token])
+            spent: dict[str, float] = {}
+            for fn, args in self.calls:
+                t0 = time.perf_counter()
+                fn(*args)
+                spent[self.labels[id(fn)]] = spent.get(self.labels[id(fn)], 0.0) + time.perf_counter() - t0
+            splits.append(spent)
+        return {"step": min(steps), **min(splits, key=lambda d: sum(d.values()))}
 
 
 def _norm(norm: nn.Module):

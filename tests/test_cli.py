@@ -136,10 +136,14 @@ def test_bench_kernels_table_json_and_plot(tmp_path):
 
 
 def test_bench_end_to_end_on_the_default_model():
-    r = tmac("bench", "--e2e", "--bits", "2", "--threads", "1", "--prompt-tokens", "8", "--gen-tokens", "8",
-             "--no-peer", "--json")
+    r = tmac("bench", "--e2e", "--profile", "--bits", "2", "--threads", "1", "--prompt-tokens", "8", "--gen-tokens",
+             "8", "--no-peer", "--json")
     assert r.returncode == 0, r.stderr
     (row,) = json.loads(r.stdout)["rows"]
+    (profile,) = json.loads(r.stdout)["profiles"]
+    spent = profile["seconds"]  # every kind of call of the static decode step, the float head included
+    assert {"lut_gemv", "build_tables", "attend", "norm_in", "gated_act", "float projection (torch.mm)"} <= set(spent)
+    assert all(v > 0 for v in spent.values())
     assert row["candidate"] == "tmac W2" and row["threads"] == 1 and row["value"] > 0
     assert row["extra"]["prefill tok/s"] > 0 and 20 < row["extra"]["model MiB"] < 400
     # bytes per token: 30 layers of 3.54 M weights at 2 bits + fp32 scale and zero per 64 (40 MB), the fp32 head
@@ -152,6 +156,7 @@ def test_bench_errors_are_one_line():
                                                                        "--bits"),
                          (["bench", "m.gguf", "--shape", "8x64"], "not both"),
                          (["bench", "--e2e", "--shape", "8x64"], "not both"),
+                         (["bench", "--profile", "--shape", "8x64"], "not both"),
                          (["bench", "--gen-tokens", "2"], "--gen-tokens")]:
         r = tmac(*args)
         assert r.returncode == 1 and needle in r.stderr.strip().splitlines()[-1] and "Traceback" not in r.stderr, args

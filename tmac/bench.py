@@ -120,10 +120,11 @@ def kernel_bench(shapes, bits_list, threads_list, notes: list[str], progress=Non
 
 
 def e2e_bench(source, variants, threads_list, notes: list[str], prompt_tokens=64, gen_tokens=64, peer=True,
-              progress=None) -> list[Row]:
+              progress=None, profiles: list | None = None) -> list[Row]:
     """Prefill and decode tok/s of a model loaded as each ``(bits, head_bits)`` of ``variants`` (``bits=None``:
     the file's own weights; ``head_bits``: requantize the output head too), and of llama.cpp on the same GGUF
-    file when llama-cpp-python is installed."""
+    file when llama-cpp-python is installed. With ``profiles``, each variant's decode step at every thread count
+    is broken down by call (``DecodePlan.profile``) into it as ``(label, threads, {call: seconds})``."""
     import torch
 
     from .models.load import default_model_path, load_model
@@ -148,6 +149,8 @@ def e2e_bench(source, variants, threads_list, notes: list[str], prompt_tokens=64
             rows.append(Row(path, label, threads, tok_s, {"prefill tok/s": s["prefill_tokens"] / s["prefill_s"],
                                                          "model MiB": size / 2**20, "GB/s": gbps,
                                                          "% DRAM": 100 * gbps / dram_read_bandwidth()}))
+            if profiles is not None:
+                profiles.append((label, threads, decode_profile(model, prompt[0], prompt_tokens + gen_tokens, notes)))
             if progress:
                 progress.advance(f"{label} {threads}t")
         del model
@@ -158,6 +161,33 @@ def e2e_bench(source, variants, threads_list, notes: list[str], prompt_tokens=64
     elif peer:
         notes.append("llama.cpp not measured: install the optional peer extra (llama-cpp-python; see README)")
     return rows
+
+
+def decode_profile(model, token: int, pos: int, notes: list[str]) -> dict[str, float]:
+    """Seconds per decode step by kind of call, at position ``pos`` ({} when the model decodes eagerly)."""
+    import torch
+
+    from .models.decode import DecodePlan
+
+    with torch.inference_mode():
+        plan = DecodePlan.build(model)
+        if plan is None:
+            notes.append("no decode profile: this model decodes on the eager path")
+            return {}
+        return plan.profile(token, pos)
+
+
+def profile_table(label: str, threads: int, spent: dict[str, float]) -> str:
+    """One decode-step breakdown as an aligned table: ms per token and share of the step."""
+    step = spent["step"]
+    calls = sorted(((k, v) for k, v in spent.items() if k != "step"), key=lambda kv: -kv[1])
+    rest = step - sum(v for _, v in calls)
+    lines = [(f"{label}, {threads} thread{'s' if threads > 1 else ''}", "ms/token", "share")]
+    lines += [(k, f"{v * 1e3:.2f}", f"{v / step:.0%}") for k, v in calls]
+    lines += [("Python loop and the rest", f"{max(rest, 0) * 1e3:.2f}", f"{max(rest, 0) / step:.0%}"),
+              ("step", f"{step * 1e3:.2f}", "100%")]
+    widths = [max(len(line[i]) for line in lines) for i in range(3)]
+    return "\n".join(f"{a.ljust(widths[0])}  {b.rjust(widths[1])}  {c.rjust(widths[2])}" for a, b, c in lines)
 
 
 _DRAM_GBPS: dict[int, float] = {}  # thread count → probed read bandwidth, once per process

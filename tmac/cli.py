@@ -68,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                       "benchmarks against torch and, when installed, llama.cpp")
     b.add_argument("model", nargs="?", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)")
     b.add_argument("--e2e", action="store_true", help="end-to-end generation of MODEL (what runs without --shape)")
+    b.add_argument("--profile", action="store_true", help="end to end: also break one decode step down by call")
     b.add_argument("--shape", nargs="+", action="extend", metavar="MxK", help="benchmark GEMV kernels at these shapes")
     b.add_argument("--bits", default=None, help="comma-separated bit widths (default: kernels 1,2,3,4; models: the "
                                                 "file's own quantization and 2)")
@@ -289,9 +290,10 @@ def cmd_bench(args) -> int:
 
     threads = _int_list(args.threads, "--threads")
     notes: list[str] = []
+    profiles = [] if args.profile else None
     if args.shape:
-        if args.model or args.e2e:
-            raise ValueError("give either MODEL/--e2e (end-to-end) or --shape (kernels), not both")
+        if args.model or args.e2e or args.profile:
+            raise ValueError("give either MODEL/--e2e/--profile (end-to-end) or --shape (kernels), not both")
         shapes = [parse_shape(s) for s in args.shape]
         bits = _int_list(args.bits or "1,2,3,4", "--bits", (1, 2, 3, 4))
         total = len(shapes) * len(threads) * (len(bits) + 3)
@@ -306,12 +308,16 @@ def cmd_bench(args) -> int:
         with Progress("benchmarking generation", len(bits) * len(threads) + len(threads), None) as bar:
             variants = [(b, args.head_bits if b else None) for b in bits]
             rows = bench.e2e_bench(args.model, variants, threads, notes, args.prompt_tokens, args.gen_tokens,
-                                   not args.no_peer, bar)
+                                   not args.no_peer, bar, profiles)
         unit, baseline, ylabel = "tok/s", rows[0].candidate if rows else "", "generated tokens/s (higher is better)"
     if args.json:
-        print(json.dumps({"unit": unit, "notes": notes, "rows": [dataclasses.asdict(r) for r in rows]}))
+        print(json.dumps({"unit": unit, "notes": notes, "rows": [dataclasses.asdict(r) for r in rows],
+                          "profiles": [{"candidate": c, "threads": t, "seconds": p} for c, t, p in profiles or []]}))
     else:
         print(bench.table(rows, unit, baseline))
+        for candidate, t, spent in profiles or []:
+            if spent:
+                print("\n" + bench.profile_table(candidate, t, spent))
         for note in dict.fromkeys(notes):
             print(f"note: {note}")
     if args.plot:
