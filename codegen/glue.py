@@ -8,6 +8,8 @@ run in vector lanes and are folded once at the end.
 
 from __future__ import annotations
 
+import functools
+
 from tmac.glue import GlueSpec
 
 F32 = "float32"
@@ -18,6 +20,18 @@ def _lanes(n: int, widest: int) -> int:
     while n % lanes:
         lanes //= 2
     return lanes
+
+
+def _spans(n: int, widest: int) -> list[tuple[int, int]]:
+    """(offset, lanes) vectors covering ``n`` floats: full ``widest``-lane vectors, then a power-of-two tail."""
+    spans, at = [], 0
+    lanes = widest
+    while at < n:
+        while lanes > n - at:
+            lanes //= 2
+        spans.append((at, lanes))
+        at += lanes
+    return spans
 
 
 def _fold(v, lanes: int, op):
@@ -120,7 +134,8 @@ def attend_func(spec: GlueSpec, widest: int):
 
     h, kv, hd = spec.n_heads, spec.n_kv_heads, spec.head_dim
     group, half = h // kv, hd // 2
-    lr, ld = _lanes(half, widest), _lanes(hd, widest)  # vectors over rotation halves, over whole heads
+    lr = _lanes(half, widest)  # vectors over the rotation halves
+    spans = _spans(hd, widest)  # and over a whole head (head_dim 100: six of 16 lanes and one of 4)
     with IRBuilder() as ib:
         with T.prim_func():
             T.func_name("attend")
@@ -134,10 +149,9 @@ def attend_func(spec: GlueSpec, widest: int):
             SC = T.match_buffer(T.arg("scores", T.handle()), (h, ctx), F32, align=1)
             pos = T.arg("pos", T.int32())
             OUT = T.match_buffer(T.arg("out", T.handle()), (1, h * hd), F32, align=1)
-            # the rotated, scaled queries live in ``out`` until the values overwrite it: a scratch buffer written in
-            # one vector width and read in another segfaults TVM 0.27's storage rewrite (argument buffers are fine)
+            # the rotated, scaled queries live in ``out`` until the values accumulate there: scratch buffers accessed
+            # in more than one vector width segfault TVM 0.27's storage rewrite (argument buffers are fine)
             q = OUT
-            acc = T.alloc_buffer((group * hd,), F32, scope="global")
             stat = T.alloc_buffer((2,), F32, scope="global")  # running max, then the sum of exponentials
 
             def rotated(head, c):
@@ -159,17 +173,18 @@ def attend_func(spec: GlueSpec, widest: int):
                         r1, r2 = rotated(h + kh, c)
                         T.buffer_store(CK, r1, [kh, pos, _vec(c * lr, lr)])
                         T.buffer_store(CK, r2, [kh, pos, _vec(half + c * lr, lr)])
-                    with T.serial(0, hd // ld) as c:
-                        T.buffer_store(CV, QKV[0, _vec((h + kv + kh) * hd + c * ld, ld)], [kh, pos, _vec(c * ld, ld)])
+                    for at, n in spans:
+                        T.buffer_store(CV, QKV[0, _vec((h + kv + kh) * hd + at, n)], [kh, pos, _vec(at, n)])
                 with T.serial(0, kv) as kh:  # scores: each cached key is read once for the heads sharing it
                     with T.serial(0, pos + 1) as t:
                         for g in range(group):
                             head = kh * group + g
-                            dots = [q[0, _vec(head * hd + c * ld, ld)] * CK[kh, t, _vec(c * ld, ld)] for c in range(hd // ld)]
-                            total = dots[0]
-                            for d in dots[1:]:
-                                total = total + d
-                            T.buffer_store(SC, _fold(total, ld, lambda a, b: a + b), [head, t])
+                            sums: dict[int, object] = {}  # per vector width, folded once at the end
+                            for at, n in spans:
+                                dot = q[0, _vec(head * hd + at, n)] * CK[kh, t, _vec(at, n)]
+                                sums[n] = sums[n] + dot if n in sums else dot
+                            folded = [_fold(v, n, lambda a, b: a + b) for n, v in sums.items()]
+                            T.buffer_store(SC, functools.reduce(lambda a, b: a + b, folded), [head, t])
                 with T.serial(0, h) as head:
                     T.buffer_store(stat, SC[head, 0], [0])
                     with T.serial(1, pos + 1) as t:
@@ -181,16 +196,15 @@ def attend_func(spec: GlueSpec, widest: int):
                     with T.serial(0, pos + 1) as t:
                         T.buffer_store(SC, SC[head, t] / stat[1], [head, t])
                 with T.serial(0, kv) as kh:  # values: each cached value is read once for the heads sharing it
-                    with T.serial(0, group * hd // ld) as c:
-                        T.buffer_store(acc, _bcast(_f(0.0), ld), [_vec(c * ld, ld)])
+                    for g in range(group):
+                        for at, n in spans:
+                            T.buffer_store(OUT, _bcast(_f(0.0), n), [0, _vec((kh * group + g) * hd + at, n)])
                     with T.serial(0, pos + 1) as t:
                         for g in range(group):
-                            p = _bcast(SC[kh * group + g, t], ld)
-                            for c in range(hd // ld):
-                                at = _vec(g * hd + c * ld, ld)
-                                T.buffer_store(acc, acc[at] + p * CV[kh, t, _vec(c * ld, ld)], [at])
-                    with T.serial(0, group * hd // ld) as c:
-                        T.buffer_store(OUT, acc[_vec(c * ld, ld)], [0, _vec(kh * group * hd + c * ld, ld)])
+                            for at, n in spans:
+                                o = _vec((kh * group + g) * hd + at, n)
+                                T.buffer_store(OUT, OUT[0, o] + _bcast(SC[kh * group + g, t], n) * CV[kh, t, _vec(at, n)],
+                                               [0, o])
     return ib.get()
 
 

@@ -30,7 +30,7 @@ from .formats import PER_ROW, PER_TENSOR, WeightFormat, check_bits
 from .qweight import QuantizedWeight
 from .reference import default_lut_group, plane_nibbles
 
-KERNEL_VERSION = 4  # of the generated code for a given spec: part of every cache key, bumped when codegen changes
+KERNEL_VERSION = 5  # of the generated code for a given spec: part of every cache key, bumped when codegen changes
 PACK_ROWS = 4096
 CHUNKS = {1: ((0, 1),), 2: ((0, 2),), 3: ((0, 2), (2, 1)), 4: ((0, 4),), 8: ((0, 4), (4, 4))}  # bits → ((first plane, planes), ...)
 
