@@ -12,6 +12,8 @@ import functools
 
 from tmac.glue import GlueSpec
 
+from .tir import arg, prim_func
+
 F32 = "float32"
 
 
@@ -75,160 +77,144 @@ def _lane_fold(T, n: int, lanes: int, op, term):
 
 def rms_norm_func(name: str, n: int, widest: int, residual: bool):
     from tvm import tirx
-    from tvm.script.ir_builder import IRBuilder
     from tvm.script.ir_builder import tirx as T
 
     lanes = _lanes(n, widest)
-    with IRBuilder() as ib:
-        with T.prim_func():
-            T.func_name(name)
-            T.func_attr({"tir.noalias": True})
-            X = T.match_buffer(T.arg("x", T.handle()), (1, n), F32, align=1)
-            D = T.match_buffer(T.arg("delta", T.handle()), (1, n), F32, align=1) if residual else None
-            W = T.match_buffer(T.arg("w", T.handle()), (n,), F32, align=1)
-            eps = T.arg("eps", T.float32())
-            OUT = T.match_buffer(T.arg("out", T.handle()), (1, n), F32, align=1)
-            scale = T.alloc_buffer((1,), F32, scope="global")
+    with prim_func(name) as ib:
+        X = arg("x", (1, n))
+        D = arg("delta", (1, n)) if residual else None
+        W = arg("w", (n,))
+        eps = T.arg("eps", T.float32())
+        OUT = arg("out", (1, n))
+        scale = T.alloc_buffer((1,), F32, scope="global")
 
-            def square(at):
-                if residual:
-                    T.buffer_store(X, X[0, at] + D[0, at], [0, at])
-                return X[0, at] * X[0, at]
+        def square(at):
+            if residual:
+                T.buffer_store(X, X[0, at] + D[0, at], [0, at])
+            return X[0, at] * X[0, at]
 
-            total = _lane_fold(T, n, lanes, lambda a, b: a + b, square)
-            T.buffer_store(scale, _f(1.0) / tirx.sqrt(total / _f(float(n)) + eps), [0])
-            with T.serial(0, n // lanes) as c:
-                at = _vec(c * lanes, lanes)
-                T.buffer_store(OUT, X[0, at] * _bcast(scale[0], lanes) * W[at], [0, at])
+        total = _lane_fold(T, n, lanes, lambda a, b: a + b, square)
+        T.buffer_store(scale, _f(1.0) / tirx.sqrt(total / _f(float(n)) + eps), [0])
+        with T.serial(0, n // lanes) as c:
+            at = _vec(c * lanes, lanes)
+            T.buffer_store(OUT, X[0, at] * _bcast(scale[0], lanes) * W[at], [0, at])
     return ib.get()
 
 
 def quantize_func(name: str, n: int, widest: int):
     """Per-token absmax int8 fake-quantization in place: ``x·s`` rounded half-to-even, clamped, divided back."""
     from tvm import tirx
-    from tvm.script.ir_builder import IRBuilder
     from tvm.script.ir_builder import tirx as T
 
     lanes = _lanes(n, widest)
-    with IRBuilder() as ib:
-        with T.prim_func():
-            T.func_name(name)
-            T.func_attr({"tir.noalias": True})
-            X = T.match_buffer(T.arg("x", T.handle()), (1, n), F32, align=1)
-            scale = T.alloc_buffer((1,), F32, scope="global")
-            amax = _lane_fold(T, n, lanes, tirx.max, lambda at: tirx.abs(X[0, at]))
-            T.buffer_store(scale, _f(127.0) / tirx.max(amax, _f(1e-5)), [0])
-            with T.serial(0, n // lanes) as c:
-                at = _vec(c * lanes, lanes)
-                s = _bcast(scale[0], lanes)
-                q = tirx.min(tirx.max(tirx.nearbyint(X[0, at] * s), _bcast(_f(-128.0), lanes)),
-                             _bcast(_f(127.0), lanes))
-                T.buffer_store(X, q / s, [0, at])
+    with prim_func(name) as ib:
+        X = arg("x", (1, n))
+        scale = T.alloc_buffer((1,), F32, scope="global")
+        amax = _lane_fold(T, n, lanes, tirx.max, lambda at: tirx.abs(X[0, at]))
+        T.buffer_store(scale, _f(127.0) / tirx.max(amax, _f(1e-5)), [0])
+        with T.serial(0, n // lanes) as c:
+            at = _vec(c * lanes, lanes)
+            s = _bcast(scale[0], lanes)
+            q = tirx.min(tirx.max(tirx.nearbyint(X[0, at] * s), _bcast(_f(-128.0), lanes)),
+                         _bcast(_f(127.0), lanes))
+            T.buffer_store(X, q / s, [0, at])
     return ib.get()
 
 
 def attend_func(spec: GlueSpec, widest: int):
     from tvm import tirx
-    from tvm.script.ir_builder import IRBuilder
     from tvm.script.ir_builder import tirx as T
 
     h, kv, hd = spec.n_heads, spec.n_kv_heads, spec.head_dim
     group, half = h // kv, hd // 2
     lr = _lanes(half, widest)  # vectors over the rotation halves
     spans = _spans(hd, widest)  # and over a whole head (head_dim 100: six of 16 lanes and one of 4)
-    with IRBuilder() as ib:
-        with T.prim_func():
-            T.func_name("attend")
-            T.func_attr({"tir.noalias": True})
-            ctx = T.int32()
-            QKV = T.match_buffer(T.arg("qkv", T.handle()), (1, (h + 2 * kv) * hd), F32, align=1)
-            COS = T.match_buffer(T.arg("cos", T.handle()), (ctx, 1, hd), F32, align=1)
-            SIN = T.match_buffer(T.arg("sin", T.handle()), (ctx, 1, hd), F32, align=1)
-            CK = T.match_buffer(T.arg("cache_k", T.handle()), (kv, ctx, hd), F32, align=1)
-            CV = T.match_buffer(T.arg("cache_v", T.handle()), (kv, ctx, hd), F32, align=1)
-            SC = T.match_buffer(T.arg("scores", T.handle()), (h, ctx), F32, align=1)
-            pos = T.arg("pos", T.int32())
-            OUT = T.match_buffer(T.arg("out", T.handle()), (1, h * hd), F32, align=1)
-            # the rotated, scaled queries live in ``out`` until the values accumulate there: scratch buffers accessed
-            # in more than one vector width segfault TVM 0.27's storage rewrite (argument buffers are fine)
-            q = OUT
-            stat = T.alloc_buffer((2,), F32, scope="global")  # running max, then the sum of exponentials
+    with prim_func("attend") as ib:
+        ctx = T.int32()
+        QKV = arg("qkv", (1, (h + 2 * kv) * hd))
+        COS = arg("cos", (ctx, 1, hd))
+        SIN = arg("sin", (ctx, 1, hd))
+        CK = arg("cache_k", (kv, ctx, hd))
+        CV = arg("cache_v", (kv, ctx, hd))
+        SC = arg("scores", (h, ctx))
+        pos = T.arg("pos", T.int32())
+        OUT = arg("out", (1, h * hd))
+        # the rotated, scaled queries live in ``out`` until the values accumulate there: scratch buffers accessed
+        # in more than one vector width segfault TVM 0.27's storage rewrite (argument buffers are fine)
+        q = OUT
+        stat = T.alloc_buffer((2,), F32, scope="global")  # running max, then the sum of exponentials
 
-            def rotated(head, c):
-                """The two rotated halves of vector ``c`` of ``head`` (q heads first, then k heads)."""
-                x1, x2 = QKV[0, _vec(head * hd + c * lr, lr)], QKV[0, _vec(head * hd + half + c * lr, lr)]
-                c1, s1 = COS[pos, 0, _vec(c * lr, lr)], SIN[pos, 0, _vec(c * lr, lr)]
-                c2, s2 = COS[pos, 0, _vec(half + c * lr, lr)], SIN[pos, 0, _vec(half + c * lr, lr)]
-                return x1 * c1 + (_bcast(_f(0.0), lr) - x2) * s1, x2 * c2 + x1 * s2
+        def rotated(head, c):
+            """The two rotated halves of vector ``c`` of ``head`` (q heads first, then k heads)."""
+            x1, x2 = QKV[0, _vec(head * hd + c * lr, lr)], QKV[0, _vec(head * hd + half + c * lr, lr)]
+            c1, s1 = COS[pos, 0, _vec(c * lr, lr)], SIN[pos, 0, _vec(c * lr, lr)]
+            c2, s2 = COS[pos, 0, _vec(half + c * lr, lr)], SIN[pos, 0, _vec(half + c * lr, lr)]
+            return x1 * c1 + (_bcast(_f(0.0), lr) - x2) * s1, x2 * c2 + x1 * s2
 
-            with T.Assert(tirx.all(0 <= pos, pos < ctx), "attend: position outside the KV cache", "ValueError"):
-                scale = _bcast(_f(hd ** -0.5), lr)
-                with T.serial(0, h) as head:
-                    with T.serial(0, half // lr) as c:
-                        r1, r2 = rotated(head, c)
-                        T.buffer_store(q, r1 * scale, [0, _vec(head * hd + c * lr, lr)])
-                        T.buffer_store(q, r2 * scale, [0, _vec(head * hd + half + c * lr, lr)])
-                with T.serial(0, kv) as kh:
-                    with T.serial(0, half // lr) as c:
-                        r1, r2 = rotated(h + kh, c)
-                        T.buffer_store(CK, r1, [kh, pos, _vec(c * lr, lr)])
-                        T.buffer_store(CK, r2, [kh, pos, _vec(half + c * lr, lr)])
+        with T.Assert(tirx.all(0 <= pos, pos < ctx), "attend: position outside the KV cache", "ValueError"):
+            scale = _bcast(_f(hd ** -0.5), lr)
+            with T.serial(0, h) as head:
+                with T.serial(0, half // lr) as c:
+                    r1, r2 = rotated(head, c)
+                    T.buffer_store(q, r1 * scale, [0, _vec(head * hd + c * lr, lr)])
+                    T.buffer_store(q, r2 * scale, [0, _vec(head * hd + half + c * lr, lr)])
+            with T.serial(0, kv) as kh:
+                with T.serial(0, half // lr) as c:
+                    r1, r2 = rotated(h + kh, c)
+                    T.buffer_store(CK, r1, [kh, pos, _vec(c * lr, lr)])
+                    T.buffer_store(CK, r2, [kh, pos, _vec(half + c * lr, lr)])
+                for at, n in spans:
+                    T.buffer_store(CV, QKV[0, _vec((h + kv + kh) * hd + at, n)], [kh, pos, _vec(at, n)])
+            with T.serial(0, kv) as kh:  # scores: each cached key is read once for the heads sharing it
+                with T.serial(0, pos + 1) as t:
+                    for g in range(group):
+                        head = kh * group + g
+                        sums: dict[int, object] = {}  # per vector width, folded once at the end
+                        for at, n in spans:
+                            dot = q[0, _vec(head * hd + at, n)] * CK[kh, t, _vec(at, n)]
+                            sums[n] = sums[n] + dot if n in sums else dot
+                        folded = [_fold(v, n, lambda a, b: a + b) for n, v in sums.items()]
+                        T.buffer_store(SC, functools.reduce(lambda a, b: a + b, folded), [head, t])
+            with T.serial(0, h) as head:
+                T.buffer_store(stat, SC[head, 0], [0])
+                with T.serial(1, pos + 1) as t:
+                    T.buffer_store(stat, tirx.max(stat[0], SC[head, t]), [0])
+                T.buffer_store(stat, _f(0.0), [1])
+                with T.serial(0, pos + 1) as t:
+                    T.buffer_store(SC, tirx.exp(SC[head, t] - stat[0]), [head, t])
+                    T.buffer_store(stat, stat[1] + SC[head, t], [1])
+                with T.serial(0, pos + 1) as t:
+                    T.buffer_store(SC, SC[head, t] / stat[1], [head, t])
+            with T.serial(0, kv) as kh:  # values: each cached value is read once for the heads sharing it
+                for g in range(group):
                     for at, n in spans:
-                        T.buffer_store(CV, QKV[0, _vec((h + kv + kh) * hd + at, n)], [kh, pos, _vec(at, n)])
-                with T.serial(0, kv) as kh:  # scores: each cached key is read once for the heads sharing it
-                    with T.serial(0, pos + 1) as t:
-                        for g in range(group):
-                            head = kh * group + g
-                            sums: dict[int, object] = {}  # per vector width, folded once at the end
-                            for at, n in spans:
-                                dot = q[0, _vec(head * hd + at, n)] * CK[kh, t, _vec(at, n)]
-                                sums[n] = sums[n] + dot if n in sums else dot
-                            folded = [_fold(v, n, lambda a, b: a + b) for n, v in sums.items()]
-                            T.buffer_store(SC, functools.reduce(lambda a, b: a + b, folded), [head, t])
-                with T.serial(0, h) as head:
-                    T.buffer_store(stat, SC[head, 0], [0])
-                    with T.serial(1, pos + 1) as t:
-                        T.buffer_store(stat, tirx.max(stat[0], SC[head, t]), [0])
-                    T.buffer_store(stat, _f(0.0), [1])
-                    with T.serial(0, pos + 1) as t:
-                        T.buffer_store(SC, tirx.exp(SC[head, t] - stat[0]), [head, t])
-                        T.buffer_store(stat, stat[1] + SC[head, t], [1])
-                    with T.serial(0, pos + 1) as t:
-                        T.buffer_store(SC, SC[head, t] / stat[1], [head, t])
-                with T.serial(0, kv) as kh:  # values: each cached value is read once for the heads sharing it
+                        T.buffer_store(OUT, _bcast(_f(0.0), n), [0, _vec((kh * group + g) * hd + at, n)])
+                with T.serial(0, pos + 1) as t:
                     for g in range(group):
                         for at, n in spans:
-                            T.buffer_store(OUT, _bcast(_f(0.0), n), [0, _vec((kh * group + g) * hd + at, n)])
-                    with T.serial(0, pos + 1) as t:
-                        for g in range(group):
-                            for at, n in spans:
-                                o = _vec((kh * group + g) * hd + at, n)
-                                T.buffer_store(OUT, OUT[0, o] + _bcast(SC[kh * group + g, t], n) * CV[kh, t, _vec(at, n)],
-                                               [0, o])
+                            o = _vec((kh * group + g) * hd + at, n)
+                            T.buffer_store(OUT, OUT[0, o] + _bcast(SC[kh * group + g, t], n) * CV[kh, t, _vec(at, n)],
+                                           [0, o])
     return ib.get()
 
 
 def gated_act_func(spec: GlueSpec, widest: int):
     from tvm import tirx
-    from tvm.script.ir_builder import IRBuilder
     from tvm.script.ir_builder import tirx as T
 
     f = spec.ffn_dim
     lanes = _lanes(f, widest)
-    with IRBuilder() as ib:
-        with T.prim_func():
-            T.func_name("gated_act")
-            T.func_attr({"tir.noalias": True})
-            GU = T.match_buffer(T.arg("gate_up", T.handle()), (1, 2 * f), F32, align=1)
-            OUT = T.match_buffer(T.arg("out", T.handle()), (1, f), F32, align=1)
-            with T.serial(0, f // lanes) as c:
-                g, u = GU[0, _vec(c * lanes, lanes)], GU[0, _vec(f + c * lanes, lanes)]
-                if spec.act == "silu":
-                    a = g / (_bcast(_f(1.0), lanes) + tirx.exp(_bcast(_f(0.0), lanes) - g))
-                else:  # relu2
-                    r = tirx.max(g, _bcast(_f(0.0), lanes))
-                    a = r * r
-                T.buffer_store(OUT, a * u, [0, _vec(c * lanes, lanes)])
+    with prim_func("gated_act") as ib:
+        GU = arg("gate_up", (1, 2 * f))
+        OUT = arg("out", (1, f))
+        with T.serial(0, f // lanes) as c:
+            g, u = GU[0, _vec(c * lanes, lanes)], GU[0, _vec(f + c * lanes, lanes)]
+            if spec.act == "silu":
+                a = g / (_bcast(_f(1.0), lanes) + tirx.exp(_bcast(_f(0.0), lanes) - g))
+            else:  # relu2
+                r = tirx.max(g, _bcast(_f(0.0), lanes))
+                a = r * r
+            T.buffer_store(OUT, a * u, [0, _vec(c * lanes, lanes)])
     return ib.get()
 
 
