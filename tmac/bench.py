@@ -177,17 +177,13 @@ def decode_profile(model, token: int, pos: int, notes: list[str]) -> dict[str, f
         return plan.profile(token, pos)
 
 
-def profile_table(label: str, threads: int, spent: dict[str, float]) -> str:
-    """One decode-step breakdown as an aligned table: ms per token and share of the step."""
+def profile_rows(spent: dict[str, float]) -> list[tuple[str, str, str]]:
+    """One decode-step breakdown as table rows: each kind of call, the rest and the step, in ms and share."""
     step = spent["step"]
     calls = sorted(((k, v) for k, v in spent.items() if k != "step"), key=lambda kv: -kv[1])
-    rest = step - sum(v for _, v in calls)
-    lines = [(f"{label}, {threads} thread{'s' if threads > 1 else ''}", "ms/token", "share")]
-    lines += [(k, f"{v * 1e3:.2f}", f"{v / step:.0%}") for k, v in calls]
-    lines += [("Python loop and the rest", f"{max(rest, 0) * 1e3:.2f}", f"{max(rest, 0) / step:.0%}"),
-              ("step", f"{step * 1e3:.2f}", "100%")]
-    widths = [max(len(line[i]) for line in lines) for i in range(3)]
-    return "\n".join(f"{a.ljust(widths[0])}  {b.rjust(widths[1])}  {c.rjust(widths[2])}" for a, b, c in lines)
+    rest = max(step - sum(v for _, v in calls), 0.0)
+    return [(k, f"{v * 1e3:.2f}", f"{v / step:.0%}") for k, v in [*calls, ("Python loop and the rest", rest)]] + \
+        [("step", f"{step * 1e3:.2f}", "100%")]
 
 
 _DRAM_GBPS: dict[int, float] = {}  # thread count → probed read bandwidth, once per process

@@ -208,14 +208,14 @@ def cmd_compile(args) -> int:
     isa = resolve_isa(args.arch, args.isa)
     linker_for(isa.arch)  # fail early, naming the Debian package, when the cross linker is missing
     # raises naming K when the group size does not divide it
-    specs = list(dict.fromkeys(spec_for_format(fmt, k, isa) for fmt, k in kernel_formats(args)))
-    if args.model:  # and the decode glue of its shape
-        from .formats import GGUF_EXACT
+    formats = kernel_formats(args)
+    specs = list(dict.fromkeys(spec_for_format(fmt, k, isa) for fmt, k in formats))
+    if args.model:  # and the decode glue of its shape; ternary layers load with int8 activations in front
         from .models.decode import glue_spec
         from .models.gguf_loader import GGUFModel
 
         source = GGUFModel(args.model)
-        ternary = args.bits is None and any(GGUF_EXACT[t].ternary for t, _ in model_layers(args.model) if t in GGUF_EXACT)
+        ternary = any(fmt.ternary for fmt, _ in formats)
         specs.append(glue_spec(source.config, source.family == "bitnet", ternary, isa))
     os.makedirs(args.output, exist_ok=True)
     entries, rows = [], []
@@ -317,7 +317,9 @@ def cmd_bench(args) -> int:
         print(bench.table(rows, unit, baseline))
         for candidate, t, spent in profiles or []:
             if spent:
-                print("\n" + bench.profile_table(candidate, t, spent))
+                print()
+                _print_table(bench.profile_rows(spent), header=(f"{candidate}, {t} thread{'s' if t > 1 else ''}",
+                                                                 "ms/token", "share"))
         for note in dict.fromkeys(notes):
             print(f"note: {note}")
     if args.plot:
