@@ -88,11 +88,14 @@ def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str):
     def vec(start, lanes):
         return tirx.Ramp(start, 1, lanes)
 
+    def param(buf, *index):  # float16 parameters widen in registers (vcvtph2ps, fcvtl)
+        return buf[index] if buf.dtype == f32 else tirx.Cast(f32, buf[index])
+
     with prim_func(name) as ib:
         mb, np_, n, m = T.int32(), T.int32(), T.int32(), T.int32()
         W = arg("w", (mb, k // 8, bm * bits), "uint8")
-        S = arg("s", (mb, k // wg, bm))
-        Z = arg("z", (mb, k // wg, bm)) if spec.has_zeros else None
+        S = arg("s", (mb, k // wg, bm), spec.scale_dtype)
+        Z = arg("z", (mb, k // wg, bm), spec.zero_dtype) if spec.has_zeros else None
         LUT = arg("lut", (np_, k // 4, 16), "int8")
         LS = arg("ls", (np_, k // lg))
         XS = arg("xs", (np_, k // wg))
@@ -137,13 +140,13 @@ def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str):
                                         wide = racc[vec(v * per_vec, per_vec)] + wide
                                     T.buffer_store(racc, wide, [vec(v * per_vec, per_vec)])
                             with T.vectorized(0, bm) as i:
-                                T.buffer_store(out, out[r * bm + i] + tirx.Cast(f32, racc[i]) * (LS[row, g] * S[blk, wgi, i]),
+                                T.buffer_store(out, out[r * bm + i] + tirx.Cast(f32, racc[i]) * (LS[row, g] * param(S, blk, wgi, i)),
                                                [r * bm + i])
                             with T.If(g % lut_groups_per_wg == lut_groups_per_wg - 1):
                                 with T.Then():
                                     with T.vectorized(0, bm) as i:
-                                        half_s = tirx.FloatImm(f32, 0.5) * S[blk, wgi, i]
-                                        coef = half_s + Z[blk, wgi, i] if Z is not None else half_s
+                                        half_s = tirx.FloatImm(f32, 0.5) * param(S, blk, wgi, i)
+                                        coef = half_s + param(Z, blk, wgi, i) if Z is not None else half_s
                                         T.buffer_store(out, out[r * bm + i] - coef * XS[row, wgi], [r * bm + i])
                     for r in range(n_tile):
                         row = nt * n_tile + r

@@ -157,7 +157,8 @@ class HFModel:
             name = f"{prefix}.{part}"
             if name in self.files:
                 t = self._tensor(name)
-                parts[part] = (t.float() if t.is_floating_point() else t).numpy()
+                keep = not t.is_floating_point() or t.dtype in (torch.float16, torch.float32)  # numpy has both
+                parts[part] = (t if keep else t.float()).numpy()
             elif part != "g_idx":
                 raise ModelFormatError(f"{self.path}: GPTQ tensor {name} is missing")
         try:

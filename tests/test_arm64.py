@@ -1,4 +1,5 @@
 """arm64 kernels: cross-compiled here, run under qemu-aarch64 by our C harness, compared with the reference."""
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -7,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import rel_l2
-from tmac import quantize_weight
+from tmac import QuantizedWeight, quantize_weight
 from tmac import reference as ref
 from tmac.kernels import ISAS
 from tmac.packing import pack, spec_for
@@ -44,18 +45,21 @@ def harness(tmp_path_factory):
 
 def _write(d, name, a):
     a.tofile(os.path.join(d, name + ".bin"))
-    dt = {np.dtype(np.float32): "float32", np.dtype(np.int8): "int8", np.dtype(np.uint8): "uint8"}[a.dtype]
+    dt = {np.dtype(t): t for t in ("float32", "float16", "int8", "uint8")}[a.dtype]
     return f"{name} {dt} {a.ndim} {' '.join(map(str, a.shape))}"
 
 
 @pytest.mark.parametrize("isa", ["neon_dotprod", "neon"])
-@pytest.mark.parametrize("bits, zeros", [(1, True), (2, True), (3, False), (4, True), (4, False)])
-def test_arm64_kernels_under_qemu(harness, tmp_path, rng, isa, bits, zeros):
+@pytest.mark.parametrize("bits, zeros, params", [(1, True, "float16"), (2, True, "float16"), (3, False, "float16"),
+                                                 (4, True, "float32"), (4, False, "float16")])
+def test_arm64_kernels_under_qemu(harness, tmp_path, rng, isa, bits, zeros, params):
     from tmac.codegen.build import build_library
 
     m, k, n = 72, 256, 3
     qw = quantize_weight(rng.standard_normal((m, k)).astype(np.float32), bits=bits, group_size=64,
                          symmetric=not zeros)
+    fmt = dataclasses.replace(qw.format, scale_dtype=params, zero_dtype=params)
+    qw = QuantizedWeight(qw.codes, qw.scales, qw.zeros, fmt)
     spec = spec_for(qw, ISAS[isa], n_tile=2)
     lib = str(tmp_path / "kern.so")
     build_library(spec, ISAS[isa], lib)

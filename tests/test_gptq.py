@@ -34,7 +34,7 @@ def test_gptq_dequantizes_exactly(rng, bits, version):
     scales = (rng.random((k // group, m)) * 0.1 + 0.01).astype(np.float16)
     qw = import_gptq(_pack(codes, bits, 0), _pack(stored, bits, 1), scales, np.arange(k) // group, bits, group,
                      version)
-    assert qw.shape == (m, k)
+    assert qw.shape == (m, k) and qw.format.scale_dtype == "float16"  # stored as the checkpoint's float16
     expected = (np.repeat(scales.astype(np.float64), group, axis=0) * (codes - np.repeat(zero, group, axis=0))).T
     np.testing.assert_array_equal(qw.dequantize(), expected.astype(np.float32))
 

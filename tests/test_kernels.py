@@ -37,6 +37,27 @@ def test_float_output_matches_reference_epilogue(rng, isa, bits, group, zeros):
         assert rel_l2(y, ref.lut_matmul(x, qw)) <= 1e-5
 
 
+@pytest.mark.parametrize("isa", RUNNABLE)
+@pytest.mark.parametrize("scale_dtype, zero_dtype", [("float16", "float32"), ("float32", "float16"),
+                                                     ("float32", "float32")])
+def test_parameter_storage_dtypes(rng, isa, scale_dtype, zero_dtype):
+    """Each of S and Z is read as stored, float16 or float32 (GGUF Q4_1 is float16 scales, float32 zeros)."""
+    m, k = 72, 256
+    w = rng.standard_normal((m, k)).astype(np.float32)
+    qw = quantize_weight(w, bits=4, group_size=32)  # float16 values, so any storage holds them exactly
+    fmt = WeightFormat("w4mixed", 4, 32, has_zeros=True, scale_dtype=scale_dtype, zero_dtype=zero_dtype)
+    qw = QuantizedWeight(qw.codes, qw.scales, qw.zeros, fmt)
+    lw = LutWeight.from_quantized(qw, isa=isa)
+    assert (lw.scales.dtype, lw.zeros.dtype) == (getattr(torch, scale_dtype), getattr(torch, zero_dtype))
+    x = rng.standard_normal((2, k)).astype(np.float32)
+    assert rel_l2(lw.matmul(torch.from_numpy(x)).numpy(), ref.lut_matmul(x, qw)) <= 1e-5
+    off = np.float32(1e-4)  # moves values off the float16 grid: a float16 storage must refuse them
+    for bad, dtype in (((qw.scales + off, qw.zeros), scale_dtype), ((qw.scales, qw.zeros + off), zero_dtype)):
+        if dtype == "float16":
+            with pytest.raises(ValueError, match="not all exactly float16"):
+                QuantizedWeight(qw.codes, *bad, fmt)
+
+
 @pytest.mark.parametrize("isa, bits", list(_isa_cases(generic_bits=(4,))))
 def test_integer_part_is_bit_exact(rng, isa, bits):
     """With table scale 1 (amax = 127), weight scale 1 and zero −½ (bias term 0), y = Σ_g R_g exactly."""
@@ -133,6 +154,8 @@ def test_every_x86_variant_compiles_to_its_instructions(isa, needle):
 
     target = ISAS[isa]
     qw = quantize_weight(np.random.default_rng(0).standard_normal((64, 256)).astype(np.float32), bits=4)
+    assert qw.format.scale_dtype == "float16"
     asm = compile_kernel(spec_for(qw, target), target).mod.inspect_source("asm")
     assert needle in asm
     assert "vpshufb" in asm
+    assert "vcvtph2ps" in asm  # float16 parameters widen in registers

@@ -27,11 +27,36 @@ def test_symmetric_error_bounds(rng, bits, bound):
     qw = quantize_weight(w, bits=bits, group_size=64, symmetric=True)
     assert qw.zeros is None
     assert rel_l2(qw.dequantize(), w) < bound
-    # the largest-magnitude weight of each group is represented exactly (llama.cpp's sign trick)
+    # the largest-magnitude weight of each group is represented up to its float16 scale (llama.cpp's sign trick)
     g = w.reshape(64, 8, 64)
     i = np.abs(g).argmax(axis=2)
     np.testing.assert_allclose(np.take_along_axis(qw.dequantize().reshape(64, 8, 64), i[..., None], 2),
-                               np.take_along_axis(g, i[..., None], 2), rtol=1e-6)
+                               np.take_along_axis(g, i[..., None], 2), rtol=2.0 ** -11)
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_round_to_nearest_parameters_are_float16(rng, symmetric):
+    w = rng.standard_normal((32, 256)).astype(np.float32)
+    qw = quantize_weight(w, bits=3, group_size=64, symmetric=symmetric)
+    assert qw.format.scale_dtype == "float16" and qw.format.name == f"w3g64{'s' if symmetric else ''}"
+    for p in (qw.scales, qw.zeros):
+        if p is not None:
+            assert np.array_equal(p.astype(np.float16).astype(np.float32), p)
+    # the codes are the nearest levels of the stored (rounded) grid: no other code is closer to w
+    s, z = np.repeat(qw.scales.astype(np.float64), 64, axis=1), 0 if symmetric else np.repeat(qw.zeros, 64, axis=1)
+    level = lambda q: s * (q - 4.0) - z  # noqa: E731
+    best = np.abs(level(qw.codes.astype(np.float64)) - w)
+    for q in range(8):
+        assert (best <= np.abs(level(np.full(w.shape, q)) - w) + 1e-9).all()
+
+
+def test_scales_float16_cannot_hold_fall_back_to_float32(rng):
+    w = (rng.standard_normal((4, 64)) * 1e-7).astype(np.float32)  # steps below float16's normal range; × 1e13 above its max
+    qw = quantize_weight(w, bits=2, group_size=32)
+    assert (qw.format.name, qw.format.scale_dtype, qw.format.zero_dtype) == ("w2g32f32", "float32", "float32")
+    assert rel_l2(qw.dequantize(), w) < 0.42
+    big = quantize_weight(w * 1e13, bits=4, group_size=32, symmetric=True)
+    assert big.format.scale_dtype == "float32" and rel_l2(big.dequantize(), w * 1e13) < 0.1
 
 
 def test_ternary_matches_bitnet_reference_formula(rng):

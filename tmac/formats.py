@@ -8,6 +8,10 @@ zero ``z``; each weight is an unsigned code ``q`` of ``bits`` bits, and
 This one convention covers symmetric round-to-nearest (z = 0), asymmetric min/max and GPTQ (z ≠ 0), GGUF Q4_0
 (s = d), Q4_1 (s = d, z = −(m + 8d)), TQ1_0/TQ2_0 and BitNet b1.58 (ternary: codes 1, 2, 3 ↔ −1, 0, +1).
 
+Scales and zeros are stored as float16 where the format guarantees every value is exactly one (GGUF's ``d``;
+the round-to-nearest quantizers, which round their parameters before choosing codes): at 2 bits and group 128
+that is 2.25 instead of 2.5 bits streamed per weight. Otherwise float32.
+
 ``FORMATS`` is the table of named formats (what importers produce); ``WeightFormat.rtn`` builds the
 parametric ones the float quantizers produce. Everything else — quantizers, importers, packing, kernels,
 serialization — reads its facts (bits, group size, zeros, code range, GGUF block layout) from here.
@@ -21,6 +25,7 @@ BITS = (1, 2, 3, 4, 8)  # 8: exact Q8_0 imports (two 4-plane chunks in the kerne
 GROUP_SIZES = (32, 64, 128, 256)
 PER_ROW = "row"
 PER_TENSOR = "tensor"
+PARAM_DTYPES = ("float16", "float32")  # storage of scales / zeros
 
 
 @dataclass(frozen=True)
@@ -40,10 +45,15 @@ class WeightFormat:
     has_zeros: bool
     ternary: bool = False
     gguf: GGUFBlock | None = None
+    scale_dtype: str = "float32"  # one of PARAM_DTYPES: float16 promises every scale is exactly a float16
+    zero_dtype: str = "float32"
 
     def __post_init__(self):
         check_bits(self.bits)
         check_group_size(self.group_size)
+        if self.scale_dtype not in PARAM_DTYPES or self.zero_dtype not in PARAM_DTYPES:
+            raise ValueError(f"format {self.name}: scale/zero dtypes must be in {PARAM_DTYPES}, got "
+                             f"{self.scale_dtype!r}/{self.zero_dtype!r}")
         if self.ternary and (self.bits != 2 or self.has_zeros):
             raise ValueError(f"format {self.name}: ternary weights are stored as 2-bit codes without zeros")
 
@@ -72,14 +82,16 @@ class WeightFormat:
 
     def to_dict(self) -> dict:
         return {"name": self.name, "bits": self.bits, "group_size": self.group_size, "has_zeros": self.has_zeros,
-                "ternary": self.ternary}
+                "ternary": self.ternary, "scale_dtype": self.scale_dtype, "zero_dtype": self.zero_dtype}
 
     @staticmethod
     def from_dict(d) -> "WeightFormat":
-        """The inverse of ``to_dict``, for metadata read from files (validated like any other format)."""
+        """The inverse of ``to_dict``, for metadata read from files (validated like any other format). Files
+        written before parameters could be float16 lack the dtype keys: theirs are float32."""
         keys = {"name", "bits", "group_size", "has_zeros", "ternary"}
-        if not isinstance(d, dict) or set(d) != keys:
-            raise ValueError(f"a weight format needs exactly the keys {sorted(keys)}, got {d!r:.200}")
+        dtypes = {"scale_dtype", "zero_dtype"}
+        if not isinstance(d, dict) or set(d) not in (keys, keys | dtypes):
+            raise ValueError(f"a weight format needs exactly the keys {sorted(keys | dtypes)}, got {d!r:.200}")
         if not isinstance(d["name"], str) or type(d["has_zeros"]) is not bool or type(d["ternary"]) is not bool:
             raise ValueError(f"malformed weight format {d!r:.200}")
         fmt = WeightFormat(**d)
@@ -87,12 +99,15 @@ class WeightFormat:
         return named if named is not None and named.to_dict() == fmt.to_dict() else fmt
 
     @staticmethod
-    def rtn(bits: int, group_size: int | str = 128, symmetric: bool = False) -> "WeightFormat":
-        """The format of round-to-nearest quantization from float: e.g. ``w2g128`` (asym) or ``w4g32s`` (sym)."""
+    def rtn(bits: int, group_size: int | str = 128, symmetric: bool = False, half: bool = True) -> "WeightFormat":
+        """The format of round-to-nearest quantization from float: e.g. ``w2g128`` (asym) or ``w4g32s`` (sym);
+        ``half=False`` (name suffix ``f32``) keeps float32 parameters, for weights whose scales float16 cannot
+        hold."""
         check_bits(bits)
         check_group_size(group_size)
-        return WeightFormat(f"w{bits}g{group_size}{'s' if symmetric else ''}", bits, group_size,
-                            has_zeros=not symmetric)
+        dtype = "float16" if half else "float32"
+        return WeightFormat(f"w{bits}g{group_size}{'s' if symmetric else ''}{'' if half else 'f32'}", bits,
+                            group_size, has_zeros=not symmetric, scale_dtype=dtype, zero_dtype=dtype)
 
     @staticmethod
     def ternary_format(group_size: int | str = PER_TENSOR) -> "WeightFormat":
@@ -127,11 +142,14 @@ def check_group_size(group_size) -> None:
 FORMATS: dict[str, WeightFormat] = {
     f.name: f
     for f in (
-        WeightFormat("q8_0", 8, 32, has_zeros=False, gguf=GGUFBlock("Q8_0", 32, 34)),
-        WeightFormat("q4_0", 4, 32, has_zeros=False, gguf=GGUFBlock("Q4_0", 32, 18)),
-        WeightFormat("q4_1", 4, 32, has_zeros=True, gguf=GGUFBlock("Q4_1", 32, 20)),
-        WeightFormat("tq1_0", 2, 256, has_zeros=False, ternary=True, gguf=GGUFBlock("TQ1_0", 256, 54)),
-        WeightFormat("tq2_0", 2, 256, has_zeros=False, ternary=True, gguf=GGUFBlock("TQ2_0", 256, 66)),
+        WeightFormat("q8_0", 8, 32, has_zeros=False, gguf=GGUFBlock("Q8_0", 32, 34), scale_dtype="float16"),
+        WeightFormat("q4_0", 4, 32, has_zeros=False, gguf=GGUFBlock("Q4_0", 32, 18), scale_dtype="float16"),
+        # the zero −(m + 8d) of two float16s is not a float16 in general
+        WeightFormat("q4_1", 4, 32, has_zeros=True, gguf=GGUFBlock("Q4_1", 32, 20), scale_dtype="float16"),
+        WeightFormat("tq1_0", 2, 256, has_zeros=False, ternary=True, gguf=GGUFBlock("TQ1_0", 256, 54),
+                     scale_dtype="float16"),
+        WeightFormat("tq2_0", 2, 256, has_zeros=False, ternary=True, gguf=GGUFBlock("TQ2_0", 256, 66),
+                     scale_dtype="float16"),
         WeightFormat("bitnet", 2, PER_TENSOR, has_zeros=False, ternary=True),
     )
 }

@@ -4,7 +4,7 @@ The kernel call is registered as the custom op ``tmac::lut_linear`` (with a fake
 ``torch.compile`` and ``torch.export`` trace through it. Eager calls skip the dispatcher (≈ 15 µs per call,
 which adds up over the ~200 linears of one decode step) and call the same checked function directly.
 
-The packed tensors (``qweight``, ``scales``, ``zeros``) and ``bias`` are float32/uint8 on the CPU whatever
+The packed tensors (``qweight``, ``scales``, ``zeros``) and ``bias`` are uint8/float16/float32 on the CPU whatever
 ``model.to(...)`` asks for: they are what the kernels read. The state dict carries them plus an extra state
 (format, kernel spec), so loading a state dict packed for another ISA or tiling repacks it for this machine.
 """
@@ -116,8 +116,8 @@ class Linear(nn.Module):
         self.format, self.kernel_dir = fmt, kernel_dir
         local = spec_for_format(fmt, spec.k, best_isa())  # what this machine runs; loading repacks if it differs
         w_shape, s_shape = packed_shapes(local, m)
-        self._set_packed(PackedWeight(local, m, np.zeros(w_shape, np.uint8), np.zeros(s_shape, np.float32),
-                                      np.zeros(s_shape, np.float32) if fmt.has_zeros else None),
+        self._set_packed(PackedWeight(local, m, np.zeros(w_shape, np.uint8), np.zeros(s_shape, local.scale_dtype),
+                                      np.zeros(s_shape, local.zero_dtype) if fmt.has_zeros else None),
                          torch.zeros(m) if bias else None)
         return self
 

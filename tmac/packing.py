@@ -13,7 +13,8 @@ that chunk belongs to row ``v·(VL/P_c) + l // P_c`` of the block and plane ``o_
 table index of that plane for activations ``8kp .. 8kp+3`` and its high nibble for ``8kp+4 .. 8kp+7`` (bit j of a
 nibble = the plane bit of activation j of the run). Padded rows are code 0.
 
-    S, Z [MB, K/WG, BM]  float32   (scale, zero of row ``blk·BM + r`` for weight group g; per-row: WG = K)
+    S, Z [MB, K/WG, BM]  float16 or float32, as the spec says (scale, zero of row ``blk·BM + r`` for weight
+                         group g; per-row: WG = K)
 
 Tables are ``LUT [N', K/4, 16]`` int8, their scales ``LS [N', K/LG]`` and activation sums ``XS [N', K/WG]``
 float32, with N' = N rounded up to the kernel's row tile.
@@ -26,7 +27,7 @@ from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
-from .formats import PER_ROW, PER_TENSOR, WeightFormat, check_bits
+from .formats import PARAM_DTYPES, PER_ROW, PER_TENSOR, WeightFormat, check_bits
 from .qweight import QuantizedWeight
 from .reference import default_lut_group, plane_nibbles
 
@@ -49,6 +50,8 @@ class KernelSpec:
     block_rows: int = 0  # 0: the default for this ISA and bit width
     n_tile: int = 4  # activation rows sharing each weight load in the GEMM kernel
     unroll: int = 0  # table pairs unrolled in the inner loop; 0: the default (the most of 8, 4, 2, 1 that fits)
+    scale_dtype: str = "float32"  # storage of S and Z: the format's (tmac.formats.PARAM_DTYPES)
+    zero_dtype: str = "float32"
 
     def __post_init__(self):
         check_bits(self.bits)
@@ -71,6 +74,8 @@ class KernelSpec:
             problems.append(f"block_rows={bm} must be a positive multiple of the vector width {vl}")
         if self.n_tile < 1 or self.unroll < 1 or (lg // 8) % self.unroll:
             problems.append(f"n_tile={self.n_tile}, unroll={self.unroll}: unroll must divide lut_group/8")
+        if self.scale_dtype not in PARAM_DTYPES or self.zero_dtype not in PARAM_DTYPES:
+            problems.append(f"scale/zero dtypes must be in {PARAM_DTYPES}, got {self.scale_dtype!r}/{self.zero_dtype!r}")
         if problems:
             raise ValueError("invalid kernel spec: " + "; ".join(problems))
 
@@ -81,8 +86,10 @@ class KernelSpec:
     @property
     def name(self) -> str:
         z = "z" if self.has_zeros else "s"
+        half = ("_sh" if self.scale_dtype == "float16" else "") + \
+            ("_zh" if self.has_zeros and self.zero_dtype == "float16" else "")
         return (f"lut_{self.isa}_b{self.bits}_k{self.k}_g{self.group_size}_lg{self.lut_group}{z}"
-                f"_bm{self.block_rows}_nt{self.n_tile}_u{self.unroll}")
+                f"_bm{self.block_rows}_nt{self.n_tile}_u{self.unroll}{half}")
 
     functions = ("build_tables", "lut_gemv", "lut_gemm")  # what its library exports (a class attribute)
 
@@ -91,14 +98,19 @@ class KernelSpec:
 
     @classmethod
     def from_dict(cls, d) -> "KernelSpec":
+        """A spec from JSON; specs written before parameters could be float16 lack the dtypes (float32)."""
         names = {f.name for f in fields(cls)}
+        strings = {"isa", "scale_dtype", "zero_dtype"}
+        if isinstance(d, dict) and set(d) == names - {"scale_dtype", "zero_dtype"}:
+            d = {**d, "scale_dtype": "float32", "zero_dtype": "float32"}
         if not isinstance(d, dict) or set(d) != names:
             raise ValueError(f"a kernel spec needs exactly the fields {sorted(names)}, got {d!r:.200}")
-        for name in names - {"isa"}:
+        for name in names - strings:
             if type(d[name]) is not (bool if name == "has_zeros" else int):
                 raise ValueError(f"kernel spec field {name!r} has the wrong type: {d[name]!r:.50}")
-        if not isinstance(d["isa"], str):
-            raise ValueError(f"kernel spec field 'isa' must be a string, got {d['isa']!r:.50}")
+        for name in strings:
+            if not isinstance(d[name], str):
+                raise ValueError(f"kernel spec field {name!r} must be a string, got {d[name]!r:.50}")
         return cls(**d)
 
     def blocks(self, m: int) -> int:
@@ -127,7 +139,8 @@ def spec_for_format(fmt: WeightFormat, k: int, isa, **tiling) -> KernelSpec:
     lut_group = default_lut_group(k, fmt.group_size)
     if not tiling:
         tiling = tuned_tiling(isa.name, fmt.bits, k, group, lut_group, fmt.has_zeros)
-    return KernelSpec(isa.name, isa.vector_bytes, fmt.bits, k, group, lut_group, fmt.has_zeros, **tiling)
+    return KernelSpec(isa.name, isa.vector_bytes, fmt.bits, k, group, lut_group, fmt.has_zeros, **tiling,
+                      scale_dtype=fmt.scale_dtype, zero_dtype=fmt.zero_dtype if fmt.has_zeros else "float32")
 
 
 @dataclass(frozen=True)
@@ -137,16 +150,19 @@ class PackedWeight:
     spec: KernelSpec
     m: int
     weights: np.ndarray  # uint8 [MB, K/8, BM·bits]
-    scales: np.ndarray  # float32 [MB, K/WG, BM]
-    zeros: np.ndarray | None
+    scales: np.ndarray  # spec.scale_dtype [MB, K/WG, BM]
+    zeros: np.ndarray | None  # spec.zero_dtype
 
 
 def pack(qw: QuantizedWeight, spec: KernelSpec) -> PackedWeight:
     """Lay ``qw`` out for ``spec``. Deterministic; numpy, vectorized over slices of ~``PACK_ROWS`` rows."""
     m, k = qw.shape
-    if (k, qw.format.bits, qw.format.has_zeros) != (spec.k, spec.bits, spec.has_zeros):
-        raise ValueError(f"weight (K={k}, bits={qw.format.bits}, zeros={qw.format.has_zeros}) does not match "
-                         f"kernel {spec.name}")
+    fmt = qw.format
+    if (k, fmt.bits, fmt.has_zeros) != (spec.k, spec.bits, spec.has_zeros) or \
+            (spec.scale_dtype == "float16" and fmt.scale_dtype != "float16") or \
+            (spec.has_zeros and spec.zero_dtype == "float16" and fmt.zero_dtype != "float16"):
+        raise ValueError(f"weight (K={k}, bits={fmt.bits}, zeros={fmt.has_zeros}, parameters "
+                         f"{fmt.scale_dtype}/{fmt.zero_dtype}) does not match kernel {spec.name}")
     bm, mb = spec.block_rows, spec.blocks(m)
     weights = np.empty(packed_shapes(spec, m)[0], dtype=np.uint8)
     step = max(1, PACK_ROWS // bm)  # blocks per slice: the bit-plane temporaries are bits × the slice's codes
@@ -156,8 +172,8 @@ def pack(qw: QuantizedWeight, spec: KernelSpec) -> PackedWeight:
         rows = qw.codes[b0 * bm:b1 * bm]
         codes[:rows.shape[0]] = rows
         weights[b0:b1] = _pack_blocks(codes, spec)
-    return PackedWeight(spec, m, weights, _pack_params(qw.scales, qw, spec),
-                        None if qw.zeros is None else _pack_params(qw.zeros, qw, spec))
+    return PackedWeight(spec, m, weights, _pack_params(qw.scales, qw, spec, spec.scale_dtype),
+                        None if qw.zeros is None else _pack_params(qw.zeros, qw, spec, spec.zero_dtype))
 
 
 def _pack_blocks(codes: np.ndarray, spec: KernelSpec) -> np.ndarray:
@@ -207,14 +223,14 @@ def unpack(packed: PackedWeight, fmt: WeightFormat) -> QuantizedWeight:
 
 
 def _unpack_params(p: np.ndarray, m: int, fmt: WeightFormat) -> np.ndarray:
-    rows = p.transpose(0, 2, 1).reshape(-1, p.shape[1])[:m]  # [M, K/WG]
+    rows = p.transpose(0, 2, 1).reshape(-1, p.shape[1])[:m].astype(np.float32)  # [M, K/WG]
     return np.ascontiguousarray(rows[:1, :1] if fmt.group_size == PER_TENSOR else rows)
 
 
-def _pack_params(p: np.ndarray, qw: QuantizedWeight, spec: KernelSpec) -> np.ndarray:
+def _pack_params(p: np.ndarray, qw: QuantizedWeight, spec: KernelSpec, dtype: str) -> np.ndarray:
     m, k = qw.shape
     per_row = np.broadcast_to(p, (m, p.shape[1])) if p.shape[0] == 1 else p  # per-tensor → every row
     g = k // spec.group_size
-    full = np.zeros((spec.blocks(m) * spec.block_rows, g), dtype=np.float32)
+    full = np.zeros((spec.blocks(m) * spec.block_rows, g), dtype=dtype)
     full[:m] = np.repeat(per_row, g // per_row.shape[1], axis=1) if per_row.shape[1] != g else per_row
     return np.ascontiguousarray(full.reshape(spec.blocks(m), spec.block_rows, g).transpose(0, 2, 1))

@@ -5,6 +5,10 @@ Quantizers (round half to even, as torch and numpy round):
   two levels are the means of the values below and above the group mean);
 - symmetric absmax, llama.cpp style: the signed value of largest magnitude maps to code 0, s = that / −2^(b−1);
 - ternary absmean (BitNet b1.58): s = mean|w| (at least 1e-5), t = clip(round(w/s), −1, 1), q = t + 2.
+
+The round-to-nearest formats store float16 parameters: s and z are rounded to float16 first and the codes are
+chosen against the rounded grid. Weights whose parameters float16 cannot hold to 3 significant digits (outside
+its normal range) get the float32 variant of the format instead.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ def quantize_weight(w, bits: int = 2, group_size: int | str = 128, symmetric: bo
         fmt = WeightFormat.rtn(bits, group_size, symmetric)
     m, k = w.shape
     groups = _grouped(w.astype(np.float64), fmt)  # [M', G, gs]
+    top = (1 << fmt.bits) - 1
     if fmt.ternary:
         s = np.maximum(np.abs(groups).mean(axis=2), 1e-5)
         t = np.clip(np.rint(groups / s[..., None]), -1, 1)
@@ -40,19 +45,42 @@ def quantize_weight(w, bits: int = 2, group_size: int | str = 128, symmetric: bo
     elif symmetric:
         idx = np.abs(groups).argmax(axis=2)[..., None]
         s = np.take_along_axis(groups, idx, axis=2)[..., 0] / -fmt.offset
-        inv = np.divide(1.0, s, out=np.zeros_like(s), where=s != 0)
-        codes = np.clip(np.rint(groups * inv[..., None]) + fmt.offset, 0, (1 << bits) - 1)
+        s16 = _as_half(s, relative=True)
+        s = s.astype(np.float32) if s16 is None else s16
+        inv = np.divide(1.0, s.astype(np.float64), out=np.zeros(s.shape), where=s != 0)
+        codes = np.clip(np.rint(groups * inv[..., None]) + fmt.offset, 0, top)
         zeros = None
     else:
         lo, hi = _level_range(groups, bits)
-        s = (hi - lo) / ((1 << bits) - 1)
+        s = (hi - lo) / top
         s = np.where(s > 0, s, 1.0)
-        codes = np.clip(np.rint((groups - lo[..., None]) / s[..., None]), 0, (1 << bits) - 1)
-    scales = s.astype(np.float32)
-    if fmt.has_zeros:  # derived from the stored float32 scale, so that the lowest level stays at lo
-        zeros = (-(scales.astype(np.float64) * fmt.offset + lo)).astype(np.float32)
-    return QuantizedWeight(codes.reshape(m, k).astype(np.uint8), scales.reshape(fmt.scale_shape(m, k)),
-                           None if zeros is None else zeros.reshape(fmt.scale_shape(m, k)), fmt)
+        s16 = _as_half(s, relative=True)
+        # z = −(s·offset + lo) puts the lowest level at lo; a float16 z is off by at most 2^-11 of it
+        zeros = None if s16 is None else _as_half(-(s16 * fmt.offset + lo), relative=False)
+        if zeros is None:
+            s = s.astype(np.float32)
+            zeros = (-(s.astype(np.float64) * fmt.offset + lo)).astype(np.float32)
+        else:
+            s = s16
+        # the codes nearest to w on the stored grid s·(q − offset) − z
+        s64 = s.astype(np.float64)
+        level0 = -(s64 * fmt.offset + zeros)
+        codes = np.clip(np.rint((groups - level0[..., None]) / s64[..., None]), 0, top)
+    if s.dtype == np.float32 and not fmt.ternary:
+        fmt = WeightFormat.rtn(bits, group_size, symmetric, half=False)
+    shape = fmt.scale_shape(m, k)
+    return QuantizedWeight(codes.reshape(m, k).astype(np.uint8), s.reshape(shape).astype(np.float32),
+                           None if zeros is None else zeros.reshape(shape).astype(np.float32), fmt)
+
+
+def _as_half(p: np.ndarray, relative: bool) -> np.ndarray | None:
+    """``p`` rounded to float16, or None where float16 cannot hold it: beyond its range, or — for ``relative``
+    parameters (scales, whose error scales every weight) — nonzero values below its normal range."""
+    mag = np.abs(p)
+    ok = mag <= np.finfo(np.float16).max
+    if relative:
+        ok &= (mag == 0) | (mag >= np.finfo(np.float16).tiny)
+    return p.astype(np.float16).astype(np.float64) if ok.all() else None
 
 
 def _level_range(groups: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:

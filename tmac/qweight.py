@@ -33,11 +33,11 @@ class QuantizedWeight:
         lo, hi = fmt.code_range
         if codes.size and (int(codes.min()) < lo or int(codes.max()) > hi):
             raise ValueError(f"codes of format {fmt.name} must lie in [{lo}, {hi}], got [{codes.min()}, {codes.max()}]")
-        _check_params("scales", self.scales, fmt.scale_shape(m, k))
+        _check_params("scales", self.scales, fmt.scale_shape(m, k), fmt.scale_dtype)
         if fmt.has_zeros:
             if self.zeros is None:
                 raise ValueError(f"format {fmt.name} needs zeros, got None")
-            _check_params("zeros", self.zeros, fmt.scale_shape(m, k))
+            _check_params("zeros", self.zeros, fmt.scale_shape(m, k), fmt.zero_dtype)
         elif self.zeros is not None:
             raise ValueError(f"format {fmt.name} has no zeros, but zeros were given")
 
@@ -61,10 +61,13 @@ class QuantizedWeight:
         return w.astype(np.float32)
 
     def nbytes_packed(self) -> int:
-        """Bytes the kernels stream for this weight: codes at ``bits`` per weight plus float32 parameters."""
+        """Bytes the kernels stream for this weight: codes at ``bits`` per weight plus the parameters."""
         m, k = self.shape
-        params = self.scales.size * (2 if self.zeros is not None else 1)
-        return m * k * self.format.bits // 8 + 4 * params
+        fmt = self.format
+        params = self.scales.size * np.dtype(fmt.scale_dtype).itemsize
+        if self.zeros is not None:
+            params += self.zeros.size * np.dtype(fmt.zero_dtype).itemsize
+        return m * k * fmt.bits // 8 + params
 
 
 def stack_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
@@ -81,6 +84,9 @@ def stack_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
     if len(parts) > 1 and not isinstance(fmt.group_size, int) and (fmt.group_size == PER_TENSOR
                                                                    or any(p.format != fmt for p in parts)):
         fmt = dataclasses.replace(fmt, name=f"{fmt.name}_rows", group_size=PER_ROW, gguf=None)
+    for field in ("scale_dtype", "zero_dtype"):  # float16 only where every part promises it
+        if any(getattr(p.format, field) != getattr(fmt, field) for p in parts):
+            fmt = dataclasses.replace(fmt, name=f"{fmt.name}_f32", gguf=None, **{field: "float32"})
 
     def per_row(p, params):
         return np.broadcast_to(params, (p.shape[0], 1)) if p.format.group_size != fmt.group_size else params
@@ -90,13 +96,18 @@ def stack_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
     return QuantizedWeight(np.concatenate([p.codes for p in parts]), scales, zeros, fmt)
 
 
-def _check_params(name: str, a, shape: tuple[int, int]) -> None:
-    if not isinstance(a, np.ndarray) or a.dtype not in (np.float32, np.float64):
-        raise TypeError(f"{name} must be a float32/float64 numpy array, got {_describe(a)}")
+def _check_params(name: str, a, shape: tuple[int, int], storage: str) -> None:
+    if not isinstance(a, np.ndarray) or a.dtype not in (np.float16, np.float32, np.float64):
+        raise TypeError(f"{name} must be a float16/float32/float64 numpy array, got {_describe(a)}")
     if a.shape != shape:
         raise ValueError(f"{name} must have shape {shape}, got {a.shape}")
     if not np.isfinite(a).all():
         raise ValueError(f"{name} contain NaN or inf")
+    if storage == "float16" and a.dtype != np.float16:
+        with np.errstate(over="ignore"):
+            exact = np.array_equal(a.astype(np.float16).astype(a.dtype), a)
+        if not exact:
+            raise ValueError(f"{name} are not all exactly float16 values, as their format promises")
 
 
 def _describe(a) -> str:

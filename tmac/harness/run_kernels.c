@@ -3,7 +3,7 @@
  *   run_kernels LIB.so DIR
  *
  * DIR/calls.txt lists calls, one per line: `FUNCTION NARGS` followed by NARGS argument lines, each a tensor
- * `NAME DTYPE NDIM DIM...` (DTYPE: float32 | int8 | uint8) or a scalar `=f VALUE` (float) / `=i VALUE` (int).
+ * `NAME DTYPE NDIM DIM...` (DTYPE: float32 | float16 | int8 | uint8) or a scalar `=f VALUE` (float) / `=i VALUE` (int).
  * A tensor is read from DIR/NAME.bin when that file exists and starts zeroed otherwise; a name used again
  * refers to the same tensor. After all calls every
  * tensor is written to DIR/NAME.out. The library's thread-pool and workspace hooks are filled with pthreads
@@ -76,6 +76,7 @@ static int num_tensors = 0;
 
 static int dtype_of(const char *s, DLDataType *dt) {
   if (!strcmp(s, "float32")) *dt = (DLDataType){kDLFloat, 32, 1};
+  else if (!strcmp(s, "float16")) *dt = (DLDataType){kDLFloat, 16, 1};
   else if (!strcmp(s, "int8")) *dt = (DLDataType){kDLInt, 8, 1};
   else if (!strcmp(s, "uint8")) *dt = (DLDataType){kDLUInt, 8, 1};
   else return -1;
