@@ -65,7 +65,7 @@ def _llama_cpp_q2_k(shape: str) -> str:
 
 
 CASES = {  # name → (file, tmac variants (bits, head bits); bits None = the file's own weights)
-    "smollm2": (lambda: None, [(None, None), (2, None)]),
+    "smollm2": (lambda: None, [(None, None), (2, None), (2, 4)]),
     "llama-1b-q4_0": (lambda: _synthetic("llama-1b", "Q4_0"), [(None, None), (2, 2)]),
     "llama-1b-tq2_0": (lambda: _synthetic("llama-1b", "TQ2_0"), [(None, None)]),
     "llama-1b-q2_k": (lambda: _llama_cpp_q2_k("llama-1b"), [(2, 2)]),

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from tmac import runtime
+from tmac.embedding import Embedding
 from tmac.glue import GlueSpec
 from tmac.kernels import isa_by_name
 from tmac.linear import Linear
@@ -85,7 +86,10 @@ class DecodePlan:
 
     def __init__(self, model, calls: list, positions: list, buffers: dict, labels: dict, keep: tuple):
         self.model, self.calls, self.positions, self.buf, self.labels = model, calls, positions, buffers, labels
-        self.embedding = model.tok_embeddings.weight
+        emb = model.tok_embeddings
+        self.vocab = emb.num_embeddings
+        # one row of the token table, float32: a float table's row, or a quantized table's row dequantized
+        self.embed_row = emb.weight.__getitem__ if isinstance(emb, nn.Embedding) else emb.row
         self._keep = keep  # the glue library and the scratch tensors the handles in ``calls`` point into
 
     @classmethod
@@ -99,7 +103,7 @@ class DecodePlan:
     @classmethod
     def _build(cls, model) -> "DecodePlan":
         cfg = model.config
-        if model.cache_k is None or not isinstance(model.tok_embeddings, nn.Embedding):
+        if model.cache_k is None or not isinstance(model.tok_embeddings, (nn.Embedding, Embedding)):
             raise _Unsupported("no cache or another embedding module")
         bitnet = isinstance(model, BitNetTransformer)
         first = model.layers[0].attention.wqkv
@@ -158,12 +162,12 @@ class DecodePlan:
         tensor is the plan's buffer: the next step overwrites it."""
         if not 0 <= pos < self.model.context:
             raise ValueError(f"position {pos} is outside the context of {self.model.context} tokens")
-        if not 0 <= token < self.embedding.shape[0]:
-            raise ValueError(f"token id {token} is outside the vocabulary [0, {self.embedding.shape[0]})")
+        if not 0 <= token < self.vocab:
+            raise ValueError(f"token id {token} is outside the vocabulary [0, {self.vocab})")
         runtime.apply_threads()
         for args in self.positions:
             args[6] = pos
-        self.buf["x"][0].copy_(self.embedding[token])
+        self.buf["x"][0].copy_(self.embed_row(token))
         for fn, args in self.calls:
             fn(*args)
         return self.buf["logits"][0]
@@ -178,7 +182,7 @@ class DecodePlan:
             t0 = time.perf_counter()
             self.step(token, pos)
             steps.append(time.perf_counter() - t0)
-            self.buf["x"][0].copy_(self.embedding[token])
+            self.buf["x"][0].copy_(self.embed_row(token))
             spent: dict[str, float] = {}
             for fn, args in self.calls:
                 t0 = time.perf_counter()

@@ -14,10 +14,12 @@ import os
 import torch
 from torch import nn
 
+from tmac.embedding import Embedding
 from tmac.errors import ModelFormatError
 from tmac.formats import GROUP_SIZES, check_bits, check_group_size
 from tmac.linear import Linear
 from tmac.progress import Progress
+from tmac.quantize import quantize_weight
 from tmac.qweight import QuantizedWeight, stack_rows
 
 from .bitnet import ActivationQuantized, BitNetTransformer
@@ -72,7 +74,7 @@ def load_model(source: str | os.PathLike | None = None, *, bits: int | None = No
     bitnet = src.family == "bitnet"
     model = (BitNetTransformer if bitnet else Transformer).skeleton(cfg)
     weight = _shape_checked(src)
-    model.tok_embeddings = nn.Embedding.from_pretrained(weight("tok_embeddings.weight"), freeze=True)
+    model.tok_embeddings = token_embedding(weight("tok_embeddings.weight", True), requantized=bits is not None)
     model.norm.weight = _param(weight("norm.weight"))
     with Progress(f"loading {os.path.basename(path)}", cfg.n_layers + 1, progress) as bar:
         for i, layer in enumerate(model.layers):
@@ -94,14 +96,12 @@ def load_model(source: str | os.PathLike | None = None, *, bits: int | None = No
             model.output = make_linear([head], **opts)
         elif head_bits is None:
             model.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False, device="meta")
-            model.output.weight = model.tok_embeddings.weight if cfg.tie_embeddings else _param(head)
+            model.output.weight = _param(head)
+            if cfg.tie_embeddings:  # the float head's table serves the lookups too: one copy, not two
+                model.tok_embeddings = nn.Embedding.from_pretrained(model.output.weight, freeze=True)
         else:
             model.output = make_linear([head], **{**opts, "bits": head_bits})
         bar.advance("output head")
-    # requantized models keep the lookup table in float16 (its rounding is far below the weights' own error);
-    # the file's own weights (exact imports, float models) keep it exact
-    if bits is not None and getattr(model.output, "weight", None) is not model.tok_embeddings.weight:
-        model.tok_embeddings = _half_embedding(model.tok_embeddings)
     model.tokenizer = src.tokenizer
     model.source = path
     model.setup_cache(context)
@@ -164,10 +164,15 @@ def _make_linear(parts, bits, group_size, symmetric, isa, kernel_dir) -> nn.Modu
     return Linear.from_float(weight, bits=bits, group_size=group, symmetric=symmetric, isa=isa, kernel_dir=kernel_dir)
 
 
-def _half_embedding(embedding: nn.Embedding) -> nn.Embedding:
-    """The lookup table in float16 when every value fits (half the memory; a step reads one row, as float32)."""
-    half = embedding.weight.detach().half()
-    return nn.Embedding.from_pretrained(half, freeze=True) if torch.isfinite(half).all() else embedding
+def token_embedding(table, requantized: bool) -> nn.Module:
+    """The token table: a file's quantized table stays quantized and exact (``tmac.Embedding``); a float one is
+    kept exact, or — when the model is requantized — stored at 8 bits, symmetric, in groups of 32 (Q8_0's
+    layout: a quarter of float32, its rounding far below the projections' own)."""
+    if isinstance(table, QuantizedWeight):
+        return Embedding(table)
+    if requantized and table.shape[1] % 32 == 0:
+        return Embedding(quantize_weight(table, bits=8, group_size=32, symmetric=True))
+    return nn.Embedding.from_pretrained(table.float(), freeze=True)
 
 
 def _param(t: torch.Tensor) -> nn.Parameter:

@@ -175,7 +175,8 @@ def _ternary(module):
 def test_generation_uses_the_plan_and_agrees_with_eager(tmp_path):
     _tiny(tmp_path)
     model = tmac.load_model(tmp_path, bits=4, group_size=64, context=64)
-    assert model.tok_embeddings.weight.dtype == torch.float16  # requantized: the lookup table is halved
+    assert isinstance(model.tok_embeddings, tmac.Embedding)  # requantized: the token table is 8-bit too
+    assert model.tok_embeddings.format.name == "w8g32s" and model.tok_embeddings.codes.dtype == torch.uint8
     prompt = list(range(5, 25))
     fast = model.generate(prompt, max_new_tokens=12, stop_on_eos=False)
     model.static_decode = False

@@ -26,6 +26,7 @@ _LAZY = {
     "set_num_threads": "tmac.runtime",
     "get_num_threads": "tmac.runtime",
     "Linear": "tmac.linear",
+    "Embedding": "tmac.embedding",
     "quantize_model": "tmac.swap",
     "save": "tmac.serialize",
     "load": "tmac.serialize",

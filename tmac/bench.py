@@ -137,6 +137,7 @@ def e2e_bench(source, variants, threads_list, notes: list[str], prompt_tokens=64
                            progress=False)
         tensors = {t.data_ptr(): t for t in model.state_dict().values() if isinstance(t, torch.Tensor)}  # tied once
         size = sum(t.numel() * t.element_size() for t in tensors.values())
+        fp16_size = 2 * sum(p.numel() for p in type(model).skeleton(model.config).parameters())  # tied once
         streamed = streamed_bytes(model)
         label = "tmac " + ("file's own" if bits is None else f"W{bits}") + (f", head W{head_bits}" if head_bits else "")
         for threads in measured_threads(threads_list, notes):
@@ -147,7 +148,8 @@ def e2e_bench(source, variants, threads_list, notes: list[str], prompt_tokens=64
             tok_s = s["generated_tokens"] / s["decode_s"]
             gbps = streamed * tok_s / 1e9
             rows.append(Row(path, label, threads, tok_s, {"prefill tok/s": s["prefill_tokens"] / s["prefill_s"],
-                                                         "model MiB": size / 2**20, "GB/s": gbps,
+                                                         "model MiB": size / 2**20, "x fp16": size / fp16_size,
+                                                         "GB/s": gbps,
                                                          "% DRAM": 100 * gbps / dram_read_bandwidth()}))
             if profiles is not None:
                 profiles.append((label, threads, decode_profile(model, prompt[0], prompt_tokens + gen_tokens, notes)))

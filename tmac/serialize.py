@@ -3,7 +3,8 @@
 The file holds every tensor of ``model.state_dict()`` once (tied weights are stored once and recorded as
 aliases) and, in the safetensors metadata, the JSON extra states of ``tmac.Linear`` layers (format and
 kernel spec). ``load`` needs the model to fill — typically the float architecture built on the ``meta``
-device — and turns the ``nn.Linear`` layers the file holds quantized into ``tmac.Linear`` first.
+device — and turns the ``nn.Linear`` / ``nn.Embedding`` layers the file holds quantized into ``tmac.Linear`` /
+``tmac.Embedding`` first.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 
 from .errors import ModelFormatError
+from .embedding import Embedding
 from .linear import Linear
 
 FILE_VERSION = 1
@@ -67,7 +69,7 @@ def load(path: str | os.PathLike, model: nn.Module | None = None, *, strict: boo
         raise TypeError(f"tmac.load fills an nn.Module, got {type(model).__name__}")
     state = read_state(path)
     for key, extra in state.items():
-        if not key.endswith("_extra_state") or not isinstance(extra, dict) or "spec" not in extra:
+        if not key.endswith("_extra_state") or not isinstance(extra, dict):
             continue
         prefix = key[:-len("_extra_state")].rstrip(".")
         parent_name, _, child = prefix.rpartition(".")
@@ -76,11 +78,13 @@ def load(path: str | os.PathLike, model: nn.Module | None = None, *, strict: boo
             current = getattr(parent, child)
         except AttributeError:
             continue  # load_state_dict reports the unexpected key
-        if type(current) is nn.Linear:
-            try:
+        try:
+            if type(current) is nn.Linear and "spec" in extra:
                 setattr(parent, child, Linear._empty(extra, state.get(prefix + ".qweight" if prefix else "qweight")))
-            except (ValueError, TypeError) as e:
-                raise ModelFormatError(f"{path}: layer {prefix}: {e}") from None
+            elif type(current) is nn.Embedding and extra.get("kind") == "embedding":
+                setattr(parent, child, Embedding._empty(extra))
+        except (ValueError, TypeError) as e:
+            raise ModelFormatError(f"{path}: layer {prefix}: {e}") from None
     meta_params = any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers())
     try:
         model.load_state_dict(state, strict=strict, assign=meta_params)

@@ -1,0 +1,81 @@
+"""tmac.Embedding: quantized token tables, dequantized row by row."""
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf.quants import dequantize
+from torch import nn
+
+import tmac
+from conftest import smollm2_path
+from tmac import QuantizedWeight, WeightFormat, import_gguf, quantize_weight
+
+
+@pytest.mark.parametrize("bits, group, symmetric", [(1, 32, False), (2, 64, False), (3, "row", False),
+                                                    (4, 32, True), (8, 32, True), (4, "tensor", True)])
+def test_rows_are_the_dequantized_table(rng, bits, group, symmetric):
+    w = rng.standard_normal((50, 128)).astype(np.float32)
+    qw = quantize_weight(w, bits=bits, group_size=group, symmetric=symmetric)
+    emb = tmac.Embedding(qw)
+    ids = torch.tensor([[3, 0, 49], [7, 7, 12]])
+    want = qw.dequantize()[ids.numpy()]  # float64 evaluation, rounded once
+    got = emb(ids)
+    assert got.dtype == torch.float32 and got.shape == (2, 3, 128)
+    # (q − offset)·s rounds once in float32; subtracting a zero may round a second time: one ulp at most
+    np.testing.assert_allclose(got.numpy(), want, rtol=0 if symmetric else 2.0 ** -23, atol=0 if symmetric else 1e-6)
+    assert torch.equal(emb.row(49), got[0, 2])
+    np.testing.assert_array_equal(emb.quantized_weight().codes, qw.codes)
+    expected_bytes = 50 * 128 * {1: 1, 2: 2, 3: 4, 4: 4, 8: 8}[bits] // 8
+    assert emb.codes.numel() == expected_bytes
+
+
+def test_smollm2_q8_0_table_is_bit_exact():
+    reader = gguf.GGUFReader(smollm2_path())
+    (t,) = [t for t in reader.tensors if t.name == "token_embd.weight"]
+    assert t.tensor_type.name == "Q8_0"
+    shape = tuple(int(d) for d in reversed(t.shape))
+    emb = tmac.Embedding(import_gguf(t.data, "Q8_0", shape))
+    ids = torch.tensor([0, 1, 2, 1000, 49151])
+    want = dequantize(t.data, t.tensor_type).reshape(shape)[ids.numpy()]
+    assert np.array_equal(emb(ids).numpy().view(np.uint32), want.astype(np.float32).view(np.uint32))
+    assert emb.codes.numel() + emb.scales.numel() * 2 == shape[0] * shape[1] * 34 // 32  # Q8_0's own size
+
+
+def test_bad_ids_raise(rng):
+    emb = tmac.Embedding(quantize_weight(rng.standard_normal((10, 32)).astype(np.float32), bits=4, group_size=32))
+    with pytest.raises(IndexError, match=r"\[0, 10\)"):
+        emb(torch.tensor([3, 10]))
+    with pytest.raises(IndexError, match=r"\[0, 10\)"):
+        emb(torch.tensor([-1]))
+    with pytest.raises(TypeError, match="integer"):
+        emb(torch.tensor([1.0]))
+    with pytest.raises(ValueError, match="whole bytes"):
+        tmac.Embedding(QuantizedWeight(np.zeros((2, 4), np.uint8), np.ones((2, 1), np.float32), None,
+                       WeightFormat("w1row", 1, "row", has_zeros=False)))
+
+
+class _Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tok = nn.Embedding(40, 64)
+
+
+def test_save_and_load(rng, tmp_path):
+    qw = quantize_weight(rng.standard_normal((40, 64)).astype(np.float32), bits=3, group_size=32)
+    model = _Tiny()
+    model.tok = tmac.Embedding(qw)
+    tmac.save(model, tmp_path / "m.tmac")
+    with torch.device("meta"):
+        empty = _Tiny()
+    loaded = tmac.load(tmp_path / "m.tmac", empty)
+    assert isinstance(loaded.tok, tmac.Embedding) and loaded.tok.format == qw.format
+    ids = torch.arange(40)
+    assert torch.equal(loaded.tok(ids), model.tok(ids))
+    # a file whose codes break the format's range is refused, not used
+    state = model.state_dict()
+    state["tok.codes"] = torch.full_like(state["tok.codes"], 0xFF)  # 3-bit codes in nibbles: 15 > 7
+    with torch.device("meta"):
+        empty = _Tiny()
+    empty.tok = tmac.Embedding._empty(state["tok._extra_state"])
+    with pytest.raises(RuntimeError, match="codes of format"):
+        empty.load_state_dict(state, assign=True)

@@ -1,0 +1,163 @@
+"""``tmac.Embedding``: a drop-in, inference-only ``nn.Embedding`` whose table stays quantized.
+
+A token table is read one row per token, so it needs no kernel: the rows asked for are dequantized on lookup
+(``s·(q − offset) − z``, float32 out). Stored as a ``QuantizedWeight``'s codes, bit-packed row-major (``SLOT``
+bits per code: 3-bit codes take a nibble), and its scales/zeros in the format's dtypes — SmolLM2's Q8_0 table
+is 30 MB this way instead of 113 MB of float32, and its rows are bit-exact ``gguf.quants.dequantize`` rows.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from .formats import PER_TENSOR, WeightFormat
+from .qweight import QuantizedWeight
+
+STATE_VERSION = 1
+SLOT = {1: 1, 2: 2, 3: 4, 4: 4, 8: 8}  # bits → storage bits per code
+_DTYPES = {"float16": torch.float16, "float32": torch.float32}
+
+
+class Embedding(nn.Module):
+    def __init__(self, qw: QuantizedWeight):
+        super().__init__()
+        if not isinstance(qw, QuantizedWeight):
+            raise TypeError(f"tmac.Embedding takes a QuantizedWeight, got {type(qw).__name__}")
+        if qw.shape[1] * SLOT[qw.format.bits] % 8:
+            raise ValueError(f"embedding_dim {qw.shape[1]} does not fill whole bytes at {qw.format.bits} bits")
+        self._set(qw.format, qw.shape, _pack_codes(qw.codes, qw.format.bits),
+                  torch.from_numpy(qw.scales.astype(qw.format.scale_dtype)),
+                  None if qw.zeros is None else torch.from_numpy(qw.zeros.astype(qw.format.zero_dtype)))
+
+    def _set(self, fmt: WeightFormat, shape: tuple[int, int], codes, scales, zeros) -> None:
+        self.format = fmt
+        self.num_embeddings, self.embedding_dim = shape
+        self.register_buffer("codes", codes)
+        self.register_buffer("scales", scales)
+        self.register_buffer("zeros", zeros)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32, torch.int16,
+                                                                  torch.uint8):
+            raise TypeError(f"token ids must be an integer torch.Tensor, got "
+                            f"{getattr(ids, 'dtype', type(ids).__name__)}")
+        flat = ids.reshape(-1).long()
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
+            raise IndexError(f"token ids must lie in [0, {self.num_embeddings}), got "
+                             f"[{int(flat.min())}, {int(flat.max())}]")
+        return self._rows(flat).reshape(*ids.shape, self.embedding_dim)
+
+    def row(self, token: int) -> torch.Tensor:
+        """Row ``token`` as float32 ``[embedding_dim]`` (the caller checks the range, as for a tensor index)."""
+        return self._rows(torch.tensor([token]))[0]
+
+    def _rows(self, rows: torch.Tensor) -> torch.Tensor:
+        fmt, d = self.format, self.embedding_dim
+        slot = SLOT[fmt.bits]
+        packed = self.codes[rows]  # [n, d·slot/8]
+        shifts = torch.arange(0, 8, slot, dtype=torch.uint8)
+        q = ((packed.unsqueeze(-1) >> shifts) & ((1 << slot) - 1)).reshape(len(rows), d).float() - fmt.offset
+        per_tensor = fmt.group_size == PER_TENSOR
+        groups = 1 if per_tensor else self.scales.shape[1]
+
+        def expand(p):
+            p = p.float() if per_tensor else p[rows].float()
+            return p.reshape(-1, groups, 1)
+
+        w = q.reshape(len(rows), groups, d // groups) * expand(self.scales)
+        if self.zeros is not None:
+            w = w - expand(self.zeros)
+        return w.reshape(len(rows), d)
+
+    def quantized_weight(self) -> QuantizedWeight:
+        d, slot = self.embedding_dim, SLOT[self.format.bits]
+        shifts = np.arange(0, 8, slot, dtype=np.uint8)
+        codes = ((self.codes.numpy()[..., None] >> shifts) & ((1 << slot) - 1)).reshape(-1, d).astype(np.uint8)
+        return QuantizedWeight(codes, self.scales.float().numpy(),
+                               None if self.zeros is None else self.zeros.float().numpy(), self.format)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized float32 table (materialized on each access: for inspection, not for lookups)."""
+        return torch.from_numpy(self.quantized_weight().dequantize())
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, format={self.format.name}"
+
+    # ---- state dict ------------------------------------------------------------------------------------------
+    def get_extra_state(self) -> dict:
+        return {"version": STATE_VERSION, "kind": "embedding", "format": self.format.to_dict(),
+                "num_embeddings": self.num_embeddings, "embedding_dim": self.embedding_dim}
+
+    def set_extra_state(self, state) -> None:  # handled in _load_from_state_dict, with the tensors
+        pass
+
+    @classmethod
+    def _empty(cls, extra: dict) -> "Embedding":
+        """A module shaped by a saved extra state, to be filled by ``load_state_dict``."""
+        fmt, v, d = _parse_extra(extra)
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        shapes = _shapes(fmt, v, d)
+        self._set(fmt, (v, d), torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=_DTYPES[fmt.scale_dtype]),
+                  torch.empty(0, dtype=_DTYPES[fmt.zero_dtype]) if "zeros" in shapes else None)
+        return self
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        names = ("codes", "scales", "zeros", "_extra_state")
+        for key in state_dict:
+            rest = key[len(prefix):]
+            if key.startswith(prefix) and rest not in names and "." not in rest:
+                unexpected_keys.append(key)
+        try:
+            fmt, v, d = _parse_extra(state_dict.get(prefix + "_extra_state"))
+            if fmt != self.format or (v, d) != (self.num_embeddings, self.embedding_dim):
+                raise ValueError(f"checkpoint holds a {fmt.name} table [{v}, {d}], this layer is "
+                                 f"{self.format.name} [{self.num_embeddings}, {self.embedding_dim}]")
+            tensors = {}
+            for name, (shape, dtype) in _shapes(fmt, v, d).items():
+                t = state_dict.get(prefix + name)
+                if t is None:
+                    missing_keys.append(prefix + name)
+                    return
+                if t.dtype != dtype or tuple(t.shape) != shape:
+                    raise ValueError(f"{name} must be {dtype} of shape {shape}, got {t.dtype} {tuple(t.shape)}")
+                tensors[name] = t.detach().cpu().contiguous()
+            self._set(fmt, (v, d), tensors["codes"], tensors["scales"], tensors.get("zeros"))
+            self.quantized_weight()  # validates codes against the format's range, like any QuantizedWeight
+        except (ValueError, TypeError) as e:
+            error_msgs.append(f"{prefix or 'tmac.Embedding '}: {e}")
+
+
+def _pack_codes(codes: np.ndarray, bits: int) -> torch.Tensor:
+    slot = SLOT[bits]
+    per = 8 // slot
+    c = codes.reshape(codes.shape[0], -1, per).astype(np.uint8)
+    out = np.zeros(c.shape[:2], dtype=np.uint8)
+    for j in range(per):
+        out |= c[..., j] << np.uint8(j * slot)
+    return torch.from_numpy(out)
+
+
+def _shapes(fmt: WeightFormat, v: int, d: int) -> dict:
+    s_shape = fmt.scale_shape(v, d)
+    shapes = {"codes": ((v, d * SLOT[fmt.bits] // 8), torch.uint8), "scales": (s_shape, _DTYPES[fmt.scale_dtype])}
+    if fmt.has_zeros:
+        shapes["zeros"] = (s_shape, _DTYPES[fmt.zero_dtype])
+    return shapes
+
+
+def _parse_extra(extra) -> tuple[WeightFormat, int, int]:
+    if not isinstance(extra, dict) or extra.get("version") != STATE_VERSION or extra.get("kind") != "embedding":
+        raise ValueError(f"not a tmac.Embedding state (version {STATE_VERSION}): {extra!r:.200}")
+    v, d = extra.get("num_embeddings"), extra.get("embedding_dim")
+    if type(v) is not int or type(d) is not int or v < 1 or d < 1:
+        raise ValueError(f"malformed tmac.Embedding state: num_embeddings={v!r:.50}, embedding_dim={d!r:.50}")
+    fmt = WeightFormat.from_dict(extra.get("format"))
+    fmt.groups_per_row(d)  # raises when the group size does not divide the row
+    if d * SLOT[fmt.bits] % 8:
+        raise ValueError(f"embedding_dim {d} does not fill whole bytes at {fmt.bits} bits")
+    return fmt, v, d
