@@ -15,7 +15,7 @@ tiles are unrolled here); nothing is left for a schedule.
 
 from __future__ import annotations
 
-from tmac.packing import KernelSpec
+from tmac.packing import KernelSpec, packed_shapes
 
 from .tir import arg, prim_func
 
@@ -24,42 +24,55 @@ def build_tables_func(spec: KernelSpec):
     from tvm import tirx
     from tvm.script.ir_builder import tirx as T
 
-    k, lg, wg = spec.k, spec.lut_group, spec.group_size
+    k, kp, lg, wg = spec.k, spec.k_padded, spec.lut_group, spec.group_size
+    per = 3 if spec.triples else 4  # activations per table
     f32 = "float32"
+    zero, half = tirx.FloatImm(f32, 0.0), tirx.FloatImm(f32, 0.5)
     with prim_func("build_tables") as ib:
         n, np_ = T.int32(), T.int32()
+        lut_shape, ls_shape, xs_shape = spec.table_shapes(np_)
         X = arg("x", (n, k))
-        LUT = arg("lut", (np_, k // 4, 16), "int8")
-        LS = arg("ls", (np_, k // lg))
-        XS = arg("xs", (np_, k // wg))
+        LUT = arg("lut", lut_shape, "int8")
+        LS = arg("ls", ls_shape)
+        XS = arg("xs", xs_shape)
         # scratch buffers are "global" scope: TVM puts small global-scope buffers on the stack (registers, once
         # LLVM promotes them), but services "local" ones with a workspace allocation per use
-        tab = T.alloc_buffer((lg * 4,), f32, scope="global")  # the lg/4 float tables of one lut group
+        tab = T.alloc_buffer((lg // per * 16,), f32, scope="global")  # the float tables of one lut group
         amax = T.alloc_buffer((1,), f32, scope="global")
         lanes = T.alloc_buffer((16,), f32, scope="global")
+
+        def x_at(row, i):  # triples pad K with zero activations; the load itself stays in bounds
+            return X[row, i] if kp == k else tirx.if_then_else(i < k, X[row, i], zero)
+
+        def entry(xs, p):  # table entry p (a vector lane) of the activations xs, in the reference's fp32 order
+            if spec.triples:
+                c = [tirx.Cast(f32, tirx.floormod(tirx.floordiv(p, 3 ** (2 - j)), 3) - 1) for j in range(3)]
+                return tirx.Select(p < 14, (c[0] * xs[0] + c[1] * xs[1]) + c[2] * xs[2], zero)
+            signed = [tirx.Select((p >> j) & 1 == 1, xs[j], -xs[j]) for j in range(4)]
+            return half * ((signed[0] + signed[1]) + (signed[2] + signed[3]))
+
+        def largest(xa):  # |entry| of the all-signs-agree entry, the largest of a table
+            return (xa[0] + xa[1]) + xa[2] if spec.triples else half * ((xa[0] + xa[1]) + (xa[2] + xa[3]))
+
         # the Python wrappers check this too; a raw call must still not write past the tables
         with T.Assert(n <= np_, "build_tables: the table buffers have fewer rows than the activations",
                       "ValueError"):
             with T.serial(0, n) as row:
-                with T.serial(0, k // lg) as g:
-                    with T.serial(0, lg // 4) as t:
-                        xs = [X[row, g * lg + t * 4 + j] for j in range(4)]
+                with T.serial(0, kp // lg) as g:
+                    with T.serial(0, lg // per) as t:
+                        xs = [x_at(row, g * lg + t * per + j) for j in range(per)]
                         with T.vectorized(0, 16) as p:
-                            signed = [tirx.Select((p >> j) & 1 == 1, xs[j], -xs[j]) for j in range(4)]
-                            T.buffer_store(tab, tirx.FloatImm(f32, 0.5) * ((signed[0] + signed[1])
-                                                                          + (signed[2] + signed[3])), [t * 16 + p])
-                    # the largest |entry| of a table is its all-signs-agree entry (rounded addition is
-                    # monotonic, so this holds in fp32 too): one candidate per table, not 16
-                    T.buffer_store(amax, tirx.FloatImm(f32, 0.0), [0])
-                    with T.serial(0, lg // 4) as t:
-                        xa = [tirx.abs(X[row, g * lg + t * 4 + j]) for j in range(4)]
-                        T.buffer_store(amax, tirx.max(amax[0], tirx.FloatImm(f32, 0.5) * ((xa[0] + xa[1])
-                                                                                         + (xa[2] + xa[3]))), [0])
-                    inv = tirx.Select(amax[0] > tirx.FloatImm(f32, 0.0),
-                                      tirx.FloatImm(f32, 127.0) / amax[0], tirx.FloatImm(f32, 0.0))
-                    with T.vectorized(0, lg * 4) as i:
+                            T.buffer_store(tab, entry(xs, p), [t * 16 + p])
+                    # one candidate per table, not 16: rounded addition is monotonic, so the all-signs-agree
+                    # entry is the largest in fp32 too
+                    T.buffer_store(amax, zero, [0])
+                    with T.serial(0, lg // per) as t:
+                        xa = [tirx.abs(x_at(row, g * lg + t * per + j)) for j in range(per)]
+                        T.buffer_store(amax, tirx.max(amax[0], largest(xa)), [0])
+                    inv = tirx.Select(amax[0] > zero, tirx.FloatImm(f32, 127.0) / amax[0], zero)
+                    with T.vectorized(0, lg // per * 16) as i:
                         T.buffer_store(LUT, tirx.Cast("int8", tirx.nearbyint(tab[i] * inv)),
-                                       [row, g * (lg // 4) + i // 16, i % 16])
+                                       [row, g * (lg // per) + i // 16, i % 16])
                     T.buffer_store(LS, amax[0] / tirx.FloatImm(f32, 127.0), [row, g])
                 with T.serial(0, k // wg) as g:  # activation sums: 16 running lanes, then their total
                     with T.vectorized(0, 16) as p:
@@ -78,9 +91,8 @@ def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str):
     from tvm.script.ir_builder import tirx as T
 
     k, lg, wg, bm, vl = spec.k, spec.lut_group, spec.group_size, spec.block_rows, isa.vector_bytes
-    bits, u = spec.bits, spec.unroll
+    u, steps = spec.unroll, spec.steps_per_lut_group
     f32 = "float32"
-    pairs_per_group = lg // 8
     lut_groups_per_wg = wg // lg
     # (first plane, planes, vectors in the block, byte offset of the chunk, rows per vector)
     chunks = [(o, p, bm * p // vl, bm * o, vl // p) for o, p in spec.chunks]
@@ -88,17 +100,27 @@ def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str):
     def vec(start, lanes):
         return tirx.Ramp(start, 1, lanes)
 
+    def nibbles(w):  # the two table indices in each byte
+        return [tirx.reinterpret(f"int8x{vl}", w & tirx.Broadcast(tirx.IntImm("uint8", 15), vl)),
+                tirx.reinterpret(f"int8x{vl}", w >> tirx.Broadcast(tirx.IntImm("uint8", 4), vl))]
+
+    def negated_where(looked, flags, bit):  # −looked in the lanes whose flag bit is set (vptestmb + masked sub)
+        hit = (flags & tirx.Broadcast(tirx.IntImm("uint8", 1 << bit), vl)) != tirx.Broadcast(tirx.IntImm("uint8", 0), vl)
+        return tirx.Select(hit, tirx.Broadcast(tirx.IntImm("int8", 0), vl) - looked, looked)
+
     def param(buf, *index):  # float16 parameters widen in registers (vcvtph2ps, fcvtl)
         return buf[index] if buf.dtype == f32 else tirx.Cast(f32, buf[index])
 
     with prim_func(name) as ib:
         mb, np_, n, m = T.int32(), T.int32(), T.int32(), T.int32()
-        W = arg("w", (mb, k // 8, bm * bits), "uint8")
-        S = arg("s", (mb, k // wg, bm), spec.scale_dtype)
-        Z = arg("z", (mb, k // wg, bm), spec.zero_dtype) if spec.has_zeros else None
-        LUT = arg("lut", (np_, k // 4, 16), "int8")
-        LS = arg("ls", (np_, k // lg))
-        XS = arg("xs", (np_, k // wg))
+        w_shape, s_shape = packed_shapes(spec, 1)
+        W = arg("w", (mb, *w_shape[1:]), "uint8")
+        S = arg("s", (mb, *s_shape[1:]), spec.scale_dtype)
+        Z = arg("z", (mb, *s_shape[1:]), spec.zero_dtype) if spec.has_zeros else None
+        lut_shape, ls_shape, xs_shape = spec.table_shapes(np_)
+        LUT = arg("lut", lut_shape, "int8")
+        LS = arg("ls", ls_shape)
+        XS = arg("xs", xs_shape)
         Y = arg("y", (n, m))
         with T.Assert(tirx.all(n <= np_, np_ % n_tile == 0),
                       f"{name}: the tables must cover every output row in whole tiles of {n_tile}", "ValueError"):
@@ -109,26 +131,30 @@ def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str):
                 with T.serial(0, np_ // n_tile) as nt:
                     with T.vectorized(0, n_tile * bm) as i:
                         T.buffer_store(out, tirx.FloatImm(f32, 0.0), [i])
-                    with T.serial(0, k // lg) as g:
+                    with T.serial(0, spec.k_padded // lg) as g:
                         for (_, p, nv, _, _), acc in zip(chunks, accs):
                             for a in range(nv * n_tile):
                                 T.buffer_store(acc, tirx.Broadcast(tirx.IntImm(isa.acc_dtype(p).split("x")[0], 0),
                                                                    vl // p), [a])
-                        with T.serial(0, pairs_per_group // u) as kpo:
+                        with T.serial(0, steps // u) as kpo:
                             with T.unroll(0, u) as kpi:
-                                kp = g * pairs_per_group + kpo * u + kpi
-                                tables = [(LUT[nt * n_tile + r, kp * 2, vec(0, 16)],
-                                           LUT[nt * n_tile + r, kp * 2 + 1, vec(0, 16)]) for r in range(n_tile)]
-                                for (_, p, nv, off, _), acc in zip(chunks, accs):
-                                    for v in range(nv):
-                                        w = W[blk, kp, vec(off + v * vl, vl)]
-                                        lo = tirx.reinterpret(f"int8x{vl}", w & tirx.Broadcast(tirx.IntImm("uint8", 15), vl))
-                                        hi = tirx.reinterpret(f"int8x{vl}", w >> tirx.Broadcast(tirx.IntImm("uint8", 4), vl))
-                                        for r, (t_lo, t_hi) in enumerate(tables):
-                                            a = v * n_tile + r
-                                            looked = [isa.lookup(t_lo, lo), isa.lookup(t_hi, hi)]
-                                            T.buffer_store(acc, isa.accumulate(acc[a], looked, p), [a])
-                        wgi = g // lut_groups_per_wg
+                                step = g * steps + kpo * u + kpi
+                                # table pair kp of the step, and where its weight bytes start in W[blk, step]
+                                pairs = [(step * 4 + j, j * bm) for j in range(4)] if spec.triples else [(step, 0)]
+                                for j, (kp, base) in enumerate(pairs):
+                                    tables = [(LUT[nt * n_tile + r, kp * 2, vec(0, 16)],
+                                               LUT[nt * n_tile + r, kp * 2 + 1, vec(0, 16)]) for r in range(n_tile)]
+                                    for (_, p, nv, off, _), acc in zip(chunks, accs):
+                                        for v in range(nv):
+                                            idx = nibbles(W[blk, step, vec(base + off + v * vl, vl)])
+                                            flags = W[blk, step, vec(4 * bm + v * vl, vl)] if spec.triples else None
+                                            for r, t_pair in enumerate(tables):
+                                                looked = [isa.lookup(t, i) for t, i in zip(t_pair, idx)]
+                                                if flags is not None:
+                                                    looked = [negated_where(x, flags, 2 * j + h) for h, x in enumerate(looked)]
+                                                a = v * n_tile + r
+                                                T.buffer_store(acc, isa.accumulate(acc[a], looked, p), [a])
+                        wgi = 0 if spec.triples else g // lut_groups_per_wg
                         for r in range(n_tile):
                             row = nt * n_tile + r
                             for ci, ((o, p, nv, _, per_vec), acc) in enumerate(zip(chunks, accs)):
@@ -142,6 +168,8 @@ def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str):
                             with T.vectorized(0, bm) as i:
                                 T.buffer_store(out, out[r * bm + i] + tirx.Cast(f32, racc[i]) * (LS[row, g] * param(S, blk, wgi, i)),
                                                [r * bm + i])
+                            if spec.triples:  # ternary triples are symmetric: no Σx term
+                                continue
                             with T.If(g % lut_groups_per_wg == lut_groups_per_wg - 1):
                                 with T.Then():
                                     with T.vectorized(0, bm) as i:

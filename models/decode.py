@@ -21,7 +21,7 @@ from tmac.embedding import Embedding
 from tmac.glue import GlueSpec
 from tmac.kernels import isa_by_name
 from tmac.linear import Linear
-from tmac.lut_ops import check_packed, kernels_for
+from tmac.lut_ops import check_packed, kernels_for, table_buffers
 
 from .bitnet import ActivationQuantized, BitNetTransformer, relu2
 from .llama import RMSNorm
@@ -51,10 +51,9 @@ def _projection(module: nn.Module, x: torch.Tensor, out: torch.Tensor, tables: d
             if part.bias is not None:
                 raise _Unsupported("a LUT projection with a bias")
             kernels = kernels_for(spec, part.kernel_dir)
-            key = (spec.k, spec.lut_group, spec.group_size)
+            key = spec.table_shapes(1)
             if key not in tables:
-                tables[key] = [torch.empty((1, spec.k // 4, 16), dtype=torch.int8),
-                               torch.empty((1, spec.k // spec.lut_group)), torch.empty((1, spec.k // spec.group_size))]
+                tables[key] = table_buffers(spec, 1)
             lut = [_handle(t) for t in tables[key]]
             params = [_handle(t) for t in (part.qweight, part.scales, part.zeros) if t is not None]
             calls += [(kernels.build_tables, [_handle(x), *lut]), (kernels.lut_gemv, [*params, *lut, _handle(dest)])]

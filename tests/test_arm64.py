@@ -51,16 +51,22 @@ def _write(d, name, a):
 
 @pytest.mark.parametrize("isa", ["neon_dotprod", "neon"])
 @pytest.mark.parametrize("bits, zeros, params", [(1, True, "float16"), (2, True, "float16"), (3, False, "float16"),
-                                                 (4, True, "float32"), (4, False, "float16")])
+                                                 (4, True, "float32"), (4, False, "float16"),
+                                                 ("ternary triples", False, "float32")])
 def test_arm64_kernels_under_qemu(harness, tmp_path, rng, isa, bits, zeros, params):
     from tmac.codegen.build import build_library
 
-    m, k, n = 72, 256, 3
-    qw = quantize_weight(rng.standard_normal((m, k)).astype(np.float32), bits=bits, group_size=64,
-                         symmetric=not zeros)
-    fmt = dataclasses.replace(qw.format, scale_dtype=params, zero_dtype=params)
-    qw = QuantizedWeight(qw.codes, qw.scales, qw.zeros, fmt)
+    triples = bits == "ternary triples"
+    m, k, n = 72, 576 if triples else 256, 3
+    w = rng.standard_normal((m, k)).astype(np.float32)
+    if triples:
+        qw = quantize_weight(w, ternary=True, group_size="row")
+    else:
+        qw = quantize_weight(w, bits=bits, group_size=64, symmetric=not zeros)
+        fmt = dataclasses.replace(qw.format, scale_dtype=params, zero_dtype=params)
+        qw = QuantizedWeight(qw.codes, qw.scales, qw.zeros, fmt)
     spec = spec_for(qw, ISAS[isa], n_tile=2)
+    assert spec.triples == triples
     lib = str(tmp_path / "kern.so")
     build_library(spec, ISAS[isa], lib)
     pw = pack(qw, spec)
@@ -68,8 +74,9 @@ def test_arm64_kernels_under_qemu(harness, tmp_path, rng, isa, bits, zeros, para
     rows = spec.padded_rows(n)
     d = str(tmp_path)
     x_line = _write(d, "x", np.vstack([x, np.zeros((rows - n, k), np.float32)]))
-    tables = [f"lut int8 3 {rows} {k // 4} 16", f"ls float32 2 {rows} {k // spec.lut_group}",
-              f"xs float32 2 {rows} {k // spec.group_size}"]
+    shapes = spec.table_shapes(rows)
+    tables = [f"{name} {dt} {len(shape)} {' '.join(map(str, shape))}"
+              for name, dt, shape in zip(("lut", "ls", "xs"), ("int8", "float32", "float32"), shapes)]
     weights = [_write(d, "w", pw.weights), _write(d, "s", pw.scales)] + ([_write(d, "z", pw.zeros)] if zeros else [])
     calls = ["build_tables 4", x_line, *tables,
              f"lut_gemm {len(weights) + 4}", *weights, *tables, f"y float32 2 {n} {m}",
@@ -78,10 +85,14 @@ def test_arm64_kernels_under_qemu(harness, tmp_path, rng, isa, bits, zeros, para
     r = subprocess.run(["qemu-aarch64", "-L", "/usr/aarch64-linux-gnu", harness, lib, d], capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    lut = np.fromfile(os.path.join(d, "lut.out"), np.int8).reshape(rows, k // 4, 16)
-    qt, _ = ref.quantize_tables(ref.build_tables(x), spec.lut_group)
+    lut = np.fromfile(os.path.join(d, "lut.out"), np.int8).reshape(shapes[0])
+    if triples:
+        qt, _ = ref.quantize_tables(ref.build_triple_tables(x, spec.k_padded), spec.lut_group, per_table=3)
+        expected = ref.lut_matmul_triples(x, qw)
+    else:
+        qt, _ = ref.quantize_tables(ref.build_tables(x), spec.lut_group)
+        expected = ref.lut_matmul(x, qw)
     np.testing.assert_array_equal(lut[:n], qt)
-    expected = ref.lut_matmul(x, qw)
     y = np.fromfile(os.path.join(d, "y.out"), np.float32).reshape(n, m)
     y1 = np.fromfile(os.path.join(d, "y1.out"), np.float32).reshape(1, m)
     assert rel_l2(y, expected) <= 1e-5

@@ -9,7 +9,7 @@ from tmac import reference as ref
 from tmac.kernels import ISAS
 from tmac.cpu import machine_arch
 from tmac.lut_ops import LutWeight
-from tmac.packing import pack, spec_for
+from tmac.packing import pack, spec_for, unpack
 
 RUNNABLE = runnable_isas()
 FAST = [i for i in RUNNABLE if not i.startswith("generic")]
@@ -93,6 +93,44 @@ def test_tables_are_bit_exact(rng, isa):
     qt, rls = ref.quantize_tables(ref.build_tables(x), lw.spec.lut_group)
     np.testing.assert_array_equal(lut.numpy()[:1], qt)
     np.testing.assert_array_equal(ls.numpy()[:1], rls)
+
+
+@pytest.mark.parametrize("isa", RUNNABLE)
+@pytest.mark.parametrize("m, k, group", [(200, 576, "row"), (72, 3200, "tensor"), (40, 320, "row")])
+def test_triples_match_reference(rng, isa, m, k, group):
+    """Ternary weights three to an index + sign: K = 3200 and 320 are padded to whole lut groups (3264, 384)."""
+    qw = quantize_weight(rng.standard_normal((m, k)).astype(np.float32), ternary=True, group_size=group)
+    assert spec_for(qw, ISAS[isa]).triples == (k != 320)  # the default for per-row/per-tensor ternary weights
+    lw = LutWeight.from_quantized(qw, isa=isa, n_tile=2, triples=True)
+    assert lw.spec.triples and lw.weights.shape[1:] == (ref.padded_k(k) // 24, 5 * lw.spec.block_rows)
+    for n in (1, 3):
+        x = rng.standard_normal((n, k)).astype(np.float32)
+        assert rel_l2(lw.matmul(torch.from_numpy(x)).numpy(), ref.lut_matmul_triples(x, qw)) <= 1e-5
+    np.testing.assert_array_equal(unpack(pack(qw, lw.spec), qw.format).codes, qw.codes)
+
+
+@pytest.mark.parametrize("isa", RUNNABLE)
+def test_triples_integer_part_and_tables_are_bit_exact(rng, isa):
+    """Scale 1 and a table scale of 1 (each lut group's largest |x0|+|x1|+|x2| is 127): y = Σ_g R_g exactly."""
+    from tmac.lut_ops import _workspace
+
+    m, k = 96, 320  # padded to 384: two lut groups, the second one part padding
+    codes = rng.integers(1, 4, (m, k)).astype(np.uint8)
+    qw = QuantizedWeight(codes, np.ones((m, 1), np.float32), None, WeightFormat.ternary_format("row"))
+    x = rng.integers(-40, 41, (3, k)).astype(np.float32) / 2  # any triple sums to at most 60 in magnitude
+    for g in range(2):
+        x[:, g * 192:g * 192 + 3] = [100.0, -20.0, 7.0]
+    kp = ref.padded_k(k)
+    qt, ls = ref.quantize_tables(ref.build_triple_tables(x, kp), ref.TRIPLE_LUT_GROUP, per_table=3)
+    assert (ls == 1).all()
+    r = ref.lut_accumulate_triples(qt, *ref.triple_indices(codes, kp), ref.TRIPLE_LUT_GROUP).sum(axis=2)
+    assert not spec_for(qw, ISAS[isa]).triples  # by default: padding 320 to 384 would cost what triples save
+    lw = LutWeight.from_quantized(qw, isa=isa, triples=True)
+    np.testing.assert_array_equal(lw.matmul(torch.from_numpy(x)).numpy(), r.astype(np.float32))
+    np.testing.assert_array_equal(lw.matmul(torch.from_numpy(x[1:2])).numpy()[0], r[1].astype(np.float32))
+    lut, ls_out, _ = _workspace(lw.spec, 1)
+    np.testing.assert_array_equal(lut.numpy()[0], qt[1])
+    np.testing.assert_array_equal(ls_out.numpy()[0], ls[1])
 
 
 @pytest.mark.parametrize("bits", [1, 2, 3, 4])

@@ -63,3 +63,29 @@ def test_table_quantization_uses_full_int8_range(rng):
     assert (ls > 0).all()
     qz, lz = ref.quantize_tables(ref.build_tables(np.zeros((1, 64), np.float32)), 32)
     assert not qz.any() and not lz.any()
+
+
+@pytest.mark.parametrize("k", [4096, 3200, 576])
+def test_triple_lut_matmul_close_to_fp64(rng, k):
+    x = rng.standard_normal((2, k)).astype(np.float32)
+    qw = quantize_weight(rng.standard_normal((64, k)).astype(np.float32), ternary=True, group_size="row")
+    exact = x.astype(np.float64) @ qw.dequantize().astype(np.float64).T
+    assert rel_l2(ref.lut_matmul_triples(x, qw), exact) <= 0.015
+
+
+def test_triple_indices_and_tables_from_scratch(rng):
+    """Each triple of ternary weights is (index, negation) with ±T[index] = Σ τ·x, checked for all 27 patterns."""
+    tau = np.array([[a, b, c] for a in (-1, 0, 1) for b in (-1, 0, 1) for c in (-1, 0, 1)])  # [27, 3]
+    codes = (tau.reshape(1, -1) + 2).astype(np.uint8)  # one row, 81 weights
+    k = codes.shape[1]
+    kp = ref.padded_k(k)
+    x = rng.standard_normal((1, k)).astype(np.float32)
+    idx, neg = ref.triple_indices(codes, kp)
+    tables = ref.build_triple_tables(x, kp)
+    assert kp == 192 and idx.shape == (1, 64) and idx.max() <= 13
+    for t in range(27):
+        direct = float(np.dot(tau[t], x[0, 3 * t:3 * t + 3].astype(np.float64)))
+        got = (-1 if neg[0, t] else 1) * float(tables[0, t, idx[0, t]])
+        assert abs(got - direct) < 1e-5
+    assert not neg[0, 27:].any() and (idx[0, 27:] == 13).all()  # padding: τ = 0, entry 13 = 0
+    assert not tables[0, :, 14:].any() and not tables[0, 27:].any()

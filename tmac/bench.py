@@ -257,11 +257,16 @@ def table(rows: list[Row], unit: str, baseline: str) -> str:
         ratio = (b / r.value if unit == "ms" else r.value / b) if b else float("nan")
         lines.append([r.what if len(r.what) < 40 else "…" + r.what[-39:], r.candidate, str(r.threads),
                       f"{r.value:.3f}" if unit == "ms" else f"{r.value:.1f}", f"{ratio:.2f}x",
-                      *(f"{r.extra[k]:.1f}" if k in r.extra else "" for k in keys)])
+                      *(_figure(r.extra[k]) if k in r.extra else "" for k in keys)])
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     out = ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines]
     out.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(out)
+
+
+def _figure(v: float) -> str:
+    """One decimal, or three significant digits below 10 (a size ratio of 0.297 must not print as 0.3)."""
+    return f"{v:.1f}" if abs(v) >= 10 else f"{v:.3g}"
 
 
 def plot(rows: list[Row], path: str, ylabel: str) -> None:

@@ -97,14 +97,17 @@ def _workspace(spec: KernelSpec, rows: int):
     cache = getattr(_workspaces, "buffers", None)
     if cache is None:
         cache = _workspaces.buffers = {}
-    key = (spec.k, spec.lut_group, spec.group_size, rows)
-    bufs = cache.get(key)
+    shapes = spec.table_shapes(rows)
+    bufs = cache.get(shapes)
     if bufs is None:
-        bufs = (torch.empty((rows, spec.k // 4, 16), dtype=torch.int8),
-                torch.empty((rows, spec.k // spec.lut_group), dtype=torch.float32),
-                torch.empty((rows, spec.k // spec.group_size), dtype=torch.float32))
-        cache[key] = bufs
+        bufs = cache[shapes] = table_buffers(spec, rows)
     return bufs
+
+
+def table_buffers(spec: KernelSpec, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Empty LUT (int8), LS and XS (float32) for ``rows`` activation rows of ``spec``'s kernels."""
+    return tuple(torch.empty(shape, dtype=torch.int8 if i == 0 else torch.float32)
+                 for i, shape in enumerate(spec.table_shapes(rows)))
 
 
 class LutWeight:

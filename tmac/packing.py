@@ -18,6 +18,17 @@ nibble = the plane bit of activation j of the run). Padded rows are code 0.
 
 Tables are ``LUT [N', K/4, 16]`` int8, their scales ``LS [N', K/LG]`` and activation sums ``XS [N', K/WG]``
 float32, with N' = N rounded up to the kernel's row tile.
+
+*Triples* (``triples=True``; ternary weights with one scale per row, see ``tmac.reference``): K is padded to
+Kp (whole lut groups), and a *step* is 24 activations = 8 triples = 4 table pairs:
+
+    W [MB, Kp/24, 5·BM]  uint8
+
+Bytes ``[j·BM, (j+1)·BM)`` of a ``[blk, step]`` row hold table pair j (j < 4): byte r is row r of the block, its
+low nibble the index of triple ``8·step + 2j``, its high nibble of triple ``8·step + 2j + 1``. Bytes
+``[4·BM, 5·BM)`` hold the negation flags: bit ``2j + h`` of byte ``4·BM + r`` negates row r's lookup of triple
+``8·step + 2j + h``. Padded rows and activations are weight 0. ``S [MB, 1, BM]``; tables ``LUT [N', Kp/3, 16]``,
+``LS [N', Kp/LG]``, ``XS [N', 1]`` (unused by the GEMM: ternary codes need no Σx term).
 """
 
 from __future__ import annotations
@@ -29,7 +40,7 @@ import numpy as np
 
 from .formats import PARAM_DTYPES, PER_ROW, PER_TENSOR, WeightFormat, check_bits
 from .qweight import QuantizedWeight
-from .reference import default_lut_group, plane_nibbles
+from .reference import TRIPLE_LUT_GROUP, default_lut_group, padded_k, plane_nibbles, triple_indices
 
 KERNEL_VERSION = 5  # of the generated code for a given spec: part of every cache key, bumped when codegen changes
 PACK_ROWS = 4096
@@ -52,28 +63,37 @@ class KernelSpec:
     unroll: int = 0  # table pairs unrolled in the inner loop; 0: the default (the most of 8, 4, 2, 1 that fits)
     scale_dtype: str = "float32"  # storage of S and Z: the format's (tmac.formats.PARAM_DTYPES)
     zero_dtype: str = "float32"
+    triples: bool = False  # ternary weights three to an index + sign (1.67 bits), instead of 2 bit planes
 
     def __post_init__(self):
         check_bits(self.bits)
         if self.block_rows == 0:
-            object.__setattr__(self, "block_rows", default_block_rows(self.vector_bytes, self.bits))
-        if self.unroll == 0 and self.lut_group in (32, 64, 128, 256):
-            # 8 beats 4 by 5-17 % on cold 2-bit GEMVs here (16384x2048, 2048x8192) and never loses
-            object.__setattr__(self, "unroll", next(u for u in (8, 4, 2, 1) if (self.lut_group // 8) % u == 0))
+            object.__setattr__(self, "block_rows", default_block_rows(self.vector_bytes, 1 if self.triples else self.bits))
+        steps = self.steps_per_lut_group
+        if self.unroll == 0 and steps:
+            # 8 table pairs per unrolled body: 8 beats 4 by 5-17 % on cold 2-bit GEMVs here (16384x2048,
+            # 2048x8192) and never loses; a triple step is 4 pairs
+            pairs = 4 if self.triples else 1
+            object.__setattr__(self, "unroll", next(u for u in (8, 4, 2, 1) if steps % u == 0 and u * pairs <= 8))
         k, g, lg, bm, vl = self.k, self.group_size, self.lut_group, self.block_rows, self.vector_bytes
         problems = []
         if k <= 0 or k % 32:
             problems.append(f"K={k} must be a positive multiple of 32")
         if g <= 0 or k % g:
             problems.append(f"group_size={g} does not divide K={k}")
-        if lg not in (32, 64, 128, 256) or k % lg or g % lg:
+        if self.triples:
+            if (self.bits, self.has_zeros, g, lg) != (2, False, k, TRIPLE_LUT_GROUP):
+                problems.append(f"triples need 2-bit codes without zeros, one scale per row (group_size = K) and "
+                                f"lut_group {TRIPLE_LUT_GROUP}")
+        elif lg not in (32, 64, 128, 256) or k % lg or g % lg:
             problems.append(f"lut_group={lg} must be 32/64/128/256 and divide K={k} and the group size {g}")
         if vl not in (16, 32, 64):
             problems.append(f"vector_bytes={vl} must be 16, 32 or 64")
         elif bm <= 0 or bm % vl:
             problems.append(f"block_rows={bm} must be a positive multiple of the vector width {vl}")
-        if self.n_tile < 1 or self.unroll < 1 or (lg // 8) % self.unroll:
-            problems.append(f"n_tile={self.n_tile}, unroll={self.unroll}: unroll must divide lut_group/8")
+        if self.n_tile < 1 or self.unroll < 1 or not steps or steps % self.unroll:
+            problems.append(f"n_tile={self.n_tile}, unroll={self.unroll}: unroll must divide the "
+                            f"{steps} steps of a lut group")
         if self.scale_dtype not in PARAM_DTYPES or self.zero_dtype not in PARAM_DTYPES:
             problems.append(f"scale/zero dtypes must be in {PARAM_DTYPES}, got {self.scale_dtype!r}/{self.zero_dtype!r}")
         if problems:
@@ -81,13 +101,30 @@ class KernelSpec:
 
     @property
     def chunks(self) -> tuple[tuple[int, int], ...]:
-        return CHUNKS[self.bits]
+        return ((0, 1),) if self.triples else CHUNKS[self.bits]
+
+    @property
+    def steps_per_lut_group(self) -> int:
+        """Inner-loop steps per lut group: table pairs (8 activations), or triple steps (24); 0 if invalid."""
+        per = 24 if self.triples else 8
+        return self.lut_group // per if self.lut_group > 0 and self.lut_group % per == 0 else 0
+
+    @property
+    def k_padded(self) -> int:
+        """Activations the tables cover: K, or K rounded up to whole lut groups for triples."""
+        return padded_k(self.k) if self.triples else self.k
+
+    def table_shapes(self, rows: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        """Shapes of LUT (int8), LS and XS (float32) for ``rows`` activation rows."""
+        kp = self.k_padded
+        return (rows, kp // 3 if self.triples else kp // 4, 16), (rows, kp // self.lut_group), \
+            (rows, self.k // self.group_size)
 
     @property
     def name(self) -> str:
         z = "z" if self.has_zeros else "s"
         half = ("_sh" if self.scale_dtype == "float16" else "") + \
-            ("_zh" if self.has_zeros and self.zero_dtype == "float16" else "")
+            ("_zh" if self.has_zeros and self.zero_dtype == "float16" else "") + ("_t3" if self.triples else "")
         return (f"lut_{self.isa}_b{self.bits}_k{self.k}_g{self.group_size}_lg{self.lut_group}{z}"
                 f"_bm{self.block_rows}_nt{self.n_tile}_u{self.unroll}{half}")
 
@@ -98,15 +135,15 @@ class KernelSpec:
 
     @classmethod
     def from_dict(cls, d) -> "KernelSpec":
-        """A spec from JSON; specs written before parameters could be float16 lack the dtypes (float32)."""
+        """A spec from JSON; specs written before the later fields existed lack them (float32, bit planes)."""
         names = {f.name for f in fields(cls)}
         strings = {"isa", "scale_dtype", "zero_dtype"}
-        if isinstance(d, dict) and set(d) == names - {"scale_dtype", "zero_dtype"}:
-            d = {**d, "scale_dtype": "float32", "zero_dtype": "float32"}
+        if isinstance(d, dict) and set(d) < names and names - set(d) <= set(_LATER_FIELDS):
+            d = {**{f: _LATER_FIELDS[f] for f in names - set(d)}, **d}
         if not isinstance(d, dict) or set(d) != names:
             raise ValueError(f"a kernel spec needs exactly the fields {sorted(names)}, got {d!r:.200}")
         for name in names - strings:
-            if type(d[name]) is not (bool if name == "has_zeros" else int):
+            if type(d[name]) is not (bool if name in ("has_zeros", "triples") else int):
                 raise ValueError(f"kernel spec field {name!r} has the wrong type: {d[name]!r:.50}")
         for name in strings:
             if not isinstance(d[name], str):
@@ -118,6 +155,9 @@ class KernelSpec:
 
     def padded_rows(self, n: int) -> int:
         return -(-n // self.n_tile) * self.n_tile
+
+
+_LATER_FIELDS = {"scale_dtype": "float32", "zero_dtype": "float32", "triples": False}  # and their old meaning
 
 
 def default_block_rows(vector_bytes: int, bits: int) -> int:
@@ -136,11 +176,20 @@ def spec_for_format(fmt: WeightFormat, k: int, isa, **tiling) -> KernelSpec:
     from .tuning import tuned_tiling
 
     group = k if fmt.group_size in (PER_ROW, PER_TENSOR) else fmt.group_size
+    params = dict(scale_dtype=fmt.scale_dtype, zero_dtype=fmt.zero_dtype if fmt.has_zeros else "float32")
+    if tiling.pop("triples", uses_triples(fmt, k)):  # 1.67 instead of 2 bits streamed per weight; not tuned yet
+        return KernelSpec(isa.name, isa.vector_bytes, 2, k, k, TRIPLE_LUT_GROUP, False, **tiling, **params,
+                          triples=True)
     lut_group = default_lut_group(k, fmt.group_size)
     if not tiling:
         tiling = tuned_tiling(isa.name, fmt.bits, k, group, lut_group, fmt.has_zeros)
-    return KernelSpec(isa.name, isa.vector_bytes, fmt.bits, k, group, lut_group, fmt.has_zeros, **tiling,
-                      scale_dtype=fmt.scale_dtype, zero_dtype=fmt.zero_dtype if fmt.has_zeros else "float32")
+    return KernelSpec(isa.name, isa.vector_bytes, fmt.bits, k, group, lut_group, fmt.has_zeros, **tiling, **params)
+
+
+def uses_triples(fmt: WeightFormat, k: int) -> bool:
+    """Ternary weights with one scale per row or tensor are packed as triples by default, unless padding K to
+    whole lut groups costs more than the triples save (small K)."""
+    return fmt.ternary and fmt.group_size in (PER_ROW, PER_TENSOR) and padded_k(k) * 5 < k * 6
 
 
 @dataclass(frozen=True)
@@ -149,7 +198,7 @@ class PackedWeight:
 
     spec: KernelSpec
     m: int
-    weights: np.ndarray  # uint8 [MB, K/8, BM·bits]
+    weights: np.ndarray  # uint8 [MB, K/8, BM·bits], or [MB, Kp/24, 5·BM] for triples
     scales: np.ndarray  # spec.scale_dtype [MB, K/WG, BM]
     zeros: np.ndarray | None  # spec.zero_dtype
 
@@ -159,6 +208,7 @@ def pack(qw: QuantizedWeight, spec: KernelSpec) -> PackedWeight:
     m, k = qw.shape
     fmt = qw.format
     if (k, fmt.bits, fmt.has_zeros) != (spec.k, spec.bits, spec.has_zeros) or \
+            (spec.triples and not (fmt.ternary and qw.scales.shape[1] == 1)) or \
             (spec.scale_dtype == "float16" and fmt.scale_dtype != "float16") or \
             (spec.has_zeros and spec.zero_dtype == "float16" and fmt.zero_dtype != "float16"):
         raise ValueError(f"weight (K={k}, bits={fmt.bits}, zeros={fmt.has_zeros}, parameters "
@@ -168,10 +218,10 @@ def pack(qw: QuantizedWeight, spec: KernelSpec) -> PackedWeight:
     step = max(1, PACK_ROWS // bm)  # blocks per slice: the bit-plane temporaries are bits × the slice's codes
     for b0 in range(0, mb, step):
         b1 = min(mb, b0 + step)
-        codes = np.zeros(((b1 - b0) * bm, k), dtype=np.uint8)
+        codes = np.full(((b1 - b0) * bm, k), 2 if spec.triples else 0, dtype=np.uint8)  # padded rows: weight 0
         rows = qw.codes[b0 * bm:b1 * bm]
         codes[:rows.shape[0]] = rows
-        weights[b0:b1] = _pack_blocks(codes, spec)
+        weights[b0:b1] = (_pack_triples if spec.triples else _pack_blocks)(codes, spec)
     return PackedWeight(spec, m, weights, _pack_params(qw.scales, qw, spec, spec.scale_dtype),
                         None if qw.zeros is None else _pack_params(qw.zeros, qw, spec, spec.zero_dtype))
 
@@ -192,23 +242,55 @@ def _pack_blocks(codes: np.ndarray, spec: KernelSpec) -> np.ndarray:
     return np.concatenate(parts, axis=2)
 
 
+def _pack_triples(codes: np.ndarray, spec: KernelSpec) -> np.ndarray:
+    """W of the triple layout for whole row blocks of ternary codes ``[blocks·BM, K]``."""
+    bm, kp = spec.block_rows, spec.k_padded
+    mb, steps = codes.shape[0] // bm, kp // 24
+    idx, neg = triple_indices(codes, kp)  # [rows, Kp/3]
+    pair = (idx[:, 0::2] | (idx[:, 1::2] << 4)).reshape(mb, bm, steps, 4).transpose(0, 2, 3, 1)
+    flags = (neg.reshape(mb, bm, steps, 8).astype(np.uint8) << np.arange(8, dtype=np.uint8)).sum(axis=3, dtype=np.uint8)
+    return np.concatenate([pair.reshape(mb, steps, 4 * bm), flags.transpose(0, 2, 1)], axis=2)
+
+
+def _unpack_triples(w: np.ndarray, spec: KernelSpec) -> np.ndarray:
+    """Ternary codes ``[MB·BM, K]`` of W in the triple layout (the inverse of ``_pack_triples``)."""
+    bm, mb, steps = spec.block_rows, w.shape[0], spec.k_padded // 24
+    pair = w[:, :, :4 * bm].reshape(mb, steps, 4, bm).transpose(0, 3, 1, 2).reshape(mb * bm, steps * 4)
+    idx = np.stack([pair & 15, pair >> 4], axis=2).reshape(mb * bm, steps * 8)
+    flags = w[:, :, 4 * bm:].transpose(0, 2, 1).reshape(mb * bm, steps, 1)
+    neg = ((flags >> np.arange(8, dtype=np.uint8)) & 1).reshape(mb * bm, steps * 8).astype(bool)
+    e = np.where(neg, 26 - idx.astype(np.int16), idx).astype(np.uint8)  # 9·d0 + 3·d1 + d2, digits d = code − 1
+    digits = np.stack([e // 9, e // 3 % 3, e % 3], axis=2).reshape(mb * bm, -1)
+    return digits[:, :spec.k] + 1
+
+
 def packed_shapes(spec: KernelSpec, m: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Shapes of W and of S (= Z) for ``m`` rows."""
     mb = spec.blocks(m)
-    return (mb, spec.k // 8, spec.block_rows * spec.bits), (mb, spec.k // spec.group_size, spec.block_rows)
+    s_shape = (mb, spec.k // spec.group_size, spec.block_rows)
+    if spec.triples:
+        return (mb, spec.k_padded // 24, 5 * spec.block_rows), s_shape
+    return (mb, spec.k // 8, spec.block_rows * spec.bits), s_shape
 
 
 def unpack(packed: PackedWeight, fmt: WeightFormat) -> QuantizedWeight:
     """The exact inverse of ``pack``: codes and parameters of the ``packed.m`` true rows in format ``fmt``."""
-    spec, m, k = packed.spec, packed.m, packed.spec.k
-    bm, vl, mb = spec.block_rows, spec.vector_bytes, spec.blocks(m)
-    if (fmt.bits, fmt.has_zeros) != (spec.bits, spec.has_zeros):
+    spec, m = packed.spec, packed.m
+    if (fmt.bits, fmt.has_zeros) != (spec.bits, spec.has_zeros) or (spec.triples and not fmt.ternary):
         raise ValueError(f"format {fmt.name} does not match kernel {spec.name}")
+    codes = (_unpack_triples if spec.triples else _unpack_blocks)(packed.weights, spec)
+    return QuantizedWeight(np.ascontiguousarray(codes[:m]), _unpack_params(packed.scales, m, fmt),
+                           None if packed.zeros is None else _unpack_params(packed.zeros, m, fmt), fmt)
+
+
+def _unpack_blocks(w: np.ndarray, spec: KernelSpec) -> np.ndarray:
+    """Codes ``[MB·BM, K]`` of W in the bit-plane layout (the inverse of ``_pack_blocks``)."""
+    bm, vl, mb, k = spec.block_rows, spec.vector_bytes, w.shape[0], spec.k
     pair = np.empty((spec.bits, mb, bm, k // 8), dtype=np.uint8)
     start = 0
     for first, planes in spec.chunks:
         per_vec = vl // planes
-        c = packed.weights[:, :, start:start + bm * planes].reshape(mb, k // 8, bm // per_vec, per_vec, planes)
+        c = w[:, :, start:start + bm * planes].reshape(mb, k // 8, bm // per_vec, per_vec, planes)
         pair[first:first + planes] = c.transpose(4, 0, 2, 3, 1).reshape(planes, mb, bm, k // 8)
         start += bm * planes
     nib = np.empty((spec.bits, mb * bm, k // 4), dtype=np.uint8)
@@ -218,8 +300,7 @@ def unpack(packed: PackedWeight, fmt: WeightFormat) -> QuantizedWeight:
     for plane in range(spec.bits):
         for j in range(4):
             codes[:, j::4] |= ((nib[plane] >> j) & 1) << plane
-    return QuantizedWeight(np.ascontiguousarray(codes[:m]), _unpack_params(packed.scales, m, fmt),
-                           None if packed.zeros is None else _unpack_params(packed.zeros, m, fmt), fmt)
+    return codes
 
 
 def _unpack_params(p: np.ndarray, m: int, fmt: WeightFormat) -> np.ndarray:
