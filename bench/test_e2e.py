@@ -27,7 +27,8 @@ def _synthetic(shape: str, weight_type: str, embd_type: str = "Q8_0") -> str:
 
     from tmac.models.synthetic import write_random_gguf
 
-    path = os.path.join(CACHE, f"{shape}-{weight_type.lower()}.gguf")
+    ternary = "-bitnet-scales" if weight_type.startswith("TQ") else ""  # files before that held N(0, σ) blocks
+    path = os.path.join(CACHE, f"{shape}-{weight_type.lower()}{ternary}.gguf")
     if not os.path.exists(path):
         os.makedirs(CACHE, exist_ok=True)
         write_random_gguf(path + ".tmp", SHAPES[shape], lambda name: embd_type if name.startswith("token_embd")

@@ -158,8 +158,12 @@ def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str):
                         for r in range(n_tile):
                             row = nt * n_tile + r
                             for ci, ((o, p, nv, _, per_vec), acc) in enumerate(zip(chunks, accs)):
+                                rows = isa.acc_rows(p)  # lanes → rows of the block, where not in order
                                 for v in range(nv):
-                                    wide = tirx.Cast(f"int32x{per_vec}", acc[v * n_tile + r])
+                                    lanes = acc[v * n_tile + r]
+                                    if rows is not None:
+                                        lanes = tirx.Shuffle([lanes], [rows.index(i) for i in range(per_vec)])
+                                    wide = tirx.Cast(f"int32x{per_vec}", lanes)
                                     if o:
                                         wide = wide << tirx.Broadcast(tirx.IntImm("int32", o), per_vec)
                                     if ci:

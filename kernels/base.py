@@ -18,6 +18,10 @@ class Isa:
         lanes = self.vector_bytes // planes
         return f"int32x{lanes}" if planes == 4 else f"int16x{lanes}"
 
+    def acc_rows(self, planes: int) -> list[int] | None:
+        """The row each lane of ``accumulate``'s result holds, when not lane = row (None)."""
+        return None
+
     # -- primitives; subclasses override them with instructions ---------------------------------------------
     def lookup(self, table16, idx):
         """int8xVL: ``table16[idx[l]]`` in every lane (idx values are 0..15). Portable form: a select chain."""

@@ -30,10 +30,19 @@ class X86Isa(Isa):
         from tvm import tirx
 
         vb = self.vector_bytes
-        if planes == 1:
-            return super().accumulate(acc, looked, planes)
-        w = plane_weights(vb, planes, "int8")  # bit patterns 1,2,4,8 read as unsigned by the instructions
         _, maddubs, maddwd = self._suffix
+        if planes == 1:
+            # one plane (1 bit, ternary triples): the two lookups of a byte's nibbles are interleaved row by row
+            # (vpunpck[lh]bw) and each pair summed by vpmaddubsw with ones — two instructions per vector where
+            # sign-extending and adding both takes five. Rows land in the order ``acc_rows`` gives.
+            ones = tirx.Broadcast(tirx.IntImm("int8", 1), vb)
+            for lo, hi in zip(looked[0::2], looked[1::2]):
+                halves = [tirx.call_llvm_pure_intrin(f"int16x{vb // 2}", f"llvm.x86.{maddubs}", ones,
+                                                     tirx.Shuffle([lo, hi], _interleave(vb, first)))
+                          for first in (0, 8)]
+                acc = acc + tirx.Shuffle(halves, list(range(vb)))
+            return acc
+        w = plane_weights(vb, planes, "int8")  # bit patterns 1,2,4,8 read as unsigned by the instructions
         if planes == 4 and self.vnni:
             for v in looked:
                 acc = tirx.call_llvm_pure_intrin(f"int32x{vb // 4}", f"llvm.x86.avx512.vpdpbusd.{vb * 8}", acc, w, v)
@@ -48,6 +57,20 @@ class X86Isa(Isa):
             return acc + total
         ones = tirx.Broadcast(tirx.IntImm("int16", 1), vb // 2)
         return acc + tirx.call_llvm_pure_intrin(f"int32x{vb // 4}", f"llvm.x86.{maddwd}", total, ones)
+
+    def acc_rows(self, planes: int) -> list[int] | None:
+        """Lane q of a one-plane accumulator holds row ``acc_rows[q]``: the low 8 bytes of every 16-byte lane
+        first (vpunpcklbw), then the high 8 (vpunpckhbw)."""
+        if planes != 1:
+            return None
+        vb = self.vector_bytes
+        return [lane + i for first in (0, 8) for lane in range(0, vb, 16) for i in range(first, first + 8)]
+
+
+def _interleave(vb: int, first: int) -> list[int]:
+    """Shuffle indices into ``[lo, hi]`` pairing byte i of lo with byte i of hi, for bytes ``first .. first+7`` of
+    every 16-byte lane (what vpunpcklbw / vpunpckhbw do)."""
+    return [j for lane in range(0, vb, 16) for i in range(first, first + 8) for j in (lane + i, vb + lane + i)]
 
 
 def _target(mcpu: str) -> dict:

@@ -30,10 +30,15 @@ def byte_tokens() -> list[str]:
     return [chars[b] for b in range(256)]
 
 
+TERNARY_TYPES = ("TQ1_0", "TQ2_0")
+TERNARY_SCALE = 0.0200042724609375  # a float16 value, so every block's d holds it exactly
+
+
 def write_random_gguf(path: str, cfg: LlamaConfig, weight_type: str | Callable[[str], str] = "Q4_0",
                       seed: int = 0, progress: Callable[[str], object] | None = None) -> None:
     """Write a llama GGUF of shape ``cfg`` whose matrices hold N(0, 0.02) weights in ``weight_type`` (a GGML type
-    name, or a function of the GGUF tensor name giving one) and whose norms are F32 ones."""
+    name, or a function of the GGUF tensor name giving one) and whose norms are F32 ones. Ternary types get
+    uniformly random ternary weights times one per-tensor scale, as converted BitNet models have."""
     import gguf
 
     if cfg.vocab_size < 260:
@@ -61,8 +66,12 @@ def write_random_gguf(path: str, cfg: LlamaConfig, weight_type: str | Callable[[
 
     def add(name: str, shape: tuple[int, ...]) -> None:
         kind = type_of(name) if len(shape) == 2 else "F32"
-        data = np.ones(shape, np.float32) if len(shape) == 1 else \
-            rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02)
+        if len(shape) == 1:
+            data = np.ones(shape, np.float32)
+        elif kind in TERNARY_TYPES:  # as BitNet conversions hold them: ternary, one scale repeated in every block
+            data = (rng.integers(-1, 2, shape) * TERNARY_SCALE).astype(np.float32)
+        else:
+            data = rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02)
         qtype = gguf.GGMLQuantizationType[kind]
         if kind in ("F32", "F16"):
             w.add_tensor(name, data.astype(np.float16 if kind == "F16" else np.float32))

@@ -98,6 +98,20 @@ def test_gguf_import_is_exact_on_quantized_blocks(rng, type_name):
     assert _same_bits(qw.dequantize(), dequantize(blocks, qtype))
 
 
+@pytest.mark.parametrize("type_name", ["TQ1_0", "TQ2_0"])
+def test_ternary_gguf_blocks_sharing_a_scale_import_per_row(rng, type_name):
+    """Converted BitNet models repeat one scale in every block: such rows get one scale (and the triple layout)."""
+    qtype = gguf.GGMLQuantizationType[type_name]
+    tau = rng.integers(-1, 2, (6, 512))
+    tau[2, :256] = 0  # an all-zero block: its own scale is 0 and must not matter
+    blocks = quantize((tau * np.float32(0.0200042724609375)).astype(np.float32), qtype)
+    qw = import_gguf(blocks, type_name, tau.shape)
+    assert (qw.format.name, qw.format.group_size, qw.scales.shape) == (f"{type_name.lower()}_rows", "row", (6, 1))
+    assert _same_bits(qw.dequantize(), dequantize(blocks, qtype))
+    mixed = quantize(rng.standard_normal((6, 512)).astype(np.float32), qtype)  # per-block scales differ
+    assert import_gguf(mixed, type_name, (6, 512)).format.group_size == 256
+
+
 def test_gguf_import_rejects_bad_blocks():
     with pytest.raises(ValueError, match="needs 36 bytes"):
         import_gguf(b"\0" * 35, "Q4_0", (1, 64))

@@ -13,9 +13,11 @@ its normal range) get the float32 variant of the format instead.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
-from .formats import FORMATS, GGUF_EXACT, PER_TENSOR, WeightFormat, check_bits
+from .formats import FORMATS, GGUF_EXACT, PER_ROW, PER_TENSOR, WeightFormat, check_bits
 from .qweight import QuantizedWeight
 
 
@@ -151,7 +153,25 @@ def import_gguf(data, type_name: str, shape: tuple[int, int]) -> QuantizedWeight
     bad = ~np.isfinite(scales) | (~np.isfinite(zeros) if zeros is not None else False)
     if bad.any():
         raise ValueError(f"GGUF {type_name} tensor has {int(bad.sum())} blocks with NaN/inf scale or min")
-    return QuantizedWeight(codes.reshape(m, k), scales, zeros, fmt)
+    codes = codes.reshape(m, k)
+    if fmt.ternary:
+        row_scales = _uniform_row_scales(codes, scales, blk.block_size)
+        if row_scales is not None:  # BitNet conversions: one scale per tensor, repeated in every block
+            return QuantizedWeight(codes, row_scales, None, rows_format(fmt))
+    return QuantizedWeight(codes, scales, zeros, fmt)
+
+
+def rows_format(fmt: WeightFormat) -> WeightFormat:
+    """``fmt`` with one scale per row (a GGUF type whose blocks of a row all share their scale)."""
+    return dataclasses.replace(fmt, name=f"{fmt.name}_rows", group_size=PER_ROW, gguf=None)
+
+
+def _uniform_row_scales(codes: np.ndarray, scales: np.ndarray, block: int) -> np.ndarray | None:
+    """One scale per row when, in every row, all blocks holding a nonzero ternary weight share their scale
+    (all-zero blocks dequantize to 0 whatever theirs is); else None."""
+    nonzero = (codes != 2).reshape(codes.shape[0], -1, block).any(axis=2)
+    first = np.where(nonzero.any(axis=1), scales[np.arange(len(scales)), nonzero.argmax(axis=1)], scales[:, 0])
+    return first[:, None].copy() if ((scales == first[:, None]) | ~nonzero).all() else None
 
 
 def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
