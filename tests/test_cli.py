@@ -178,3 +178,24 @@ def test_compile_for_a_model_gives_every_kernel_it_runs(tmp_path):
     assert len(json.loads(r.stdout)["generated_ids"]) > 0
     r = tmac("compile", "--shape", "64x128", "-o", str(tmp_path / "x"))
     assert r.returncode == 1 and "--bits is required" in r.stderr
+
+
+def test_compile_for_a_ternary_model_covers_rows_sharing_a_scale(tmp_path):
+    """A TQ2_0 file of a converted BitNet model (one scale repeated in every block) loads per row, as ternary
+    triples: `tmac compile --model` builds those kernels too, so running from its directory compiles nothing."""
+    from tmac.models.llama import LlamaConfig
+    from tmac.models.synthetic import write_random_gguf
+
+    cfg = LlamaConfig(dim=768, n_layers=1, n_heads=12, n_kv_heads=4, vocab_size=300, ffn_dim=1536,
+                      context_length=64)
+    model = str(tmp_path / "t.gguf")
+    write_random_gguf(model, cfg, lambda name: "Q8_0" if name.startswith("token_embd") else "TQ2_0")
+    r = tmac("compile", "--model", model, "-o", str(tmp_path / "k"))
+    assert r.returncode == 0, r.stderr
+    specs = [e["spec"] for e in json.load(open(tmp_path / "k" / "manifest.json"))["kernels"]]
+    assert {(s["k"], s["group_size"], s["triples"]) for s in specs if "bits" in s and s["bits"] == 2} == {
+        (768, 256, False), (1536, 256, False), (768, 768, True), (1536, 1536, True)}
+    env = dict(os.environ, TMAC_KERNEL_DIR=str(tmp_path / "k"), TMAC_CACHE_DIR=str(tmp_path / "empty-cache"))
+    r = tmac("run", model, "-p", "hello", "-n", "4", "--json", env=env)
+    assert r.returncode == 0 and "compiling" not in r.stderr, r.stderr
+    assert len(json.loads(r.stdout)["generated_ids"]) > 0
