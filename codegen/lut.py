@@ -104,9 +104,8 @@ def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str):
         return [tirx.reinterpret(f"int8x{vl}", w & tirx.Broadcast(tirx.IntImm("uint8", 15), vl)),
                 tirx.reinterpret(f"int8x{vl}", w >> tirx.Broadcast(tirx.IntImm("uint8", 4), vl))]
 
-    def negated_where(looked, flags, bit):  # −looked in the lanes whose flag bit is set (vptestmb + masked sub)
-        hit = (flags & tirx.Broadcast(tirx.IntImm("uint8", 1 << bit), vl)) != tirx.Broadcast(tirx.IntImm("uint8", 0), vl)
-        return tirx.Select(hit, tirx.Broadcast(tirx.IntImm("int8", 0), vl) - looked, looked)
+    def negated_where(looked, mask):  # −looked in the lanes whose flag is set (masked vpsubb on AVX-512)
+        return tirx.Select(mask, tirx.Broadcast(tirx.IntImm("int8", 0), vl) - looked, looked)
 
     def param(buf, *index):  # float16 parameters widen in registers (vcvtph2ps, fcvtl)
         return buf[index] if buf.dtype == f32 else tirx.Cast(f32, buf[index])
@@ -147,11 +146,12 @@ def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str):
                                     for (_, p, nv, off, _), acc in zip(chunks, accs):
                                         for v in range(nv):
                                             idx = nibbles(W[blk, step, vec(base + off + v * vl, vl)])
-                                            flags = W[blk, step, vec(4 * bm + v * vl, vl)] if spec.triples else None
+                                            masks = [isa.lane_mask(W[blk, step, vec(4 * bm + v * vl + b * (vl // 8), vl // 8)])
+                                                     for b in (2 * j, 2 * j + 1)] if spec.triples else None
                                             for r, t_pair in enumerate(tables):
                                                 looked = [isa.lookup(t, i) for t, i in zip(t_pair, idx)]
-                                                if flags is not None:
-                                                    looked = [negated_where(x, flags, 2 * j + h) for h, x in enumerate(looked)]
+                                                if masks is not None:
+                                                    looked = [negated_where(x, mk) for x, mk in zip(looked, masks)]
                                                 a = v * n_tile + r
                                                 T.buffer_store(acc, isa.accumulate(acc[a], looked, p), [a])
                         wgi = 0 if spec.triples else g // lut_groups_per_wg

@@ -34,6 +34,16 @@ class Isa:
             out = tirx.Select(hit, tirx.Shuffle([table16], [p] * lanes), out)
         return out
 
+    def lane_mask(self, mask_bytes):
+        """boolxVL: lane l is bit l of the little-endian bit mask ``mask_bytes`` (uint8 x VL/8). Portable form:
+        each byte spread over its 8 lanes and tested against the lane's bit."""
+        from tvm import tirx
+
+        lanes = self.vector_bytes
+        # (a shuffle may not have more lanes than its inputs: eight copies of the VL/8 bytes)
+        spread = tirx.Shuffle([mask_bytes] * 8, [lane // 8 for lane in range(lanes)])
+        return (spread & plane_weights(lanes, 8, "uint8")) != tirx.Broadcast(tirx.IntImm("uint8", 0), lanes)
+
     def accumulate(self, acc, looked: list, planes: int):
         """``acc`` plus, per row, Σ over ``looked`` of Σ_j 2^j·byte(row, plane j) — rows own ``planes`` adjacent
         bytes. Portable form: widen every plane's bytes and add them shifted."""

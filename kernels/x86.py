@@ -58,6 +58,13 @@ class X86Isa(Isa):
         ones = tirx.Broadcast(tirx.IntImm("int16", 1), vb // 2)
         return acc + tirx.call_llvm_pure_intrin(f"int32x{vb // 4}", f"llvm.x86.{maddwd}", total, ones)
 
+    def lane_mask(self, mask_bytes):
+        if self.vector_bytes == 64:  # AVX-512: the mask is a k register as stored (kmovq, no vptestmb)
+            from tvm import tirx
+
+            return tirx.Cast("boolx64", tirx.reinterpret("uint1x64", mask_bytes))
+        return super().lane_mask(mask_bytes)
+
     def acc_rows(self, planes: int) -> list[int] | None:
         """Lane q of a one-plane accumulator holds row ``acc_rows[q]``: the low 8 bytes of every 16-byte lane
         first (vpunpcklbw), then the high 8 (vpunpckhbw)."""

@@ -26,9 +26,11 @@ Kp (whole lut groups), and a *step* is 24 activations = 8 triples = 4 table pair
 
 Bytes ``[j·BM, (j+1)·BM)`` of a ``[blk, step]`` row hold table pair j (j < 4): byte r is row r of the block, its
 low nibble the index of triple ``8·step + 2j``, its high nibble of triple ``8·step + 2j + 1``. Bytes
-``[4·BM, 5·BM)`` hold the negation flags: bit ``2j + h`` of byte ``4·BM + r`` negates row r's lookup of triple
-``8·step + 2j + h``. Padded rows and activations are weight 0. ``S [MB, 1, BM]``; tables ``LUT [N', Kp/3, 16]``,
-``LS [N', Kp/LG]``, ``XS [N', 1]`` (unused by the GEMM: ternary codes need no Σx term).
+``[4·BM, 5·BM)`` hold the negation flags as bit masks, VL/8 bytes each: mask ``b`` of vector v starts at byte
+``4·BM + v·VL + b·VL/8``, and its bit l (little-endian) negates the lookup of triple ``8·step + b`` by row
+``v·VL + l`` (AVX-512 loads a mask straight into a k register). Padded rows and activations are weight 0.
+``S [MB, 1, BM]``; tables ``LUT [N', Kp/3, 16]``, ``LS [N', Kp/LG]``, ``XS [N', 1]`` (unused by the GEMM:
+ternary codes need no Σx term).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from .formats import PARAM_DTYPES, PER_ROW, PER_TENSOR, WeightFormat, check_bits
 from .qweight import QuantizedWeight
 from .reference import TRIPLE_LUT_GROUP, default_lut_group, padded_k, plane_nibbles, triple_indices
 
-KERNEL_VERSION = 5  # of the generated code for a given spec: part of every cache key, bumped when codegen changes
+KERNEL_VERSION = 6  # of the generated code for a given spec: part of every cache key, bumped when codegen changes
 PACK_ROWS = 4096
 CHUNKS = {1: ((0, 1),), 2: ((0, 2),), 3: ((0, 2), (2, 1)), 4: ((0, 4),), 8: ((0, 4), (4, 4))}  # bits → ((first plane, planes), ...)
 
@@ -248,8 +250,11 @@ def _pack_triples(codes: np.ndarray, spec: KernelSpec) -> np.ndarray:
     mb, steps = codes.shape[0] // bm, kp // 24
     idx, neg = triple_indices(codes, kp)  # [rows, Kp/3]
     pair = (idx[:, 0::2] | (idx[:, 1::2] << 4)).reshape(mb, bm, steps, 4).transpose(0, 2, 3, 1)
-    flags = (neg.reshape(mb, bm, steps, 8).astype(np.uint8) << np.arange(8, dtype=np.uint8)).sum(axis=3, dtype=np.uint8)
-    return np.concatenate([pair.reshape(mb, steps, 4 * bm), flags.transpose(0, 2, 1)], axis=2)
+    vl = spec.vector_bytes
+    # [MB, vectors, VL rows, steps, 8 triples] → [MB, steps, vectors, 8 masks, VL bits]
+    flags = neg.reshape(mb, bm // vl, vl, steps, 8).transpose(0, 3, 1, 4, 2)
+    masks = np.packbits(flags, axis=4, bitorder="little").reshape(mb, steps, bm)
+    return np.concatenate([pair.reshape(mb, steps, 4 * bm), masks], axis=2)
 
 
 def _unpack_triples(w: np.ndarray, spec: KernelSpec) -> np.ndarray:
@@ -257,8 +262,10 @@ def _unpack_triples(w: np.ndarray, spec: KernelSpec) -> np.ndarray:
     bm, mb, steps = spec.block_rows, w.shape[0], spec.k_padded // 24
     pair = w[:, :, :4 * bm].reshape(mb, steps, 4, bm).transpose(0, 3, 1, 2).reshape(mb * bm, steps * 4)
     idx = np.stack([pair & 15, pair >> 4], axis=2).reshape(mb * bm, steps * 8)
-    flags = w[:, :, 4 * bm:].transpose(0, 2, 1).reshape(mb * bm, steps, 1)
-    neg = ((flags >> np.arange(8, dtype=np.uint8)) & 1).reshape(mb * bm, steps * 8).astype(bool)
+    vl = spec.vector_bytes
+    masks = w[:, :, 4 * bm:].reshape(mb, steps, bm // vl, 8, vl // 8)
+    flags = np.unpackbits(masks, axis=4, bitorder="little")  # [MB, steps, vectors, 8, VL]
+    neg = flags.transpose(0, 2, 4, 1, 3).reshape(mb * bm, steps * 8).astype(bool)
     e = np.where(neg, 26 - idx.astype(np.int16), idx).astype(np.uint8)  # 9·d0 + 3·d1 + d2, digits d = code − 1
     digits = np.stack([e // 9, e // 3 % 3, e % 3], axis=2).reshape(mb * bm, -1)
     return digits[:, :spec.k] + 1
