@@ -196,6 +196,23 @@ def test_state_packed_for_a_foreign_isa_is_repacked():
             arm(x)
 
 
+def test_ternary_triples_state_round_trip_and_layout_check():
+    """Triples packed for NEON load here (repacked); a state without this tmac's triples layout is refused."""
+    torch.manual_seed(0)
+    qw = tmac.quantize_weight(torch.randn(80, 576), ternary=True, group_size="row")
+    arm, local = Linear.from_quantized(qw, isa="neon"), Linear.from_quantized(qw)
+    assert arm.spec.triples and local.spec.triples
+    fresh = Linear.from_quantized(tmac.quantize_weight(torch.randn(80, 576), ternary=True, group_size="row"))
+    fresh.load_state_dict(arm.state_dict())
+    x = torch.randn(2, 576)
+    with torch.no_grad():
+        assert torch.equal(fresh(x), local(x))
+    old = arm.state_dict()
+    old["_extra_state"] = {k: v for k, v in old["_extra_state"].items() if k != "triples_layout"}
+    with pytest.raises(RuntimeError, match="ternary-triples layout"):
+        fresh.load_state_dict(old)
+
+
 class _Tiny(nn.Module):
     def __init__(self):
         super().__init__()

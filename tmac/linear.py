@@ -21,7 +21,8 @@ from torch import nn
 from .formats import WeightFormat
 from .kernels import best_isa, isa_by_name
 from .lut_ops import check_packed, lut_linear
-from .packing import KernelSpec, PackedWeight, pack, packed_shapes, spec_for, spec_for_format, unpack
+from .packing import (TRIPLES_LAYOUT, KernelSpec, PackedWeight, pack, packed_shapes, spec_for, spec_for_format,
+                      unpack)
 from .qweight import QuantizedWeight
 from .quantize import quantize_weight
 
@@ -183,8 +184,11 @@ class Linear(nn.Module):
 
     # ---- state dict ------------------------------------------------------------------------------------------
     def get_extra_state(self) -> dict:
-        return {"version": STATE_VERSION, "format": self.format.to_dict(), "spec": json.loads(self._spec_json),
-                "out_features": self.out_features, "bias": self.bias is not None}
+        state = {"version": STATE_VERSION, "format": self.format.to_dict(), "spec": json.loads(self._spec_json),
+                 "out_features": self.out_features, "bias": self.bias is not None}
+        if self.spec.triples:
+            state["triples_layout"] = TRIPLES_LAYOUT
+        return state
 
     def set_extra_state(self, state) -> None:  # handled in _load_from_state_dict, with the tensors
         pass
@@ -231,7 +235,11 @@ def _parse_extra(extra) -> tuple[WeightFormat, KernelSpec, int, bool]:
     m, bias = extra.get("out_features"), extra.get("bias")
     if type(m) is not int or m < 1 or type(bias) is not bool:
         raise ValueError(f"malformed tmac.Linear state: out_features={m!r:.50}, bias={bias!r:.50}")
-    return WeightFormat.from_dict(extra.get("format")), KernelSpec.from_dict(extra.get("spec")), m, bias
+    spec = KernelSpec.from_dict(extra.get("spec"))
+    if spec.triples and extra.get("triples_layout") != TRIPLES_LAYOUT:
+        raise ValueError(f"weights packed in another ternary-triples layout ({extra.get('triples_layout')!r}, this "
+                         f"tmac reads {TRIPLES_LAYOUT}): convert the model again")
+    return WeightFormat.from_dict(extra.get("format")), spec, m, bias
 
 
 def _check_bias(bias, m: int) -> torch.Tensor | None:
