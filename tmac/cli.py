@@ -187,7 +187,6 @@ def model_layers(path: str) -> list[tuple[str, int]]:
 def kernel_formats(args) -> list[tuple[WeightFormat, int]]:
     """(format, K) of every kernel ``tmac compile`` is asked for."""
     from .formats import GGUF_EXACT
-    from .quantize import rows_format
 
     if args.bits is None:
         if not args.model:
@@ -197,7 +196,7 @@ def kernel_formats(args) -> list[tuple[WeightFormat, int]]:
             raise ValueError(f"{args.model}: no tensor imports exactly (Q4_0/Q4_1/Q8_0/TQ1_0/TQ2_0); give --bits")
         # ternary rows whose blocks share one scale import per row (ternary triples); which rows do is in the
         # blocks, not the header, so both kernels are built
-        return pairs + [(rows_format(fmt), k) for fmt, k in pairs if fmt.ternary]
+        return pairs + [(fmt.per_row(), k) for fmt, k in pairs if fmt.ternary]
     fmt = WeightFormat.rtn(args.bits, parse_group_size(args.group_size), args.symmetric)
     ks = {parse_shape(s)[1] for s in args.shape} if args.shape else {k for _, k in model_layers(args.model)}
     return [(fmt, k) for k in sorted(ks)]

@@ -17,7 +17,6 @@ from .qweight import QuantizedWeight
 
 STATE_VERSION = 1
 SLOT = {1: 1, 2: 2, 3: 4, 4: 4, 8: 8}  # bits → storage bits per code
-_DTYPES = {"float16": torch.float16, "float32": torch.float32}
 
 
 class Embedding(nn.Module):
@@ -55,10 +54,7 @@ class Embedding(nn.Module):
 
     def _rows(self, rows: torch.Tensor) -> torch.Tensor:
         fmt, d = self.format, self.embedding_dim
-        slot = SLOT[fmt.bits]
-        packed = self.codes[rows]  # [n, d·slot/8]
-        shifts = torch.arange(0, 8, slot, dtype=torch.uint8)
-        q = ((packed.unsqueeze(-1) >> shifts) & ((1 << slot) - 1)).reshape(len(rows), d).float() - fmt.offset
+        q = self._codes(self.codes[rows]).float() - fmt.offset
         per_tensor = fmt.group_size == PER_TENSOR
         groups = 1 if per_tensor else self.scales.shape[1]
 
@@ -71,11 +67,14 @@ class Embedding(nn.Module):
             w = w - expand(self.zeros)
         return w.reshape(len(rows), d)
 
+    def _codes(self, packed: torch.Tensor) -> torch.Tensor:
+        """uint8 codes ``[n, embedding_dim]`` of packed rows ``[n, embedding_dim·SLOT/8]``."""
+        slot = SLOT[self.format.bits]
+        shifts = torch.arange(0, 8, slot, dtype=torch.uint8)
+        return ((packed.unsqueeze(-1) >> shifts) & ((1 << slot) - 1)).reshape(len(packed), self.embedding_dim)
+
     def quantized_weight(self) -> QuantizedWeight:
-        d, slot = self.embedding_dim, SLOT[self.format.bits]
-        shifts = np.arange(0, 8, slot, dtype=np.uint8)
-        codes = ((self.codes.numpy()[..., None] >> shifts) & ((1 << slot) - 1)).reshape(-1, d).astype(np.uint8)
-        return QuantizedWeight(codes, self.scales.float().numpy(),
+        return QuantizedWeight(self._codes(self.codes).numpy(), self.scales.float().numpy(),
                                None if self.zeros is None else self.zeros.float().numpy(), self.format)
 
     @property
@@ -101,8 +100,8 @@ class Embedding(nn.Module):
         self = cls.__new__(cls)
         nn.Module.__init__(self)
         shapes = _shapes(fmt, v, d)
-        self._set(fmt, (v, d), torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=_DTYPES[fmt.scale_dtype]),
-                  torch.empty(0, dtype=_DTYPES[fmt.zero_dtype]) if "zeros" in shapes else None)
+        self._set(fmt, (v, d), torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=getattr(torch, fmt.scale_dtype)),
+                  torch.empty(0, dtype=getattr(torch, fmt.zero_dtype)) if "zeros" in shapes else None)
         return self
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
@@ -144,9 +143,9 @@ def _pack_codes(codes: np.ndarray, bits: int) -> torch.Tensor:
 
 def _shapes(fmt: WeightFormat, v: int, d: int) -> dict:
     s_shape = fmt.scale_shape(v, d)
-    shapes = {"codes": ((v, d * SLOT[fmt.bits] // 8), torch.uint8), "scales": (s_shape, _DTYPES[fmt.scale_dtype])}
+    shapes = {"codes": ((v, d * SLOT[fmt.bits] // 8), torch.uint8), "scales": (s_shape, getattr(torch, fmt.scale_dtype))}
     if fmt.has_zeros:
-        shapes["zeros"] = (s_shape, _DTYPES[fmt.zero_dtype])
+        shapes["zeros"] = (s_shape, getattr(torch, fmt.zero_dtype))
     return shapes
 
 

@@ -19,6 +19,7 @@ serialization — reads its facts (bits, group size, zeros, code range, GGUF blo
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 BITS = (1, 2, 3, 4, 8)  # 8: exact Q8_0 imports (two 4-plane chunks in the kernels)
@@ -79,6 +80,10 @@ class WeightFormat:
         if self.group_size == PER_TENSOR:
             return (1, 1)
         return (m, self.groups_per_row(k))
+
+    def per_row(self) -> "WeightFormat":
+        """This format with one scale per row (fused rows of per-tensor parts; GGUF blocks sharing a scale)."""
+        return dataclasses.replace(self, name=f"{self.name}_rows", group_size=PER_ROW, gguf=None)
 
     def to_dict(self) -> dict:
         return {"name": self.name, "bits": self.bits, "group_size": self.group_size, "has_zeros": self.has_zeros,

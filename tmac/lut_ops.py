@@ -68,17 +68,14 @@ def check_activations(x, k: int) -> None:
         raise ValueError("activations must be contiguous")
 
 
-_DTYPES = {"float16": torch.float16, "float32": torch.float32}
-
-
 def check_packed(spec: KernelSpec, m, weights, scales, zeros, bias) -> None:
     """Packed tensors must be exactly what ``spec`` reads for ``m`` rows: a kernel trusts these shapes."""
     if isinstance(m, bool) or not isinstance(m, int) or m < 1:
         raise ValueError(f"out_features must be a positive int, got {m!r}")
     w_shape, s_shape = packed_shapes(spec, m)
-    expected = [("weights", weights, torch.uint8, w_shape), ("scales", scales, _DTYPES[spec.scale_dtype], s_shape)]
+    expected = [("weights", weights, torch.uint8, w_shape), ("scales", scales, getattr(torch, spec.scale_dtype), s_shape)]
     if spec.has_zeros:
-        expected.append(("zeros", zeros, _DTYPES[spec.zero_dtype], s_shape))
+        expected.append(("zeros", zeros, getattr(torch, spec.zero_dtype), s_shape))
     elif zeros is not None:
         raise ValueError(f"kernel {spec.name} takes no zeros, but zeros were given")
     if bias is not None:

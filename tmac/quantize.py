@@ -13,11 +13,9 @@ its normal range) get the float32 variant of the format instead.
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 
-from .formats import FORMATS, GGUF_EXACT, PER_ROW, PER_TENSOR, WeightFormat, check_bits
+from .formats import FORMATS, GGUF_EXACT, PER_TENSOR, WeightFormat, check_bits
 from .qweight import QuantizedWeight
 
 
@@ -157,13 +155,8 @@ def import_gguf(data, type_name: str, shape: tuple[int, int]) -> QuantizedWeight
     if fmt.ternary:
         row_scales = _uniform_row_scales(codes, scales, blk.block_size)
         if row_scales is not None:  # BitNet conversions: one scale per tensor, repeated in every block
-            return QuantizedWeight(codes, row_scales, None, rows_format(fmt))
+            return QuantizedWeight(codes, row_scales, None, fmt.per_row())
     return QuantizedWeight(codes, scales, zeros, fmt)
-
-
-def rows_format(fmt: WeightFormat) -> WeightFormat:
-    """``fmt`` with one scale per row (a GGUF type whose blocks of a row all share their scale)."""
-    return dataclasses.replace(fmt, name=f"{fmt.name}_rows", group_size=PER_ROW, gguf=None)
 
 
 def _uniform_row_scales(codes: np.ndarray, scales: np.ndarray, block: int) -> np.ndarray | None:

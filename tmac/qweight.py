@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .formats import PER_ROW, PER_TENSOR, WeightFormat
+from .formats import PER_TENSOR, WeightFormat
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ def stack_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
     fmt = parts[0].format
     if len(parts) > 1 and not isinstance(fmt.group_size, int) and (fmt.group_size == PER_TENSOR
                                                                    or any(p.format != fmt for p in parts)):
-        fmt = dataclasses.replace(fmt, name=f"{fmt.name}_rows", group_size=PER_ROW, gguf=None)
+        fmt = fmt.per_row()
     for field in ("scale_dtype", "zero_dtype"):  # float16 only where every part promises it
         if any(getattr(p.format, field) != getattr(fmt, field) for p in parts):
             fmt = dataclasses.replace(fmt, name=f"{fmt.name}_f32", gguf=None, **{field: "float32"})
