@@ -7,10 +7,14 @@ prefills what is new. Sampling follows llama.cpp's order: repetition penalty ove
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Callable
 
 import torch
+from torch import nn
+
+from tmac import runtime
 
 
 def check_ids(ids, vocab: int, what: str = "prompt_ids") -> list[int]:
@@ -61,7 +65,7 @@ class GenerationMixin:
             return torch.empty((0, self.config.vocab_size))
         self._check_room(len(ids), 0)
         self.cached_ids = []
-        with torch.inference_mode():
+        with torch.inference_mode(), self._torch_threads():
             out = self(torch.tensor(ids), 0)
         self.cached_ids = ids
         return out
@@ -90,7 +94,7 @@ class GenerationMixin:
         out: list[int] = []
         stats = self.last_stats = {"prompt_tokens": len(prompt), "prefill_tokens": len(prompt) - reuse,
                                    "prefill_s": 0.0, "generated_tokens": 0, "decode_s": 0.0, "stop_reason": "length"}
-        with torch.inference_mode():
+        with torch.inference_mode(), self._torch_threads():
             t0 = time.perf_counter()
             self.cached_ids = prompt[:reuse]
             logits = self(torch.tensor(prompt[reuse:]), reuse, last_only=True)[-1]
@@ -111,6 +115,13 @@ class GenerationMixin:
             finally:  # an interrupted generation keeps its tokens and its statistics
                 stats["decode_s"] = time.perf_counter() - t0
         return out
+
+    def _torch_threads(self):
+        """torch on one thread while every projection runs in the LUT kernels (the torch ops left are small); a
+        model with float projections keeps torch's threads for them."""
+        if any(type(m) is nn.Linear for m in self.modules()):
+            return contextlib.nullcontext()
+        return runtime.torch_single_threaded()
 
     def _decode(self, plan, out, history, logits, max_new_tokens, stats, stop, stop_ids, callback, sampling) -> None:
         while len(out) < max_new_tokens:

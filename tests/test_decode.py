@@ -151,8 +151,11 @@ def test_decode_plan_matches_the_eager_model(tmp_path, case):
         model.cache_k.copy_(saved[0])
         model.cache_v.copy_(saved[1])
         fast = [plan.step(t, len(prompt) + i).clone() for i, t in enumerate((7, 9))]
-    # the paths differ in summation order only, which int8 table rounding (and BitNet's int8 activations) amplify
-    tol = 2e-2 if case.endswith("ternary") else 2e-3
+    # the paths differ in summation order only, which int8 table rounding (and BitNet's int8 activations) amplify:
+    # with int8 activations a step is either identical or one activation lands on the other side of a rounding
+    # boundary, which moves these tiny models' logits by 1-3 % (6 seeds on an AMD EPYC: 5 of 12 steps identical,
+    # the rest 1.0-3.0 %)
+    tol = 5e-2 if case.endswith("ternary") else 2e-3
     for e, f in zip(eager, fast):
         assert rel_l2(f.numpy(), e.numpy()) < tol
     new = slice(len(prompt), len(prompt) + 2)

@@ -20,7 +20,7 @@ from torch import nn
 
 from .formats import WeightFormat
 from .kernels import best_isa, isa_by_name
-from .lut_ops import check_packed, lut_linear
+from .lut_ops import check_packed, check_packed_once, lut_linear
 from .packing import (TRIPLES_LAYOUT, KernelSpec, PackedWeight, pack, packed_shapes, spec_for, spec_for_format,
                       unpack)
 from .qweight import QuantizedWeight
@@ -139,24 +139,13 @@ class Linear(nn.Module):
             x2 = x2.to(torch.float32).contiguous()
         if type(x2) is torch.Tensor and not torch.compiler.is_compiling():
             packed = (self.qweight, self.scales, self.zeros, self.bias)
-            y = lut_linear(x2, *packed, self.spec, self.out_features, self.kernel_dir,
-                           packed_checked=self._still_checked(packed))
+            check_packed_once(self, self.spec, self.out_features, packed)
+            y = lut_linear(x2, *packed, self.spec, self.out_features, self.kernel_dir, packed_checked=True)
         else:  # tracing (dynamo, export, fake tensors): go through the registered op
             y = lut_linear_op(x2, self.qweight, self.scales, self.zeros, self.bias, self._spec_json,
                               self.out_features, self.kernel_dir or "")
         y = y.reshape(*lead, self.out_features)
         return y if x.dtype == torch.float32 else y.to(x.dtype)
-
-    def _still_checked(self, packed: tuple) -> bool:
-        """Whether ``packed`` are the very tensors validated last time, unresized (skips re-validation, which
-        costs more than a small kernel call); validates them and remembers them otherwise."""
-        seen = getattr(self, "_checked", None)
-        sizes = tuple(-1 if t is None else t.numel() for t in packed)
-        if seen is not None and seen[1] == sizes and all(a is b for a, b in zip(seen[0], packed)):
-            return True
-        check_packed(self.spec, self.out_features, *packed)
-        self._checked = (packed, sizes)
-        return True
 
     def packed(self) -> PackedWeight:
         return PackedWeight(self.spec, self.out_features, self.qweight.numpy(), self.scales.numpy(),

@@ -89,6 +89,17 @@ def check_packed(spec: KernelSpec, m, weights, scales, zeros, bias) -> None:
                              + ("" if t.is_contiguous() else " (non-contiguous)"))
 
 
+def check_packed_once(owner, spec: KernelSpec, m: int, packed: tuple) -> None:
+    """``check_packed`` unless ``packed`` are the very tensors ``owner`` had validated last time, unresized
+    (re-validating costs more than a small kernel call); remembers them on ``owner``."""
+    seen = getattr(owner, "_checked_packed", None)
+    sizes = tuple(-1 if t is None else t.numel() for t in packed)
+    if seen is not None and seen[1] == sizes and all(a is b for a, b in zip(seen[0], packed)):
+        return
+    check_packed(spec, m, *packed)
+    owner._checked_packed = (packed, sizes)
+
+
 def _workspace(spec: KernelSpec, rows: int):
     """Per-thread table buffers, reused across calls (no allocation per token)."""
     cache = getattr(_workspaces, "buffers", None)
@@ -136,4 +147,6 @@ class LutWeight:
 
     def matmul(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ W.T`` for float32 ``x [N, K]``; returns float32 ``[N, M]``."""
-        return lut_linear(x, self.weights, self.scales, self.zeros, None, self.spec, self.m, self.kernel_dir, out)
+        packed = (self.weights, self.scales, self.zeros, None)
+        check_packed_once(self, self.spec, self.m, packed)
+        return lut_linear(x, *packed, self.spec, self.m, self.kernel_dir, out, packed_checked=True)
