@@ -189,3 +189,27 @@ def test_generation_uses_the_plan_and_agrees_with_eager(tmp_path):
     with torch.inference_mode():
         float_model.logits(prompt)
     assert DecodePlan.build(float_model) is None  # float projections: generation stays eager
+
+
+def test_generation_runs_torch_on_one_thread_beside_lut_layers_only(tmp_path):
+    """While LUT layers generate, torch runs on one thread (its threads would spin on the kernels' cores), and
+    gets its thread count back afterwards, also when generation fails; a float model keeps torch's threads."""
+    _tiny(tmp_path)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for bits, expected in ((4, 1), (None, 2)):
+            model = tmac.load_model(tmp_path, bits=bits, group_size=64, context=64)
+            seen = []
+            model.generate(list(range(5, 25)), max_new_tokens=3, stop_on_eos=False,
+                           callback=lambda _: seen.append(torch.get_num_threads()))
+            assert seen == [expected] * 3 and torch.get_num_threads() == 2
+
+            def fail(_):
+                raise KeyboardInterrupt
+
+            with pytest.raises(KeyboardInterrupt):
+                model.generate([5, 6], max_new_tokens=3, stop_on_eos=False, callback=fail)
+            assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
