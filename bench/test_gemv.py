@@ -1,4 +1,5 @@
-"""GEMV: tmac W1-W4 against torch fp32, bf16, int4 and int8 weight-only, warm and cold, 1 and 2 threads.
+"""GEMV: tmac W1-W4 against torch fp32, bf16, int4 and int8 weight-only, warm and cold, 1 and 2 threads; groups
+of 128 weights (64 where K is not a multiple of 128).
 
 warm: one matrix, weights cache-resident. cold: cycle through enough copies (≥ 1 GiB in all) that weights
 stream from DRAM, the regime of real models. Run: `make bench` (or pytest bench -k 4096x4096 --threads 1).
@@ -20,18 +21,19 @@ def _candidates(m, k):
     w = random_weights(m, k)
     x = torch.randn(1, k)
     xb = x.to(torch.bfloat16)
+    group = 128 if k % 128 == 0 else 64  # K=8640 (BitNet-3B's down projection) is a multiple of 64 only
     out = {
         "torch fp32": (lambda: w.clone(), lambda c: F.linear(x, c), m * k * 4),
         "torch bf16": (lambda: w.to(torch.bfloat16), lambda c: F.linear(xb, c), m * k * 2),
-        "torch int4wo": (lambda: int4pack(w), lambda c: int4_linear(xb, c),
-                         m * k // 2 + m * k // 128 * 4),
+        "torch int4wo": (lambda: int4pack(w, group), lambda c: int4_linear(xb, c, group),
+                         m * k // 2 + m * k // group * 4),
     }
     s8 = w.abs().amax(1) / 127
     w8 = (w / s8[:, None]).round().to(torch.int8)
     out["torch int8wo"] = (lambda: (w8.clone(), s8.clone()), lambda c: torch.ops.aten._weight_int8pack_mm(x, c[0], c[1]),
                            m * k + m * 4)
     for bits in (1, 2, 3, 4):
-        lw = LutWeight.from_quantized(quantize_weight(w.numpy(), bits=bits, group_size=128))
+        lw = LutWeight.from_quantized(quantize_weight(w.numpy(), bits=bits, group_size=group))
         lw.matmul(x)  # compile / load outside the timing
 
         def copy(lw=lw):

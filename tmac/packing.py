@@ -62,7 +62,10 @@ class KernelSpec:
     lut_group: int  # activations per table scale; divides group_size
     has_zeros: bool
     block_rows: int = 0  # 0: the default for this ISA and bit width
-    n_tile: int = 4  # activation rows sharing each weight load in the GEMM kernel
+    # activation rows sharing each weight load in the GEMM kernel: at 4 the accumulators and tables of a tile outgrow
+    # the 32 vector registers; 16 rows at 4096x4096 on an AMD EPYC: W2 1.78 ms at 2, 2.26 at 4, looped GEMV 2.37;
+    # W4 2.57 / 3.58 / 2.96 (1B Q4_0 prefill 63 -> 83 tok/s)
+    n_tile: int = 2
     unroll: int = 0  # table pairs unrolled in the inner loop; 0: the default (the most of 8, 4, 2, 1 that fits)
     scale_dtype: str = "float32"  # storage of S and Z: the format's (tmac.formats.PARAM_DTYPES)
     zero_dtype: str = "float32"
