@@ -118,7 +118,8 @@ def ffi():
         # idle workers spin (sched_yield) a few ms before sleeping: waking a sleeping worker costs 10-20 µs on a VM,
         # as much as a whole small GEMV, while the gaps between kernel calls of a decode step are µs. TVM spins
         # ~300k yields (a fraction of a second) by default, too long beside torch ops sharing the cores. SmolLM2,
-        # 121-token prefill + 48 tokens on 2 threads: 364 ms sleeping, 253 ms at 1000 yields, 236 ms at 300k.
+        # 121-token prefill + 48 tokens on 2 threads: 364 ms sleeping, 253 ms at 1000 yields, 257 at 4000 (the
+        # default here), 236 ms at 300k.
         os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", str(SPIN_YIELDS))
         import tvm_ffi  # first: it loads libtvm_ffi.so, which libtvm_runtime.so links against
 
