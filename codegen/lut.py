@@ -100,9 +100,27 @@ def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str):
     def vec(start, lanes):
         return tirx.Ramp(start, 1, lanes)
 
+    def u8(value):
+        return tirx.Broadcast(tirx.IntImm("uint8", value), vl)
+
+    # quads: byte p of a row's four looks into entries 16p .. 16p+15 of the 64-entry table (its table p)
+    ramp = tirx.Ramp(tirx.IntImm("int32", 0), tirx.IntImm("int32", 1), vl)
+    positions = tirx.Cast(f"uint8x{vl}", (ramp & tirx.Broadcast(tirx.IntImm("int32", 3), vl)) << 4)
+
     def nibbles(w):  # the two table indices in each byte
-        return [tirx.reinterpret(f"int8x{vl}", w & tirx.Broadcast(tirx.IntImm("uint8", 15), vl)),
-                tirx.reinterpret(f"int8x{vl}", w >> tirx.Broadcast(tirx.IntImm("uint8", 4), vl))]
+        halves = [w & u8(15), w >> u8(4)]
+        return [tirx.reinterpret(f"int8x{vl}", h | positions if spec.quads else h) for h in halves]
+
+    # per step: (first table of the low nibbles' lookups, of the high nibbles', first weight byte of the indices)
+    def pairs(step):
+        if spec.quads:
+            return [(8 * step, 8 * step + 4, 0)]
+        if spec.triples:
+            return [(8 * step + 2 * j, 8 * step + 2 * j + 1, j * bm) for j in range(4)]
+        return [(2 * step, 2 * step + 1, 0)]
+
+    def mask_start(j, v, h):  # first byte of the negation mask of pair j's low (h = 0) or high nibbles, vector v
+        return 4 * bm + (v * vl // 4 + h * vl // 8 if spec.quads else v * vl + (2 * j + h) * vl // 8)
 
     def negated_where(looked, mask):  # −looked in the lanes whose flag is set (masked vpsubb on AVX-512)
         return tirx.Select(mask, tirx.Broadcast(tirx.IntImm("int8", 0), vl) - looked, looked)
@@ -121,6 +139,8 @@ def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str):
         LS = arg("ls", ls_shape)
         XS = arg("xs", xs_shape)
         Y = arg("y", (n, m))
+        tw, lookup = (64, isa.lookup64) if spec.quads else (16, isa.lookup)  # quads look into 4 adjacent tables
+        tables_flat = T.decl_buffer((np_, lut_shape[1] * 16), "int8", data=LUT.data, align=1)
         with T.Assert(tirx.all(n <= np_, np_ % n_tile == 0),
                       f"{name}: the tables must cover every output row in whole tiles of {n_tile}", "ValueError"):
             with T.parallel(0, mb) as blk:
@@ -138,22 +158,21 @@ def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str):
                         with T.serial(0, steps // u) as kpo:
                             with T.unroll(0, u) as kpi:
                                 step = g * steps + kpo * u + kpi
-                                # table pair kp of the step, and where its weight bytes start in W[blk, step]
-                                pairs = [(step * 4 + j, j * bm) for j in range(4)] if spec.triples else [(step, 0)]
-                                for j, (kp, base) in enumerate(pairs):
-                                    tables = [(LUT[nt * n_tile + r, kp * 2, vec(0, 16)],
-                                               LUT[nt * n_tile + r, kp * 2 + 1, vec(0, 16)]) for r in range(n_tile)]
+                                for j, (t_lo, t_hi, base) in enumerate(pairs(step)):
+                                    tables = [tuple(tables_flat[nt * n_tile + r, vec(t * 16, tw)] for t in (t_lo, t_hi))
+                                              for r in range(n_tile)]
                                     for (_, p, nv, off, _), acc in zip(chunks, accs):
                                         for v in range(nv):
                                             idx = nibbles(W[blk, step, vec(base + off + v * vl, vl)])
-                                            masks = [isa.lane_mask(W[blk, step, vec(4 * bm + v * vl + b * (vl // 8), vl // 8)])
-                                                     for b in (2 * j, 2 * j + 1)] if spec.triples else None
+                                            masks = [isa.lane_mask(W[blk, step, vec(mask_start(j, v, h), vl // 8)])
+                                                     for h in (0, 1)] if spec.triples else None
                                             for r, t_pair in enumerate(tables):
-                                                looked = [isa.lookup(t, i) for t, i in zip(t_pair, idx)]
+                                                looked = [lookup(t, i) for t, i in zip(t_pair, idx)]
                                                 if masks is not None:
                                                     looked = [negated_where(x, mk) for x, mk in zip(looked, masks)]
                                                 a = v * n_tile + r
-                                                T.buffer_store(acc, isa.accumulate(acc[a], looked, p), [a])
+                                                T.buffer_store(acc, isa.accumulate(acc[a], looked, p, weighted=not spec.quads),
+                                                               [a])
                         wgi = 0 if spec.triples else g // lut_groups_per_wg
                         for r in range(n_tile):
                             row = nt * n_tile + r

@@ -18,14 +18,14 @@ from tmac.errors import KernelUnavailableError
 from .base import Isa
 from .arm import NEON, NEON_DOTPROD
 from .generic import GENERIC_ARM64, GENERIC_X86
-from .x86 import AVX2, AVX2_VNNI, AVX512, AVX512_VNNI
+from .x86 import AVX2, AVX2_VNNI, AVX512, AVX512_VBMI, AVX512_VNNI
 
 # best first within an architecture
-ISAS: dict[str, Isa] = {i.name: i for i in (AVX512_VNNI, AVX512, AVX2_VNNI, AVX2, GENERIC_X86,
+ISAS: dict[str, Isa] = {i.name: i for i in (AVX512_VBMI, AVX512_VNNI, AVX512, AVX2_VNNI, AVX2, GENERIC_X86,
                                             NEON_DOTPROD, NEON, GENERIC_ARM64)}
 
 # the names `tmac compile --isa` accepts → the best variant of that family a machine could have
-ISA_CHOICES = {"avx512": "avx512_vnni", "avx2": "avx2", "avx2-vnni": "avx2_vnni", "neon": "neon",
+ISA_CHOICES = {"avx512": "avx512_vnni", "avx512-vbmi": "avx512_vbmi", "avx2": "avx2", "avx2-vnni": "avx2_vnni", "neon": "neon",
                "neon-dotprod": "neon_dotprod", "generic": None}
 
 

@@ -13,6 +13,7 @@ class Isa:
     features: frozenset[str]  # tmac.cpu feature names a machine needs to run it
     target: dict = field(hash=False, compare=False)  # LLVM target, always with explicit triple and cpu/attrs
     description: str = ""
+    wide_lookup: bool = False  # has ``lookup64`` (one-plane weights then use quads)
 
     def acc_dtype(self, planes: int) -> str:
         lanes = self.vector_bytes // planes
@@ -34,6 +35,10 @@ class Isa:
             out = tirx.Select(hit, tirx.Shuffle([table16], [p] * lanes), out)
         return out
 
+    def lookup64(self, table64, idx):
+        """int8xVL: ``table64[idx[l] % 64]`` in every lane, on ISAs with ``wide_lookup``."""
+        raise NotImplementedError(f"ISA {self.name} has no 64-entry table lookup")
+
     def lane_mask(self, mask_bytes):
         """boolxVL: lane l is bit l of the little-endian bit mask ``mask_bytes`` (uint8 x VL/8). Portable form:
         each byte spread over its 8 lanes and tested against the lane's bit."""
@@ -44,9 +49,10 @@ class Isa:
         spread = tirx.Shuffle([mask_bytes] * 8, [lane // 8 for lane in range(lanes)])
         return (spread & plane_weights(lanes, 8, "uint8")) != tirx.Broadcast(tirx.IntImm("uint8", 0), lanes)
 
-    def accumulate(self, acc, looked: list, planes: int):
+    def accumulate(self, acc, looked: list, planes: int, weighted: bool = True):
         """``acc`` plus, per row, Σ over ``looked`` of Σ_j 2^j·byte(row, plane j) — rows own ``planes`` adjacent
-        bytes. Portable form: widen every plane's bytes and add them shifted."""
+        bytes (``weighted=False``: all weights 1, the four tables of a quad). Portable form: widen every plane's
+        bytes and add them shifted."""
         from tvm import tirx
 
         lanes = self.vector_bytes // planes
@@ -54,7 +60,7 @@ class Isa:
         for v in looked:
             for j in range(planes):
                 part = tirx.Cast(f"{wide}x{lanes}", tirx.Shuffle([v], list(range(j, self.vector_bytes, planes))))
-                acc = acc + (part << tirx.Broadcast(tirx.IntImm(wide, j), lanes) if j else part)
+                acc = acc + (part << tirx.Broadcast(tirx.IntImm(wide, j), lanes) if j and weighted else part)
         return acc
 
 
@@ -65,9 +71,13 @@ def broadcast_table(table16, lanes: int):
     return table16 if lanes == 16 else tirx.Shuffle([table16] * (lanes // 16), list(range(lanes)))
 
 
-def plane_weights(lanes: int, planes: int, dtype: str):
-    """The constant vector 1, 2, 4, 8 (its first ``planes`` values) repeated over ``lanes`` bytes."""
+def plane_weights(lanes: int, planes: int, dtype: str, weighted: bool = True):
+    """The constant vector 1, 2, 4, 8 (its first ``planes`` values) repeated over ``lanes`` bytes (all ones
+    unless ``weighted``)."""
     from tvm import tirx
+
+    if not weighted:
+        return tirx.Broadcast(tirx.IntImm(dtype, 1), lanes)
 
     ramp = tirx.Ramp(tirx.IntImm("int32", 0), tirx.IntImm("int32", 1), lanes)
     one = tirx.Broadcast(tirx.IntImm("int32", 1), lanes)

@@ -1,5 +1,6 @@
-"""x86-64: AVX-512 (BW, optionally VNNI) and AVX2 (optionally AVX-VNNI). ``vpshufb`` does the lookups;
-``vpdpbusd`` (VNNI) or ``vpmaddubsw`` + ``vpmaddwd`` sum the bit planes of a row."""
+"""x86-64: AVX-512 (BW, optionally VNNI and VBMI) and AVX2 (optionally AVX-VNNI). ``vpshufb`` does the lookups
+(``vpermb`` those into 64-entry tables, with VBMI); ``vpdpbusd`` (VNNI) or ``vpmaddubsw`` + ``vpmaddwd`` sum the bit
+planes of a row."""
 
 from __future__ import annotations
 
@@ -26,7 +27,14 @@ class X86Isa(Isa):
         return tirx.call_llvm_pure_intrin(f"int8x{lanes}", f"llvm.x86.{self._suffix[0]}",
                                           broadcast_table(table16, lanes), idx)
 
-    def accumulate(self, acc, looked: list, planes: int):
+    def lookup64(self, table64, idx):
+        from tvm import tirx
+
+        if not self.wide_lookup:
+            return super().lookup64(table64, idx)
+        return tirx.call_llvm_pure_intrin("int8x64", "llvm.x86.avx512.permvar.qi.512", table64, idx)
+
+    def accumulate(self, acc, looked: list, planes: int, weighted: bool = True):
         from tvm import tirx
 
         vb = self.vector_bytes
@@ -42,7 +50,7 @@ class X86Isa(Isa):
                           for first in (0, 8)]
                 acc = acc + tirx.Shuffle(halves, list(range(vb)))
             return acc
-        w = plane_weights(vb, planes, "int8")  # bit patterns 1,2,4,8 read as unsigned by the instructions
+        w = plane_weights(vb, planes, "int8", weighted)  # bit patterns 1,2,4,8 read as unsigned by the instructions
         if planes == 4 and self.vnni:
             for v in looked:
                 acc = tirx.call_llvm_pure_intrin(f"int32x{vb // 4}", f"llvm.x86.avx512.vpdpbusd.{vb * 8}", acc, w, v)
@@ -84,6 +92,9 @@ def _target(mcpu: str) -> dict:
     return {"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": mcpu}
 
 
+AVX512_VBMI = X86Isa("avx512_vbmi", "x86_64", 64, frozenset({"avx2", "avx512bw", "avx512vnni", "avx512vbmi"}),
+                     {**_target("cascadelake"), "mattr": ["+avx512vbmi"]},
+                     "AVX-512 BW + VNNI + VBMI: vpshufb / vpermb zmm, vpdpbusd", wide_lookup=True, vnni=True)
 AVX512_VNNI = X86Isa("avx512_vnni", "x86_64", 64, frozenset({"avx2", "avx512bw", "avx512vnni"}),
                      _target("cascadelake"), "AVX-512 BW + VNNI: vpshufb zmm, vpdpbusd", vnni=True)
 AVX512 = X86Isa("avx512", "x86_64", 64, frozenset({"avx2", "avx512bw"}),

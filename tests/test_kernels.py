@@ -183,17 +183,38 @@ def test_raw_kernel_checks_shapes(rng):
                           torch.empty(1, 8))
 
 
+@pytest.mark.parametrize("ternary", [False, True])
+def test_quads_layout_round_trips_and_is_what_one_plane_weights_get(rng, ternary):
+    """One-plane weights (1 bit, triples) on an ISA with 64-entry lookups are packed as quads; packing is exactly
+    invertible, rows past M included (a partial last block); other widths keep the bit-plane layout."""
+    m, k = 200, 3200
+    w = rng.standard_normal((m, k)).astype(np.float32)
+    qw = quantize_weight(w, ternary=True, group_size="row") if ternary else quantize_weight(w, bits=1, group_size=64)
+    spec = spec_for(qw, ISAS["avx512_vbmi"])
+    assert spec.quads and spec.triples == ternary and spec.block_rows == (64 if ternary else 128)
+    packed = pack(qw, spec)
+    steps = ref.padded_k(k) // 24 if ternary else k // 32
+    assert packed.weights.shape == (-(-m // spec.block_rows), steps, (5 if ternary else 4) * spec.block_rows)
+    back = unpack(packed, qw.format)
+    np.testing.assert_array_equal(back.codes, qw.codes)
+    np.testing.assert_array_equal(back.scales, qw.scales)
+    assert not spec_for(qw, ISAS["avx512_vnni"]).quads
+    assert not spec_for(quantize_weight(w, bits=2), ISAS["avx512_vbmi"]).quads
+
+
 @pytest.mark.skipif(machine_arch() != "x86_64", reason="x86 code generation is inspected on x86 hosts")
-@pytest.mark.parametrize("isa, needle", [("avx512_vnni", "vpdpbusd\t%zmm"), ("avx512", "vpmaddubsw\t%zmm"),
-                                         ("avx2_vnni", "vpdpbusd"), ("avx2", "vpshufb\t%ymm")])
-def test_every_x86_variant_compiles_to_its_instructions(isa, needle):
+@pytest.mark.parametrize("isa, bits, needle", [("avx512_vnni", 4, "vpdpbusd\t%zmm"), ("avx512", 4, "vpmaddubsw\t%zmm"),
+                                               ("avx2_vnni", 4, "vpdpbusd"), ("avx2", 4, "vpshufb\t%ymm"),
+                                               ("avx512_vbmi", 1, "vpermb\t%zmm")])
+def test_every_x86_variant_compiles_to_its_instructions(isa, bits, needle):
     """Variants this CPU cannot run are still generated and checked in assembly."""
     from tmac.codegen.build import compile_kernel
 
     target = ISAS[isa]
-    qw = quantize_weight(np.random.default_rng(0).standard_normal((64, 256)).astype(np.float32), bits=4)
+    qw = quantize_weight(np.random.default_rng(0).standard_normal((64, 256)).astype(np.float32), bits=bits)
     assert qw.format.scale_dtype == "float16"
     asm = compile_kernel(spec_for(qw, target), target).mod.inspect_source("asm")
     assert needle in asm
-    assert "vpshufb" in asm
+    if bits > 1:  # quads look up with vpermb only
+        assert "vpshufb" in asm
     assert "vcvtph2ps" in asm  # float16 parameters widen in registers

@@ -246,9 +246,8 @@ def cmd_compile(args) -> int:
 def cmd_tune(args) -> int:
     from . import tuning
     from .kernels import best_isa
-    from .packing import KernelSpec
+    from .packing import spec_for_format
     from .progress import Progress
-    from .reference import default_lut_group
 
     isa = best_isa()
     if args.model:
@@ -259,9 +258,8 @@ def cmd_tune(args) -> int:
                 for k in _int_list(args.k, "--k")]
     rows = []
     for i, (fmt, k) in enumerate(work, 1):
-        defaults = KernelSpec(isa.name, isa.vector_bytes, fmt.bits, k, k if isinstance(fmt.group_size, str)
-                              else fmt.group_size, default_lut_group(k, fmt.group_size), fmt.has_zeros)
-        n = len(tuning.candidates(isa.vector_bytes, defaults.lut_group)) + 3
+        defaults = spec_for_format(fmt, k, isa, unroll=0)  # a tiling argument: the defaults, not earlier tuning
+        n = len(tuning.candidates(defaults)) + 3
         with Progress(f"[{i}/{len(work)}] tuning {fmt.name} K={k}", n, None) as bar:
             best, measured = tuning.tune(fmt, k, isa, progress=bar)
         gemv = {(t["block_rows"], t["unroll"]): sec for t, sec in measured[:-3]}

@@ -7,10 +7,11 @@ import os
 import platform
 import re
 
-FEATURES = ("avx2", "avx512bw", "avx512vnni", "avxvnni", "neon", "dotprod")
+FEATURES = ("avx2", "avx512bw", "avx512vnni", "avx512vbmi", "avxvnni", "neon", "dotprod")
 
 # /proc/cpuinfo flag names → our feature names
-_X86_FLAGS = {"avx2": "avx2", "avx512bw": "avx512bw", "avx512_vnni": "avx512vnni", "avx_vnni": "avxvnni"}
+_X86_FLAGS = {"avx2": "avx2", "avx512bw": "avx512bw", "avx512_vnni": "avx512vnni", "avx512vbmi": "avx512vbmi",
+              "avx_vnni": "avxvnni"}
 _ARM_FLAGS = {"asimd": "neon", "asimddp": "dotprod"}
 
 

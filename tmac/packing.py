@@ -31,6 +31,18 @@ low nibble the index of triple ``8·step + 2j``, its high nibble of triple ``8·
 ``v·VL + l`` (AVX-512 loads a mask straight into a k register). Padded rows and activations are weight 0.
 ``S [MB, 1, BM]``; tables ``LUT [N', Kp/3, 16]``, ``LS [N', Kp/LG]``, ``XS [N', 1]`` (unused by the GEMM:
 ternary codes need no Σx term).
+
+*Quads* (``quads=True``; one-plane weights — 1 bit or triples — on ISAs with 64-entry lookups, ``vpermb``): a
+step covers 8 tables (32 activations at 1 bit, 24 for triples) and every row owns 4 adjacent bytes of a vector,
+so one lookup serves four tables and one ``vpdpbusd`` sums a row's four bytes, with no interleaving:
+
+    W [MB, K/32, 4·BM]  uint8           (1 bit)
+    W [MB, Kp/24, 5·BM] uint8           (triples)
+
+Byte ``4i + p`` of vector v (VL/4 rows) of a ``[blk, step]`` row belongs to row ``v·VL/4 + i`` of the block; its
+low nibble indexes table ``8·step + p``, its high nibble table ``8·step + 4 + p``. Triples append their negation
+flags as before, two masks of VL/8 bytes per vector: mask h of vector v starts at byte ``4·BM + v·VL/4 + h·VL/8``
+and its bit ``4i + p`` negates the lookup of table ``8·step + 4h + p`` by row ``v·VL/4 + i``.
 """
 
 from __future__ import annotations
@@ -70,17 +82,19 @@ class KernelSpec:
     scale_dtype: str = "float32"  # storage of S and Z: the format's (tmac.formats.PARAM_DTYPES)
     zero_dtype: str = "float32"
     triples: bool = False  # ternary weights three to an index + sign (1.67 bits), instead of 2 bit planes
+    quads: bool = False  # one-plane weights four tables to a row's 4 bytes (64-entry lookups), instead of one
 
     def __post_init__(self):
         check_bits(self.bits)
         if self.block_rows == 0:
-            object.__setattr__(self, "block_rows", default_block_rows(self.vector_bytes, 1 if self.triples else self.bits))
+            # 1-bit quads: 8 vectors, not 4 (11008x4096 cold on an AMD EPYC: 248 vs 277 us; triples lose: 428 vs 408)
+            wider = 2 if self.quads and not self.triples else 1
+            object.__setattr__(self, "block_rows", wider * default_block_rows(self.vector_bytes, self.row_bytes))
         steps = self.steps_per_lut_group
         if self.unroll == 0 and steps:
             # 8 table pairs per unrolled body: 8 beats 4 by 5-17 % on cold 2-bit GEMVs here (16384x2048,
-            # 2048x8192) and never loses; a triple step is 4 pairs
-            pairs = 4 if self.triples else 1
-            object.__setattr__(self, "unroll", next(u for u in (8, 4, 2, 1) if steps % u == 0 and u * pairs <= 8))
+            # 2048x8192) and never loses; a triple or quad step is 4 pairs
+            object.__setattr__(self, "unroll", next(u for u in self.unrolls() if steps % u == 0))
         k, g, lg, bm, vl = self.k, self.group_size, self.lut_group, self.block_rows, self.vector_bytes
         problems = []
         if k <= 0 or k % 32:
@@ -93,6 +107,8 @@ class KernelSpec:
                                 f"lut_group {TRIPLE_LUT_GROUP}")
         elif lg not in (32, 64, 128, 256) or k % lg or g % lg:
             problems.append(f"lut_group={lg} must be 32/64/128/256 and divide K={k} and the group size {g}")
+        if self.quads and not (self.triples or self.bits == 1) or self.quads and vl != 64:
+            problems.append("quads need one-plane weights (1 bit or triples) and 64-byte vectors")
         if vl not in (16, 32, 64):
             problems.append(f"vector_bytes={vl} must be 16, 32 or 64")
         elif bm <= 0 or bm % vl:
@@ -107,13 +123,28 @@ class KernelSpec:
 
     @property
     def chunks(self) -> tuple[tuple[int, int], ...]:
+        """(first plane, bytes a row owns in a vector) of each run of planes (quads: 4 tables of one plane)."""
+        if self.quads:
+            return ((0, 4),)
         return ((0, 1),) if self.triples else CHUNKS[self.bits]
 
     @property
+    def row_bytes(self) -> int:
+        """Bytes of one row in a weight vector."""
+        return 4 if self.quads else 1 if self.triples else self.bits
+
+    @property
     def steps_per_lut_group(self) -> int:
-        """Inner-loop steps per lut group: table pairs (8 activations), or triple steps (24); 0 if invalid."""
-        per = 24 if self.triples else 8
+        """Inner-loop steps per lut group: table pairs (8 activations), triple steps (24) or quad steps (32 at
+        1 bit); 0 if invalid."""
+        per = 24 if self.triples else 32 if self.quads else 8
         return self.lut_group // per if self.lut_group > 0 and self.lut_group % per == 0 else 0
+
+    def unrolls(self) -> list[int]:
+        """Unroll factors worth trying, largest first: at most 8 table pairs per unrolled body (a triple or quad
+        step is 4)."""
+        pairs = 4 if self.triples or self.quads else 1
+        return [u for u in (8, 4, 2, 1) if u * pairs <= 8 and self.steps_per_lut_group % u == 0]
 
     @property
     def k_padded(self) -> int:
@@ -130,7 +161,8 @@ class KernelSpec:
     def name(self) -> str:
         z = "z" if self.has_zeros else "s"
         half = ("_sh" if self.scale_dtype == "float16" else "") + \
-            ("_zh" if self.has_zeros and self.zero_dtype == "float16" else "") + ("_t3" if self.triples else "")
+            ("_zh" if self.has_zeros and self.zero_dtype == "float16" else "") + ("_t3" if self.triples else "") + \
+            ("_q4" if self.quads else "")
         return (f"lut_{self.isa}_b{self.bits}_k{self.k}_g{self.group_size}_lg{self.lut_group}{z}"
                 f"_bm{self.block_rows}_nt{self.n_tile}_u{self.unroll}{half}")
 
@@ -149,7 +181,7 @@ class KernelSpec:
         if not isinstance(d, dict) or set(d) != names:
             raise ValueError(f"a kernel spec needs exactly the fields {sorted(names)}, got {d!r:.200}")
         for name in names - strings:
-            if type(d[name]) is not (bool if name in ("has_zeros", "triples") else int):
+            if type(d[name]) is not (bool if name in ("has_zeros", "triples", "quads") else int):
                 raise ValueError(f"kernel spec field {name!r} has the wrong type: {d[name]!r:.50}")
         for name in strings:
             if not isinstance(d[name], str):
@@ -163,12 +195,12 @@ class KernelSpec:
         return -(-n // self.n_tile) * self.n_tile
 
 
-_LATER_FIELDS = {"scale_dtype": "float32", "zero_dtype": "float32", "triples": False}  # and their old meaning
+_LATER_FIELDS = {"scale_dtype": "float32", "zero_dtype": "float32", "triples": False, "quads": False}  # old meaning
 
 
-def default_block_rows(vector_bytes: int, bits: int) -> int:
+def default_block_rows(vector_bytes: int, row_bytes: int) -> int:
     """About four vectors of weights per block: enough independent accumulator chains to hide latency."""
-    return vector_bytes * max(1, 4 // bits)
+    return vector_bytes * max(1, 4 // row_bytes)
 
 
 def spec_for(qw: QuantizedWeight, isa, **tiling) -> KernelSpec:
@@ -183,7 +215,10 @@ def spec_for_format(fmt: WeightFormat, k: int, isa, **tiling) -> KernelSpec:
 
     group = k if fmt.group_size in (PER_ROW, PER_TENSOR) else fmt.group_size
     params = dict(scale_dtype=fmt.scale_dtype, zero_dtype=fmt.zero_dtype if fmt.has_zeros else "float32")
-    if tiling.pop("triples", uses_triples(fmt, k)):  # 1.67 instead of 2 bits streamed per weight; not tuned yet
+    triples = tiling.pop("triples", uses_triples(fmt, k))
+    if tiling.pop("quads", isa.wide_lookup and (triples or fmt.bits == 1)):
+        params["quads"] = True
+    if triples:  # 1.67 instead of 2 bits streamed per weight; not tuned yet
         return KernelSpec(isa.name, isa.vector_bytes, 2, k, k, TRIPLE_LUT_GROUP, False, **tiling, **params,
                           triples=True)
     lut_group = default_lut_group(k, fmt.group_size)
@@ -204,7 +239,7 @@ class PackedWeight:
 
     spec: KernelSpec
     m: int
-    weights: np.ndarray  # uint8 [MB, K/8, BM·bits], or [MB, Kp/24, 5·BM] for triples
+    weights: np.ndarray  # uint8 [MB, K/8, BM·bits], [MB, Kp/24, 5·BM] for triples, [MB, K/32, 4·BM] for quads
     scales: np.ndarray  # spec.scale_dtype [MB, K/WG, BM]
     zeros: np.ndarray | None  # spec.zero_dtype
 
@@ -227,7 +262,7 @@ def pack(qw: QuantizedWeight, spec: KernelSpec) -> PackedWeight:
         codes = np.full(((b1 - b0) * bm, k), 2 if spec.triples else 0, dtype=np.uint8)  # padded rows: weight 0
         rows = qw.codes[b0 * bm:b1 * bm]
         codes[:rows.shape[0]] = rows
-        weights[b0:b1] = (_pack_triples if spec.triples else _pack_blocks)(codes, spec)
+        weights[b0:b1] = (_pack_quads if spec.quads else _pack_triples if spec.triples else _pack_blocks)(codes, spec)
     return PackedWeight(spec, m, weights, _pack_params(qw.scales, qw, spec, spec.scale_dtype),
                         None if qw.zeros is None else _pack_params(qw.zeros, qw, spec, spec.zero_dtype))
 
@@ -270,9 +305,44 @@ def _unpack_triples(w: np.ndarray, spec: KernelSpec) -> np.ndarray:
     masks = w[:, :, 4 * bm:].reshape(mb, steps, bm // vl, 8, vl // 8)
     flags = np.unpackbits(masks, axis=4, bitorder="little")  # [MB, steps, vectors, 8, VL]
     neg = flags.transpose(0, 2, 4, 1, 3).reshape(mb * bm, steps * 8).astype(bool)
+    return _codes_of_triples(idx, neg, spec.k)
+
+
+def _codes_of_triples(idx: np.ndarray, neg: np.ndarray, k: int) -> np.ndarray:
+    """Ternary codes ``[rows, k]`` of triple indices and negation flags ``[rows, ≥ k/3]``."""
     e = np.where(neg, 26 - idx.astype(np.int16), idx).astype(np.uint8)  # 9·d0 + 3·d1 + d2, digits d = code − 1
-    digits = np.stack([e // 9, e // 3 % 3, e % 3], axis=2).reshape(mb * bm, -1)
-    return digits[:, :spec.k] + 1
+    digits = np.stack([e // 9, e // 3 % 3, e % 3], axis=2).reshape(idx.shape[0], -1)
+    return digits[:, :k] + 1
+
+
+def _pack_quads(codes: np.ndarray, spec: KernelSpec) -> np.ndarray:
+    """W of the quad layout for whole row blocks of codes ``[blocks·BM, K]`` (1 bit, or ternary triples)."""
+    bm, vl = spec.block_rows, spec.vector_bytes
+    mb, nv = codes.shape[0] // bm, bm * 4 // vl
+    idx, neg = triple_indices(codes, spec.k_padded) if spec.triples else (plane_nibbles(codes, 1)[0], None)
+    steps = idx.shape[1] // 8
+    # [MB, vectors, VL/4 rows, steps, low/high nibble, position] → [MB, steps, vectors, rows, position]
+    q = idx.reshape(mb, nv, vl // 4, steps, 2, 4)
+    nib = (q[..., 0, :] | (q[..., 1, :] << 4)).transpose(0, 3, 1, 2, 4).reshape(mb, steps, 4 * bm)
+    if neg is None:
+        return nib
+    flags = neg.reshape(mb, nv, vl // 4, steps, 2, 4).transpose(0, 3, 1, 4, 2, 5).reshape(mb, steps, nv, 2, vl)
+    masks = np.packbits(flags, axis=4, bitorder="little").reshape(mb, steps, bm)
+    return np.concatenate([nib, masks], axis=2)
+
+
+def _unpack_quads(w: np.ndarray, spec: KernelSpec) -> np.ndarray:
+    """Codes ``[MB·BM, K]`` of W in the quad layout (the inverse of ``_pack_quads``)."""
+    bm, vl, (mb, steps, _) = spec.block_rows, spec.vector_bytes, w.shape
+    nv = bm * 4 // vl
+    nib = w[:, :, :4 * bm].reshape(mb, steps, nv, vl // 4, 1, 4)
+    idx = np.concatenate([nib & 15, nib >> 4], axis=4).transpose(0, 2, 3, 1, 4, 5).reshape(mb * bm, steps * 8)
+    if not spec.triples:
+        return _codes_of_nibbles(idx[None])
+    masks = w[:, :, 4 * bm:].reshape(mb, steps, nv, 2, vl // 8)
+    flags = np.unpackbits(masks, axis=4, bitorder="little").reshape(mb, steps, nv, 2, vl // 4, 4)
+    neg = flags.transpose(0, 2, 4, 1, 3, 5).reshape(mb * bm, steps * 8).astype(bool)
+    return _codes_of_triples(idx, neg, spec.k)
 
 
 def packed_shapes(spec: KernelSpec, m: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -281,6 +351,8 @@ def packed_shapes(spec: KernelSpec, m: int) -> tuple[tuple[int, ...], tuple[int,
     s_shape = (mb, spec.k // spec.group_size, spec.block_rows)
     if spec.triples:
         return (mb, spec.k_padded // 24, 5 * spec.block_rows), s_shape
+    if spec.quads:
+        return (mb, spec.k // 32, 4 * spec.block_rows), s_shape
     return (mb, spec.k // 8, spec.block_rows * spec.bits), s_shape
 
 
@@ -289,7 +361,7 @@ def unpack(packed: PackedWeight, fmt: WeightFormat) -> QuantizedWeight:
     spec, m = packed.spec, packed.m
     if (fmt.bits, fmt.has_zeros) != (spec.bits, spec.has_zeros) or (spec.triples and not fmt.ternary):
         raise ValueError(f"format {fmt.name} does not match kernel {spec.name}")
-    codes = (_unpack_triples if spec.triples else _unpack_blocks)(packed.weights, spec)
+    codes = (_unpack_quads if spec.quads else _unpack_triples if spec.triples else _unpack_blocks)(packed.weights, spec)
     return QuantizedWeight(np.ascontiguousarray(codes[:m]), _unpack_params(packed.scales, m, fmt),
                            None if packed.zeros is None else _unpack_params(packed.zeros, m, fmt), fmt)
 
@@ -307,8 +379,14 @@ def _unpack_blocks(w: np.ndarray, spec: KernelSpec) -> np.ndarray:
     nib = np.empty((spec.bits, mb * bm, k // 4), dtype=np.uint8)
     nib[:, :, 0::2] = pair.reshape(spec.bits, mb * bm, k // 8) & 15
     nib[:, :, 1::2] = pair.reshape(spec.bits, mb * bm, k // 8) >> 4
-    codes = np.zeros((mb * bm, k), dtype=np.uint8)
-    for plane in range(spec.bits):
+    return _codes_of_nibbles(nib)
+
+
+def _codes_of_nibbles(nib: np.ndarray) -> np.ndarray:
+    """Codes ``[rows, 4·T]`` of plane nibbles ``[bits, rows, T]`` (the inverse of ``plane_nibbles``)."""
+    bits, rows, t = nib.shape
+    codes = np.zeros((rows, 4 * t), dtype=np.uint8)
+    for plane in range(bits):
         for j in range(4):
             codes[:, j::4] |= ((nib[plane] >> j) & 1) << plane
     return codes

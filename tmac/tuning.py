@@ -48,10 +48,10 @@ def tuned_tiling(isa: str, bits: int, k: int, group: int, lut_group: int, has_ze
     return dict(_table(path).get(key(isa, bits, k, group, lut_group, has_zeros), {}))
 
 
-def candidates(vector_bytes: int, lut_group: int) -> list[dict]:
-    blocks = [vector_bytes * f for f in (1, 2, 4, 8) if vector_bytes * f <= 512]
-    unrolls = [u for u in (1, 2, 4, 8) if (lut_group // 8) % u == 0]
-    return [{"block_rows": b, "unroll": u} for b in blocks for u in unrolls]
+def candidates(spec) -> list[dict]:
+    """Block rows × unroll to try for a ``KernelSpec``'s parameters."""
+    blocks = [spec.vector_bytes * f for f in (1, 2, 4, 8) if spec.vector_bytes * f <= 512]
+    return [{"block_rows": b, "unroll": u} for b in blocks for u in sorted(spec.unrolls())]
 
 
 def tune(fmt, k: int, isa, m: int = 4096, progress=None) -> tuple[dict, list[tuple[dict, float]]]:
@@ -80,7 +80,7 @@ def tune(fmt, k: int, isa, m: int = 4096, progress=None) -> tuple[dict, list[tup
         return sec
 
     spec0 = spec_for_format(qw.format, k, isa, block_rows=isa.vector_bytes)
-    best = min(candidates(isa.vector_bytes, spec0.lut_group), key=lambda t: timed({**t, "n_tile": 4}, x1))
+    best = min(candidates(spec0), key=lambda t: timed({**t, "n_tile": 4}, x1))
     best = {**best, "n_tile": min((2, 4, 8), key=lambda n: timed({**best, "n_tile": n}, xn))}
     spec = spec_for_format(qw.format, k, isa, **best)
     save(key(isa.name, fmt.bits, k, spec.group_size, spec.lut_group, spec.has_zeros), best)
