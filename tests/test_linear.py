@@ -181,13 +181,15 @@ def test_state_dict_round_trip_and_repacking(monkeypatch):
         Linear(256, 100, bits=3, group_size=64).load_state_dict(bad)
 
 
-def test_state_packed_for_a_foreign_isa_is_repacked():
-    """A checkpoint packed on an arm64 (NEON, 16-byte vectors) machine loads here."""
+@pytest.mark.parametrize("bits", [1, 2])
+def test_state_packed_for_a_foreign_isa_is_repacked(bits):
+    """A checkpoint packed on an arm64 (NEON, 16-byte vectors) machine loads here (1 bit: into quads where this CPU
+    has VBMI)."""
     torch.manual_seed(0)
-    qw = tmac.quantize_weight(torch.randn(96, 256), bits=2, group_size=128)
+    qw = tmac.quantize_weight(torch.randn(96, 256), bits=bits, group_size=128)
     arm = Linear.from_quantized(qw, isa="neon")
     local = Linear.from_quantized(qw)
-    local_fresh = Linear(256, 96, bias=False, bits=2, group_size=128)
+    local_fresh = Linear(256, 96, bias=False, bits=bits, group_size=128)
     local_fresh.load_state_dict(arm.state_dict())
     x = torch.randn(3, 256)
     with torch.no_grad():
