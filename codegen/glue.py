@@ -59,6 +59,29 @@ def _bcast(value, lanes: int):
     return value if lanes == 1 else tirx.Broadcast(value, lanes)
 
 
+def _exp(x, lanes: int):
+    """e^x in float32 without libm, which LLVM would call once per lane (8192 scalar expf calls made SiLU 3 % of a
+    1B decode step): 2^n·p(r) with n = round(x·log2 e), r = x − n·ln 2 (|r| ≤ ½ln 2, ln 2 split in two so r is
+    exact to float32), p the Taylor polynomial of degree 7 (truncation error r^8/8! < 6e-9 relative). x is
+    clamped to [−87, 88]: 2^n stays a normal float, so e^x saturates to ≈ 1.6e-38 and 1.7e38 outside."""
+    from tvm import tirx
+
+    def c(v):
+        return _bcast(_f(v), lanes)
+
+    x = tirx.min(tirx.max(x, c(-87.0)), c(88.0))
+    n = tirx.floor(x * c(1.4426950408889634) + c(0.5))
+    r = (x - n * c(0.693145751953125)) - n * c(1.4286068203094172e-06)
+    p = c(1.0 / 5040)
+    for k in (720, 120, 24, 6, 2, 1, 1):
+        p = p * r + c(1.0 / k)
+    i32 = "int32" if lanes == 1 else f"int32x{lanes}"
+    two_n = tirx.reinterpret(F32 if lanes == 1 else f"float32x{lanes}",
+                             (tirx.Cast(i32, n) + _bcast(tirx.IntImm("int32", 127), lanes))
+                             << _bcast(tirx.IntImm("int32", 23), lanes))
+    return p * two_n
+
+
 def _vec(start, lanes: int):
     from tvm import tirx
 
@@ -181,7 +204,7 @@ def attend_func(spec: GlueSpec, widest: int):
                     T.buffer_store(stat, tirx.max(stat[0], SC[head, t]), [0])
                 T.buffer_store(stat, _f(0.0), [1])
                 with T.serial(0, pos + 1) as t:
-                    T.buffer_store(SC, tirx.exp(SC[head, t] - stat[0]), [head, t])
+                    T.buffer_store(SC, _exp(SC[head, t] - stat[0], 1), [head, t])
                     T.buffer_store(stat, stat[1] + SC[head, t], [1])
                 with T.serial(0, pos + 1) as t:
                     T.buffer_store(SC, SC[head, t] / stat[1], [head, t])
@@ -210,7 +233,7 @@ def gated_act_func(spec: GlueSpec, widest: int):
         with T.serial(0, f // lanes) as c:
             g, u = GU[0, _vec(c * lanes, lanes)], GU[0, _vec(f + c * lanes, lanes)]
             if spec.act == "silu":
-                a = g / (_bcast(_f(1.0), lanes) + tirx.exp(_bcast(_f(0.0), lanes) - g))
+                a = g / (_bcast(_f(1.0), lanes) + _exp(_bcast(_f(0.0), lanes) - g, lanes))
             else:  # relu2
                 r = tirx.max(g, _bcast(_f(0.0), lanes))
                 a = r * r
