@@ -12,6 +12,7 @@ import time
 
 from . import cli_generate
 from .formats import GROUP_SIZES, PER_ROW, PER_TENSOR, WeightFormat
+from .kernels import ISA_CHOICES
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("compile", help="compile LUT kernels into a directory (cross-compiles for arm64)")
     c.add_argument("--arch", choices=["x86_64", "arm64"], default=None, help="target architecture (default: this)")
-    c.add_argument("--isa", choices=["avx512", "avx2", "avx2-vnni", "neon", "neon-dotprod", "generic"],
+    c.add_argument("--isa", choices=list(ISA_CHOICES),
                    help="instruction set (default: this CPU's best, or the common one of --arch)")
     c.add_argument("--bits", type=int, choices=[1, 2, 3, 4, 8],
                    help="weights requantized to this many bits (with --model, default: the kernels the file's own "
