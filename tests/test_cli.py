@@ -164,12 +164,14 @@ def test_bench_errors_are_one_line():
 
 def test_compile_for_a_model_gives_every_kernel_it_runs(tmp_path):
     """`tmac compile --model` without --bits compiles the kernels of the file's exact formats (SmolLM2: Q4_1
-    layers and a Q8_0 head); running from that directory with an empty cache then compiles nothing."""
+    layers, with float16 zeros and, for the two tensors whose zeros are not all float16 values, float32 ones, and
+    a Q8_0 head); running from that directory with an empty cache then compiles nothing."""
     r = tmac("compile", "--model", smollm2_path(), "-o", str(tmp_path / "k"))
     assert r.returncode == 0, r.stderr
     specs = [e["spec"] for e in json.load(open(tmp_path / "k" / "manifest.json"))["kernels"]]
-    assert sorted((s["bits"], s["k"], s["has_zeros"]) for s in specs if "bits" in s) == [
-        (4, 576, True), (4, 1536, True), (8, 576, False)]
+    assert sorted((s["bits"], s["k"], s["has_zeros"], s["zero_dtype"]) for s in specs if "bits" in s) == [
+        (4, 576, True, "float16"), (4, 576, True, "float32"), (4, 1536, True, "float16"), (4, 1536, True, "float32"),
+        (8, 576, False, "float32")]
     glue = [s for s in specs if "bits" not in s]  # and the decode glue of its shape
     assert [(s["dim"], s["n_heads"], s["n_kv_heads"], s["ffn_dim"]) for s in glue] == [(576, 9, 3, 1536)]
     env = dict(os.environ, TMAC_KERNEL_DIR=str(tmp_path / "k"), TMAC_CACHE_DIR=str(tmp_path / "empty-cache"))

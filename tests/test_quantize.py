@@ -83,10 +83,29 @@ def test_gguf_q4_1_import_is_exact_on_smollm2():
     reader = gguf.GGUFReader(smollm2_path())
     tensors = [t for t in reader.tensors if t.tensor_type.name == "Q4_1"]
     assert len(tensors) == 210
-    for t in tensors[::7]:
+    half = 0
+    for i, t in enumerate(tensors):
         shape = tuple(int(d) for d in reversed(t.shape))
         qw = import_gguf(t.data, "Q4_1", shape)
-        assert _same_bits(qw.dequantize(), dequantize(t.data, t.tensor_type).reshape(shape)), t.name
+        if i % 7 == 0:
+            assert _same_bits(qw.dequantize(), dequantize(t.data, t.tensor_type).reshape(shape)), t.name
+        half += qw.format.zero_dtype == "float16"
+    assert half == 208  # −(m + 8d) is a float16 value in all blocks of all tensors but two
+
+
+def test_gguf_q4_1_zeros_are_float16_only_where_every_one_is():
+    """Q4_1's zero −(m + 8d) is stored as float16 when, in the whole tensor, it is a float16 value; else float32."""
+    def q4_1(blocks):  # (d, m) per block, codes 0..15 in order
+        return b"".join(np.array([d, m], np.float16).tobytes() + bytes((2 * j) | (2 * j + 1) << 4 for j in range(8))
+                        + bytes(8) for d, m in blocks)
+
+    exact = import_gguf(q4_1([(0.5, -4.0), (0.25, -1.5)]), "Q4_1", (2, 32))
+    assert exact.format.zero_dtype == "float16"
+    inexact = import_gguf(q4_1([(0.5, -4.0), (1000.0, 2.0 ** -14)]), "Q4_1", (2, 32))  # −(8000 + 2^-14)
+    assert inexact.format.zero_dtype == "float32"
+    for qw, blocks in ((exact, q4_1([(0.5, -4.0), (0.25, -1.5)])), (inexact, q4_1([(0.5, -4.0), (1000.0, 2.0 ** -14)]))):
+        ref = dequantize(np.frombuffer(blocks, np.uint8).reshape(2, 20), gguf.GGMLQuantizationType.Q4_1)
+        assert _same_bits(qw.dequantize(), ref.reshape(2, 32))
 
 
 @pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1", "TQ1_0", "TQ2_0"])

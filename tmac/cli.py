@@ -195,9 +195,10 @@ def kernel_formats(args) -> list[tuple[WeightFormat, int]]:
         pairs = [(GGUF_EXACT[t], k) for t, k in model_layers(args.model) if t in GGUF_EXACT]
         if not pairs:
             raise ValueError(f"{args.model}: no tensor imports exactly (Q4_0/Q4_1/Q8_0/TQ1_0/TQ2_0); give --bits")
-        # ternary rows whose blocks share one scale import per row (ternary triples); which rows do is in the
-        # blocks, not the header, so both kernels are built
-        return pairs + [(fmt.per_row(), k) for fmt, k in pairs if fmt.ternary]
+        # ternary rows whose blocks share one scale import per row (ternary triples), zeros that all are float16
+        # values import as float16; which tensors do is in the blocks, not the header, so both kernels are built
+        return pairs + [(fmt.per_row(), k) for fmt, k in pairs if fmt.ternary] + \
+            [(fmt.with_half_zeros(), k) for fmt, k in pairs if fmt.has_zeros and fmt.zero_dtype != "float16"]
     fmt = WeightFormat.rtn(args.bits, parse_group_size(args.group_size), args.symmetric)
     ks = {parse_shape(s)[1] for s in args.shape} if args.shape else {k for _, k in model_layers(args.model)}
     return [(fmt, k) for k in sorted(ks)]

@@ -10,7 +10,8 @@ This one convention covers symmetric round-to-nearest (z = 0), asymmetric min/ma
 
 Scales and zeros are stored as float16 where the format guarantees every value is exactly one (GGUF's ``d``;
 the round-to-nearest quantizers, which round their parameters before choosing codes): at 2 bits and group 128
-that is 2.25 instead of 2.5 bits streamed per weight. Otherwise float32.
+that is 2.25 instead of 2.5 bits streamed per weight. Otherwise float32, unless an imported tensor's values all
+are float16 (``with_half_zeros``).
 
 ``FORMATS`` is the table of named formats (what importers produce); ``WeightFormat.rtn`` builds the
 parametric ones the float quantizers produce. Everything else — quantizers, importers, packing, kernels,
@@ -80,6 +81,11 @@ class WeightFormat:
         if self.group_size == PER_TENSOR:
             return (1, 1)
         return (m, self.groups_per_row(k))
+
+    def with_half_zeros(self) -> "WeightFormat":
+        """This format with float16 zeros, for a tensor whose zeros all happen to be float16 values (Q4_1's
+        −(m + 8d) nearly always is: 5.0 instead of 5.5 bits streamed per weight)."""
+        return dataclasses.replace(self, name=f"{self.name}_zh", gguf=None, zero_dtype="float16")
 
     def per_row(self) -> "WeightFormat":
         """This format with one scale per row (fused rows of per-tensor parts; GGUF blocks sharing a scale)."""

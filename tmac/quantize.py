@@ -152,6 +152,9 @@ def import_gguf(data, type_name: str, shape: tuple[int, int]) -> QuantizedWeight
     if bad.any():
         raise ValueError(f"GGUF {type_name} tensor has {int(bad.sum())} blocks with NaN/inf scale or min")
     codes = codes.reshape(m, k)
+    if zeros is not None and fmt.zero_dtype != "float16" and \
+            np.array_equal(zeros.astype(np.float16).astype(zeros.dtype), zeros):
+        fmt = fmt.with_half_zeros()
     if fmt.ternary:
         row_scales = _uniform_row_scales(codes, scales, blk.block_size)
         if row_scales is not None:  # BitNet conversions: one scale per tensor, repeated in every block
