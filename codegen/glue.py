@@ -88,11 +88,12 @@ def _vec(start, lanes: int):
     return tirx.Ramp(start, 1, lanes) if lanes > 1 else start
 
 
-def _lane_fold(T, n: int, lanes: int, op, term):
-    """``op`` folded over ``term(at)`` for the ``n/lanes`` vectors ``at``: per lane in a loop, then across lanes.
-    ``term`` may also emit stores, which land inside the loop."""
+def _lane_fold(T, n, lanes: int, op, term, init: float = 0.0):
+    """``op`` folded over ``term(at)`` for the ``n // lanes`` whole vectors ``at`` (``n`` may be a runtime value),
+    starting from ``init``: per lane in a loop, then across lanes. ``term`` may also emit stores, which land inside
+    the loop."""
     acc = T.alloc_buffer((lanes,), F32, scope="global")
-    T.buffer_store(acc, _bcast(_f(0.0), lanes), [_vec(0, lanes)])
+    T.buffer_store(acc, _bcast(_f(init), lanes), [_vec(0, lanes)])
     with T.serial(0, n // lanes) as c:
         T.buffer_store(acc, op(acc[_vec(0, lanes)], term(_vec(c * lanes, lanes))), [_vec(0, lanes)])
     return _fold(acc[_vec(0, lanes)], lanes, op)
@@ -198,15 +199,26 @@ def attend_func(spec: GlueSpec, widest: int):
                             sums[n] = sums[n] + dot if n in sums else dot
                         folded = [_fold(v, n, lambda a, b: a + b) for n, v in sums.items()]
                         T.buffer_store(SC, functools.reduce(lambda a, b: a + b, folded), [head, t])
+            sl = widest  # softmax: whole vectors of the positions, then the rest one by one
             with T.serial(0, h) as head:
-                T.buffer_store(stat, SC[head, 0], [0])
-                with T.serial(1, pos + 1) as t:
+                n_t = pos + 1
+                whole = n_t // sl * sl
+
+                def exponentiated(at):  # e^(s − max) stored in place, and read back for the sum
+                    T.buffer_store(SC, _exp(SC[head, at] - _bcast(stat[0], sl), sl), [head, at])
+                    return SC[head, at]
+
+                T.buffer_store(stat, _lane_fold(T, n_t, sl, tirx.max, lambda at: SC[head, at], -3.0e38), [0])
+                with T.serial(whole, n_t) as t:
                     T.buffer_store(stat, tirx.max(stat[0], SC[head, t]), [0])
-                T.buffer_store(stat, _f(0.0), [1])
-                with T.serial(0, pos + 1) as t:
+                T.buffer_store(stat, _lane_fold(T, n_t, sl, lambda a, b: a + b, exponentiated), [1])
+                with T.serial(whole, n_t) as t:
                     T.buffer_store(SC, _exp(SC[head, t] - stat[0], 1), [head, t])
                     T.buffer_store(stat, stat[1] + SC[head, t], [1])
-                with T.serial(0, pos + 1) as t:
+                with T.serial(0, n_t // sl) as c:
+                    at = _vec(c * sl, sl)
+                    T.buffer_store(SC, SC[head, at] / _bcast(stat[1], sl), [head, at])
+                with T.serial(whole, n_t) as t:
                     T.buffer_store(SC, SC[head, t] / stat[1], [head, t])
             with T.serial(0, kv) as kh:  # values: each cached value is read once for the heads sharing it
                 for g in range(group):

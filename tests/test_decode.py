@@ -84,11 +84,11 @@ def _attend_ref(qkv, cos, sin, ck, cv, pos, h, kv, hd):
 def test_attend_matches_its_math(isa, heads, rng):
     h, kv, hd = heads
     _, g = _glue(isa, n_heads=h, n_kv_heads=kv, head_dim=hd)
-    ctx = 12
+    ctx = 40  # the softmax runs over whole vectors of positions (4, 8 or 16 lanes), then the rest one by one
     angles = rng.uniform(0, 6, (ctx, 1, hd // 2))
     cos = np.cos(np.concatenate([angles, angles], -1)).astype(np.float32)
     sin = np.sin(np.concatenate([angles, angles], -1)).astype(np.float32)
-    for pos in (0, 5, ctx - 1):
+    for pos in (0, 5, 15, 16, 31, ctx - 1):
         qkv = rng.standard_normal((1, (h + 2 * kv) * hd)).astype(np.float32)
         ck, cv = rng.standard_normal((2, kv, ctx, hd)).astype(np.float32)
         ref, ref_k, ref_v = _attend_ref(qkv, cos, sin, ck, cv, pos, h, kv, hd)
