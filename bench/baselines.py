@@ -2,7 +2,7 @@
 import numpy as np
 import torch
 
-from tmac.bench import int4_linear, int4pack  # noqa: F401  (re-exported for the benches)
+from tmac.bench import bench_group, int4_linear, int4pack  # noqa: F401  (re-exported for the benches)
 
 COLD_BYTES = 1 << 30  # cycle through this many bytes of weight copies to defeat the caches
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from baselines import COLD_BYTES, int4_linear, int4pack, random_weights
+from baselines import COLD_BYTES, bench_group, int4_linear, int4pack, random_weights
 from conftest import BYTES, record
 from tmac import quantize_weight
 from tmac.lut_ops import LutWeight
@@ -21,7 +21,7 @@ def _candidates(m, k):
     w = random_weights(m, k)
     x = torch.randn(1, k)
     xb = x.to(torch.bfloat16)
-    group = 128 if k % 128 == 0 else 64  # K=8640 (BitNet-3B's down projection) is a multiple of 64 only
+    group = bench_group(k)
     out = {
         "torch fp32": (lambda: w.clone(), lambda c: F.linear(x, c), m * k * 4),
         "torch bf16": (lambda: w.to(torch.bfloat16), lambda c: F.linear(xb, c), m * k * 2),

@@ -41,6 +41,12 @@ def median_seconds(fn, min_seconds: float = 0.3, min_runs: int = 5) -> float:
     return statistics.median(times)
 
 
+def bench_group(k: int) -> int:
+    """The group size GEMV benchmarks use for K inputs, for tmac and torch int4 alike: 128, else the largest of 64
+    and 32 that divides K (BitNet-3B's K = 8640 is a multiple of 64 only)."""
+    return next(g for g in (128, 64, 32) if k % g == 0)
+
+
 def int4pack(w, group: int = 128):
     """Asymmetric 4-bit groups in the layout of torch's ``_weight_int4pack_mm_for_cpu``: (packed, scales_zeros)."""
     import torch
@@ -103,11 +109,10 @@ def kernel_bench(shapes, bits_list, threads_list, notes: list[str], progress=Non
         xb, wb = x.to(torch.bfloat16), w.to(torch.bfloat16)
         cands = {"torch fp32": (lambda: F.linear(x, w), m * k * 4),
                  "torch bf16": (lambda: F.linear(xb, wb), m * k * 2)}
-        if k % 128 == 0:
-            packed4 = int4pack(w)
-            cands["torch int4wo"] = (lambda: int4_linear(xb, packed4), m * k // 2 + m * k // 128 * 4)
+        group = bench_group(k)
+        packed4 = int4pack(w, group)
+        cands["torch int4wo"] = (lambda: int4_linear(xb, packed4, group), m * k // 2 + m * k // group * 4)
         for bits in bits_list:
-            group = 128 if k % 128 == 0 else 32
             lw = LutWeight.from_quantized(quantize_weight(w.numpy(), bits=bits, group_size=group))
             cands[f"tmac W{bits}"] = (lambda lw=lw: lw.matmul(x), lw.nbytes)
         for threads in measured_threads(threads_list, notes):
