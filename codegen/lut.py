@@ -171,8 +171,8 @@ def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str):
                                                 if masks is not None:
                                                     looked = [negated_where(x, mk) for x, mk in zip(looked, masks)]
                                                 a = v * n_tile + r
-                                                T.buffer_store(acc, isa.accumulate(acc[a], looked, p, weighted=not spec.quads),
-                                                               [a])
+                                                total = isa.accumulate(acc[a], looked, p, weighted=not spec.quads)
+                                                T.buffer_store(acc, total, [a])
                         wgi = 0 if spec.triples else g // lut_groups_per_wg
                         for r in range(n_tile):
                             row = nt * n_tile + r

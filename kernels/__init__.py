@@ -3,7 +3,8 @@
 Each ``Isa`` says once what an instruction set is (LLVM target, vector width, the CPU features it needs) and
 offers the same three primitives the code generator composes:
 
-- ``lookup(table16, idx)``: 16-entry int8 table lookup, one table broadcast to every 16-byte lane;
+- ``lookup(table16, idx)``: 16-entry int8 table lookup, one table broadcast to every 16-byte lane (and, where
+  ``wide_lookup``, ``lookup64``: one 64-entry table, four adjacent tables at once);
 - ``accumulate(acc, looked, planes)``: add looked-up int8 values into wider accumulators, summing the
   ``planes`` interleaved bit-plane bytes of a row with weights 1, 2, 4, 8 (the dot-product trick);
 - ``acc_dtype(planes)``: the accumulator vector type that goes with it.
@@ -25,8 +26,8 @@ ISAS: dict[str, Isa] = {i.name: i for i in (AVX512_VBMI, AVX512_VNNI, AVX512, AV
                                             NEON_DOTPROD, NEON, GENERIC_ARM64)}
 
 # the names `tmac compile --isa` accepts → the best variant of that family a machine could have
-ISA_CHOICES = {"avx512": "avx512_vnni", "avx512-vbmi": "avx512_vbmi", "avx2": "avx2", "avx2-vnni": "avx2_vnni", "neon": "neon",
-               "neon-dotprod": "neon_dotprod", "generic": None}
+ISA_CHOICES = {"avx512": "avx512_vnni", "avx512-vbmi": "avx512_vbmi", "avx2": "avx2", "avx2-vnni": "avx2_vnni",
+               "neon": "neon", "neon-dotprod": "neon_dotprod", "generic": None}
 
 
 def isa_by_name(name: str) -> Isa:

@@ -103,8 +103,8 @@ def test_gguf_q4_1_zeros_are_float16_only_where_every_one_is():
     assert exact.format.zero_dtype == "float16"
     inexact = import_gguf(q4_1([(0.5, -4.0), (1000.0, 2.0 ** -14)]), "Q4_1", (2, 32))  # −(8000 + 2^-14)
     assert inexact.format.zero_dtype == "float32"
-    for qw, blocks in ((exact, q4_1([(0.5, -4.0), (0.25, -1.5)])), (inexact, q4_1([(0.5, -4.0), (1000.0, 2.0 ** -14)]))):
-        ref = dequantize(np.frombuffer(blocks, np.uint8).reshape(2, 20), gguf.GGMLQuantizationType.Q4_1)
+    for qw, params in ((exact, [(0.5, -4.0), (0.25, -1.5)]), (inexact, [(0.5, -4.0), (1000.0, 2.0 ** -14)])):
+        ref = dequantize(np.frombuffer(q4_1(params), np.uint8).reshape(2, 20), gguf.GGMLQuantizationType.Q4_1)
         assert _same_bits(qw.dequantize(), ref.reshape(2, 32))
 
 
