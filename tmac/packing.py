@@ -107,7 +107,7 @@ class KernelSpec:
                                 f"lut_group {TRIPLE_LUT_GROUP}")
         elif lg not in (32, 64, 128, 256) or k % lg or g % lg:
             problems.append(f"lut_group={lg} must be 32/64/128/256 and divide K={k} and the group size {g}")
-        if self.quads and not (self.triples or self.bits == 1) or self.quads and vl != 64:
+        if self.quads and (vl != 64 or not (self.triples or self.bits == 1)):
             problems.append("quads need one-plane weights (1 bit or triples) and 64-byte vectors")
         if vl not in (16, 32, 64):
             problems.append(f"vector_bytes={vl} must be 16, 32 or 64")
@@ -130,8 +130,8 @@ class KernelSpec:
 
     @property
     def row_bytes(self) -> int:
-        """Bytes of one row in a weight vector."""
-        return 4 if self.quads else 1 if self.triples else self.bits
+        """Bytes of one row in the weight vectors of one table pair (all chunks)."""
+        return sum(planes for _, planes in self.chunks)
 
     @property
     def steps_per_lut_group(self) -> int:

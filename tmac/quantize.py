@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from .formats import FORMATS, GGUF_EXACT, PER_TENSOR, WeightFormat, check_bits
-from .qweight import QuantizedWeight
+from .qweight import QuantizedWeight, all_float16
 
 
 def quantize_weight(w, bits: int = 2, group_size: int | str = 128, symmetric: bool = False,
@@ -152,8 +152,7 @@ def import_gguf(data, type_name: str, shape: tuple[int, int]) -> QuantizedWeight
     if bad.any():
         raise ValueError(f"GGUF {type_name} tensor has {int(bad.sum())} blocks with NaN/inf scale or min")
     codes = codes.reshape(m, k)
-    if zeros is not None and fmt.zero_dtype != "float16" and \
-            np.array_equal(zeros.astype(np.float16).astype(zeros.dtype), zeros):
+    if zeros is not None and fmt.zero_dtype != "float16" and all_float16(zeros):
         fmt = fmt.with_half_zeros()
     if fmt.ternary:
         row_scales = _uniform_row_scales(codes, scales, blk.block_size)

@@ -103,11 +103,16 @@ def _check_params(name: str, a, shape: tuple[int, int], storage: str) -> None:
         raise ValueError(f"{name} must have shape {shape}, got {a.shape}")
     if not np.isfinite(a).all():
         raise ValueError(f"{name} contain NaN or inf")
-    if storage == "float16" and a.dtype != np.float16:
-        with np.errstate(over="ignore"):
-            exact = np.array_equal(a.astype(np.float16).astype(a.dtype), a)
-        if not exact:
-            raise ValueError(f"{name} are not all exactly float16 values, as their format promises")
+    if storage == "float16" and not all_float16(a):
+        raise ValueError(f"{name} are not all exactly float16 values, as their format promises")
+
+
+def all_float16(a: np.ndarray) -> bool:
+    """Whether every value of the float array ``a`` is exactly a float16 value (what float16 storage needs)."""
+    if a.dtype == np.float16:
+        return True
+    with np.errstate(over="ignore"):
+        return bool(np.array_equal(a.astype(np.float16).astype(a.dtype), a))
 
 
 def _describe(a) -> str:
