@@ -8,13 +8,21 @@ run in vector lanes and are folded once at the end.
 
 from __future__ import annotations
 
-import functools
-
-from tmac.glue import GlueSpec
+from tmac.glue import KV_BLOCK, GlueSpec
 
 from .tir import arg, prim_func
 
 F32 = "float32"
+
+
+# TVM keeps a scratch buffer smaller than this on the stack; a larger one comes from its workspace allocator, memory
+# LLVM cannot tell from the arguments, so an accumulator kept there is stored back on every loop iteration
+STACK_BYTES = 1024
+
+
+def _heads_per_pass(group: int, floats_per_head: int) -> int:
+    """The most heads of a kv head's group (a divisor of it) whose float32 accumulators stay on the stack."""
+    return max(d for d in range(1, group + 1) if group % d == 0 and (d == 1 or d * floats_per_head * 4 < STACK_BYTES))
 
 
 def _lanes(n: int, widest: int) -> int:
@@ -149,24 +157,34 @@ def attend_func(spec: GlueSpec, widest: int):
     from tvm import tirx
     from tvm.script.ir_builder import tirx as T
 
-    h, kv, hd = spec.n_heads, spec.n_kv_heads, spec.head_dim
+    h, kv, hd, kvd, blk = spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.kv_dtype, KV_BLOCK
     group, half = h // kv, hd // 2
     lr = _lanes(half, widest)  # vectors over the rotation halves
     spans = _spans(hd, widest)  # and over a whole head (head_dim 100: six of 16 lanes and one of 4)
+
+    def widen(x, lanes):  # a cache load as float32 (vcvtph2ps, fcvtl)
+        return x if kvd == F32 else tirx.Cast(F32 if lanes == 1 else f"float32x{lanes}", x)
+
+    def narrow(x, lanes):  # a float32 value as the cache stores it, rounded to nearest even (as torch's .half())
+        return x if kvd == F32 else tirx.Cast(kvd if lanes == 1 else f"{kvd}x{lanes}", x)
+
     with prim_func("attend") as ib:
-        ctx = T.int32()
+        ctx, nb = T.int32(), T.int32()
         QKV = arg("qkv", (1, (h + 2 * kv) * hd))
         COS = arg("cos", (ctx, 1, hd))
         SIN = arg("sin", (ctx, 1, hd))
-        CK = arg("cache_k", (kv, ctx, hd))
-        CV = arg("cache_v", (kv, ctx, hd))
-        SC = arg("scores", (h, ctx))
+        CK = arg("cache_k", (kv, nb, hd, blk), kvd)
+        CV = arg("cache_v", (kv, nb * blk, hd), kvd)
+        SC = arg("scores", (h, nb * blk))
         pos = T.arg("pos", T.int32())
         OUT = arg("out", (1, h * hd))
         # the rotated, scaled queries live in ``out`` until the values accumulate there: scratch buffers accessed
         # in more than one vector width segfault TVM 0.27's storage rewrite (argument buffers are fine)
         q = OUT
+        keys_flat = T.decl_buffer((kv * nb * hd * blk,), kvd, data=CK.data)  # the new key's lanes are blk apart
         stat = T.alloc_buffer((2,), F32, scope="global")  # running max, then the sum of exponentials
+        hq, hv = _heads_per_pass(group, blk), _heads_per_pass(group, hd)  # heads sharing a pass over keys, values
+        acc = T.alloc_buffer((hq * blk,), F32, scope="global")  # one block's scores of the pass's heads
 
         def rotated(head, c):
             """The two rotated halves of vector ``c`` of ``head`` (q heads first, then k heads)."""
@@ -175,7 +193,8 @@ def attend_func(spec: GlueSpec, widest: int):
             c2, s2 = COS[pos, 0, _vec(half + c * lr, lr)], SIN[pos, 0, _vec(half + c * lr, lr)]
             return x1 * c1 + (_bcast(_f(0.0), lr) - x2) * s1, x2 * c2 + x1 * s2
 
-        with T.Assert(tirx.all(0 <= pos, pos < ctx), "attend: position outside the KV cache", "ValueError"):
+        with T.Assert(tirx.all(0 <= pos, pos < ctx, pos < nb * blk), "attend: position outside the KV cache",
+                      "ValueError"):
             scale = _bcast(_f(hd ** -0.5), lr)
             with T.serial(0, h) as head:
                 with T.serial(0, half // lr) as c:
@@ -183,22 +202,25 @@ def attend_func(spec: GlueSpec, widest: int):
                     T.buffer_store(q, r1 * scale, [0, _vec(head * hd + c * lr, lr)])
                     T.buffer_store(q, r2 * scale, [0, _vec(head * hd + half + c * lr, lr)])
             with T.serial(0, kv) as kh:
+                key = (kh * nb + pos // blk) * hd * blk + pos % blk  # of dimension 0 of the new key
                 with T.serial(0, half // lr) as c:
-                    r1, r2 = rotated(h + kh, c)
-                    T.buffer_store(CK, r1, [kh, pos, _vec(c * lr, lr)])
-                    T.buffer_store(CK, r2, [kh, pos, _vec(half + c * lr, lr)])
+                    for r, d0 in zip(rotated(h + kh, c), (c * lr, half + c * lr)):
+                        T.buffer_store(keys_flat, narrow(r, lr),
+                                       [tirx.Ramp(key + d0 * blk, blk, lr) if lr > 1 else key + d0 * blk])
                 for at, n in spans:
-                    T.buffer_store(CV, QKV[0, _vec((h + kv + kh) * hd + at, n)], [kh, pos, _vec(at, n)])
-            with T.serial(0, kv) as kh:  # scores: each cached key is read once for the heads sharing it
-                with T.serial(0, pos + 1) as t:
-                    for g in range(group):
-                        head = kh * group + g
-                        sums: dict[int, object] = {}  # per vector width, folded once at the end
-                        for at, n in spans:
-                            dot = q[0, _vec(head * hd + at, n)] * CK[kh, t, _vec(at, n)]
-                            sums[n] = sums[n] + dot if n in sums else dot
-                        folded = [_fold(v, n, lambda a, b: a + b) for n, v in sums.items()]
-                        T.buffer_store(SC, functools.reduce(lambda a, b: a + b, folded), [head, t])
+                    T.buffer_store(CV, narrow(QKV[0, _vec((h + kv + kh) * hd + at, n)], n), [kh, pos, _vec(at, n)])
+            with T.serial(0, kv * (group // hq)) as kp:  # scores, a block of positions at a time, a key read once
+                kh = kp // (group // hq)                 # per pass (for all the heads sharing it, in most models)
+                with T.serial(0, pos // blk + 1) as b:
+                    for g in range(hq):
+                        T.buffer_store(acc, _bcast(_f(0.0), blk), [_vec(g * blk, blk)])
+                    with T.serial(0, hd) as d:
+                        k_d = widen(CK[kh, b, d, _vec(0, blk)], blk)
+                        for g in range(hq):
+                            qd = _bcast(q[0, (kp * hq + g) * hd + d], blk)
+                            T.buffer_store(acc, acc[_vec(g * blk, blk)] + qd * k_d, [_vec(g * blk, blk)])
+                    for g in range(hq):  # the block's positions past ``pos`` get scores nobody reads
+                        T.buffer_store(SC, acc[_vec(g * blk, blk)], [kp * hq + g, _vec(b * blk, blk)])
             sl = widest  # softmax: whole vectors of the positions, then the rest one by one
             with T.serial(0, h) as head:
                 n_t = pos + 1
@@ -220,16 +242,31 @@ def attend_func(spec: GlueSpec, widest: int):
                     T.buffer_store(SC, SC[head, at] / _bcast(stat[1], sl), [head, at])
                 with T.serial(whole, n_t) as t:
                     T.buffer_store(SC, SC[head, t] / stat[1], [head, t])
-            with T.serial(0, kv) as kh:  # values: each cached value is read once for the heads sharing it
-                for g in range(group):
+            # values: a cached value is read once per pass, summed in scratch vectors for the pass's heads (stores
+            # to ``out`` inside the loop would stay there: LLVM cannot tell ``out`` from the caches)
+            slots = {at: (n, [m for _, m in spans[:i]].count(n)) for i, (at, n) in enumerate(spans)}  # width, index
+            sums = {n: T.alloc_buffer((hv * len(spans) * n,), F32, scope="global") for n in {n for _, n in spans}}
+
+            def summed(g, at):
+                n, j = slots[at]
+                return sums[n], _vec((g * len(spans) + j) * n, n)
+
+            with T.serial(0, kv * (group // hv)) as vp:
+                kh = vp // (group // hv)
+                for g in range(hv):
                     for at, n in spans:
-                        T.buffer_store(OUT, _bcast(_f(0.0), n), [0, _vec((kh * group + g) * hd + at, n)])
+                        buf, i = summed(g, at)
+                        T.buffer_store(buf, _bcast(_f(0.0), n), [i])
                 with T.serial(0, pos + 1) as t:
-                    for g in range(group):
-                        for at, n in spans:
-                            o = _vec((kh * group + g) * hd + at, n)
-                            T.buffer_store(OUT, OUT[0, o] + _bcast(SC[kh * group + g, t], n) * CV[kh, t, _vec(at, n)],
-                                           [0, o])
+                    for at, n in spans:
+                        v = widen(CV[kh, t, _vec(at, n)], n)
+                        for g in range(hv):
+                            buf, i = summed(g, at)
+                            T.buffer_store(buf, buf[i] + _bcast(SC[vp * hv + g, t], n) * v, [i])
+                for g in range(hv):
+                    for at, n in spans:
+                        buf, i = summed(g, at)
+                        T.buffer_store(OUT, buf[i], [0, _vec((vp * hv + g) * hd + at, n)])
     return ib.get()
 
 

@@ -69,11 +69,11 @@ def _projection(module: nn.Module, x: torch.Tensor, out: torch.Tensor, tables: d
     return calls
 
 
-def glue_spec(cfg, bitnet: bool, act_quant: bool, isa) -> GlueSpec:
+def glue_spec(cfg, bitnet: bool, act_quant: bool, isa, kv_dtype: str = "float16") -> GlueSpec:
     """The glue kernels a model of config ``cfg`` (Llama, or BitNet with ``bitnet``; with int8 activations in front
-    of some projections with ``act_quant``) decodes with on ``isa``."""
+    of some projections with ``act_quant``) decodes with on ``isa``, with a KV cache of ``kv_dtype``."""
     return GlueSpec(isa.name, isa.vector_bytes, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim,
-                    "relu2" if bitnet else "silu", bitnet, act_quant)
+                    "relu2" if bitnet else "silu", bitnet, act_quant, kv_dtype)
 
 
 QUANTIZE = {"xn": "quantize_dim", "att": "quantize_q", "att_n": "quantize_q", "hid": "quantize_ffn",
@@ -112,13 +112,13 @@ class DecodePlan:
             raise _Unsupported("float projections")
         isa = isa_by_name(first.spec.isa)
         act_quant = any(isinstance(m, ActivationQuantized) for m in model.modules())
-        glue = runtime.load_kernels(glue_spec(cfg, bitnet, act_quant, isa), isa)
+        glue = runtime.load_kernels(glue_spec(cfg, bitnet, act_quant, isa, model.kv_dtype), isa)
         q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
         names = {"x": cfg.dim, "delta": cfg.dim, "zero": cfg.dim, "xn": cfg.dim, "qkv": q_dim + 2 * kv_dim,
                  "att": q_dim, "att_n": q_dim, "gu": 2 * cfg.ffn_dim, "hid": cfg.ffn_dim, "hid_n": cfg.ffn_dim,
                  "logits": cfg.vocab_size}
         buf = {name: torch.zeros((1, n)) for name, n in names.items()}
-        scores = torch.zeros((cfg.n_heads, model.context))
+        scores = torch.zeros((cfg.n_heads, model.cache_v.shape[2]))  # the cache's positions, whole key blocks
         tables: dict = {}
         h = {name: _handle(t) for name, t in buf.items()}
         cos, sin, sc = _handle(model.cos), _handle(model.sin), _handle(scores)

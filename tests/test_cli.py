@@ -165,7 +165,8 @@ def test_bench_errors_are_one_line():
 def test_compile_for_a_model_gives_every_kernel_it_runs(tmp_path):
     """`tmac compile --model` without --bits compiles the kernels of the file's exact formats (SmolLM2: Q4_1
     layers, with float16 zeros and, for the two tensors whose zeros are not all float16 values, float32 ones, and
-    a Q8_0 head); running from that directory with an empty cache then compiles nothing."""
+    a Q8_0 head) and the decode glue for both KV cache dtypes; running from that directory with an empty cache then
+    compiles nothing, with either cache."""
     r = tmac("compile", "--model", smollm2_path(), "-o", str(tmp_path / "k"))
     assert r.returncode == 0, r.stderr
     specs = [e["spec"] for e in json.load(open(tmp_path / "k" / "manifest.json"))["kernels"]]
@@ -173,11 +174,13 @@ def test_compile_for_a_model_gives_every_kernel_it_runs(tmp_path):
         (4, 576, True, "float16"), (4, 576, True, "float32"), (4, 1536, True, "float16"), (4, 1536, True, "float32"),
         (8, 576, False, "float32")]
     glue = [s for s in specs if "bits" not in s]  # and the decode glue of its shape
-    assert [(s["dim"], s["n_heads"], s["n_kv_heads"], s["ffn_dim"]) for s in glue] == [(576, 9, 3, 1536)]
+    assert sorted((s["dim"], s["n_heads"], s["n_kv_heads"], s["ffn_dim"], s["kv_dtype"]) for s in glue) == [
+        (576, 9, 3, 1536, "float16"), (576, 9, 3, 1536, "float32")]
     env = dict(os.environ, TMAC_KERNEL_DIR=str(tmp_path / "k"), TMAC_CACHE_DIR=str(tmp_path / "empty-cache"))
-    r = tmac("run", "-p", "Hi", "-n", "4", "--json", env=env)
-    assert r.returncode == 0 and "compiling" not in r.stderr, r.stderr
-    assert len(json.loads(r.stdout)["generated_ids"]) > 0
+    for kv in ("float16", "float32"):
+        r = tmac("run", "-p", "Hi", "-n", "4", "--json", "--kv-dtype", kv, env=env)
+        assert r.returncode == 0 and "compiling" not in r.stderr, r.stderr
+        assert len(json.loads(r.stdout)["generated_ids"]) > 0
     r = tmac("compile", "--shape", "64x128", "-o", str(tmp_path / "x"))
     assert r.returncode == 1 and "--bits is required" in r.stderr
 

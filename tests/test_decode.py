@@ -62,14 +62,16 @@ def test_norms_and_activations_match_their_math(isa, rng):
 
 
 def _attend_ref(qkv, cos, sin, ck, cv, pos, h, kv, hd):
-    """RoPE ("rotate half"), the cache write at ``pos`` and grouped-query attention over ``0..pos``, in float64."""
+    """RoPE ("rotate half"), the cache write at ``pos`` (rounded to the caches' dtype) and grouped-query attention
+    over ``0..pos``, in float64. Caches ``[kv, positions, head_dim]``."""
     qkv, cos, sin = (a.astype(np.float64) for a in (qkv[0], cos[pos, 0], sin[pos, 0]))
     heads = qkv[:(h + kv) * hd].reshape(h + kv, hd)
     rot = np.concatenate([-heads[:, hd // 2:], heads[:, :hd // 2]], axis=1)
     roped = heads * cos + rot * sin
-    ck, cv = ck.astype(np.float64), cv.astype(np.float64)
+    ck, cv = ck.copy(), cv.copy()
     ck[:, pos] = roped[h:]
     cv[:, pos] = qkv[(h + kv) * hd:].reshape(kv, hd)
+    ck, cv = ck.astype(np.float64), cv.astype(np.float64)
     out = np.empty((h, hd))
     for head in range(h):
         kh = head // (h // kv)
@@ -79,23 +81,42 @@ def _attend_ref(qkv, cos, sin, ck, cv, pos, h, kv, hd):
     return out.reshape(1, -1), ck, cv
 
 
+def _key_blocks(keys):
+    """``[kv, positions, head_dim]`` keys in the cache's layout ``[kv, positions/16, head_dim, 16]`` (positions
+    padded with zeros to whole blocks of 16)."""
+    kv, n, hd = keys.shape
+    nb = -(-n // 16)
+    padded = np.zeros((kv, nb * 16, hd), keys.dtype)
+    padded[:, :n] = keys
+    return np.ascontiguousarray(padded.reshape(kv, nb, 16, hd).transpose(0, 1, 3, 2))
+
+
+def _keys_of_blocks(blocks, n):
+    """The first ``n`` positions ``[..., n, head_dim]`` of keys in the cache's layout ``[..., blocks, head_dim, 16]``."""
+    *lead, nb, hd, _ = blocks.shape
+    return np.swapaxes(blocks, -1, -2).reshape(*lead, nb * 16, hd)[..., :n, :]
+
+
 @pytest.mark.parametrize("isa", runnable_isas())
 @pytest.mark.parametrize("heads", [(6, 2, 16), (4, 4, 20), (8, 1, 64)], ids=["gqa", "mha-hd20", "mqa"])
-def test_attend_matches_its_math(isa, heads, rng):
+@pytest.mark.parametrize("kv_dtype", ["float16", "float32"])
+def test_attend_matches_its_math(isa, heads, kv_dtype, rng):
     h, kv, hd = heads
-    _, g = _glue(isa, n_heads=h, n_kv_heads=kv, head_dim=hd)
-    ctx = 40  # the softmax runs over whole vectors of positions (4, 8 or 16 lanes), then the rest one by one
+    _, g = _glue(isa, n_heads=h, n_kv_heads=kv, head_dim=hd, kv_dtype=kv_dtype)
+    ctx = 40  # keys score in blocks of 16 positions; the softmax runs over whole vectors (4, 8 or 16 lanes)
     angles = rng.uniform(0, 6, (ctx, 1, hd // 2))
     cos = np.cos(np.concatenate([angles, angles], -1)).astype(np.float32)
     sin = np.sin(np.concatenate([angles, angles], -1)).astype(np.float32)
-    for pos in (0, 5, 15, 16, 31, ctx - 1):
+    for pos in (0, 5, 15, 16, 31, 32, ctx - 1):
         qkv = rng.standard_normal((1, (h + 2 * kv) * hd)).astype(np.float32)
-        ck, cv = rng.standard_normal((2, kv, ctx, hd)).astype(np.float32)
+        ck, cv = rng.standard_normal((2, kv, 48, hd)).astype(kv_dtype)  # 40 positions in 3 blocks
         ref, ref_k, ref_v = _attend_ref(qkv, cos, sin, ck, cv, pos, h, kv, hd)
-        tk, tv, out = torch.from_numpy(ck.copy()), torch.from_numpy(cv.copy()), torch.zeros(1, h * hd)
-        g.attend(torch.from_numpy(qkv), torch.from_numpy(cos), torch.from_numpy(sin), tk, tv, torch.zeros(h, ctx),
+        tk, tv, out = torch.from_numpy(_key_blocks(ck)), torch.from_numpy(cv.copy()), torch.zeros(1, h * hd)
+        g.attend(torch.from_numpy(qkv), torch.from_numpy(cos), torch.from_numpy(sin), tk, tv, torch.zeros(h, 48),
                  pos, out)
-        np.testing.assert_allclose(tk.numpy(), ref_k, rtol=1e-5, atol=1e-6)
+        # float16: the kernel rounds its float32 rotation, the reference its float64 one: one unit apart at most
+        np.testing.assert_allclose(_keys_of_blocks(tk.numpy(), 48), ref_k, rtol=1e-3 if kv_dtype == "float16" else
+                                   1e-5, atol=1e-6)
         np.testing.assert_array_equal(tv.numpy(), ref_v)
         np.testing.assert_allclose(out.numpy(), ref, rtol=1e-4, atol=1e-5)
 
@@ -104,13 +125,19 @@ def test_attend_refuses_positions_outside_the_cache():
     isa = runnable_isas()[0]
     _, g = _glue(isa)
     ctx = 8
-    args = [torch.zeros(1, 10 * 16), torch.zeros(ctx, 1, 16), torch.zeros(ctx, 1, 16), torch.zeros(2, ctx, 16),
-            torch.zeros(2, ctx, 16), torch.zeros(6, ctx)]
+    args = [torch.zeros(1, 10 * 16), torch.zeros(ctx, 1, 16), torch.zeros(ctx, 1, 16),
+            torch.zeros(2, 1, 16, 16, dtype=torch.float16), torch.zeros(2, 16, 16, dtype=torch.float16),
+            torch.zeros(6, 16)]
     for pos in (ctx, -1, 1 << 30):
         with pytest.raises(ValueError, match="outside the KV cache"):
             g.attend(*args, pos, torch.zeros(1, 96))
     with pytest.raises(ValueError):  # a scores buffer shorter than the cache
-        g.attend(*args[:5], torch.zeros(6, ctx - 1), 3, torch.zeros(1, 96))
+        g.attend(*args[:5], torch.zeros(6, 15), 3, torch.zeros(1, 96))
+    with pytest.raises(TypeError, match="dtype"):  # a float32 cache for a float16 kernel
+        g.attend(*args[:3], torch.zeros(2, 1, 16, 16), torch.zeros(2, 16, 16), args[5], 3, torch.zeros(1, 96))
+    long_cos = [torch.zeros(40, 1, 16)] * 2  # RoPE tables longer than the cache
+    with pytest.raises(ValueError, match="outside the KV cache"):
+        g.attend(args[0], *long_cos, *args[3:], 20, torch.zeros(1, 96))
 
 
 def _tiny(tmp_path, bitnet=False):
@@ -159,10 +186,12 @@ def test_decode_plan_matches_the_eager_model(tmp_path, case):
     tol = 5e-2 if case.endswith("ternary") else 2e-3
     for e, f in zip(eager, fast):
         assert rel_l2(f.numpy(), e.numpy()) < tol
-    new = slice(len(prompt), len(prompt) + 2)
-    for got, want in zip((model.cache_k, model.cache_v), eager_cache):
-        assert rel_l2(got[:, :, new].numpy(), want[:, :, new].numpy()) < tol
-        assert torch.equal(got[:, :, :len(prompt)], want[:, :, :len(prompt)])
+    new, end = slice(len(prompt), len(prompt) + 2), len(prompt) + 2
+    caches = [(_keys_of_blocks(k.float().numpy(), end), v[:, :, :end].float().numpy())
+              for k, v in ((model.cache_k, model.cache_v), eager_cache)]
+    for got, want in zip(*caches):
+        assert rel_l2(got[:, :, new], want[:, :, new]) < tol
+        np.testing.assert_array_equal(got[:, :, :len(prompt)], want[:, :, :len(prompt)])
     with pytest.raises(ValueError, match="outside the context"):
         plan.step(1, 64)
     with pytest.raises(ValueError, match="outside the vocabulary"):

@@ -30,11 +30,13 @@ def test_float_llama_matches_transformers(tmp_path, rope):
     ids = torch.randint(0, 256, (60,), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = hf(ids[None]).logits[0]
-    model = tmac.load_model(tmp_path)
+    model = tmac.load_model(tmp_path, kv_dtype="float32")  # the exact math; float16 keys and values below
     assert not any(isinstance(m, tmac.Linear) for m in model.modules())
     out = model.logits(ids.tolist())
     assert out.shape == (60, 256) and out.dtype == torch.float32
     assert (out - ref).abs().max().item() <= 1e-4
+    half = tmac.load_model(tmp_path).logits(ids.tolist())  # the default cache: keys and values rounded to float16
+    assert 1e-6 < rel_l2(half.numpy(), ref.numpy()) < 1e-3
     # prefill + decode through the KV cache gives the same greedy continuation as transformers
     with torch.no_grad():
         hf_ids = hf.generate(ids[None, :12], max_new_tokens=12, do_sample=False)[0, 12:].tolist()
@@ -51,7 +53,7 @@ def test_sharded_checkpoint_and_tokenizer_json(tmp_path, smollm2):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({
         "eos_token": "<|im_end|>", "bos_token": "<|im_start|>", "add_bos_token": False,
         "chat_template": smollm2.tokenizer.chat_template}))
-    model = tmac.load_model(tmp_path)
+    model = tmac.load_model(tmp_path, kv_dtype="float32")
     ids = [1, 520, 9531, 198, 504]
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
@@ -95,6 +97,8 @@ def test_generation_controls(tmp_path):
     assert model.generate(longer, max_new_tokens=5, stop_on_eos=False) == reused
     with pytest.raises(ValueError, match="exceed the context of 64"):
         model.generate(prompt, max_new_tokens=60)
+    with pytest.raises(ValueError, match="kv_dtype must be one of"):
+        tmac.load_model(tmp_path, kv_dtype="int8")
     with pytest.raises(ValueError, match="outside the vocabulary"):
         model.generate([1, 256])
     with pytest.raises(ValueError, match="top_p"):
@@ -147,26 +151,36 @@ def test_smollm2_chat_template_and_prompt_ids(smollm2):
 def test_smollm2_greedy_matches_llama_cpp(smollm2):
     """W4 imported exactly from Q4_1 against llama.cpp on the same file.
 
-    Both quantize activations (llama.cpp to Q8_1, tmac to int8 tables), differently, and both land ≈ 2-4 %
-    (relative L2 of logits) from the float model. Free-running greedy decoding amplifies the first near-tie
-    either resolves differently (the float model itself disagrees with llama.cpp at token 0 of the first
-    prompt), so the strict check is teacher-forced: fed llama.cpp's own continuation, tmac's next-token argmax
-    must agree at ≥ 95 % of positions; free-running, at least two prompts must agree for 16+ tokens.
+    Both quantize activations (llama.cpp to Q8_1, tmac to int8 tables) and round the KV cache to float16 (llama.cpp
+    its queries and attention weights too), differently, and both land ≈ 2-4 % (relative L2 of logits) from the
+    float model. So where the two disagree it must be a near-tie, and that is what is checked rather than a count
+    of agreeing tokens (free-running greedy decoding departs at the first near-tie either resolves differently,
+    which moves with the last bit of any summation order): teacher-forced, fed llama.cpp's own continuation, tmac's
+    next-token argmax agrees at ≥ 90 % of positions and llama.cpp's token is within 3 % of tmac's best logit at every
+    position; free-running, at the first departure llama.cpp's token is within 3 % of the best logit tmac gives
+    that prefix.
     """
     ref = _reference("smollm2_llamacpp.json")
     hits = total = 0
-    free = []
+    gaps, departures = [], []
     for case in ref["greedy"]:
         prompt, cont = case["prompt_ids"], case["ids"]
-        pred = smollm2.logits(prompt + cont)[len(prompt) - 1:-1].argmax(-1).tolist()
-        hits += sum(a == b for a, b in zip(pred, cont))
+        logits = smollm2.logits(prompt + cont)[len(prompt) - 1:-1]
+        best = logits.max(-1).values
+        gaps.append(((best - logits[torch.arange(len(cont)), cont]) / best.abs()).max().item())
+        hits += sum(a == b for a, b in zip(logits.argmax(-1).tolist(), cont))
         total += len(cont)
         smollm2.cached_ids = []  # a fresh prefill, as llama.cpp did (reusing the cache changes float rounding)
         ids = smollm2.generate(prompt, max_new_tokens=len(cont))
-        free.append(next((i for i, (a, b) in enumerate(zip(ids, cont)) if a != b), min(len(ids), len(cont))))
-    print(f"teacher-forced argmax agreement with llama.cpp: {hits}/{total}; free-running agreeing prefix: {free}")
-    assert hits >= 0.95 * total
-    assert sum(n >= 16 for n in free) >= 2, free
+        at = next((i for i, (a, b) in enumerate(zip(ids, cont)) if a != b), None)
+        if at is not None:
+            last = smollm2.logits(prompt + ids[:at])[-1]
+            departures.append((at, (last.max() - last[cont[at]]).item() / last.max().abs().item()))
+    print(f"teacher-forced argmax agreement with llama.cpp: {hits}/{total}, largest relative gap {max(gaps):.4f}; "
+          f"free-running departures (position, gap): {departures}")
+    assert hits >= 0.9 * total
+    assert max(gaps) < 0.03, gaps
+    assert all(gap < 0.03 for _, gap in departures), departures
 
 
 def _tiny_bitnet_config():
@@ -181,7 +195,7 @@ def test_float_bitnet_matches_transformers(tmp_path):
     ids = torch.randint(0, 256, (30,), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         ref = hf(ids[None]).logits[0]
-    model = tmac.load_model(tmp_path)
+    model = tmac.load_model(tmp_path, kv_dtype="float32")
     assert type(model).__name__ == "BitNetTransformer"
     assert (model.logits(ids.tolist()) - ref).abs().max().item() <= 1e-4
 

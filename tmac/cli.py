@@ -215,12 +215,13 @@ def cmd_compile(args) -> int:
     formats = kernel_formats(args)
     specs = list(dict.fromkeys(spec_for_format(fmt, k, isa) for fmt, k in formats))
     if args.model:  # and the decode glue of its shape; ternary layers load with int8 activations in front
+        from .glue import KV_DTYPES
         from .models.decode import glue_spec
         from .models.gguf_loader import GGUFModel
 
         source = GGUFModel(args.model)
         ternary = any(fmt.ternary for fmt, _ in formats)
-        specs.append(glue_spec(source.config, source.family == "bitnet", ternary, isa))
+        specs.extend(glue_spec(source.config, source.family == "bitnet", ternary, isa, kv) for kv in KV_DTYPES)
     os.makedirs(args.output, exist_ok=True)
     entries, rows = [], []
     for i, spec in enumerate(specs, 1):

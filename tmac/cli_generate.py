@@ -9,6 +9,8 @@ import signal
 import sys
 import time
 
+from .glue import KV_DTYPES
+
 
 def add_parsers(sub, common) -> None:
     r = sub.add_parser("run", parents=[common], help="generate text from a prompt")
@@ -39,6 +41,7 @@ def _model_args(p) -> None:
     p.add_argument("--group-size", type=int, choices=[32, 64, 128, 256], help="group size with --bits")
     p.add_argument("--threads", "-t", type=int, help="kernel and torch threads (default: physical cores)")
     p.add_argument("--context", type=int, help="context size in tokens (default: the model's, at most 4096)")
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="float16", help="KV cache dtype (default: float16)")
     p.add_argument("--max-new-tokens", "-n", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -66,7 +69,8 @@ def _load(args):
     else:
         torch.set_num_threads(tmac.get_num_threads())
     t0 = time.perf_counter()
-    model = tmac.load_model(args.model, bits=args.bits, group_size=args.group_size, context=args.context)
+    model = tmac.load_model(args.model, bits=args.bits, group_size=args.group_size, context=args.context,
+                            kv_dtype=args.kv_dtype)
     if model.tokenizer is None:
         raise ValueError(f"{model.source}: the model has no tokenizer (tokenizer.json), so it cannot take text")
     return model, time.perf_counter() - t0

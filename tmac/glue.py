@@ -20,6 +20,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 ACTIVATIONS = ("silu", "relu2")
+KV_DTYPES = ("float16", "float32")
+# The KV cache layout, shared by the glue and the eager model: values ``[kv heads, positions, head_dim]``; keys in
+# blocks of KV_BLOCK positions, transposed, ``[kv heads, positions / KV_BLOCK, head_dim, KV_BLOCK]``, so that a
+# query scores a block's positions as one vector (a multiply-add per head dimension) instead of folding a
+# ``head_dim``-long dot product across lanes for every position. Positions are allocated in whole blocks.
+KV_BLOCK = 16
 
 
 @dataclass(frozen=True)
@@ -34,6 +40,7 @@ class GlueSpec:
     act: str
     sub_norms: bool
     act_quant: bool
+    kv_dtype: str = "float16"  # of the KV cache: float16 halves what attention reads per token (as llama.cpp)
 
     def __post_init__(self):
         sizes = (self.dim, self.n_heads, self.n_kv_heads, self.head_dim, self.ffn_dim)
@@ -41,11 +48,14 @@ class GlueSpec:
             raise ValueError(f"invalid glue spec sizes: dim, heads, kv heads, head_dim, ffn = {sizes}")
         if self.act not in ACTIVATIONS:
             raise ValueError(f"activation {self.act!r} has no glue kernel; known: {ACTIVATIONS}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"KV cache dtype {self.kv_dtype!r} is not one of {KV_DTYPES}")
 
     @property
     def name(self) -> str:
         return (f"glue_{self.isa}_d{self.dim}_h{self.n_heads}x{self.n_kv_heads}x{self.head_dim}_f{self.ffn_dim}"
-                f"_{self.act}{'_subnorms' if self.sub_norms else ''}{'_aq' if self.act_quant else ''}")
+                f"_{self.act}{'_subnorms' if self.sub_norms else ''}{'_aq' if self.act_quant else ''}"
+                f"{'_kvh' if self.kv_dtype == 'float16' else ''}")
 
     @property
     def functions(self) -> tuple[str, ...]:
