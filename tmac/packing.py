@@ -57,7 +57,6 @@ from .qweight import QuantizedWeight
 from .reference import TRIPLE_LUT_GROUP, default_lut_group, padded_k, plane_nibbles, triple_indices
 
 TRIPLES_LAYOUT = 2  # of the packed triple bytes (2: flags as bit masks), stored with saved weights
-KERNEL_VERSION = 9  # of the generated code for a given spec: part of every cache key, bumped when codegen changes
 PACK_ROWS = 4096
 CHUNKS = {1: ((0, 1),), 2: ((0, 2),), 3: ((0, 2), (2, 1)), 4: ((0, 4),), 8: ((0, 4), (4, 4))}  # bits → ((first plane, planes), ...)
 

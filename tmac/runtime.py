@@ -17,6 +17,7 @@ import contextlib
 import ctypes
 import dataclasses
 import fcntl
+import functools
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -30,7 +31,7 @@ import warnings
 
 from .cpu import physical_cores
 from .errors import KernelUnavailableError
-from .packing import KERNEL_VERSION, KernelSpec
+from .packing import KernelSpec
 
 _lock = threading.Lock()
 _loaded: dict[tuple[str, str | None], "KernelLibrary"] = {}
@@ -136,9 +137,24 @@ def tvm_version() -> str:
         raise KernelUnavailableError("apache-tvm is not installed") from None
 
 
+@functools.cache
+def generator_digest() -> str:
+    """A hash of the source that decides what a spec compiles to (codegen, the ISA primitives, the layouts and
+    spec definitions): part of every cache key and manifest entry, so kernels built by other code are never used."""
+    h = hashlib.sha256()
+    here = os.path.dirname(os.path.abspath(__file__))
+    packages = [importlib.util.find_spec(f"{__package__}.{name}").submodule_search_locations[0]
+                for name in ("codegen", "kernels")]
+    files = [os.path.join(d, f) for d in packages for f in os.listdir(d) if f.endswith(".py")]
+    for path in sorted(files) + [os.path.join(here, "packing.py"), os.path.join(here, "glue.py")]:
+        with open(path, "rb") as f:
+            h.update(os.path.basename(path).encode() + b"\0" + f.read())
+    return h.hexdigest()[:16]
+
+
 def cache_dir() -> str:
     root = os.environ.get("TMAC_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tmac")
-    return os.path.join(root, f"tvm-{tvm_version()}-k{KERNEL_VERSION}")
+    return os.path.join(root, f"tvm-{tvm_version()}-{generator_digest()}")
 
 
 def sha256(path: str) -> str:
@@ -152,7 +168,7 @@ def sha256(path: str) -> str:
 def kernel_entry(spec: KernelSpec, isa, file: str, digest: str) -> dict:
     """What a manifest records about one compiled kernel."""
     return {"name": spec.name, "file": file, "isa": isa.name, "arch": isa.arch, "target": isa.target,
-            "tvm_version": tvm_version(), "kernel_version": KERNEL_VERSION, "sha256": digest,
+            "tvm_version": tvm_version(), "generator": generator_digest(), "sha256": digest,
             "spec": dataclasses.asdict(spec)}
 
 
@@ -195,7 +211,7 @@ def _from_kernel_dir(spec: KernelSpec, kernel_dir: str) -> str | None:
         raise KernelUnavailableError(f"kernel directory {kernel_dir}: cannot read manifest.json ({e})") from None
     for entry in entries:
         if isinstance(entry, dict) and entry.get("name") == spec.name \
-                and entry.get("kernel_version") == KERNEL_VERSION:
+                and entry.get("generator") == generator_digest():
             path = os.path.join(kernel_dir, os.path.basename(str(entry.get("file", ""))))
             if not os.path.exists(path) or sha256(path) != entry.get("sha256"):
                 raise KernelUnavailableError(f"kernel directory {kernel_dir}: {entry.get('file')} is missing or "
