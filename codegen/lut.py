@@ -37,7 +37,6 @@ def build_tables_func(spec: KernelSpec):
         XS = arg("xs", xs_shape)
         # scratch buffers are "global" scope: TVM puts small global-scope buffers on the stack (registers, once
         # LLVM promotes them), but services "local" ones with a workspace allocation per use
-        tab = T.alloc_buffer((lg // per * 16,), f32, scope="global")  # the float tables of one lut group
         amax = T.alloc_buffer((1,), f32, scope="global")
         lanes = T.alloc_buffer((16,), f32, scope="global")
 
@@ -59,20 +58,19 @@ def build_tables_func(spec: KernelSpec):
                       "ValueError"):
             with T.serial(0, n) as row:
                 with T.serial(0, kp // lg) as g:
-                    with T.serial(0, lg // per) as t:
-                        xs = [x_at(row, g * lg + t * per + j) for j in range(per)]
-                        with T.vectorized(0, 16) as p:
-                            T.buffer_store(tab, entry(xs, p), [t * 16 + p])
-                    # one candidate per table, not 16: rounded addition is monotonic, so the all-signs-agree
-                    # entry is the largest in fp32 too
+                    # the scale first, from one candidate per table, not 16: rounded addition is monotonic, so
+                    # the all-signs-agree entry is the largest in fp32 too; then each table computed and rounded
+                    # in registers (a float copy of the lut group's tables would outgrow TVM's stack scratch)
                     T.buffer_store(amax, zero, [0])
                     with T.serial(0, lg // per) as t:
                         xa = [tirx.abs(x_at(row, g * lg + t * per + j)) for j in range(per)]
                         T.buffer_store(amax, tirx.max(amax[0], largest(xa)), [0])
                     inv = tirx.Select(amax[0] > zero, tirx.FloatImm(f32, 127.0) / amax[0], zero)
-                    with T.vectorized(0, lg // per * 16) as i:
-                        T.buffer_store(LUT, tirx.Cast("int8", tirx.nearbyint(tab[i] * inv)),
-                                       [row, g * (lg // per) + i // 16, i % 16])
+                    with T.serial(0, lg // per) as t:
+                        xs = [x_at(row, g * lg + t * per + j) for j in range(per)]
+                        with T.vectorized(0, 16) as p:
+                            T.buffer_store(LUT, tirx.Cast("int8", tirx.nearbyint(entry(xs, p) * inv)),
+                                           [row, g * (lg // per) + t, p])
                     T.buffer_store(LS, amax[0] / tirx.FloatImm(f32, 127.0), [row, g])
                 with T.serial(0, k // wg) as g:  # activation sums: 16 running lanes, then their total
                     with T.vectorized(0, 16) as p:
