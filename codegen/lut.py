@@ -92,8 +92,14 @@ def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str):
     u, steps = spec.unroll, spec.steps_per_lut_group
     f32 = "float32"
     lut_groups_per_wg = wg // lg
-    # (first plane, planes, vectors in the block, byte offset of the chunk, rows per vector)
-    chunks = [(o, p, bm * p // vl, bm * o, vl // p) for o, p in spec.chunks]
+    # a tile's accumulators (vectors × activation rows) must stay in registers: with more than 8 the block's rows
+    # are done in parts (4096x4096 W2 quads at 128 rows, 16 rows of activations: 1.80 -> 1.17 ms in two parts)
+    parts = 1
+    while sum(bm * p // vl for _, p in spec.chunks) * n_tile > 8 * parts and bm // (2 * parts) % vl == 0:
+        parts *= 2
+    sb = bm // parts  # rows of a part
+    # (first plane, planes, vectors in a part, byte offset of the chunk, rows per vector)
+    chunks = [(o, p, sb * p // vl, bm * o, vl // p) for o, p in spec.chunks]
 
     def vec(start, lanes):
         return tirx.Ramp(start, 1, lanes)
@@ -101,18 +107,24 @@ def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str):
     def u8(value):
         return tirx.Broadcast(tirx.IntImm("uint8", value), vl)
 
-    # quads: byte p of a row's four looks into entries 16p .. 16p+15 of the 64-entry table (its table p)
+    # quads (tmac.packing): byte p of a row's four holds plane p mod P of table p div P of the low nibbles' window
+    # of four tables and of the high nibbles'; at 1 bit (P = 1) those are the step's tables 0-3 and 4-7, at 2 bits
+    # (P = 2) both are the step's four tables, the high nibbles indexing the last two
+    qp = spec.quad_planes
     ramp = tirx.Ramp(tirx.IntImm("int32", 0), tirx.IntImm("int32", 1), vl)
-    positions = tirx.Cast(f"uint8x{vl}", (ramp & tirx.Broadcast(tirx.IntImm("int32", 3), vl)) << 4)
+    positions = [tirx.Cast(f"uint8x{vl}", ((ramp & tirx.Broadcast(tirx.IntImm("int32", 3), vl))
+                                           // tirx.Broadcast(tirx.IntImm("int32", qp), vl) + first) << 4)
+                 for first in (0, 2 if qp == 2 else 0)]
 
     def nibbles(w):  # the two table indices in each byte
         halves = [w & u8(15), w >> u8(4)]
-        return [tirx.reinterpret(f"int8x{vl}", h | positions if spec.quads else h) for h in halves]
+        return [tirx.reinterpret(f"int8x{vl}", h | at if spec.quads else h) for h, at in zip(halves, positions)]
 
     # per step: (first table of the low nibbles' lookups, of the high nibbles', first weight byte of the indices)
     def pairs(step):
         if spec.quads:
-            return [(8 * step, 8 * step + 4, 0)]
+            tables = 8 // qp
+            return [(tables * step, tables * step + (4 if qp == 1 else 0), 0)]
         if spec.triples:
             return [(8 * step + 2 * j, 8 * step + 2 * j + 1, j * bm) for j in range(4)]
         return [(2 * step, 2 * step + 1, 0)]
@@ -143,12 +155,14 @@ def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str):
                       f"{name}: the tables must cover every output row in whole tiles of {n_tile}", "ValueError"):
             with T.parallel(0, mb) as blk:
                 out = T.alloc_buffer((n_tile * bm,), f32, scope="global")
-                racc = T.alloc_buffer((bm,), "int32", scope="global")
+                racc = T.alloc_buffer((sb,), "int32", scope="global")
                 accs = [T.alloc_buffer((nv * n_tile,), isa.acc_dtype(p), scope="global") for _, p, nv, _, _ in chunks]
                 with T.serial(0, np_ // n_tile) as nt:
                     with T.vectorized(0, n_tile * bm) as i:
                         T.buffer_store(out, tirx.FloatImm(f32, 0.0), [i])
-                    with T.serial(0, spec.k_padded // lg) as g:
+                    with T.serial(0, parts * (spec.k_padded // lg)) as pg:
+                        part, g = pg // (spec.k_padded // lg), pg % (spec.k_padded // lg)
+                        first = part * sb  # first row of the part in the block
                         for (_, p, nv, _, _), acc in zip(chunks, accs):
                             for a in range(nv * n_tile):
                                 T.buffer_store(acc, tirx.Broadcast(tirx.IntImm(isa.acc_dtype(p).split("x")[0], 0),
@@ -161,15 +175,16 @@ def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str):
                                               for r in range(n_tile)]
                                     for (_, p, nv, off, _), acc in zip(chunks, accs):
                                         for v in range(nv):
-                                            idx = nibbles(W[blk, step, vec(base + off + v * vl, vl)])
-                                            masks = [isa.lane_mask(W[blk, step, vec(mask_start(j, v, h), vl // 8)])
+                                            vb = part * nv + v  # the vector in the block
+                                            idx = nibbles(W[blk, step, vec(base + off + vb * vl, vl)])
+                                            masks = [isa.lane_mask(W[blk, step, vec(mask_start(j, vb, h), vl // 8)])
                                                      for h in (0, 1)] if spec.triples else None
                                             for r, t_pair in enumerate(tables):
                                                 looked = [lookup(t, i) for t, i in zip(t_pair, idx)]
                                                 if masks is not None:
                                                     looked = [negated_where(x, mk) for x, mk in zip(looked, masks)]
                                                 a = v * n_tile + r
-                                                total = isa.accumulate(acc[a], looked, p, weighted=not spec.quads)
+                                                total = isa.accumulate(acc[a], looked, p, qp if spec.quads else 0)
                                                 T.buffer_store(acc, total, [a])
                         wgi = 0 if spec.triples else g // lut_groups_per_wg
                         for r in range(n_tile):
@@ -186,17 +201,19 @@ def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str):
                                     if ci:
                                         wide = racc[vec(v * per_vec, per_vec)] + wide
                                     T.buffer_store(racc, wide, [vec(v * per_vec, per_vec)])
-                            with T.vectorized(0, bm) as i:
-                                T.buffer_store(out, out[r * bm + i] + tirx.Cast(f32, racc[i]) * (LS[row, g] * param(S, blk, wgi, i)),
-                                               [r * bm + i])
+                            with T.vectorized(0, sb) as i:
+                                at = r * bm + first + i
+                                T.buffer_store(out, out[at] + tirx.Cast(f32, racc[i]) * (LS[row, g] * param(S, blk, wgi, first + i)),
+                                               [at])
                             if spec.triples:  # ternary triples are symmetric: no Σx term
                                 continue
                             with T.If(g % lut_groups_per_wg == lut_groups_per_wg - 1):
                                 with T.Then():
-                                    with T.vectorized(0, bm) as i:
-                                        half_s = tirx.FloatImm(f32, 0.5) * param(S, blk, wgi, i)
-                                        coef = half_s + param(Z, blk, wgi, i) if Z is not None else half_s
-                                        T.buffer_store(out, out[r * bm + i] - coef * XS[row, wgi], [r * bm + i])
+                                    with T.vectorized(0, sb) as i:
+                                        at = r * bm + first + i
+                                        half_s = tirx.FloatImm(f32, 0.5) * param(S, blk, wgi, first + i)
+                                        coef = half_s + param(Z, blk, wgi, first + i) if Z is not None else half_s
+                                        T.buffer_store(out, out[at] - coef * XS[row, wgi], [at])
                     for r in range(n_tile):
                         row = nt * n_tile + r
                         with T.If(row < n):

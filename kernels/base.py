@@ -13,7 +13,7 @@ class Isa:
     features: frozenset[str]  # tmac.cpu feature names a machine needs to run it
     target: dict = field(hash=False, compare=False)  # LLVM target, always with explicit triple and cpu/attrs
     description: str = ""
-    wide_lookup: bool = False  # has ``lookup64`` (one-plane weights then use quads)
+    wide_lookup: bool = False  # has ``lookup64`` (1- and 2-bit weights and triples then use quads)
 
     def acc_dtype(self, planes: int) -> str:
         lanes = self.vector_bytes // planes
@@ -49,18 +49,18 @@ class Isa:
         spread = tirx.Shuffle([mask_bytes] * 8, [lane // 8 for lane in range(lanes)])
         return (spread & plane_weights(lanes, 8, "uint8")) != tirx.Broadcast(tirx.IntImm("uint8", 0), lanes)
 
-    def accumulate(self, acc, looked: list, planes: int, weighted: bool = True):
-        """``acc`` plus, per row, Σ over ``looked`` of Σ_j 2^j·byte(row, plane j) — rows own ``planes`` adjacent
-        bytes (``weighted=False``: all weights 1, the four tables of a quad). Portable form: widen every plane's
-        bytes and add them shifted."""
+    def accumulate(self, acc, looked: list, planes: int, period: int = 0):
+        """``acc`` plus, per row, Σ over ``looked`` of Σ_j 2^(j mod period)·byte(row, j) — rows own ``planes``
+        adjacent bytes, bit planes repeating every ``period`` bytes (default ``planes``; quads: 1 at 1 bit, 2 at
+        2 bits, the bytes of several tables). Portable form: widen every byte and add them shifted."""
         from tvm import tirx
 
-        lanes = self.vector_bytes // planes
+        lanes, period = self.vector_bytes // planes, period or planes
         wide = "int32" if planes == 4 else "int16"
         for v in looked:
             for j in range(planes):
                 part = tirx.Cast(f"{wide}x{lanes}", tirx.Shuffle([v], list(range(j, self.vector_bytes, planes))))
-                acc = acc + (part << tirx.Broadcast(tirx.IntImm(wide, j), lanes) if j and weighted else part)
+                acc = acc + (part << tirx.Broadcast(tirx.IntImm(wide, j % period), lanes) if j % period else part)
         return acc
 
 
@@ -71,14 +71,10 @@ def broadcast_table(table16, lanes: int):
     return table16 if lanes == 16 else tirx.Shuffle([table16] * (lanes // 16), list(range(lanes)))
 
 
-def plane_weights(lanes: int, planes: int, dtype: str, weighted: bool = True):
-    """The constant vector 1, 2, 4, 8 (its first ``planes`` values) repeated over ``lanes`` bytes (all ones
-    unless ``weighted``)."""
+def plane_weights(lanes: int, period: int, dtype: str):
+    """The constant vector 1, 2, 4, 8 ... (its first ``period`` values) repeated over ``lanes`` bytes."""
     from tvm import tirx
-
-    if not weighted:
-        return tirx.Broadcast(tirx.IntImm(dtype, 1), lanes)
 
     ramp = tirx.Ramp(tirx.IntImm("int32", 0), tirx.IntImm("int32", 1), lanes)
     one = tirx.Broadcast(tirx.IntImm("int32", 1), lanes)
-    return tirx.Cast(f"{dtype}x{lanes}", one << (ramp % tirx.Broadcast(tirx.IntImm("int32", planes), lanes)))
+    return tirx.Cast(f"{dtype}x{lanes}", one << (ramp % tirx.Broadcast(tirx.IntImm("int32", period), lanes)))

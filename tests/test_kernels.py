@@ -73,7 +73,8 @@ def test_integer_part_is_bit_exact(rng, isa, bits):
     qt, ls = ref.quantize_tables(ref.build_tables(x), lg)
     assert (ls == 1).all()
     r = ref.lut_accumulate(qt, codes, bits, lg).sum(axis=2)
-    spec = spec_for(qw, ISAS[isa])
+    # 3 bits at 128 rows: two chunks of planes, and a GEMM block done in parts of rows (on 64-byte vectors)
+    spec = spec_for(qw, ISAS[isa], **({"block_rows": 128} if bits == 3 else {}))
     assert spec.lut_group == lg
     y = LutWeight(pack(qw, spec)).matmul(torch.from_numpy(x)).numpy()
     np.testing.assert_array_equal(y, r.astype(np.float32))
@@ -183,29 +184,35 @@ def test_raw_kernel_checks_shapes(rng):
                           torch.empty(1, 8))
 
 
-@pytest.mark.parametrize("ternary", [False, True])
-def test_quads_layout_round_trips_and_is_what_one_plane_weights_get(rng, ternary):
-    """One-plane weights (1 bit, triples) on an ISA with 64-entry lookups are packed as quads; packing is exactly
-    invertible, rows past M included (a partial last block); other widths keep the bit-plane layout."""
+@pytest.mark.parametrize("kind", ["w1", "w2", "ternary"])
+def test_quads_layout_round_trips_and_is_what_low_bit_weights_get(rng, kind):
+    """1- and 2-bit weights and triples on an ISA with 64-entry lookups are packed as quads; packing is exactly
+    invertible, rows past M included (a partial last block); other widths and ISAs keep the bit-plane layout."""
     m, k = 200, 3200
     w = rng.standard_normal((m, k)).astype(np.float32)
-    qw = quantize_weight(w, ternary=True, group_size="row") if ternary else quantize_weight(w, bits=1, group_size=64)
+    ternary = kind == "ternary"
+    qw = quantize_weight(w, ternary=True, group_size="row") if ternary else \
+        quantize_weight(w, bits=int(kind[1]), group_size=64)
     spec = spec_for(qw, ISAS["avx512_vbmi"])
     assert spec.quads and spec.triples == ternary and spec.block_rows == (64 if ternary else 128)
     packed = pack(qw, spec)
-    steps = ref.padded_k(k) // 24 if ternary else k // 32
+    steps = ref.padded_k(k) // 24 if ternary else k // 32 * qw.format.bits
     assert packed.weights.shape == (-(-m // spec.block_rows), steps, (5 if ternary else 4) * spec.block_rows)
+    if kind == "w2":  # the layout's statement, read back by hand: row 1, step 3, byte 4 + 3 (plane 1, table 1)
+        def nib(t):  # plane 1's index into table t of row 1: bit j is bit 1 of code 4t + j
+            return sum(((int(qw.codes[1, 4 * t + j]) >> 1) & 1) << j for j in range(4))
+        assert packed.weights[0, 3, 4 + 3] == nib(4 * 3 + 1) | (nib(4 * 3 + 2 + 1) << 4)
     back = unpack(packed, qw.format)
     np.testing.assert_array_equal(back.codes, qw.codes)
     np.testing.assert_array_equal(back.scales, qw.scales)
     assert not spec_for(qw, ISAS["avx512_vnni"]).quads
-    assert not spec_for(quantize_weight(w, bits=2), ISAS["avx512_vbmi"]).quads
+    assert not spec_for(quantize_weight(w, bits=3), ISAS["avx512_vbmi"]).quads
 
 
 @pytest.mark.skipif(machine_arch() != "x86_64", reason="x86 code generation is inspected on x86 hosts")
 @pytest.mark.parametrize("isa, bits, needle", [("avx512_vnni", 4, "vpdpbusd\t%zmm"), ("avx512", 4, "vpmaddubsw\t%zmm"),
                                                ("avx2_vnni", 4, "vpdpbusd"), ("avx2", 4, "vpshufb\t%ymm"),
-                                               ("avx512_vbmi", 1, "vpermb\t%zmm")])
+                                               ("avx512_vbmi", 1, "vpermb\t%zmm"), ("avx512_vbmi", 2, "vpermb\t%zmm")])
 def test_every_x86_variant_compiles_to_its_instructions(isa, bits, needle):
     """Variants this CPU cannot run are still generated and checked in assembly."""
     from tmac.codegen.build import compile_kernel
@@ -215,6 +222,5 @@ def test_every_x86_variant_compiles_to_its_instructions(isa, bits, needle):
     assert qw.format.scale_dtype == "float16"
     asm = compile_kernel(spec_for(qw, target), target).mod.inspect_source("asm")
     assert needle in asm
-    if bits > 1:  # quads look up with vpermb only
-        assert "vpshufb" in asm
+    assert ("vpshufb" in asm) == (isa != "avx512_vbmi")  # quads look up with vpermb only
     assert "vcvtph2ps" in asm  # float16 parameters widen in registers

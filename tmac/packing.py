@@ -32,17 +32,21 @@ low nibble the index of triple ``8·step + 2j``, its high nibble of triple ``8·
 ``S [MB, 1, BM]``; tables ``LUT [N', Kp/3, 16]``, ``LS [N', Kp/LG]``, ``XS [N', 1]`` (unused by the GEMM:
 ternary codes need no Σx term).
 
-*Quads* (``quads=True``; one-plane weights — 1 bit or triples — on ISAs with 64-entry lookups, ``vpermb``): a
-step covers 8 tables (32 activations at 1 bit, 24 for triples) and every row owns 4 adjacent bytes of a vector,
-so one lookup serves four tables and one ``vpdpbusd`` sums a row's four bytes, with no interleaving:
+*Quads* (``quads=True``; 1- and 2-bit weights and triples on ISAs with 64-entry lookups, ``vpermb``): every row
+owns 4 adjacent bytes of a vector, which hold P bit planes (P = 1 at 1 bit and for triples, 2 at 2 bits) of 4/P
+tables per nibble, so one lookup serves four tables and one ``vpdpbusd`` (bytes weighted 1 or 1, 2, 1, 2) sums a
+row's four bytes, with no interleaving. A step covers 8/P tables (32 activations at 1 bit, 16 at 2 bits, 24 for
+triples):
 
     W [MB, K/32, 4·BM]  uint8           (1 bit)
+    W [MB, K/16, 4·BM]  uint8           (2 bits)
     W [MB, Kp/24, 5·BM] uint8           (triples)
 
-Byte ``4i + p`` of vector v (VL/4 rows) of a ``[blk, step]`` row belongs to row ``v·VL/4 + i`` of the block; its
-low nibble indexes table ``8·step + p``, its high nibble table ``8·step + 4 + p``. Triples append their negation
-flags as before, two masks of VL/8 bytes per vector: mask h of vector v starts at byte ``4·BM + v·VL/4 + h·VL/8``
-and its bit ``4i + p`` negates the lookup of table ``8·step + 4h + p`` by row ``v·VL/4 + i``.
+Byte ``4i + p`` of vector v (VL/4 rows) of a ``[blk, step]`` row belongs to row ``v·VL/4 + i`` of the block and
+plane ``p mod P``; its low nibble indexes table ``(8/P)·step + p div P``, its high nibble table
+``(8/P)·step + 4/P + p div P``. Triples append their negation flags as before, two masks of VL/8 bytes per vector:
+mask h of vector v starts at byte ``4·BM + v·VL/4 + h·VL/8`` and its bit ``4i + p`` negates the lookup of table
+``8·step + 4h + p`` by row ``v·VL/4 + i``.
 """
 
 from __future__ import annotations
@@ -81,12 +85,13 @@ class KernelSpec:
     scale_dtype: str = "float32"  # storage of S and Z: the format's (tmac.formats.PARAM_DTYPES)
     zero_dtype: str = "float32"
     triples: bool = False  # ternary weights three to an index + sign (1.67 bits), instead of 2 bit planes
-    quads: bool = False  # one-plane weights four tables to a row's 4 bytes (64-entry lookups), instead of one
+    quads: bool = False  # a row's 4 bytes look into four tables at once (64-entry lookups): 1, 2 bits and triples
 
     def __post_init__(self):
         check_bits(self.bits)
         if self.block_rows == 0:
-            # 1-bit quads: 8 vectors, not 4 (11008x4096 cold on an AMD EPYC: 248 vs 277 us; triples lose: 428 vs 408)
+            # 1- and 2-bit quads: 8 vectors, not 4 (cold on an AMD EPYC, 11008x4096 W1 248 vs 277 us; W2 3200x8640
+            # 327 vs 362, 4096x4096 194 vs 203; triples lose: 428 vs 408)
             wider = 2 if self.quads and not self.triples else 1
             object.__setattr__(self, "block_rows", wider * default_block_rows(self.vector_bytes, self.row_bytes))
         steps = self.steps_per_lut_group
@@ -106,8 +111,8 @@ class KernelSpec:
                                 f"lut_group {TRIPLE_LUT_GROUP}")
         elif lg not in (32, 64, 128, 256) or k % lg or g % lg:
             problems.append(f"lut_group={lg} must be 32/64/128/256 and divide K={k} and the group size {g}")
-        if self.quads and (vl != 64 or not (self.triples or self.bits == 1)):
-            problems.append("quads need one-plane weights (1 bit or triples) and 64-byte vectors")
+        if self.quads and (vl != 64 or not (self.triples or self.bits in (1, 2))):
+            problems.append("quads need 1- or 2-bit weights or triples and 64-byte vectors")
         if vl not in (16, 32, 64):
             problems.append(f"vector_bytes={vl} must be 16, 32 or 64")
         elif bm <= 0 or bm % vl:
@@ -121,8 +126,13 @@ class KernelSpec:
             raise ValueError("invalid kernel spec: " + "; ".join(problems))
 
     @property
+    def quad_planes(self) -> int:
+        """Bit planes among a quad's 4 bytes (1 at 1 bit and for triples, 2 at 2 bits)."""
+        return 1 if self.triples else self.bits
+
+    @property
     def chunks(self) -> tuple[tuple[int, int], ...]:
-        """(first plane, bytes a row owns in a vector) of each run of planes (quads: 4 tables of one plane)."""
+        """(first plane, bytes a row owns in a vector) of each run of planes (quads: 4 bytes of 4/P tables)."""
         if self.quads:
             return ((0, 4),)
         return ((0, 1),) if self.triples else CHUNKS[self.bits]
@@ -135,14 +145,14 @@ class KernelSpec:
     @property
     def steps_per_lut_group(self) -> int:
         """Inner-loop steps per lut group: table pairs (8 activations), triple steps (24) or quad steps (32 at
-        1 bit); 0 if invalid."""
-        per = 24 if self.triples else 32 if self.quads else 8
+        1 bit, 16 at 2 bits); 0 if invalid."""
+        per = 24 if self.triples else 32 // self.quad_planes if self.quads else 8
         return self.lut_group // per if self.lut_group > 0 and self.lut_group % per == 0 else 0
 
     def unrolls(self) -> list[int]:
-        """Unroll factors worth trying, largest first: at most 8 table pairs per unrolled body (a triple or quad
-        step is 4)."""
-        pairs = 4 if self.triples or self.quads else 1
+        """Unroll factors worth trying, largest first: at most 8 table pairs per unrolled body (a triple step is
+        4, a quad step 4 at 1 bit and 2 at 2 bits)."""
+        pairs = 4 if self.triples else 4 // self.quad_planes if self.quads else 1
         return [u for u in (8, 4, 2, 1) if u * pairs <= 8 and self.steps_per_lut_group % u == 0]
 
     @property
@@ -215,7 +225,7 @@ def spec_for_format(fmt: WeightFormat, k: int, isa, **tiling) -> KernelSpec:
     group = k if fmt.group_size in (PER_ROW, PER_TENSOR) else fmt.group_size
     params = dict(scale_dtype=fmt.scale_dtype, zero_dtype=fmt.zero_dtype if fmt.has_zeros else "float32")
     triples = tiling.pop("triples", uses_triples(fmt, k))
-    if tiling.pop("quads", isa.wide_lookup and (triples or fmt.bits == 1)):
+    if tiling.pop("quads", isa.wide_lookup and (triples or fmt.bits in (1, 2))):
         params["quads"] = True
     if triples:  # 1.67 instead of 2 bits streamed per weight; not tuned yet
         return KernelSpec(isa.name, isa.vector_bytes, 2, k, k, TRIPLE_LUT_GROUP, False, **tiling, **params,
@@ -238,7 +248,7 @@ class PackedWeight:
 
     spec: KernelSpec
     m: int
-    weights: np.ndarray  # uint8 [MB, K/8, BM·bits], [MB, Kp/24, 5·BM] for triples, [MB, K/32, 4·BM] for quads
+    weights: np.ndarray  # uint8 [MB, K/8, BM·bits], [MB, Kp/24, 5·BM] for triples, [MB, K·P/32, 4·BM] for quads
     scales: np.ndarray  # spec.scale_dtype [MB, K/WG, BM]
     zeros: np.ndarray | None  # spec.zero_dtype
 
@@ -315,33 +325,38 @@ def _codes_of_triples(idx: np.ndarray, neg: np.ndarray, k: int) -> np.ndarray:
 
 
 def _pack_quads(codes: np.ndarray, spec: KernelSpec) -> np.ndarray:
-    """W of the quad layout for whole row blocks of codes ``[blocks·BM, K]`` (1 bit, or ternary triples)."""
-    bm, vl = spec.block_rows, spec.vector_bytes
+    """W of the quad layout for whole row blocks of codes ``[blocks·BM, K]`` (1 or 2 bits, or ternary triples)."""
+    bm, vl, qp = spec.block_rows, spec.vector_bytes, spec.quad_planes
     mb, nv = codes.shape[0] // bm, bm * 4 // vl
-    idx, neg = triple_indices(codes, spec.k_padded) if spec.triples else (plane_nibbles(codes, 1)[0], None)
-    steps = idx.shape[1] // 8
-    # [MB, vectors, VL/4 rows, steps, low/high nibble, position] → [MB, steps, vectors, rows, position]
-    q = idx.reshape(mb, nv, vl // 4, steps, 2, 4)
-    nib = (q[..., 0, :] | (q[..., 1, :] << 4)).transpose(0, 3, 1, 2, 4).reshape(mb, steps, 4 * bm)
+    if spec.triples:
+        idx, neg = triple_indices(codes, spec.k_padded)
+        nib = idx[None]
+    else:
+        nib, neg = plane_nibbles(codes, qp), None
+    steps = nib.shape[2] * qp // 8
+    # [P, MB, vectors, VL/4 rows, steps, low/high nibble, table] → [MB, steps, vectors, rows, low/high, table, P]
+    q = nib.reshape(qp, mb, nv, vl // 4, steps, 2, 4 // qp).transpose(1, 4, 2, 3, 5, 6, 0)
+    packed = (q[..., 0, :, :] | (q[..., 1, :, :] << 4)).reshape(mb, steps, 4 * bm)
     if neg is None:
-        return nib
+        return packed
     flags = neg.reshape(mb, nv, vl // 4, steps, 2, 4).transpose(0, 3, 1, 4, 2, 5).reshape(mb, steps, nv, 2, vl)
     masks = np.packbits(flags, axis=4, bitorder="little").reshape(mb, steps, bm)
-    return np.concatenate([nib, masks], axis=2)
+    return np.concatenate([packed, masks], axis=2)
 
 
 def _unpack_quads(w: np.ndarray, spec: KernelSpec) -> np.ndarray:
     """Codes ``[MB·BM, K]`` of W in the quad layout (the inverse of ``_pack_quads``)."""
-    bm, vl, (mb, steps, _) = spec.block_rows, spec.vector_bytes, w.shape
+    bm, vl, qp, (mb, steps, _) = spec.block_rows, spec.vector_bytes, spec.quad_planes, w.shape
     nv = bm * 4 // vl
-    nib = w[:, :, :4 * bm].reshape(mb, steps, nv, vl // 4, 1, 4)
-    idx = np.concatenate([nib & 15, nib >> 4], axis=4).transpose(0, 2, 3, 1, 4, 5).reshape(mb * bm, steps * 8)
+    q = w[:, :, :4 * bm].reshape(mb, steps, nv, vl // 4, 1, 4 // qp, qp)
+    q = np.concatenate([q & 15, q >> 4], axis=4)  # [MB, steps, vectors, rows, low/high, table, P]
+    nib = q.transpose(6, 0, 2, 3, 1, 4, 5).reshape(qp, mb * bm, steps * 8 // qp)
     if not spec.triples:
-        return _codes_of_nibbles(idx[None])
+        return _codes_of_nibbles(nib)
     masks = w[:, :, 4 * bm:].reshape(mb, steps, nv, 2, vl // 8)
     flags = np.unpackbits(masks, axis=4, bitorder="little").reshape(mb, steps, nv, 2, vl // 4, 4)
     neg = flags.transpose(0, 2, 4, 1, 3, 5).reshape(mb * bm, steps * 8).astype(bool)
-    return _codes_of_triples(idx, neg, spec.k)
+    return _codes_of_triples(nib[0], neg, spec.k)
 
 
 def packed_shapes(spec: KernelSpec, m: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -351,7 +366,7 @@ def packed_shapes(spec: KernelSpec, m: int) -> tuple[tuple[int, ...], tuple[int,
     if spec.triples:
         return (mb, spec.k_padded // 24, 5 * spec.block_rows), s_shape
     if spec.quads:
-        return (mb, spec.k // 32, 4 * spec.block_rows), s_shape
+        return (mb, spec.k * spec.quad_planes // 32, 4 * spec.block_rows), s_shape
     return (mb, spec.k // 8, spec.block_rows * spec.bits), s_shape
 
 
