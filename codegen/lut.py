@@ -93,7 +93,8 @@ def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str):
     f32 = "float32"
     lut_groups_per_wg = wg // lg
     # a tile's accumulators (vectors × activation rows) must stay in registers: with more than 8 the block's rows
-    # are done in parts (4096x4096 W2 quads at 128 rows, 16 rows of activations: 1.80 -> 1.17 ms in two parts)
+    # are done in parts (4096x4096 W2 quads at 128 rows, 16 rows of activations: 1.80 -> 1.17 ms in two parts),
+    # each with its own float sums (a block's would outgrow TVM's stack scratch: W4 GEMM 20 % slower)
     parts = 1
     while sum(bm * p // vl for _, p in spec.chunks) * n_tile > 8 * parts and bm // (2 * parts) % vl == 0:
         parts *= 2
@@ -154,74 +155,74 @@ def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str):
         with T.Assert(tirx.all(n <= np_, np_ % n_tile == 0),
                       f"{name}: the tables must cover every output row in whole tiles of {n_tile}", "ValueError"):
             with T.parallel(0, mb) as blk:
-                out = T.alloc_buffer((n_tile * bm,), f32, scope="global")
+                out = T.alloc_buffer((n_tile * sb,), f32, scope="global")
                 racc = T.alloc_buffer((sb,), "int32", scope="global")
                 accs = [T.alloc_buffer((nv * n_tile,), isa.acc_dtype(p), scope="global") for _, p, nv, _, _ in chunks]
                 with T.serial(0, np_ // n_tile) as nt:
-                    with T.vectorized(0, n_tile * bm) as i:
-                        T.buffer_store(out, tirx.FloatImm(f32, 0.0), [i])
-                    with T.serial(0, parts * (spec.k_padded // lg)) as pg:
-                        part, g = pg // (spec.k_padded // lg), pg % (spec.k_padded // lg)
+                    with T.serial(0, parts) as part:  # the block's rows, a part at a time
                         first = part * sb  # first row of the part in the block
-                        for (_, p, nv, _, _), acc in zip(chunks, accs):
-                            for a in range(nv * n_tile):
-                                T.buffer_store(acc, tirx.Broadcast(tirx.IntImm(isa.acc_dtype(p).split("x")[0], 0),
-                                                                   vl // p), [a])
-                        with T.serial(0, steps // u) as kpo:
-                            with T.unroll(0, u) as kpi:
-                                step = g * steps + kpo * u + kpi
-                                for j, (t_lo, t_hi, base) in enumerate(pairs(step)):
-                                    tables = [tuple(tables_flat[nt * n_tile + r, vec(t * 16, tw)] for t in (t_lo, t_hi))
-                                              for r in range(n_tile)]
-                                    for (_, p, nv, off, _), acc in zip(chunks, accs):
-                                        for v in range(nv):
-                                            vb = part * nv + v  # the vector in the block
-                                            idx = nibbles(W[blk, step, vec(base + off + vb * vl, vl)])
-                                            masks = [isa.lane_mask(W[blk, step, vec(mask_start(j, vb, h), vl // 8)])
-                                                     for h in (0, 1)] if spec.triples else None
-                                            for r, t_pair in enumerate(tables):
-                                                looked = [lookup(t, i) for t, i in zip(t_pair, idx)]
-                                                if masks is not None:
-                                                    looked = [negated_where(x, mk) for x, mk in zip(looked, masks)]
-                                                a = v * n_tile + r
-                                                total = isa.accumulate(acc[a], looked, p, qp if spec.quads else 0)
-                                                T.buffer_store(acc, total, [a])
-                        wgi = 0 if spec.triples else g // lut_groups_per_wg
+                        with T.vectorized(0, n_tile * sb) as i:
+                            T.buffer_store(out, tirx.FloatImm(f32, 0.0), [i])
+                        with T.serial(0, spec.k_padded // lg) as g:
+                            for (_, p, nv, _, _), acc in zip(chunks, accs):
+                                for a in range(nv * n_tile):
+                                    T.buffer_store(acc, tirx.Broadcast(tirx.IntImm(isa.acc_dtype(p).split("x")[0], 0),
+                                                                       vl // p), [a])
+                            with T.serial(0, steps // u) as kpo:
+                                with T.unroll(0, u) as kpi:
+                                    step = g * steps + kpo * u + kpi
+                                    for j, (t_lo, t_hi, base) in enumerate(pairs(step)):
+                                        tables = [tuple(tables_flat[nt * n_tile + r, vec(t * 16, tw)] for t in (t_lo, t_hi))
+                                                  for r in range(n_tile)]
+                                        for (_, p, nv, off, _), acc in zip(chunks, accs):
+                                            for v in range(nv):
+                                                vb = part * nv + v  # the vector in the block
+                                                idx = nibbles(W[blk, step, vec(base + off + vb * vl, vl)])
+                                                masks = [isa.lane_mask(W[blk, step, vec(mask_start(j, vb, h), vl // 8)])
+                                                         for h in (0, 1)] if spec.triples else None
+                                                for r, t_pair in enumerate(tables):
+                                                    looked = [lookup(t, i) for t, i in zip(t_pair, idx)]
+                                                    if masks is not None:
+                                                        looked = [negated_where(x, mk) for x, mk in zip(looked, masks)]
+                                                    a = v * n_tile + r
+                                                    total = isa.accumulate(acc[a], looked, p, qp if spec.quads else 0)
+                                                    T.buffer_store(acc, total, [a])
+                            wgi = 0 if spec.triples else g // lut_groups_per_wg
+                            for r in range(n_tile):
+                                row = nt * n_tile + r
+                                for ci, ((o, p, nv, _, per_vec), acc) in enumerate(zip(chunks, accs)):
+                                    rows = isa.acc_rows(p)  # lanes → rows of the block, where not in order
+                                    for v in range(nv):
+                                        lanes = acc[v * n_tile + r]
+                                        if rows is not None:
+                                            lanes = tirx.Shuffle([lanes], [rows.index(i) for i in range(per_vec)])
+                                        wide = tirx.Cast(f"int32x{per_vec}", lanes)
+                                        if o:
+                                            wide = wide << tirx.Broadcast(tirx.IntImm("int32", o), per_vec)
+                                        if ci:
+                                            wide = racc[vec(v * per_vec, per_vec)] + wide
+                                        T.buffer_store(racc, wide, [vec(v * per_vec, per_vec)])
+                                with T.vectorized(0, sb) as i:
+                                    at = r * sb + i
+                                    T.buffer_store(out, out[at] + tirx.Cast(f32, racc[i]) * (LS[row, g] * param(S, blk, wgi, first + i)),
+                                                   [at])
+                                if spec.triples:  # ternary triples are symmetric: no Σx term
+                                    continue
+                                with T.If(g % lut_groups_per_wg == lut_groups_per_wg - 1):
+                                    with T.Then():
+                                        with T.vectorized(0, sb) as i:
+                                            at = r * sb + i
+                                            half_s = tirx.FloatImm(f32, 0.5) * param(S, blk, wgi, first + i)
+                                            coef = half_s + param(Z, blk, wgi, first + i) if Z is not None else half_s
+                                            T.buffer_store(out, out[at] - coef * XS[row, wgi], [at])
                         for r in range(n_tile):
                             row = nt * n_tile + r
-                            for ci, ((o, p, nv, _, per_vec), acc) in enumerate(zip(chunks, accs)):
-                                rows = isa.acc_rows(p)  # lanes → rows of the block, where not in order
-                                for v in range(nv):
-                                    lanes = acc[v * n_tile + r]
-                                    if rows is not None:
-                                        lanes = tirx.Shuffle([lanes], [rows.index(i) for i in range(per_vec)])
-                                    wide = tirx.Cast(f"int32x{per_vec}", lanes)
-                                    if o:
-                                        wide = wide << tirx.Broadcast(tirx.IntImm("int32", o), per_vec)
-                                    if ci:
-                                        wide = racc[vec(v * per_vec, per_vec)] + wide
-                                    T.buffer_store(racc, wide, [vec(v * per_vec, per_vec)])
-                            with T.vectorized(0, sb) as i:
-                                at = r * bm + first + i
-                                T.buffer_store(out, out[at] + tirx.Cast(f32, racc[i]) * (LS[row, g] * param(S, blk, wgi, first + i)),
-                                               [at])
-                            if spec.triples:  # ternary triples are symmetric: no Σx term
-                                continue
-                            with T.If(g % lut_groups_per_wg == lut_groups_per_wg - 1):
+                            with T.If(row < n):
                                 with T.Then():
-                                    with T.vectorized(0, sb) as i:
-                                        at = r * bm + first + i
-                                        half_s = tirx.FloatImm(f32, 0.5) * param(S, blk, wgi, first + i)
-                                        coef = half_s + param(Z, blk, wgi, first + i) if Z is not None else half_s
-                                        T.buffer_store(out, out[at] - coef * XS[row, wgi], [at])
-                    for r in range(n_tile):
-                        row = nt * n_tile + r
-                        with T.If(row < n):
-                            with T.Then():
-                                with T.serial(0, bm) as i:
-                                    with T.If(blk * bm + i < m):
-                                        with T.Then():
-                                            T.buffer_store(Y, out[r * bm + i], [row, blk * bm + i])
+                                    with T.serial(0, sb) as i:
+                                        with T.If(blk * bm + first + i < m):
+                                            with T.Then():
+                                                T.buffer_store(Y, out[r * sb + i], [row, blk * bm + first + i])
     return ib.get()
 
 

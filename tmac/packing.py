@@ -90,10 +90,11 @@ class KernelSpec:
     def __post_init__(self):
         check_bits(self.bits)
         if self.block_rows == 0:
-            # 1- and 2-bit quads: 8 vectors, not 4 (cold on an AMD EPYC, 11008x4096 W1 248 vs 277 us; W2 3200x8640
-            # 327 vs 362, 4096x4096 194 vs 203; triples lose: 428 vs 408). W4 would gain too (4096x11008 g128 cold
-            # 976 vs 1233 us) but its GEMM, done in two parts of rows, loses 20 % (1B Q4_0 prefill 84 -> 63-71 tok/s)
-            wider = 2 if self.quads and not self.triples else 1
+            # rows owning 4 bytes (W4, 1- and 2-bit quads) on 64-byte vectors: 8 vectors, not 4 (cold on an AMD
+            # EPYC, 11008x4096 W1 248 vs 277 us; W2 3200x8640 327 vs 362, 4096x4096 194 vs 203; W4 4096x11008
+            # 976 vs 1233, 8640x3200 608 vs 734; the GEMM runs such a block in two parts of rows, at par; triples
+            # lose: 428 vs 408)
+            wider = 2 if self.vector_bytes == 64 and self.row_bytes == 4 and not self.triples else 1
             object.__setattr__(self, "block_rows", wider * default_block_rows(self.vector_bytes, self.row_bytes))
         steps = self.steps_per_lut_group
         if self.unroll == 0 and steps:
