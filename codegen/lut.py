@@ -185,7 +185,7 @@ def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str):
                                                     if masks is not None:
                                                         looked = [negated_where(x, mk) for x, mk in zip(looked, masks)]
                                                     a = v * n_tile + r
-                                                    total = isa.accumulate(acc[a], looked, p, qp if spec.quads else 0)
+                                                    total = isa.accumulate(acc[a], looked, p, qp if spec.quads else p)
                                                     T.buffer_store(acc, total, [a])
                             wgi = 0 if spec.triples else g // lut_groups_per_wg
                             for r in range(n_tile):

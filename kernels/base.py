@@ -49,13 +49,13 @@ class Isa:
         spread = tirx.Shuffle([mask_bytes] * 8, [lane // 8 for lane in range(lanes)])
         return (spread & plane_weights(lanes, 8, "uint8")) != tirx.Broadcast(tirx.IntImm("uint8", 0), lanes)
 
-    def accumulate(self, acc, looked: list, planes: int, period: int = 0):
+    def accumulate(self, acc, looked: list, planes: int, period: int):
         """``acc`` plus, per row, Σ over ``looked`` of Σ_j 2^(j mod period)·byte(row, j) — rows own ``planes``
-        adjacent bytes, bit planes repeating every ``period`` bytes (default ``planes``; quads: 1 at 1 bit, 2 at
-        2 bits, the bytes of several tables). Portable form: widen every byte and add them shifted."""
+        adjacent bytes, bit planes repeating every ``period`` bytes (``planes`` for bit-plane chunks; quads: 1 at
+        1 bit, 2 at 2 bits, the bytes of several tables). Portable form: widen every byte and add them shifted."""
         from tvm import tirx
 
-        lanes, period = self.vector_bytes // planes, period or planes
+        lanes = self.vector_bytes // planes
         wide = "int32" if planes == 4 else "int16"
         for v in looked:
             for j in range(planes):

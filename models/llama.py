@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tmac.glue import KV_BLOCK, KV_DTYPES
+from tmac.glue import KV_BLOCK, check_kv_dtype
 
 from .generate import GenerationMixin
 
@@ -223,8 +223,7 @@ class Transformer(GenerationMixin, nn.Module):
         """Preallocate the KV cache (``kv_dtype``: float16 or float32) and the RoPE table for ``context``
         positions."""
         cfg = self.config
-        if kv_dtype not in KV_DTYPES:
-            raise ValueError(f"KV cache dtype {kv_dtype!r} is not one of {KV_DTYPES}")
+        check_kv_dtype(kv_dtype)
         if (self.context, self.kv_dtype) == (context, kv_dtype) and self.cache_k is not None:
             return
         blocks, dtype = -(-context // KV_BLOCK), getattr(torch, kv_dtype)

@@ -17,7 +17,7 @@ from torch import nn
 from tmac.embedding import Embedding
 from tmac.errors import ModelFormatError
 from tmac.formats import GROUP_SIZES, check_bits, check_group_size
-from tmac.glue import KV_DTYPES
+from tmac.glue import check_kv_dtype
 from tmac.linear import Linear
 from tmac.progress import Progress
 from tmac.quantize import quantize_weight
@@ -62,8 +62,7 @@ def load_model(source: str | os.PathLike | None = None, *, bits: int | None = No
         check_group_size(group_size)
     if context is not None and (type(context) is not int or context < 1):
         raise ValueError(f"context must be a positive int, got {context!r}")
-    if kv_dtype not in KV_DTYPES:
-        raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
+    check_kv_dtype(kv_dtype)  # before the load, not after it
     path = os.fspath(source) if source is not None else default_model_path()
     if os.path.isfile(path) and is_tmac_file(path):
         if bits is not None or head_bits is not None or group_size is not None:

@@ -28,6 +28,11 @@ KV_DTYPES = ("float16", "float32")
 KV_BLOCK = 16
 
 
+def check_kv_dtype(kv_dtype) -> None:
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
+
+
 @dataclass(frozen=True)
 class GlueSpec:
     isa: str
@@ -48,8 +53,7 @@ class GlueSpec:
             raise ValueError(f"invalid glue spec sizes: dim, heads, kv heads, head_dim, ffn = {sizes}")
         if self.act not in ACTIVATIONS:
             raise ValueError(f"activation {self.act!r} has no glue kernel; known: {ACTIVATIONS}")
-        if self.kv_dtype not in KV_DTYPES:
-            raise ValueError(f"KV cache dtype {self.kv_dtype!r} is not one of {KV_DTYPES}")
+        check_kv_dtype(self.kv_dtype)
 
     @property
     def name(self) -> str:
