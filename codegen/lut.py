@@ -16,6 +16,7 @@ tiles are unrolled here); nothing is left for a schedule.
 from __future__ import annotations
 
 from tmac.packing import KernelSpec, packed_shapes
+from tmac.reference import SIGNS, TRIPLE_COEFFS
 
 from .tir import arg, prim_func
 
@@ -40,38 +41,48 @@ def build_tables_func(spec: KernelSpec):
         amax = T.alloc_buffer((1,), f32, scope="global")
         lanes = T.alloc_buffer((16,), f32, scope="global")
 
-        def x_at(row, i):  # triples pad K with zero activations; the load itself stays in bounds
-            return X[row, i] if kp == k else tirx.if_then_else(i < k, X[row, i], zero)
+        def constant(values):  # a float32 vector of these lanes (LLVM folds the shuffle of broadcasts)
+            distinct = sorted(set(values))
+            sources = [tirx.Broadcast(tirx.FloatImm(f32, v), len(values)) for v in distinct]
+            return tirx.Shuffle(sources, [distinct.index(v) * len(values) + i for i, v in enumerate(values)])
 
-        def entry(xs, p):  # table entry p (a vector lane) of the activations xs, in the reference's fp32 order
-            if spec.triples:
-                c = [tirx.Cast(f32, tirx.floormod(tirx.floordiv(p, 3 ** (2 - j)), 3) - 1) for j in range(3)]
-                return tirx.Select(p < 14, (c[0] * xs[0] + c[1] * xs[1]) + c[2] * xs[2], zero)
-            signed = [tirx.Select((p >> j) & 1 == 1, xs[j], -xs[j]) for j in range(4)]
-            return half * ((signed[0] + signed[1]) + (signed[2] + signed[3]))
+        # coefficient vectors of the reference: entry p of a table is Σ_j coefs[j][p]·x_j (exact products)
+        coefs = [constant([float(c) for c in column]) for column in (TRIPLE_COEFFS if spec.triples else SIGNS).T]
+
+        def entries(xs):  # the 16 entries of the table of activations xs, in the reference's fp32 order
+            t = [c * tirx.Broadcast(x, 16) for c, x in zip(coefs, xs)]
+            return (t[0] + t[1]) + t[2] if spec.triples else \
+                tirx.Broadcast(half, 16) * ((t[0] + t[1]) + (t[2] + t[3]))
 
         def largest(xa):  # |entry| of the all-signs-agree entry, the largest of a table
             return (xa[0] + xa[1]) + xa[2] if spec.triples else half * ((xa[0] + xa[1]) + (xa[2] + xa[3]))
+
+        def lut_group(row, g, padded: bool):
+            def x_at(i):  # past K, a zero activation; the load itself stays in bounds
+                return tirx.if_then_else(i < k, X[row, i], zero) if padded else X[row, i]
+
+            # the scale first, from one candidate per table, not 16: rounded addition is monotonic, so the
+            # all-signs-agree entry is the largest in fp32 too; then each table computed and rounded in registers
+            # (a float copy of the lut group's tables would outgrow TVM's stack scratch)
+            T.buffer_store(amax, zero, [0])
+            with T.serial(0, lg // per) as t:
+                xa = [tirx.abs(x_at(g * lg + t * per + j)) for j in range(per)]
+                T.buffer_store(amax, tirx.max(amax[0], largest(xa)), [0])
+            inv = tirx.Select(amax[0] > zero, tirx.FloatImm(f32, 127.0) / amax[0], zero)
+            with T.serial(0, lg // per) as t:
+                xs = [x_at(g * lg + t * per + j) for j in range(per)]
+                T.buffer_store(LUT, tirx.Cast("int8x16", tirx.nearbyint(entries(xs) * tirx.Broadcast(inv, 16))),
+                               [row, g * (lg // per) + t, tirx.Ramp(0, 1, 16)])
+            T.buffer_store(LS, amax[0] / tirx.FloatImm(f32, 127.0), [row, g])
 
         # the Python wrappers check this too; a raw call must still not write past the tables
         with T.Assert(n <= np_, "build_tables: the table buffers have fewer rows than the activations",
                       "ValueError"):
             with T.serial(0, n) as row:
-                with T.serial(0, kp // lg) as g:
-                    # the scale first, from one candidate per table, not 16: rounded addition is monotonic, so
-                    # the all-signs-agree entry is the largest in fp32 too; then each table computed and rounded
-                    # in registers (a float copy of the lut group's tables would outgrow TVM's stack scratch)
-                    T.buffer_store(amax, zero, [0])
-                    with T.serial(0, lg // per) as t:
-                        xa = [tirx.abs(x_at(row, g * lg + t * per + j)) for j in range(per)]
-                        T.buffer_store(amax, tirx.max(amax[0], largest(xa)), [0])
-                    inv = tirx.Select(amax[0] > zero, tirx.FloatImm(f32, 127.0) / amax[0], zero)
-                    with T.serial(0, lg // per) as t:
-                        xs = [x_at(row, g * lg + t * per + j) for j in range(per)]
-                        with T.vectorized(0, 16) as p:
-                            T.buffer_store(LUT, tirx.Cast("int8", tirx.nearbyint(entry(xs, p) * inv)),
-                                           [row, g * (lg // per) + t, p])
-                    T.buffer_store(LS, amax[0] / tirx.FloatImm(f32, 127.0), [row, g])
+                with T.serial(0, k // lg) as g:
+                    lut_group(row, g, padded=False)
+                if kp != k:  # triples pad K with zero activations, in the last lut group only
+                    lut_group(row, k // lg, padded=True)
                 with T.serial(0, k // wg) as g:  # activation sums: 16 running lanes, then their total
                     with T.vectorized(0, 16) as p:
                         T.buffer_store(lanes, X[row, g * wg + p], [p])
