@@ -157,7 +157,7 @@ def test_bench_errors_are_one_line():
                          (["bench", "m.gguf", "--shape", "8x64"], "not both"),
                          (["bench", "--e2e", "--shape", "8x64"], "not both"),
                          (["bench", "--profile", "--shape", "8x64"], "not both"),
-                         (["bench", "--gen-tokens", "2"], "--gen-tokens")]:
+                         (["bench", "--gen-tokens", "2"], "--gen-tokens"), (["bench", "--rounds", "0"], "--rounds")]:
         r = tmac(*args)
         assert r.returncode == 1 and needle in r.stderr.strip().splitlines()[-1] and "Traceback" not in r.stderr, args
 

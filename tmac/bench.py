@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 BUSY_LIMIT = 0.25  # share of all CPUs busy before a multi-thread run above which its numbers would be noise
@@ -125,49 +126,74 @@ def kernel_bench(shapes, bits_list, threads_list, notes: list[str], progress=Non
 
 
 def e2e_bench(source, variants, threads_list, notes: list[str], prompt_tokens=64, gen_tokens=64, peer=True,
-              progress=None, profiles: list | None = None) -> list[Row]:
+              progress=None, profiles: list | None = None, rounds: int = 3) -> list[Row]:
     """Prefill and decode tok/s of a model loaded as each ``(bits, head_bits)`` of ``variants`` (``bits=None``:
     the file's own weights; ``head_bits``: requantize the output head too), and of llama.cpp on the same GGUF
-    file when llama-cpp-python is installed. With ``profiles``, each variant's decode step at every thread count
-    is broken down by call (``DecodePlan.profile``) into it as ``(label, threads, {call: seconds})``."""
+    file when llama-cpp-python is installed. Every candidate runs ``rounds`` times, the candidates taking turns
+    (so a slow stretch of a shared machine hits all of them), and reports its medians. With ``profiles``, each
+    variant's decode step at every thread count is broken down by call (``DecodePlan.profile``) into it as
+    ``(label, threads, {call: seconds})``."""
+    path = str(source) if source is not None else None
+    prompt = [(i * 7919) % 1000 + 100 for i in range(prompt_tokens)]  # fixed ids inside any real vocabulary
+    models = [_tmac_candidate(path, bits, head_bits, prompt, gen_tokens) for bits, head_bits in variants]
+    path = path or models[0].path
+    with_peer = peer and path.endswith(".gguf") and importlib.util.find_spec("llama_cpp") is not None
+    if peer and not path.endswith(".gguf"):
+        notes.append("llama.cpp not measured: it reads GGUF files only")
+    elif peer and not with_peer:
+        notes.append("llama.cpp not measured: install the optional peer extra (llama-cpp-python; see README)")
+    rows = []
+    for threads in measured_threads(threads_list, notes):
+        candidates = models + ([_llama_cpp_candidate(path, threads, prompt, gen_tokens)] if with_peer else [])
+        runs: dict[str, list[tuple[float, float]]] = {c.label: [] for c in candidates}
+        for _ in range(rounds):
+            for c in candidates:
+                runs[c.label].append(c.run())
+        for c in candidates:
+            tok_s = statistics.median(decode for _, decode in runs[c.label])
+            gbps = c.streamed * tok_s / 1e9
+            rows.append(Row(path, c.label, threads, tok_s, {
+                **c.info, "GB/s": gbps, "% DRAM": 100 * gbps / dram_read_bandwidth(),
+                "prefill tok/s": statistics.median(prefill for prefill, _ in runs[c.label])}))
+            if profiles is not None and c.model is not None:
+                profiles.append((c.label, threads, decode_profile(c.model, prompt[0], prompt_tokens + gen_tokens,
+                                                                   notes)))
+            if progress:
+                progress.advance(f"{c.label} {threads}t")
+    return rows
+
+
+@dataclass
+class _Candidate:
+    label: str
+    path: str
+    run: Callable[[], tuple[float, float]]  # a warm-up, then one generation: (prefill tok/s, decode tok/s)
+    streamed: int  # weight bytes one decode step reads
+    info: dict  # model MiB, size vs fp16
+    model: object = None  # the tmac model, for a decode profile
+
+
+def _tmac_candidate(path, bits, head_bits, prompt, gen_tokens) -> _Candidate:
     import torch
 
     from .models.load import default_model_path, load_model
 
-    path = str(source) if source is not None else default_model_path()
-    rows = []
-    prompt = [(i * 7919) % 1000 + 100 for i in range(prompt_tokens)]  # fixed ids inside any real vocabulary
-    for bits, head_bits in variants:
-        model = load_model(path, bits=bits, head_bits=head_bits, context=prompt_tokens + gen_tokens + 8,
-                           progress=False)
-        tensors = {t.data_ptr(): t for t in model.state_dict().values() if isinstance(t, torch.Tensor)}  # tied once
-        size = sum(t.numel() * t.element_size() for t in tensors.values())
-        fp16_size = 2 * sum(p.numel() for p in type(model).skeleton(model.config).parameters())  # tied once
-        streamed = streamed_bytes(model)
-        label = "tmac " + ("file's own" if bits is None else f"W{bits}") + (f", head W{head_bits}" if head_bits else "")
-        for threads in measured_threads(threads_list, notes):
-            model.generate(prompt[:8], max_new_tokens=4, stop_on_eos=False)  # warm-up: kernels, thread pools
-            model.cached_ids = []  # prefill the whole prompt
-            model.generate(prompt, max_new_tokens=gen_tokens, stop_on_eos=False)
-            s = model.last_stats
-            tok_s = s["generated_tokens"] / s["decode_s"]
-            gbps = streamed * tok_s / 1e9
-            rows.append(Row(path, label, threads, tok_s, {"prefill tok/s": s["prefill_tokens"] / s["prefill_s"],
-                                                         "model MiB": size / 2**20, "x fp16": size / fp16_size,
-                                                         "GB/s": gbps,
-                                                         "% DRAM": 100 * gbps / dram_read_bandwidth()}))
-            if profiles is not None:
-                profiles.append((label, threads, decode_profile(model, prompt[0], prompt_tokens + gen_tokens, notes)))
-            if progress:
-                progress.advance(f"{label} {threads}t")
-        del model
-    if peer and path.endswith(".gguf") and importlib.util.find_spec("llama_cpp") is not None:
-        rows += _llama_cpp_rows(path, threads_list, prompt, gen_tokens, progress, notes)
-    elif peer and not path.endswith(".gguf"):
-        notes.append("llama.cpp not measured: it reads GGUF files only")
-    elif peer:
-        notes.append("llama.cpp not measured: install the optional peer extra (llama-cpp-python; see README)")
-    return rows
+    path = path or default_model_path()
+    model = load_model(path, bits=bits, head_bits=head_bits, context=len(prompt) + gen_tokens + 8, progress=False)
+    tensors = {t.data_ptr(): t for t in model.state_dict().values() if isinstance(t, torch.Tensor)}  # tied once
+    size = sum(t.numel() * t.element_size() for t in tensors.values())
+    fp16_size = 2 * sum(p.numel() for p in type(model).skeleton(model.config).parameters())  # tied once
+
+    def run():
+        model.generate(prompt[:8], max_new_tokens=4, stop_on_eos=False)  # warm-up: kernels, thread pools
+        model.cached_ids = []  # prefill the whole prompt
+        model.generate(prompt, max_new_tokens=gen_tokens, stop_on_eos=False)
+        s = model.last_stats
+        return s["prefill_tokens"] / s["prefill_s"], s["generated_tokens"] / s["decode_s"]
+
+    label = "tmac " + ("file's own" if bits is None else f"W{bits}") + (f", head W{head_bits}" if head_bits else "")
+    return _Candidate(label, path, run, streamed_bytes(model), {"model MiB": size / 2**20, "x fp16": size / fp16_size},
+                      model)
 
 
 def decode_profile(model, token: int, pos: int, notes: list[str]) -> dict[str, float]:
@@ -222,33 +248,30 @@ def gguf_streamed_bytes(path: str) -> int:
     return sum(t.data.nbytes for name, t in tensors.items() if tied or name != "token_embd.weight")
 
 
-def _llama_cpp_rows(path, threads_list, prompt, gen_tokens, progress, notes) -> list[Row]:
+def _llama_cpp_candidate(path, threads, prompt, gen_tokens) -> _Candidate:
     import os
 
     import numpy as np
     from llama_cpp import Llama, llama_get_logits_ith
 
-    rows = []
-    for threads in measured_threads(threads_list, notes):
-        llm = Llama(path, n_ctx=len(prompt) + gen_tokens + 8, n_threads=threads, n_threads_batch=threads,
-                    n_batch=len(prompt), verbose=False)
+    llm = Llama(path, n_ctx=len(prompt) + gen_tokens + 8, n_threads=threads, n_threads_batch=threads,
+                n_batch=len(prompt), verbose=False)
+
+    def run():
+        llm.reset()
+        llm.eval(prompt[:8])  # warm-up: thread pool
+        llm.reset()
         t0 = time.perf_counter()
         llm.eval(prompt)
         prefill = time.perf_counter() - t0
-        token = prompt[-1]
         t0 = time.perf_counter()
         for _ in range(gen_tokens):  # greedy decode one token at a time, as tmac does
             token = int(np.ctypeslib.as_array(llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),)).argmax())
             llm.eval([token])
-        decode = time.perf_counter() - t0
-        gbps = gguf_streamed_bytes(path) * gen_tokens / decode / 1e9
-        rows.append(Row(path, "llama.cpp (same file)", threads, gen_tokens / decode,
-                        {"prefill tok/s": len(prompt) / prefill, "model MiB": os.path.getsize(path) / 2**20,
-                         "GB/s": gbps, "% DRAM": 100 * gbps / dram_read_bandwidth()}))
-        del llm
-        if progress:
-            progress.advance(f"llama.cpp {threads}t")
-    return rows
+        return len(prompt) / prefill, gen_tokens / (time.perf_counter() - t0)
+
+    return _Candidate("llama.cpp (same file)", path, run, gguf_streamed_bytes(path),
+                      {"model MiB": os.path.getsize(path) / 2**20})
 
 
 def table(rows: list[Row], unit: str, baseline: str) -> str:

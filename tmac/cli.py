@@ -77,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--threads", default="1,2", help="comma-separated thread counts (default 1,2)")
     b.add_argument("--prompt-tokens", type=int, default=64)
     b.add_argument("--gen-tokens", type=int, default=64)
+    b.add_argument("--rounds", type=int, default=3, help="end to end: generations per candidate, the candidates "
+                                                         "taking turns; the medians are reported (default 3)")
     b.add_argument("--no-peer", action="store_true", help="do not run llama.cpp even if installed")
     b.add_argument("--plot", metavar="PNG", help="write a bar chart (needs matplotlib)")
     b.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
@@ -305,13 +307,14 @@ def cmd_bench(args) -> int:
         unit, baseline, ylabel = "ms", "torch fp32", "ms per GEMV (lower is better)"
     else:
         bits = [None, 2] if args.bits is None else _int_list(args.bits, "--bits", (1, 2, 3, 4))
-        for n, name in ((args.prompt_tokens, "--prompt-tokens"), (args.gen_tokens, "--gen-tokens")):
-            if n < 8:
-                raise ValueError(f"{name} must be >= 8, got {n}")
+        for n, name, least in ((args.prompt_tokens, "--prompt-tokens", 8), (args.gen_tokens, "--gen-tokens", 8),
+                               (args.rounds, "--rounds", 1)):
+            if n < least:
+                raise ValueError(f"{name} must be >= {least}, got {n}")
         with Progress("benchmarking generation", len(bits) * len(threads) + len(threads), None) as bar:
             variants = [(b, args.head_bits if b else None) for b in bits]
             rows = bench.e2e_bench(args.model, variants, threads, notes, args.prompt_tokens, args.gen_tokens,
-                                   not args.no_peer, bar, profiles)
+                                   not args.no_peer, bar, profiles, args.rounds)
         unit, baseline, ylabel = "tok/s", rows[0].candidate if rows else "", "generated tokens/s (higher is better)"
     if args.json:
         print(json.dumps({"unit": unit, "notes": notes, "rows": [dataclasses.asdict(r) for r in rows],
