@@ -1,4 +1,4 @@
-"""GEMV: tmac W1-W4 against torch fp32, bf16, int4 and int8 weight-only, warm and cold, 1 and 2 threads; groups
+"""GEMV: tmac W1-W4 and ternary against torch fp32, bf16, int4 and int8 weight-only, warm and cold, 1 and 2 threads; groups
 of 128 weights (64 where K is not a multiple of 128).
 
 warm: one matrix, weights cache-resident. cold: cycle through enough copies (≥ 1 GiB in all) that weights
@@ -32,8 +32,10 @@ def _candidates(m, k):
     w8 = (w / s8[:, None]).round().to(torch.int8)
     out["torch int8wo"] = (lambda: (w8.clone(), s8.clone()), lambda c: torch.ops.aten._weight_int8pack_mm(x, c[0], c[1]),
                            m * k + m * 4)
-    for bits in (1, 2, 3, 4):
-        lw = LutWeight.from_quantized(quantize_weight(w.numpy(), bits=bits, group_size=group))
+    formats = {f"tmac W{bits}": dict(bits=bits, group_size=group) for bits in (1, 2, 3, 4)}
+    formats["tmac ternary"] = dict(ternary=True, group_size="tensor")  # BitNet b1.58: triples, 1.67 bits
+    for name, fmt in formats.items():
+        lw = LutWeight.from_quantized(quantize_weight(w.numpy(), **fmt))
         lw.matmul(x)  # compile / load outside the timing
 
         def copy(lw=lw):
@@ -42,7 +44,7 @@ def _candidates(m, k):
             c.weights, c.scales = lw.weights.clone(), lw.scales.clone()
             c.zeros = None if lw.zeros is None else lw.zeros.clone()
             return c
-        out[f"tmac W{bits}"] = (copy, lambda c: c.matmul(x), lw.nbytes)
+        out[name] = (copy, lambda c: c.matmul(x), lw.nbytes)
     return out
 
 
@@ -52,7 +54,7 @@ _CACHE = {}
 @pytest.mark.parametrize("regime", ["warm", "cold"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("cand", ["torch fp32", "torch bf16", "torch int4wo", "torch int8wo",
-                                  "tmac W1", "tmac W2", "tmac W3", "tmac W4"])
+                                  "tmac W1", "tmac W2", "tmac W3", "tmac W4", "tmac ternary"])
 def test_gemv(benchmark, set_threads, regime, shape, cand):
     if shape not in _CACHE:
         _CACHE.clear()
