@@ -95,6 +95,19 @@ def test_misuse():
         base = torch.randn(64, 6)
         strided = base.t()  # non-contiguous [6, 64]
         np.testing.assert_allclose(lin(strided).numpy(), lin(strided.contiguous()).numpy(), rtol=0, atol=0)
+        # packed tensors are validated once and remembered: another tensor, or the same one resized in place,
+        # is validated again before any kernel reads it
+        x = torch.randn(1, 64)
+        y = lin(x)
+        good = lin.qweight
+        lin.qweight = good[:, :-1].clone()
+        with pytest.raises(ValueError, match="packed weights"):
+            lin(x)
+        lin.qweight = good
+        np.testing.assert_array_equal(lin(x).numpy(), y.numpy())
+        good.resize_(good.shape[0] - 1, *good.shape[1:])
+        with pytest.raises(ValueError, match="packed weights"):
+            lin(x)
     with pytest.raises(ValueError, match="bits"):
         Linear(64, 32, bits=5)
     with pytest.raises(ValueError, match="group_size"):

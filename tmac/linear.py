@@ -20,7 +20,7 @@ from torch import nn
 
 from .formats import WeightFormat
 from .kernels import best_isa, isa_by_name
-from .lut_ops import check_packed, check_packed_once, lut_linear
+from .lut_ops import bind_packed, check_packed, lut_linear
 from .packing import (TRIPLES_LAYOUT, KernelSpec, PackedWeight, pack, packed_shapes, spec_for, spec_for_format,
                       unpack)
 from .qweight import QuantizedWeight
@@ -139,8 +139,8 @@ class Linear(nn.Module):
             x2 = x2.to(torch.float32).contiguous()
         if type(x2) is torch.Tensor and not torch.compiler.is_compiling():
             packed = (self.qweight, self.scales, self.zeros, self.bias)
-            check_packed_once(self, self.spec, self.out_features, packed)
-            y = lut_linear(x2, *packed, self.spec, self.out_features, self.kernel_dir, packed_checked=True)
+            bound = bind_packed(self, self.spec, self.out_features, packed, self.kernel_dir)
+            y = lut_linear(x2, *packed, self.spec, self.out_features, self.kernel_dir, bound=bound)
         else:  # tracing (dynamo, export, fake tensors): go through the registered op
             y = lut_linear_op(x2, self.qweight, self.scales, self.zeros, self.bias, self._spec_json,
                               self.out_features, self.kernel_dir or "")

@@ -8,6 +8,7 @@ torch view or numpy slice can never fault on alignment.
 from __future__ import annotations
 
 import threading
+import weakref
 
 import torch
 
@@ -17,6 +18,7 @@ from .packing import KernelSpec, PackedWeight, pack, packed_shapes, spec_for
 from .qweight import QuantizedWeight
 
 _workspaces = threading.local()
+_bound: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # owner → what bind_packed remembers
 _libraries: dict[tuple[KernelSpec, str | None], runtime.KernelLibrary] = {}
 
 
@@ -29,12 +31,16 @@ def kernels_for(spec: KernelSpec, kernel_dir: str | None = None) -> runtime.Kern
 
 def lut_linear(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                bias: torch.Tensor | None, spec: KernelSpec, m: int, kernel_dir: str | None = None,
-               out: torch.Tensor | None = None, packed_checked: bool = False) -> torch.Tensor:
+               out: torch.Tensor | None = None, bound: tuple | None = None) -> torch.Tensor:
     """``x @ W.T (+ bias)`` for float32 ``x [N, K]`` and packed ``W`` of ``m`` rows; float32 ``[N, m]``.
-    ``packed_checked``: the caller has validated exactly these packed tensors with ``check_packed``."""
+    ``bound``: what ``bind_packed`` returned for exactly these packed tensors, spec and kernel directory."""
     check_activations(x, spec.k)
-    if not packed_checked:
+    if bound is None:
         check_packed(spec, m, weights, scales, zeros, bias)
+        params = (weights, scales) if zeros is None else (weights, scales, zeros)
+        kernels = kernels_for(spec, kernel_dir)
+    else:
+        params, kernels = bound
     n = x.shape[0]
     if out is None:
         out = torch.empty((n, m), dtype=torch.float32)
@@ -43,13 +49,11 @@ def lut_linear(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, zer
                          f"{out.dtype} {tuple(out.shape)}")
     if n == 0:
         return out
-    kernels = kernels_for(spec, kernel_dir)
     runtime.apply_threads()
     gemv = n == 1
-    lut, ls, xs = _workspace(spec, 1 if gemv else spec.padded_rows(n))
-    kernels.build_tables(x, lut, ls, xs)
-    params = (weights, scales) if zeros is None else (weights, scales, zeros)
-    (kernels.lut_gemv if gemv else kernels.lut_gemm)(*params, lut, ls, xs, out)
+    _, tables = _workspace(spec, 1 if gemv else spec.padded_rows(n))
+    kernels.build_tables(x, *tables)
+    (kernels.lut_gemv if gemv else kernels.lut_gemm)(*params, *tables, out)
     if bias is not None:
         out.add_(bias)
     return out
@@ -89,27 +93,33 @@ def check_packed(spec: KernelSpec, m, weights, scales, zeros, bias) -> None:
                              + ("" if t.is_contiguous() else " (non-contiguous)"))
 
 
-def check_packed_once(owner, spec: KernelSpec, m: int, packed: tuple) -> None:
-    """``check_packed`` unless ``packed`` are the very tensors ``owner`` had validated last time, unresized
-    (re-validating costs more than a small kernel call); remembers them on ``owner``."""
-    seen = getattr(owner, "_checked_packed", None)
+def bind_packed(owner, spec: KernelSpec, m: int, packed: tuple, kernel_dir: str | None) -> tuple:
+    """(the kernels' views of W, S[, Z], the kernel library) for ``packed`` = (W, S, Z, bias), after
+    ``check_packed``; remembered for ``owner`` and reused while it calls with the very same tensors, unresized,
+    spec and directory: validating, converting and looking up again cost more than a small kernel call (in a
+    model whose weights stream from DRAM 20-35 µs a call, the Python objects evicted from the caches)."""
+    seen = _bound.get(owner)
     sizes = tuple(-1 if t is None else t.numel() for t in packed)
-    if seen is not None and seen[1] == sizes and all(a is b for a, b in zip(seen[0], packed)):
-        return
-    check_packed(spec, m, *packed)
-    owner._checked_packed = (packed, sizes)
+    if seen is None or seen[1] != sizes or seen[2] is not spec or seen[3] != kernel_dir or \
+            not all(a is b for a, b in zip(seen[0], packed)):
+        check_packed(spec, m, *packed)
+        views = tuple(runtime.ffi().from_dlpack(t) for t in packed[:3] if t is not None)
+        seen = _bound[owner] = (packed, sizes, spec, kernel_dir, (views, kernels_for(spec, kernel_dir)))
+    return seen[4]
 
 
 def _workspace(spec: KernelSpec, rows: int):
-    """Per-thread table buffers, reused across calls (no allocation per token)."""
+    """Per-thread table buffers (LUT, LS, XS), reused across calls (no allocation per token), and their kernel
+    views."""
     cache = getattr(_workspaces, "buffers", None)
     if cache is None:
         cache = _workspaces.buffers = {}
-    shapes = spec.table_shapes(rows)
-    bufs = cache.get(shapes)
-    if bufs is None:
-        bufs = cache[shapes] = table_buffers(spec, rows)
-    return bufs
+    key = (spec, rows)
+    entry = cache.get(key)
+    if entry is None:
+        bufs = table_buffers(spec, rows)
+        entry = cache[key] = (bufs, tuple(runtime.ffi().from_dlpack(t) for t in bufs))
+    return entry
 
 
 def table_buffers(spec: KernelSpec, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -148,5 +158,5 @@ class LutWeight:
     def matmul(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ W.T`` for float32 ``x [N, K]``; returns float32 ``[N, M]``."""
         packed = (self.weights, self.scales, self.zeros, None)
-        check_packed_once(self, self.spec, self.m, packed)
-        return lut_linear(x, *packed, self.spec, self.m, self.kernel_dir, out, packed_checked=True)
+        bound = bind_packed(self, self.spec, self.m, packed, self.kernel_dir)
+        return lut_linear(x, *packed, self.spec, self.m, self.kernel_dir, out, bound)

@@ -128,6 +128,11 @@ class KernelSpec:
             problems.append(f"scale/zero dtypes must be in {PARAM_DTYPES}, got {self.scale_dtype!r}/{self.zero_dtype!r}")
         if problems:
             raise ValueError("invalid kernel spec: " + "; ".join(problems))
+        # specs key the kernel and workspace caches on every call: hash the fields once
+        object.__setattr__(self, "_hash", hash(tuple(getattr(self, f.name) for f in fields(self))))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     @property
     def quad_planes(self) -> int:
