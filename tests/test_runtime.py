@@ -187,3 +187,21 @@ def test_tune_persists_and_later_kernels_use_it(tmp_path):
     defaults = _run(check, dict(env, TMAC_CACHE_DIR=str(tmp_path / "untuned")))
     assert again.returncode == 0 and defaults.returncode == 0, again.stderr + defaults.stderr
     assert again.stdout == defaults.stdout
+
+
+def test_tune_covers_ternary_triples(tmp_path):
+    """`tmac tune --ternary` times the triple kernels (not 2-bit planes) and later triple specs use the result."""
+    env = dict(os.environ, TMAC_CACHE_DIR=str(tmp_path))
+    r = subprocess.run([sys.executable, "-m", "tmac.cli", "tune", "--ternary", "--group-size", "tensor", "--k", "384"],
+                       capture_output=True, text=True, env=env, timeout=900)
+    assert r.returncode == 0, r.stderr
+    assert "ternary_gtensor" in r.stdout and "_t3" in r.stderr  # the triple kernels were compiled and timed
+    (path,) = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path) for f in fs if f == "tuning.json"]
+    ((key, tiling),) = json.load(open(path)).items()
+    assert key.endswith("|b2|k384|g384|lg192|s|t3")
+    check = ("import numpy as np, tmac; from tmac.lut_ops import LutWeight; "
+             "qw = tmac.quantize_weight(np.ones((64, 384), np.float32), ternary=True, group_size='tensor'); "
+             "s = LutWeight.from_quantized(qw).spec; print(s.triples, s.block_rows, s.unroll, s.n_tile)")
+    used = _run(check, env)
+    assert used.returncode == 0, used.stderr
+    assert used.stdout.split() == ["True", str(tiling["block_rows"]), str(tiling["unroll"]), str(tiling["n_tile"])]

@@ -60,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--bits", default="1,2,3,4", help="comma-separated bit widths (default 1,2,3,4)")
     t.add_argument("--group-size", default="128", help=f"one of {GROUP_SIZES}, '{PER_ROW}' or '{PER_TENSOR}'")
     t.add_argument("--symmetric", action="store_true", help="weights without zeros")
+    t.add_argument("--ternary", action="store_true", help="ternary weights instead of --bits (BitNet absmean; "
+                                                          "--group-size tensor or row: the triple kernels)")
     src = t.add_mutually_exclusive_group(required=True)
     src.add_argument("--k", metavar="K", help="comma-separated input sizes, e.g. 4096,11008")
     src.add_argument("--model", metavar="PATH", help="a GGUF model: tune every kernel it runs as loaded")
@@ -259,8 +261,9 @@ def cmd_tune(args) -> int:
         work = kernel_formats(argparse.Namespace(bits=None, model=args.model, shape=None))
     else:
         group = parse_group_size(args.group_size)
-        work = [(WeightFormat.rtn(b, group, args.symmetric), k) for b in _int_list(args.bits, "--bits", (1, 2, 3, 4))
-                for k in _int_list(args.k, "--k")]
+        formats = [WeightFormat.ternary_format(group)] if args.ternary else \
+            [WeightFormat.rtn(b, group, args.symmetric) for b in _int_list(args.bits, "--bits", (1, 2, 3, 4))]
+        work = [(fmt, k) for fmt in formats for k in _int_list(args.k, "--k")]
     rows = []
     for i, (fmt, k) in enumerate(work, 1):
         defaults = spec_for_format(fmt, k, isa, unroll=0)  # a tiling argument: the defaults, not earlier tuning

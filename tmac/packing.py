@@ -236,7 +236,9 @@ def spec_for_format(fmt: WeightFormat, k: int, isa, **tiling) -> KernelSpec:
     triples = tiling.pop("triples", uses_triples(fmt, k))
     if tiling.pop("quads", isa.wide_lookup and (triples or fmt.bits in (1, 2))):
         params["quads"] = True
-    if triples:  # 1.67 instead of 2 bits streamed per weight; not tuned yet
+    if triples:  # 1.67 instead of 2 bits streamed per weight
+        if not tiling:
+            tiling = tuned_tiling(isa.name, 2, k, k, TRIPLE_LUT_GROUP, False, triples=True)
         return KernelSpec(isa.name, isa.vector_bytes, 2, k, k, TRIPLE_LUT_GROUP, False, **tiling, **params,
                           triples=True)
     lut_group = default_lut_group(k, fmt.group_size)

@@ -22,8 +22,8 @@ def tuning_file() -> str:
     return os.path.join(cache_dir(), "tuning.json")
 
 
-def key(isa: str, bits: int, k: int, group: int, lut_group: int, has_zeros: bool) -> str:
-    return f"{isa}|b{bits}|k{k}|g{group}|lg{lut_group}|{'z' if has_zeros else 's'}"
+def key(isa: str, bits: int, k: int, group: int, lut_group: int, has_zeros: bool, triples: bool = False) -> str:
+    return f"{isa}|b{bits}|k{k}|g{group}|lg{lut_group}|{'z' if has_zeros else 's'}" + ("|t3" if triples else "")
 
 
 @functools.lru_cache(maxsize=1)
@@ -39,13 +39,14 @@ def _table(path: str) -> dict:
             and all(type(v[f]) is int and v[f] > 0 for f in TILE_FIELDS)}
 
 
-def tuned_tiling(isa: str, bits: int, k: int, group: int, lut_group: int, has_zeros: bool) -> dict:
+def tuned_tiling(isa: str, bits: int, k: int, group: int, lut_group: int, has_zeros: bool,
+                 triples: bool = False) -> dict:
     """The persisted tiling for these kernel parameters ({} when never tuned, or the cache is unreadable)."""
     try:
         path = tuning_file()
     except Exception:  # no apache-tvm installed: no cache, no tuning
         return {}
-    return dict(_table(path).get(key(isa, bits, k, group, lut_group, has_zeros), {}))
+    return dict(_table(path).get(key(isa, bits, k, group, lut_group, has_zeros, triples), {}))
 
 
 def candidates(spec) -> list[dict]:
@@ -66,7 +67,8 @@ def tune(fmt, k: int, isa, m: int = 4096, progress=None) -> tuple[dict, list[tup
     from .quantize import quantize_weight
 
     w = np.random.default_rng(0).standard_normal((m, k), dtype=np.float32)
-    qw = quantize_weight(w, bits=fmt.bits, group_size=fmt.group_size, symmetric=not fmt.has_zeros)
+    qw = quantize_weight(w, ternary=True, group_size=fmt.group_size) if fmt.ternary else \
+        quantize_weight(w, bits=fmt.bits, group_size=fmt.group_size, symmetric=not fmt.has_zeros)
     x1, xn = torch.randn(1, k), torch.randn(GEMM_ROWS, k)
     measured = []
 
@@ -83,7 +85,7 @@ def tune(fmt, k: int, isa, m: int = 4096, progress=None) -> tuple[dict, list[tup
     best = min(candidates(spec0), key=lambda t: timed({**t, "n_tile": 4}, x1))
     best = {**best, "n_tile": min((2, 4, 8), key=lambda n: timed({**best, "n_tile": n}, xn))}
     spec = spec_for_format(qw.format, k, isa, **best)
-    save(key(isa.name, fmt.bits, k, spec.group_size, spec.lut_group, spec.has_zeros), best)
+    save(key(isa.name, fmt.bits, k, spec.group_size, spec.lut_group, spec.has_zeros, spec.triples), best)
     return best, measured
 
 
