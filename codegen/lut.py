@@ -119,27 +119,32 @@ def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str):
     def u8(value):
         return tirx.Broadcast(tirx.IntImm("uint8", value), vl)
 
-    # quads (tmac.packing): byte p of a row's four holds plane p mod P of table p div P of the low nibbles' window
-    # of four tables and of the high nibbles'; at 1 bit (P = 1) those are the step's tables 0-3 and 4-7, at 2 bits
-    # (P = 2) both are the step's four tables, the high nibbles indexing the last two
-    qp = spec.quad_planes
+    # quads (tmac.packing): in a quad chunk of P planes, byte p of a row's four holds plane p mod P of table p div P
+    # of the low nibbles' window of four tables and of the high nibbles'; with P = 1 those are the chunk's tables 0-3
+    # and 4-7, with P = 2 both are its four tables, the high nibbles indexing the last two
     ramp = tirx.Ramp(tirx.IntImm("int32", 0), tirx.IntImm("int32", 1), vl)
-    positions = [tirx.Cast(f"uint8x{vl}", ((ramp & tirx.Broadcast(tirx.IntImm("int32", 3), vl))
-                                           // tirx.Broadcast(tirx.IntImm("int32", qp), vl) + first) << 4)
-                 for first in (0, 2 if qp == 2 else 0)]
 
-    def nibbles(w):  # the two table indices in each byte
+    def positions(planes):  # the table within the window each lane's low and high nibble index
+        return [tirx.Cast(f"uint8x{vl}", ((ramp & tirx.Broadcast(tirx.IntImm("int32", 3), vl))
+                                          // tirx.Broadcast(tirx.IntImm("int32", planes), vl) + first) << 4)
+                for first in (0, 2 if planes == 2 else 0)]
+
+    def nibbles(w, planes):  # the two table indices in each byte
         halves = [w & u8(15), w >> u8(4)]
-        return [tirx.reinterpret(f"int8x{vl}", h | at if spec.quads else h) for h, at in zip(halves, positions)]
+        if not spec.quads:
+            return [tirx.reinterpret(f"int8x{vl}", h) for h in halves]
+        return [tirx.reinterpret(f"int8x{vl}", h | at) for h, at in zip(halves, positions(planes))]
 
-    # per step: (first table of the low nibbles' lookups, of the high nibbles', first weight byte of the indices)
+    # per step: (first table of the low nibbles' lookups, of the high nibbles', first weight byte of the indices,
+    # planes P and first plane of a quad chunk: bytes weighted 2^(first + p mod P))
     def pairs(step):
         if spec.quads:
-            tables = 8 // qp
-            return [(tables * step, tables * step + (4 if qp == 1 else 0), 0)]
+            t = spec.step_tables * step
+            return [(t + t0, t + t0 + (4 if planes == 1 else 0), 4 * bm * c, planes, first)
+                    for c, (first, planes, t0) in enumerate(spec.quad_chunks)]
         if spec.triples:
-            return [(8 * step + 2 * j, 8 * step + 2 * j + 1, j * bm) for j in range(4)]
-        return [(2 * step, 2 * step + 1, 0)]
+            return [(8 * step + 2 * j, 8 * step + 2 * j + 1, j * bm, None, 0) for j in range(4)]
+        return [(2 * step, 2 * step + 1, 0, None, 0)]
 
     def mask_start(j, v, h):  # first byte of the negation mask of pair j's low (h = 0) or high nibbles, vector v
         return 4 * bm + (v * vl // 4 + h * vl // 8 if spec.quads else v * vl + (2 * j + h) * vl // 8)
@@ -182,13 +187,13 @@ def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str):
                             with T.serial(0, steps // u) as kpo:
                                 with T.unroll(0, u) as kpi:
                                     step = g * steps + kpo * u + kpi
-                                    for j, (t_lo, t_hi, base) in enumerate(pairs(step)):
+                                    for j, (t_lo, t_hi, base, qp, first_plane) in enumerate(pairs(step)):
                                         tables = [tuple(tables_flat[nt * n_tile + r, vec(t * 16, tw)] for t in (t_lo, t_hi))
                                                   for r in range(n_tile)]
                                         for (_, p, nv, off, _), acc in zip(chunks, accs):
                                             for v in range(nv):
                                                 vb = part * nv + v  # the vector in the block
-                                                idx = nibbles(W[blk, step, vec(base + off + vb * vl, vl)])
+                                                idx = nibbles(W[blk, step, vec(base + off + vb * vl, vl)], qp)
                                                 masks = [isa.lane_mask(W[blk, step, vec(mask_start(j, vb, h), vl // 8)])
                                                          for h in (0, 1)] if spec.triples else None
                                                 for r, t_pair in enumerate(tables):
@@ -196,7 +201,7 @@ def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str):
                                                     if masks is not None:
                                                         looked = [negated_where(x, mk) for x, mk in zip(looked, masks)]
                                                     a = v * n_tile + r
-                                                    total = isa.accumulate(acc[a], looked, p, qp if spec.quads else p)
+                                                    total = isa.accumulate(acc[a], looked, p, qp or p, first_plane)
                                                     T.buffer_store(acc, total, [a])
                             wgi = 0 if spec.triples else g // lut_groups_per_wg
                             for r in range(n_tile):

@@ -16,15 +16,15 @@ class ArmIsa(Isa):
 
         return tirx.call_llvm_pure_intrin("int8x16", "llvm.aarch64.neon.tbl1", table16, idx)
 
-    def accumulate(self, acc, looked: list, planes: int, period: int):
+    def accumulate(self, acc, looked: list, planes: int, period: int, first: int):
         from tvm import tirx
 
         if planes == 4 and self.dotprod:
-            w = plane_weights(16, period, "int8")
+            w = plane_weights(16, period, "int8", first)
             for v in looked:
                 acc = tirx.call_llvm_pure_intrin("int32x4", "llvm.aarch64.neon.sdot", acc, w, v)
             return acc
-        return super().accumulate(acc, looked, planes, period)
+        return super().accumulate(acc, looked, planes, period, first)
 
 
 def _target(mattr: list[str]) -> dict:

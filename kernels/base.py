@@ -13,7 +13,7 @@ class Isa:
     features: frozenset[str]  # tmac.cpu feature names a machine needs to run it
     target: dict = field(hash=False, compare=False)  # LLVM target, always with explicit triple and cpu/attrs
     description: str = ""
-    wide_lookup: bool = False  # has ``lookup64`` (1- and 2-bit weights and triples then use quads)
+    wide_lookup: bool = False  # has ``lookup64`` (1- to 3-bit weights and triples then use quads)
 
     def acc_dtype(self, planes: int) -> str:
         lanes = self.vector_bytes // planes
@@ -49,10 +49,11 @@ class Isa:
         spread = tirx.Shuffle([mask_bytes] * 8, [lane // 8 for lane in range(lanes)])
         return (spread & plane_weights(lanes, 8, "uint8")) != tirx.Broadcast(tirx.IntImm("uint8", 0), lanes)
 
-    def accumulate(self, acc, looked: list, planes: int, period: int):
-        """``acc`` plus, per row, Σ over ``looked`` of Σ_j 2^(j mod period)·byte(row, j) — rows own ``planes``
-        adjacent bytes, bit planes repeating every ``period`` bytes (``planes`` for bit-plane chunks; quads: 1 at
-        1 bit, 2 at 2 bits, the bytes of several tables). Portable form: widen every byte and add them shifted."""
+    def accumulate(self, acc, looked: list, planes: int, period: int, first: int):
+        """``acc`` plus, per row, Σ over ``looked`` of Σ_j 2^(first + j mod period)·byte(row, j) — rows own
+        ``planes`` adjacent bytes, bit planes repeating every ``period`` bytes (``planes`` for bit-plane chunks;
+        quads: the chunk's 1 or 2 planes, the bytes of several tables, from plane ``first``). Portable form: widen
+        every byte and add them shifted."""
         from tvm import tirx
 
         lanes = self.vector_bytes // planes
@@ -60,7 +61,8 @@ class Isa:
         for v in looked:
             for j in range(planes):
                 part = tirx.Cast(f"{wide}x{lanes}", tirx.Shuffle([v], list(range(j, self.vector_bytes, planes))))
-                acc = acc + (part << tirx.Broadcast(tirx.IntImm(wide, j % period), lanes) if j % period else part)
+                shift = first + j % period
+                acc = acc + (part << tirx.Broadcast(tirx.IntImm(wide, shift), lanes) if shift else part)
         return acc
 
 
@@ -71,10 +73,12 @@ def broadcast_table(table16, lanes: int):
     return table16 if lanes == 16 else tirx.Shuffle([table16] * (lanes // 16), list(range(lanes)))
 
 
-def plane_weights(lanes: int, period: int, dtype: str):
-    """The constant vector 1, 2, 4, 8 ... (its first ``period`` values) repeated over ``lanes`` bytes."""
+def plane_weights(lanes: int, period: int, dtype: str, first: int = 0):
+    """The constant vector 2^first · (1, 2, 4, 8 ...: its first ``period`` values) repeated over ``lanes`` bytes."""
     from tvm import tirx
 
     ramp = tirx.Ramp(tirx.IntImm("int32", 0), tirx.IntImm("int32", 1), lanes)
     one = tirx.Broadcast(tirx.IntImm("int32", 1), lanes)
-    return tirx.Cast(f"{dtype}x{lanes}", one << (ramp % tirx.Broadcast(tirx.IntImm("int32", period), lanes)))
+    shifts = ramp % tirx.Broadcast(tirx.IntImm("int32", period), lanes) + tirx.Broadcast(tirx.IntImm("int32", first),
+                                                                                             lanes)
+    return tirx.Cast(f"{dtype}x{lanes}", one << shifts)

@@ -34,7 +34,7 @@ class X86Isa(Isa):
             return super().lookup64(table64, idx)
         return tirx.call_llvm_pure_intrin("int8x64", "llvm.x86.avx512.permvar.qi.512", table64, idx)
 
-    def accumulate(self, acc, looked: list, planes: int, period: int):
+    def accumulate(self, acc, looked: list, planes: int, period: int, first: int):
         from tvm import tirx
 
         vb = self.vector_bytes
@@ -50,7 +50,7 @@ class X86Isa(Isa):
                           for first in (0, 8)]
                 acc = acc + tirx.Shuffle(halves, list(range(vb)))
             return acc
-        w = plane_weights(vb, period, "int8")  # bit patterns 1,2,4,8 read as unsigned by the instructions
+        w = plane_weights(vb, period, "int8", first)  # bit patterns 1,2,4,8 read as unsigned by the instructions
         if planes == 4 and self.vnni:
             for v in looked:
                 acc = tirx.call_llvm_pure_intrin(f"int32x{vb // 4}", f"llvm.x86.avx512.vpdpbusd.{vb * 8}", acc, w, v)

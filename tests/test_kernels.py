@@ -184,35 +184,43 @@ def test_raw_kernel_checks_shapes(rng):
                           torch.empty(1, 8))
 
 
-@pytest.mark.parametrize("kind", ["w1", "w2", "ternary"])
+@pytest.mark.parametrize("kind", ["w1", "w2", "w3", "ternary"])
 def test_quads_layout_round_trips_and_is_what_low_bit_weights_get(rng, kind):
-    """1- and 2-bit weights and triples on an ISA with 64-entry lookups are packed as quads; packing is exactly
-    invertible, rows past M included (a partial last block); other widths and ISAs keep the bit-plane layout."""
+    """1- to 3-bit weights and triples on an ISA with 64-entry lookups are packed as quads; packing is exactly
+    invertible, rows past M included (a partial last block); 4 bits and other ISAs keep the bit-plane layout."""
     m, k = 200, 3200
     w = rng.standard_normal((m, k)).astype(np.float32)
     ternary = kind == "ternary"
     qw = quantize_weight(w, ternary=True, group_size="row") if ternary else \
         quantize_weight(w, bits=int(kind[1]), group_size=64)
     spec = spec_for(qw, ISAS["avx512_vbmi"])
-    assert spec.quads and spec.triples == ternary and spec.block_rows == (64 if ternary else 128)
+    assert spec.quads and spec.triples == ternary and spec.block_rows == (64 if kind in ("w3", "ternary") else 128)
     packed = pack(qw, spec)
-    steps = ref.padded_k(k) // 24 if ternary else k // 32 * qw.format.bits
-    assert packed.weights.shape == (-(-m // spec.block_rows), steps, (5 if ternary else 4) * spec.block_rows)
-    if kind == "w2":  # the layout's statement, read back by hand: row 1, step 3, byte 4 + 3 (plane 1, table 1)
-        def nib(t):  # plane 1's index into table t of row 1: bit j is bit 1 of code 4t + j
-            return sum(((int(qw.codes[1, 4 * t + j]) >> 1) & 1) << j for j in range(4))
-        assert packed.weights[0, 3, 4 + 3] == nib(4 * 3 + 1) | (nib(4 * 3 + 2 + 1) << 4)
+    steps = ref.padded_k(k) // 24 if ternary else k // 16 if kind == "w2" else k // 32
+    row_bytes = {"w1": 4, "w2": 4, "w3": 12, "ternary": 5}[kind]  # per step
+    assert packed.weights.shape == (-(-m // spec.block_rows), steps, row_bytes * spec.block_rows)
+
+    def nib(plane, t):  # the plane's index into table t of row 1: bit j is that bit of code 4t + j
+        return sum(((int(qw.codes[1, 4 * t + j]) >> plane) & 1) << j for j in range(4))
+    # the layout's statement, read back by hand: row 1, step 3, byte 4 + p of each quad chunk
+    if kind == "w2":  # p = 3: plane 1 of table 1 of the step's four (low nibble), table 3 (high)
+        assert packed.weights[0, 3, 4 + 3] == nib(1, 4 * 3 + 1) | (nib(1, 4 * 3 + 2 + 1) << 4)
+    if kind == "w3":  # planes 0-1 of tables 0-3 and 4-7 of the step's eight, then plane 2 of all eight
+        bm = spec.block_rows
+        assert packed.weights[0, 3, 4 * bm + 4 + 3] == nib(1, 8 * 3 + 4 + 1) | (nib(1, 8 * 3 + 4 + 2 + 1) << 4)
+        assert packed.weights[0, 3, 8 * bm + 4 + 2] == nib(2, 8 * 3 + 2) | (nib(2, 8 * 3 + 4 + 2) << 4)
     back = unpack(packed, qw.format)
     np.testing.assert_array_equal(back.codes, qw.codes)
     np.testing.assert_array_equal(back.scales, qw.scales)
     assert not spec_for(qw, ISAS["avx512_vnni"]).quads
-    assert not spec_for(quantize_weight(w, bits=3), ISAS["avx512_vbmi"]).quads
+    assert not spec_for(quantize_weight(w, bits=4), ISAS["avx512_vbmi"]).quads
 
 
 @pytest.mark.skipif(machine_arch() != "x86_64", reason="x86 code generation is inspected on x86 hosts")
 @pytest.mark.parametrize("isa, bits, needle", [("avx512_vnni", 4, "vpdpbusd\t%zmm"), ("avx512", 4, "vpmaddubsw\t%zmm"),
                                                ("avx2_vnni", 4, "vpdpbusd"), ("avx2", 4, "vpshufb\t%ymm"),
-                                               ("avx512_vbmi", 1, "vpermb\t%zmm"), ("avx512_vbmi", 2, "vpermb\t%zmm")])
+                                               ("avx512_vbmi", 1, "vpermb\t%zmm"), ("avx512_vbmi", 2, "vpermb\t%zmm"),
+                                               ("avx512_vbmi", 3, "vpermb\t%zmm")])
 def test_every_x86_variant_compiles_to_its_instructions(isa, bits, needle):
     """Variants this CPU cannot run are still generated and checked in assembly."""
     from tmac.codegen.build import compile_kernel

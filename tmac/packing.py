@@ -32,21 +32,25 @@ low nibble the index of triple ``8·step + 2j``, its high nibble of triple ``8·
 ``S [MB, 1, BM]``; tables ``LUT [N', Kp/3, 16]``, ``LS [N', Kp/LG]``, ``XS [N', 1]`` (unused by the GEMM:
 ternary codes need no Σx term).
 
-*Quads* (``quads=True``; 1- and 2-bit weights and triples on ISAs with 64-entry lookups, ``vpermb``): every row
-owns 4 adjacent bytes of a vector, which hold P bit planes (P = 1 at 1 bit and for triples, 2 at 2 bits) of 4/P
-tables per nibble, so one lookup serves four tables and one ``vpdpbusd`` (bytes weighted 1 or 1, 2, 1, 2) sums a
-row's four bytes, with no interleaving. A step covers 8/P tables (32 activations at 1 bit, 16 at 2 bits, 24 for
-triples):
+*Quads* (``quads=True``; 1- to 3-bit weights and triples on ISAs with 64-entry lookups, ``vpermb``): a step's
+weights are cut into *quad chunks* (``QUAD_CHUNKS``: first plane o, planes P, first table t0). In a chunk every row
+owns 4 adjacent bytes of a vector, which hold its P bit planes (P = 1 or 2) of 4/P tables per nibble, so one lookup
+serves four tables and one ``vpdpbusd`` sums a row's four bytes (weighted 2^(o + p mod P): 1; 1, 2, 1, 2; or 4),
+with no interleaving, every chunk into the same accumulator. A step covers T tables: 8 (32 activations; 24 for
+triples), or 4 (16 activations) at 2 bits, whose one chunk holds both planes of 4 tables. At 1 bit and for
+triples the one chunk is plane 0 of 8 tables; at 3 bits planes 0-1 of tables 0-3, planes 0-1 of tables 4-7, then
+plane 2 of all 8:
 
     W [MB, K/32, 4·BM]  uint8           (1 bit)
     W [MB, K/16, 4·BM]  uint8           (2 bits)
+    W [MB, K/32, 12·BM] uint8           (3 bits)
     W [MB, Kp/24, 5·BM] uint8           (triples)
 
-Byte ``4i + p`` of vector v (VL/4 rows) of a ``[blk, step]`` row belongs to row ``v·VL/4 + i`` of the block and
-plane ``p mod P``; its low nibble indexes table ``(8/P)·step + p div P``, its high nibble table
-``(8/P)·step + 4/P + p div P``. Triples append their negation flags as before, two masks of VL/8 bytes per vector:
-mask h of vector v starts at byte ``4·BM + v·VL/4 + h·VL/8`` and its bit ``4i + p`` negates the lookup of table
-``8·step + 4h + p`` by row ``v·VL/4 + i``.
+Chunk c occupies bytes ``[4·BM·c, 4·BM·(c+1))`` of a ``[blk, step]`` row. Its byte ``4i + p`` of vector v (VL/4
+rows) belongs to row ``v·VL/4 + i`` of the block and plane ``o + p mod P``; the low nibble indexes table
+``T·step + t0 + p div P``, the high nibble table ``T·step + t0 + 4/P + p div P``. Triples append their negation
+flags, two masks of VL/8 bytes per vector: mask h of vector v starts at byte ``4·BM + v·VL/4 + h·VL/8`` and its
+bit ``4i + p`` negates the lookup of table ``8·step + 4h + p`` by row ``v·VL/4 + i``.
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ from .reference import TRIPLE_LUT_GROUP, default_lut_group, padded_k, plane_nibb
 TRIPLES_LAYOUT = 2  # of the packed triple bytes (2: flags as bit masks), stored with saved weights
 PACK_ROWS = 4096
 CHUNKS = {1: ((0, 1),), 2: ((0, 2),), 3: ((0, 2), (2, 1)), 4: ((0, 4),), 8: ((0, 4), (4, 4))}  # bits → ((first plane, planes), ...)
+QUAD_CHUNKS = {1: ((0, 1, 0),), 2: ((0, 2, 0),), 3: ((0, 2, 0), (0, 2, 4), (2, 1, 0))}  # bits → ((plane, P, table), ...)
 
 
 @dataclass(frozen=True)
@@ -85,23 +90,25 @@ class KernelSpec:
     scale_dtype: str = "float32"  # storage of S and Z: the format's (tmac.formats.PARAM_DTYPES)
     zero_dtype: str = "float32"
     triples: bool = False  # ternary weights three to an index + sign (1.67 bits), instead of 2 bit planes
-    quads: bool = False  # a row's 4 bytes look into four tables at once (64-entry lookups): 1, 2 bits and triples
+    quads: bool = False  # a row's 4 bytes look into four tables at once (64-entry lookups): 1-3 bits and triples
 
     def __post_init__(self):
         check_bits(self.bits)
         if self.block_rows == 0:
-            # rows owning 4 bytes (W4, 1- and 2-bit quads) on 64-byte vectors: 8 vectors, not 4 (cold on an AMD
-            # EPYC, 11008x4096 W1 248 vs 277 us; W2 3200x8640 327 vs 362, 4096x4096 194 vs 203; W4 4096x11008
-            # 976 vs 1233, 8640x3200 608 vs 734; the GEMM runs such a block in two parts of rows, at par; triples
-            # lose: 428 vs 408)
-            wider = 2 if self.vector_bytes == 64 and self.row_bytes == 4 and not self.triples else 1
-            object.__setattr__(self, "block_rows", wider * default_block_rows(self.vector_bytes, self.row_bytes))
+            # blocks of 4 weight vectors a step (W4, 1- and 2-bit quads) on 64-byte vectors take 8, not 4 (cold on
+            # an AMD EPYC, 11008x4096 W1 248 vs 277 us; W2 3200x8640 327 vs 362, 4096x4096 194 vs 203; W4
+            # 4096x11008 976 vs 1233, 8640x3200 608 vs 734; the GEMM runs such a block in two parts of rows, at
+            # par); triples (5 vectors) lose: 428 vs 408, 3-bit quads (12) 268 vs 286 at 4096x4096
+            rows = default_block_rows(self.vector_bytes, self.row_bytes)
+            wider = 2 if self.vector_bytes == 64 and self.row_bytes == 4 and self.step_vectors(rows) == 4 \
+                and not self.triples else 1
+            object.__setattr__(self, "block_rows", wider * rows)
         steps = self.steps_per_lut_group
         if self.unroll == 0 and steps:
             # up to 8 table pairs and 32 weight vectors per unrolled body: 8 pairs beat 4 by 5-17 % on cold 2-bit
             # GEMVs here (16384x2048, 2048x8192) and never lose; with 8 vectors a pair (W4 at 128 rows) 4 pairs beat 8
             # (4096x11008 976 vs 1153 us, 8640x3200 608 vs 658)
-            vectors = self.block_rows * self.row_bytes // self.vector_bytes  # per step
+            vectors = self.step_vectors(self.block_rows)
             object.__setattr__(self, "unroll", next((u for u in self.unrolls() if u * vectors <= 32), 1))
         k, g, lg, bm, vl = self.k, self.group_size, self.lut_group, self.block_rows, self.vector_bytes
         problems = []
@@ -115,8 +122,8 @@ class KernelSpec:
                                 f"lut_group {TRIPLE_LUT_GROUP}")
         elif lg not in (32, 64, 128, 256) or k % lg or g % lg:
             problems.append(f"lut_group={lg} must be 32/64/128/256 and divide K={k} and the group size {g}")
-        if self.quads and (vl != 64 or not (self.triples or self.bits in (1, 2))):
-            problems.append("quads need 1- or 2-bit weights or triples and 64-byte vectors")
+        if self.quads and (vl != 64 or not (self.triples or self.bits in (1, 2, 3))):
+            problems.append("quads need 1-, 2- or 3-bit weights or triples and 64-byte vectors")
         if vl not in (16, 32, 64):
             problems.append(f"vector_bytes={vl} must be 16, 32 or 64")
         elif bm <= 0 or bm % vl:
@@ -135,9 +142,18 @@ class KernelSpec:
         return self._hash
 
     @property
-    def quad_planes(self) -> int:
-        """Bit planes among a quad's 4 bytes (1 at 1 bit and for triples, 2 at 2 bits)."""
-        return 1 if self.triples else self.bits
+    def quad_chunks(self) -> tuple[tuple[int, int, int], ...]:
+        """Quads: (first plane, planes P, first table) of each quad chunk of a step, in their byte order."""
+        return QUAD_CHUNKS[1 if self.triples else self.bits]
+
+    def step_vectors(self, block_rows: int) -> int:
+        """Weight vectors a block of ``block_rows`` rows reads per step (quads: one per quad chunk)."""
+        return block_rows * self.row_bytes // self.vector_bytes * (len(self.quad_chunks) if self.quads else 1)
+
+    @property
+    def step_tables(self) -> int:
+        """Quads: tables a step covers (8, 4 when the only chunk holds two planes)."""
+        return 4 if self.quad_chunks == ((0, 2, 0),) else 8
 
     @property
     def chunks(self) -> tuple[tuple[int, int], ...]:
@@ -155,13 +171,13 @@ class KernelSpec:
     def steps_per_lut_group(self) -> int:
         """Inner-loop steps per lut group: table pairs (8 activations), triple steps (24) or quad steps (32 at
         1 bit, 16 at 2 bits); 0 if invalid."""
-        per = 24 if self.triples else 32 // self.quad_planes if self.quads else 8
+        per = 24 if self.triples else 4 * self.step_tables if self.quads else 8
         return self.lut_group // per if self.lut_group > 0 and self.lut_group % per == 0 else 0
 
     def unrolls(self) -> list[int]:
         """Unroll factors worth trying, largest first: at most 8 table pairs per unrolled body (a triple step is
         4, a quad step 4 at 1 bit and 2 at 2 bits)."""
-        pairs = 4 if self.triples else 4 // self.quad_planes if self.quads else 1
+        pairs = 4 if self.triples else self.step_tables // 2 if self.quads else 1
         return [u for u in (8, 4, 2, 1) if u * pairs <= 8 and self.steps_per_lut_group % u == 0]
 
     @property
@@ -234,7 +250,7 @@ def spec_for_format(fmt: WeightFormat, k: int, isa, **tiling) -> KernelSpec:
     group = k if fmt.group_size in (PER_ROW, PER_TENSOR) else fmt.group_size
     params = dict(scale_dtype=fmt.scale_dtype, zero_dtype=fmt.zero_dtype if fmt.has_zeros else "float32")
     triples = tiling.pop("triples", uses_triples(fmt, k))
-    if tiling.pop("quads", isa.wide_lookup and (triples or fmt.bits in (1, 2))):
+    if tiling.pop("quads", isa.wide_lookup and (triples or fmt.bits in (1, 2, 3))):
         params["quads"] = True
     if triples:  # 1.67 instead of 2 bits streamed per weight
         if not tiling:
@@ -259,7 +275,7 @@ class PackedWeight:
 
     spec: KernelSpec
     m: int
-    weights: np.ndarray  # uint8 [MB, K/8, BM·bits], [MB, Kp/24, 5·BM] for triples, [MB, K·P/32, 4·BM] for quads
+    weights: np.ndarray  # uint8 [MB, K/8, BM·bits]; triples [MB, Kp/24, 5·BM]; quads [MB, K/4T, 4·chunks·BM]
     scales: np.ndarray  # spec.scale_dtype [MB, K/WG, BM]
     zeros: np.ndarray | None  # spec.zero_dtype
 
@@ -336,32 +352,39 @@ def _codes_of_triples(idx: np.ndarray, neg: np.ndarray, k: int) -> np.ndarray:
 
 
 def _pack_quads(codes: np.ndarray, spec: KernelSpec) -> np.ndarray:
-    """W of the quad layout for whole row blocks of codes ``[blocks·BM, K]`` (1 or 2 bits, or ternary triples)."""
-    bm, vl, qp = spec.block_rows, spec.vector_bytes, spec.quad_planes
+    """W of the quad layout for whole row blocks of codes ``[blocks·BM, K]`` (1-3 bits, or ternary triples)."""
+    bm, vl, tables = spec.block_rows, spec.vector_bytes, spec.step_tables
     mb, nv = codes.shape[0] // bm, bm * 4 // vl
     if spec.triples:
         idx, neg = triple_indices(codes, spec.k_padded)
         nib = idx[None]
     else:
-        nib, neg = plane_nibbles(codes, qp), None
-    steps = nib.shape[2] * qp // 8
-    # [P, MB, vectors, VL/4 rows, steps, low/high nibble, table] → [MB, steps, vectors, rows, low/high, table, P]
-    q = nib.reshape(qp, mb, nv, vl // 4, steps, 2, 4 // qp).transpose(1, 4, 2, 3, 5, 6, 0)
-    packed = (q[..., 0, :, :] | (q[..., 1, :, :] << 4)).reshape(mb, steps, 4 * bm)
-    if neg is None:
-        return packed
-    flags = neg.reshape(mb, nv, vl // 4, steps, 2, 4).transpose(0, 3, 1, 4, 2, 5).reshape(mb, steps, nv, 2, vl)
-    masks = np.packbits(flags, axis=4, bitorder="little").reshape(mb, steps, bm)
-    return np.concatenate([packed, masks], axis=2)
+        nib, neg = plane_nibbles(codes, spec.bits), None
+    steps = nib.shape[2] // tables
+    nib = nib.reshape(nib.shape[0], mb, nv, vl // 4, steps, tables)
+    parts = []
+    for first, planes, t0 in spec.quad_chunks:
+        # [P, MB, vectors, VL/4 rows, steps, low/high nibble, table] → [MB, steps, vectors, rows, low/high, table, P]
+        c = nib[first:first + planes, ..., t0:t0 + 8 // planes]
+        q = c.reshape(planes, mb, nv, vl // 4, steps, 2, 4 // planes).transpose(1, 4, 2, 3, 5, 6, 0)
+        parts.append((q[..., 0, :, :] | (q[..., 1, :, :] << 4)).reshape(mb, steps, 4 * bm))
+    if neg is not None:
+        flags = neg.reshape(mb, nv, vl // 4, steps, 2, 4).transpose(0, 3, 1, 4, 2, 5).reshape(mb, steps, nv, 2, vl)
+        parts.append(np.packbits(flags, axis=4, bitorder="little").reshape(mb, steps, bm))
+    return np.concatenate(parts, axis=2)
 
 
 def _unpack_quads(w: np.ndarray, spec: KernelSpec) -> np.ndarray:
     """Codes ``[MB·BM, K]`` of W in the quad layout (the inverse of ``_pack_quads``)."""
-    bm, vl, qp, (mb, steps, _) = spec.block_rows, spec.vector_bytes, spec.quad_planes, w.shape
+    bm, vl, tables, (mb, steps, _) = spec.block_rows, spec.vector_bytes, spec.step_tables, w.shape
     nv = bm * 4 // vl
-    q = w[:, :, :4 * bm].reshape(mb, steps, nv, vl // 4, 1, 4 // qp, qp)
-    q = np.concatenate([q & 15, q >> 4], axis=4)  # [MB, steps, vectors, rows, low/high, table, P]
-    nib = q.transpose(6, 0, 2, 3, 1, 4, 5).reshape(qp, mb * bm, steps * 8 // qp)
+    nib = np.empty((1 if spec.triples else spec.bits, mb, nv, vl // 4, steps, tables), dtype=np.uint8)
+    for c, (first, planes, t0) in enumerate(spec.quad_chunks):
+        q = w[:, :, 4 * bm * c:4 * bm * (c + 1)].reshape(mb, steps, nv, vl // 4, 1, 4 // planes, planes)
+        q = np.concatenate([q & 15, q >> 4], axis=4)  # [MB, steps, vectors, rows, low/high, table, P]
+        nib[first:first + planes, ..., t0:t0 + 8 // planes] = \
+            q.transpose(6, 0, 2, 3, 1, 4, 5).reshape(planes, mb, nv, vl // 4, steps, 8 // planes)
+    nib = nib.reshape(nib.shape[0], mb * bm, steps * tables)
     if not spec.triples:
         return _codes_of_nibbles(nib)
     masks = w[:, :, 4 * bm:].reshape(mb, steps, nv, 2, vl // 8)
@@ -377,7 +400,7 @@ def packed_shapes(spec: KernelSpec, m: int) -> tuple[tuple[int, ...], tuple[int,
     if spec.triples:
         return (mb, spec.k_padded // 24, 5 * spec.block_rows), s_shape
     if spec.quads:
-        return (mb, spec.k * spec.quad_planes // 32, 4 * spec.block_rows), s_shape
+        return (mb, spec.k // (4 * spec.step_tables), 4 * len(spec.quad_chunks) * spec.block_rows), s_shape
     return (mb, spec.k // 8, spec.block_rows * spec.bits), s_shape
 
 
