@@ -84,7 +84,7 @@ def test_dram_bandwidth(benchmark, set_threads):
     record(benchmark, ("bandwidth", set_threads, "dram", "read 1 GiB"))
 
 
-@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
 @pytest.mark.parametrize("how", ["GEMM", "looped GEMV"])
 def test_gemm_vs_looped_gemv(benchmark, set_threads, bits, how):
     """16 activation rows at 4096x4096: one GEMM call (each weight load reused across a tile of rows) against
