@@ -5,9 +5,9 @@ offers the same three primitives the code generator composes:
 
 - ``lookup(table16, idx)``: 16-entry int8 table lookup, one table broadcast to every 16-byte lane (and, where
   ``wide_lookup``, ``lookup64``: one 64-entry table, four adjacent tables at once);
-- ``accumulate(acc, looked, planes, period)``: add looked-up int8 values into wider accumulators, summing the
-  ``planes`` adjacent bytes of a row with weights 1, 2, 4, 8 repeating every ``period`` bytes (the dot-product
-  trick);
+- ``accumulate(acc, looked, planes, period, first)``: add looked-up int8 values into wider accumulators, summing
+  the ``planes`` adjacent bytes of a row with weights 1, 2, 4, 8 repeating every ``period`` bytes, times
+  2^first (the dot-product trick);
 - ``acc_dtype(planes)``: the accumulator vector type that goes with it.
 
 This package imports no TVM; the primitives import it when they are called, i.e. only while compiling.

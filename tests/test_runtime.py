@@ -167,14 +167,20 @@ def test_two_threads_give_the_same_result(rng):
     assert torch.equal(one, two)
 
 
-def test_tune_persists_and_later_kernels_use_it(tmp_path):
+def _tune(tmp_path, *args):
+    """Run `tmac tune ARGS` with a fresh cache: (its environment, its output, the tuning file, its one entry)."""
     env = dict(os.environ, TMAC_CACHE_DIR=str(tmp_path))
-    r = subprocess.run([sys.executable, "-m", "tmac.cli", "tune", "--bits", "2", "--k", "256"], capture_output=True,
-                       text=True, env=env, timeout=900)
+    r = subprocess.run([sys.executable, "-m", "tmac.cli", "tune", *args], capture_output=True, text=True, env=env,
+                       timeout=900)
     assert r.returncode == 0, r.stderr
-    assert "tuned GEMV ms" in r.stdout and "w2g128" in r.stdout
     (path,) = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path) for f in fs if f == "tuning.json"]
     ((key, tiling),) = json.load(open(path)).items()
+    return env, r, path, key, tiling
+
+
+def test_tune_persists_and_later_kernels_use_it(tmp_path):
+    env, r, path, key, tiling = _tune(tmp_path, "--bits", "2", "--k", "256")
+    assert "tuned GEMV ms" in r.stdout and "w2g128" in r.stdout
     assert key.endswith("|b2|k256|g128|lg128|z") and set(tiling) == {"block_rows", "unroll", "n_tile"}
     check = ("import numpy as np, tmac; from tmac.lut_ops import LutWeight; "
              "qw = tmac.quantize_weight(np.ones((64, 256), np.float32), bits=2, group_size=128); "
@@ -191,13 +197,8 @@ def test_tune_persists_and_later_kernels_use_it(tmp_path):
 
 def test_tune_covers_ternary_triples(tmp_path):
     """`tmac tune --ternary` times the triple kernels (not 2-bit planes) and later triple specs use the result."""
-    env = dict(os.environ, TMAC_CACHE_DIR=str(tmp_path))
-    r = subprocess.run([sys.executable, "-m", "tmac.cli", "tune", "--ternary", "--group-size", "tensor", "--k", "384"],
-                       capture_output=True, text=True, env=env, timeout=900)
-    assert r.returncode == 0, r.stderr
+    env, r, _, key, tiling = _tune(tmp_path, "--ternary", "--group-size", "tensor", "--k", "384")
     assert "ternary_gtensor" in r.stdout and "_t3" in r.stderr  # the triple kernels were compiled and timed
-    (path,) = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path) for f in fs if f == "tuning.json"]
-    ((key, tiling),) = json.load(open(path)).items()
     assert key.endswith("|b2|k384|g384|lg192|s|t3")
     check = ("import numpy as np, tmac; from tmac.lut_ops import LutWeight; "
              "qw = tmac.quantize_weight(np.ones((64, 384), np.float32), ternary=True, group_size='tensor'); "

@@ -152,8 +152,8 @@ class KernelSpec:
 
     @property
     def step_tables(self) -> int:
-        """Quads: tables a step covers (8, 4 when the only chunk holds two planes)."""
-        return 4 if self.quad_chunks == ((0, 2, 0),) else 8
+        """Quads: tables a step covers (a chunk of P planes covers 8/P from its first)."""
+        return max(t0 + 8 // planes for _, planes, t0 in self.quad_chunks)
 
     @property
     def chunks(self) -> tuple[tuple[int, int], ...]:

@@ -67,8 +67,8 @@ def tune(fmt, k: int, isa, m: int = 4096, progress=None) -> tuple[dict, list[tup
     from .quantize import quantize_weight
 
     w = np.random.default_rng(0).standard_normal((m, k), dtype=np.float32)
-    qw = quantize_weight(w, ternary=True, group_size=fmt.group_size) if fmt.ternary else \
-        quantize_weight(w, bits=fmt.bits, group_size=fmt.group_size, symmetric=not fmt.has_zeros)
+    qw = quantize_weight(w, bits=fmt.bits, group_size=fmt.group_size, symmetric=not fmt.has_zeros,
+                         ternary=fmt.ternary)
     x1, xn = torch.randn(1, k), torch.randn(GEMM_ROWS, k)
     measured = []
 
