@@ -2,7 +2,9 @@
 of 128 weights (64 where K is not a multiple of 128).
 
 warm: one matrix, weights cache-resident. cold: cycle through enough copies (≥ 1 GiB in all) that weights
-stream from DRAM, the regime of real models. Run: `make bench` (or pytest bench -k 4096x4096 --threads 1).
+stream from DRAM, the regime of real models. Every candidate's copies, and the bandwidth probe, lie in huge pages,
+as a model's weights do once tmac loads them (tmac.memory). Run: `make bench` (or pytest bench -k 4096x4096
+--threads 1).
 """
 import pytest
 import torch
@@ -12,6 +14,7 @@ from baselines import COLD_BYTES, bench_group, int4_linear, int4pack, random_wei
 from conftest import BYTES, record
 from tmac import quantize_weight
 from tmac.lut_ops import LutWeight
+from tmac.memory import huge_page_empty, to_huge_pages
 
 SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008), (3200, 8640), (8640, 3200)]
 
@@ -23,14 +26,14 @@ def _candidates(m, k):
     xb = x.to(torch.bfloat16)
     group = bench_group(k)
     out = {
-        "torch fp32": (lambda: w.clone(), lambda c: F.linear(x, c), m * k * 4),
-        "torch bf16": (lambda: w.to(torch.bfloat16), lambda c: F.linear(xb, c), m * k * 2),
-        "torch int4wo": (lambda: int4pack(w, group), lambda c: int4_linear(xb, c, group),
+        "torch fp32": (lambda: to_huge_pages(w), lambda c: F.linear(x, c), m * k * 4),
+        "torch bf16": (lambda: to_huge_pages(w.to(torch.bfloat16)), lambda c: F.linear(xb, c), m * k * 2),
+        "torch int4wo": (lambda: tuple(map(to_huge_pages, int4pack(w, group))), lambda c: int4_linear(xb, c, group),
                          m * k // 2 + m * k // group * 4),
     }
     s8 = w.abs().amax(1) / 127
     w8 = (w / s8[:, None]).round().to(torch.int8)
-    out["torch int8wo"] = (lambda: (w8.clone(), s8.clone()), lambda c: torch.ops.aten._weight_int8pack_mm(x, c[0], c[1]),
+    out["torch int8wo"] = (lambda: (to_huge_pages(w8), to_huge_pages(s8)), lambda c: torch.ops.aten._weight_int8pack_mm(x, c[0], c[1]),
                            m * k + m * 4)
     formats = {f"tmac W{bits}": dict(bits=bits, group_size=group) for bits in (1, 2, 3, 4)}
     formats["tmac ternary"] = dict(ternary=True, group_size="tensor")  # BitNet b1.58: triples, 1.67 bits
@@ -41,8 +44,8 @@ def _candidates(m, k):
         def copy(lw=lw):
             c = LutWeight.__new__(LutWeight)
             c.__dict__.update(lw.__dict__)
-            c.weights, c.scales = lw.weights.clone(), lw.scales.clone()
-            c.zeros = None if lw.zeros is None else lw.zeros.clone()
+            c.weights, c.scales = to_huge_pages(lw.weights), to_huge_pages(lw.scales)
+            c.zeros = None if lw.zeros is None else to_huge_pages(lw.zeros)
             return c
         out[name] = (copy, lambda c: c.matmul(x), lw.nbytes)
     return out
@@ -77,7 +80,7 @@ def test_gemv(benchmark, set_threads, regime, shape, cand):
 
 def test_dram_bandwidth(benchmark, set_threads):
     """What the hardware can stream: a sum over 1 GiB (one read per byte)."""
-    buf = torch.ones(COLD_BYTES // 4)
+    buf = huge_page_empty(COLD_BYTES).view(torch.float32).fill_(1.0)
     benchmark.group = f"bandwidth {set_threads}t"
     benchmark.pedantic(lambda: buf.sum(), rounds=5, iterations=1, warmup_rounds=1)
     BYTES[("dram", "read 1 GiB")] = COLD_BYTES

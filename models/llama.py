@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tmac.glue import KV_BLOCK, check_kv_dtype
+from tmac.memory import huge_page_zeros
 
 from .generate import GenerationMixin
 
@@ -227,8 +228,9 @@ class Transformer(GenerationMixin, nn.Module):
         if (self.context, self.kv_dtype) == (context, kv_dtype) and self.cache_k is not None:
             return
         blocks, dtype = -(-context // KV_BLOCK), getattr(torch, kv_dtype)
-        self.cache_k = torch.zeros((cfg.n_layers, cfg.n_kv_heads, blocks, cfg.head_dim, KV_BLOCK), dtype=dtype)
-        self.cache_v = torch.zeros((cfg.n_layers, cfg.n_kv_heads, blocks * KV_BLOCK, cfg.head_dim), dtype=dtype)
+        self.cache_k = self.cache_v = None  # the old cache's memory back before the new one is taken
+        self.cache_k = huge_page_zeros((cfg.n_layers, cfg.n_kv_heads, blocks, cfg.head_dim, KV_BLOCK), dtype)
+        self.cache_v = huge_page_zeros((cfg.n_layers, cfg.n_kv_heads, blocks * KV_BLOCK, cfg.head_dim), dtype)
         self.kv_dtype = kv_dtype
         self.cached_ids = []  # a new cache holds nothing
         angles = torch.arange(context, dtype=torch.float64)[:, None] * rope_frequencies(cfg)[None]

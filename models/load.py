@@ -19,6 +19,7 @@ from tmac.errors import ModelFormatError
 from tmac.formats import GROUP_SIZES, check_bits, check_group_size
 from tmac.glue import check_kv_dtype
 from tmac.linear import Linear
+from tmac.memory import gather_packed
 from tmac.progress import Progress
 from tmac.quantize import quantize_weight
 from tmac.qweight import QuantizedWeight, stack_rows
@@ -67,7 +68,7 @@ def load_model(source: str | os.PathLike | None = None, *, bits: int | None = No
     if os.path.isfile(path) and is_tmac_file(path):
         if bits is not None or head_bits is not None or group_size is not None:
             raise ValueError(f"{path} is already converted (pre-packed); bits/group_size/head_bits do not apply")
-        model = load_model_file(path)
+        model = gather_packed(load_model_file(path))
         model.setup_cache(min(model.config.context_length, DEFAULT_CONTEXT) if context is None else context, kv_dtype)
         return model.eval()
     src = open_source(path)
@@ -108,6 +109,7 @@ def load_model(source: str | os.PathLike | None = None, *, bits: int | None = No
         bar.advance("output head")
     model.tokenizer = src.tokenizer
     model.source = path
+    gather_packed(model)
     model.setup_cache(context, kv_dtype)
     _release_freed_memory()
     return model.eval()

@@ -226,9 +226,11 @@ def dram_read_bandwidth() -> float:
     """GB/s a torch sum over 1 GiB reaches at the current thread count: the ceiling a decode step streams at."""
     import torch
 
+    from .memory import huge_page_empty
+
     threads = torch.get_num_threads()
     if threads not in _DRAM_GBPS:
-        buf = torch.ones(1 << 28)
+        buf = huge_page_empty(1 << 30).view(torch.float32).fill_(1.0)  # in huge pages, as the weights
         _DRAM_GBPS[threads] = (1 << 30) / median_seconds(lambda: buf.sum(), min_seconds=0.5, min_runs=3) / 1e9
     return _DRAM_GBPS[threads]
 

@@ -10,6 +10,7 @@ from torch import nn
 
 from .formats import PER_ROW, PER_TENSOR, check_bits, check_group_size
 from .linear import Linear
+from .memory import gather_packed
 from .progress import Progress
 
 Skip = Callable[[str, nn.Module], bool] | Iterable[str] | str | None
@@ -51,7 +52,7 @@ def quantize_model(model: nn.Module, bits: int = 2, group_size: int | str = 128,
                                       ternary=ternary, isa=isa, kernel_dir=kernel_dir)
             setattr(parent, child, layer)
             bar.advance(name)
-    return model
+    return gather_packed(model)
 
 
 def _skip_predicate(skip: Skip) -> Callable[[str, nn.Module], bool]:

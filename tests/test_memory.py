@@ -1,0 +1,93 @@
+"""tmac.memory: packed weights and the KV cache in one huge-page arena — same results, aligned, really huge."""
+import re
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import tmac
+import tmac.memory as memory
+from conftest import smollm2_path
+from tmac.linear import Linear
+
+
+def _thp_mode() -> str:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return re.search(r"\[(\w+)\]", f.read()).group(1)
+    except OSError:
+        return "absent"
+
+
+def _huge_kib(address: int) -> int:
+    """AnonHugePages of the mapping holding ``address`` (from /proc/self/smaps)."""
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
+            if head:
+                inside = int(head.group(1), 16) <= address < int(head.group(2), 16)
+            elif inside and line.startswith("AnonHugePages:"):
+                return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_huge_page_empty_is_aligned_and_advised(monkeypatch):
+    calls = []
+    monkeypatch.setattr(memory, "_advise", lambda address, length: calls.append((address, length)) or True)
+    t = memory.huge_page_empty(3 * memory.HUGE_PAGE + 5)
+    assert t.dtype == torch.uint8 and t.numel() == 3 * memory.HUGE_PAGE + 5
+    assert t.data_ptr() % memory.HUGE_PAGE == 0
+    storage = t.untyped_storage()
+    assert calls == [(t.data_ptr(), 4 * memory.HUGE_PAGE)]  # whole pages, all inside the allocation
+    assert t.data_ptr() + 4 * memory.HUGE_PAGE <= storage.data_ptr() + storage.nbytes()
+    with pytest.raises(ValueError, match="nbytes"):
+        memory.huge_page_empty(-1)
+    z = memory.huge_page_zeros((3, 5, 7), torch.float16)
+    assert z.shape == (3, 5, 7) and z.dtype == torch.float16 and not z.any()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="transparent huge pages are a Linux feature")
+def test_huge_pages_are_huge_where_the_kernel_offers_them():
+    mode = _thp_mode()
+    t = memory.huge_page_empty(8 << 20)
+    t.fill_(1)  # first touch: the kernel picks the page size now
+    huge = _huge_kib(t.data_ptr())
+    if mode in ("always", "madvise"):
+        assert huge >= 2048, f"THP mode {mode}, yet no huge page backs an advised 8 MiB range ({huge} KiB)"
+    else:
+        assert huge == 0 and mode in ("never", "absent")
+
+
+def test_gather_packed_keeps_results_and_places_tensors_in_order():
+    torch.manual_seed(0)
+    model = nn.Sequential(Linear.from_float(nn.Linear(256, 192), bits=2, group_size=64),
+                          Linear.from_float(nn.Linear(192, 64, bias=False), bits=4, group_size=64))
+    model.append(model[1])  # the same layer twice: its tensors are placed once
+    x = torch.randn(3, 256)
+    y = model[1](model[0](x))
+    before = [t.clone() for t in model.buffers()]
+    memory.gather_packed(model)
+    assert torch.equal(model[1](model[0](x)), y)
+    tensors = [model[0].qweight, model[0].scales, model[0].zeros, model[0].bias,
+               model[1].qweight, model[1].scales, model[1].zeros]
+    assert all(torch.equal(a, b) for a, b in zip(model.buffers(), before))
+    base = tensors[0].untyped_storage().data_ptr()
+    assert all(t.untyped_storage().data_ptr() == base for t in tensors)  # one arena
+    ptrs = [t.data_ptr() for t in tensors]
+    assert ptrs == sorted(ptrs) and all(p % memory.ALIGN == 0 for p in ptrs)  # module order, aligned
+    assert tensors[0].data_ptr() % memory.HUGE_PAGE == 0
+    assert model[2].qweight is model[1].qweight
+
+
+def test_loaded_models_and_quantize_model_use_the_arena():
+    model = tmac.load_model(smollm2_path(), context=64, progress=False)
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert len(linears) >= 4 * model.config.n_layers
+    storages = {t.untyped_storage().data_ptr() for m in linears for t in (m.qweight, m.scales)}
+    assert len(storages) == 1
+    assert model.cache_k.data_ptr() % memory.HUGE_PAGE == 0 and model.cache_v.data_ptr() % memory.HUGE_PAGE == 0
+    small = tmac.quantize_model(nn.Sequential(nn.Linear(256, 128), nn.Linear(128, 64)), bits=3, skip=None,
+                                progress=False)
+    assert small[0].qweight.untyped_storage().data_ptr() == small[1].qweight.untyped_storage().data_ptr()

@@ -1,0 +1,78 @@
+"""Memory the decode step streams, in 2 MiB pages where the OS offers them (Linux transparent huge pages).
+
+A decode step reads every packed weight once; with 4 KiB pages that is one TLB miss per 4 KiB (302 MB a token
+for a 1B model at 2 bits: 74k page walks), and the hardware prefetchers restart at every page. Linux backs a
+range with 2 MiB pages when it is marked ``MADV_HUGEPAGE`` before it is first touched (the default THP mode,
+``madvise``, does nothing for unmarked memory). Measured on an AMD EPYC (Zen 4) VM, one thread, interleaved:
+cold 4096x4096 GEMV W1 114 -> 103 µs, W2 165 -> 155, W4 355 -> 308; 1B W2 decode 69.5 -> 75.0 tok/s; the read
+probe itself 30.6 -> 32.4 GB/s. Elsewhere (no THP, not Linux) this is plain memory.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+
+import torch
+
+HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14  # <sys/mman.h>, the same on every Linux architecture
+ALIGN = 64  # of each tensor placed in an arena: the kernels' vector loads want cache-line starts
+
+
+def _advise(address: int, length: int) -> bool:
+    if not sys.platform.startswith("linux") or length <= 0:
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return False
+    return libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), _MADV_HUGEPAGE) == 0
+
+
+def huge_page_empty(nbytes: int) -> torch.Tensor:
+    """An uninitialized uint8 tensor of ``nbytes``, starting on a 2 MiB boundary, whose pages are asked to be huge
+    (they become so when first written). The slack that aligns it is address space only, never touched."""
+    if type(nbytes) is not int or nbytes < 0:
+        raise ValueError(f"nbytes must be a non-negative int, got {nbytes!r}")
+    pages = -(-nbytes // HUGE_PAGE) * HUGE_PAGE  # advised whole, so the allocation must hold them all
+    base = torch.empty(pages + HUGE_PAGE, dtype=torch.uint8)
+    start = -base.data_ptr() % HUGE_PAGE
+    _advise(base.data_ptr() + start, pages)
+    return base[start:start + nbytes]
+
+
+def huge_page_zeros(shape, dtype: torch.dtype) -> torch.Tensor:
+    """``torch.zeros(shape, dtype=dtype)`` in huge pages (the KV cache: attention reads a layer's in every step)."""
+    n = 1
+    for d in shape:
+        n *= d
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return huge_page_empty(n * itemsize).view(dtype).view(shape).zero_()
+
+
+def to_huge_pages(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``t`` in huge pages."""
+    view = huge_page_empty(t.numel() * t.element_size()).view(t.dtype).view(t.shape)
+    return view.copy_(t)
+
+
+def gather_packed(model: torch.nn.Module) -> torch.nn.Module:
+    """Move the packed tensors of every ``tmac.Linear`` in ``model`` into one huge-page arena, in module order
+    (the order a forward pass reads them), and return ``model``. Each old tensor is dropped as its copy lands, so
+    memory peaks at about one tensor above the model's size; a tensor two layers share stays shared."""
+    from .linear import Linear
+
+    owners = [(m, name) for m in model.modules() if isinstance(m, Linear)
+              for name in ("qweight", "scales", "zeros", "bias") if getattr(m, name) is not None]
+    sizes = {id(getattr(m, n)): -(-getattr(m, n).nbytes // ALIGN) * ALIGN for m, n in owners}
+    if not sizes:
+        return model
+    arena, at, moved = huge_page_empty(sum(sizes.values())), 0, {}
+    for m, name in owners:
+        t = getattr(m, name)
+        if id(t) not in moved:
+            moved[id(t)] = arena[at:at + t.nbytes].view(t.dtype).view(t.shape).copy_(t)
+            at += sizes[id(t)]
+        setattr(m, name, moved[id(t)])
+    return model
