@@ -182,9 +182,7 @@ def attend_func(spec: GlueSpec, widest: int):
         # in more than one vector width segfault TVM 0.27's storage rewrite (argument buffers are fine)
         q = OUT
         keys_flat = T.decl_buffer((kv * nb * hd * blk,), kvd, data=CK.data)  # the new key's lanes are blk apart
-        stat = T.alloc_buffer((2,), F32, scope="global")  # running max, then the sum of exponentials
         hq, hv = _heads_per_pass(group, blk), _heads_per_pass(group, hd)  # heads sharing a pass over keys, values
-        acc = T.alloc_buffer((hq * blk,), F32, scope="global")  # one block's scores of the pass's heads
 
         def rotated(head, c):
             """The two rotated halves of vector ``c`` of ``head`` (q heads first, then k heads)."""
@@ -209,8 +207,12 @@ def attend_func(spec: GlueSpec, widest: int):
                                        [tirx.Ramp(key + d0 * blk, blk, lr) if lr > 1 else key + d0 * blk])
                 for at, n in spans:
                     T.buffer_store(CV, narrow(QKV[0, _vec((h + kv + kh) * hd + at, n)], n), [kh, pos, _vec(at, n)])
-            with T.serial(0, kv * (group // hq)) as kp:  # scores, a block of positions at a time, a key read once
-                kh = kp // (group // hq)                 # per pass (for all the heads sharing it, in most models)
+            # the three phases below run in parallel over passes / heads, each task with its own scratch: one layer of
+            # the 1B shape at position 1000 takes 106 µs on one thread, 60 µs on two (a single parallel loop over kv
+            # heads doing all three phases ran at half that speed from the exported library, reason not found)
+            with T.parallel(0, kv * (group // hq)) as kp:  # scores, a block of positions at a time, a key read once
+                kh = kp // (group // hq)                   # per pass (for all the heads sharing it, in most models)
+                acc = T.alloc_buffer((hq * blk,), F32, scope="global")  # one block's scores of the pass's heads
                 with T.serial(0, pos // blk + 1) as b:
                     for g in range(hq):
                         T.buffer_store(acc, _bcast(_f(0.0), blk), [_vec(g * blk, blk)])
@@ -222,7 +224,8 @@ def attend_func(spec: GlueSpec, widest: int):
                     for g in range(hq):  # the block's positions past ``pos`` get scores nobody reads
                         T.buffer_store(SC, acc[_vec(g * blk, blk)], [kp * hq + g, _vec(b * blk, blk)])
             sl = widest  # softmax: whole vectors of the positions, then the rest one by one
-            with T.serial(0, h) as head:
+            with T.parallel(0, h) as head:
+                stat = T.alloc_buffer((2,), F32, scope="global")  # running max, then the sum of exponentials
                 n_t = pos + 1
                 whole = n_t // sl * sl
 
@@ -245,14 +248,14 @@ def attend_func(spec: GlueSpec, widest: int):
             # values: a cached value is read once per pass, summed in scratch vectors for the pass's heads (stores
             # to ``out`` inside the loop would stay there: LLVM cannot tell ``out`` from the caches)
             slots = {at: (n, [m for _, m in spans[:i]].count(n)) for i, (at, n) in enumerate(spans)}  # width, index
-            sums = {n: T.alloc_buffer((hv * len(spans) * n,), F32, scope="global") for n in {n for _, n in spans}}
-
-            def summed(g, at):
-                n, j = slots[at]
-                return sums[n], _vec((g * len(spans) + j) * n, n)
-
-            with T.serial(0, kv * (group // hv)) as vp:
+            with T.parallel(0, kv * (group // hv)) as vp:
                 kh = vp // (group // hv)
+                sums = {n: T.alloc_buffer((hv * len(spans) * n,), F32, scope="global") for n in {n for _, n in spans}}
+
+                def summed(g, at):
+                    n, j = slots[at]
+                    return sums[n], _vec((g * len(spans) + j) * n, n)
+
                 for g in range(hv):
                     for at, n in spans:
                         buf, i = summed(g, at)

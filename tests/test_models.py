@@ -241,7 +241,7 @@ def test_packed_bitnet_matches_transformers_bitlinear(tmp_path, monkeypatch):
 
 
 def test_greedy_tokens_do_not_depend_on_thread_count(smollm2):
-    """The kernels split rows, never a dot product, across threads, so results are bit-identical."""
+    """The kernels split rows and attention heads, never a dot product, across threads: results are bit-identical."""
     ref = _reference("smollm2_llamacpp.json")
     runs = []
     old = tmac.get_num_threads(), torch.get_num_threads()
