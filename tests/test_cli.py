@@ -17,7 +17,7 @@ def test_info_lists_what_matters():
     r = tmac("info")
     assert r.returncode == 0, r.stderr
     for field in ("architecture", "avx2", "avx512bw", "avx512vnni", "avxvnni", "neon", "dotprod", "kernel ISA",
-                  "threads", "torch", "apache-tvm", "apache-tvm-ffi", "kernel cache"):
+                  "threads", "torch", "apache-tvm", "apache-tvm-ffi", "kernel cache", "huge pages", "THP "):
         assert field in r.stdout
 
 

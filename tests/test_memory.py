@@ -12,14 +12,6 @@ from conftest import smollm2_path
 from tmac.linear import Linear
 
 
-def _thp_mode() -> str:
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            return re.search(r"\[(\w+)\]", f.read()).group(1)
-    except OSError:
-        return "absent"
-
-
 def _huge_kib(address: int) -> int:
     """AnonHugePages of the mapping holding ``address`` (from /proc/self/smaps)."""
     with open("/proc/self/smaps") as f:
@@ -50,7 +42,7 @@ def test_huge_page_empty_is_aligned_and_advised(monkeypatch):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="transparent huge pages are a Linux feature")
 def test_huge_pages_are_huge_where_the_kernel_offers_them():
-    mode = _thp_mode()
+    mode = memory.huge_page_mode()
     t = memory.huge_page_empty(8 << 20)
     t.fill_(1)  # first touch: the kernel picks the page size now
     huge = _huge_kib(t.data_ptr())

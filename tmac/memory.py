@@ -4,20 +4,35 @@ A decode step reads every packed weight once; with 4 KiB pages that is one TLB m
 for a 1B model at 2 bits: 74k page walks), and the hardware prefetchers restart at every page. Linux backs a
 range with 2 MiB pages when it is marked ``MADV_HUGEPAGE`` before it is first touched (the default THP mode,
 ``madvise``, does nothing for unmarked memory). Measured on an AMD EPYC (Zen 4) VM, one thread, interleaved:
-cold 4096x4096 GEMV W1 114 -> 103 µs, W2 165 -> 155, W4 355 -> 308; 1B W2 decode 69.5 -> 75.0 tok/s; the read
-probe itself 30.6 -> 32.4 GB/s. Elsewhere (no THP, not Linux) this is plain memory.
+cold 4096x4096 GEMV W1 114 -> 103 µs, W2 165 -> 155, W4 355 -> 308; a 1B-shape W1 model's decode 122 -> 128
+tok/s (numpy already asks for huge pages for its arrays of 4 MiB and more, so W2 models, with more large tensors,
+gain within noise); the read probe itself 30.6 -> 32.4 GB/s. Elsewhere (no THP, not Linux) this is plain memory.
 """
 
 from __future__ import annotations
 
 import ctypes
+import re
 import sys
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch loads with the first arena, not with ``tmac info``
+    import torch
 
 HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14  # <sys/mman.h>, the same on every Linux architecture
 ALIGN = 64  # of each tensor placed in an arena: the kernels' vector loads want cache-line starts
+
+
+def huge_page_mode() -> str:
+    """The kernel's transparent-huge-page mode: ``always``, ``madvise`` (what tmac's arenas need), ``never``, or
+    ``absent`` (not Linux, or no THP)."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            found = re.search(r"\[(\w+)\]", f.read())
+    except OSError:
+        return "absent"
+    return found.group(1) if found else "absent"
 
 
 def _advise(address: int, length: int) -> bool:
@@ -33,6 +48,8 @@ def _advise(address: int, length: int) -> bool:
 def huge_page_empty(nbytes: int) -> torch.Tensor:
     """An uninitialized uint8 tensor of ``nbytes``, starting on a 2 MiB boundary, whose pages are asked to be huge
     (they become so when first written). The slack that aligns it is address space only, never touched."""
+    import torch
+
     if type(nbytes) is not int or nbytes < 0:
         raise ValueError(f"nbytes must be a non-negative int, got {nbytes!r}")
     pages = -(-nbytes // HUGE_PAGE) * HUGE_PAGE  # advised whole, so the allocation must hold them all
@@ -42,8 +59,10 @@ def huge_page_empty(nbytes: int) -> torch.Tensor:
     return base[start:start + nbytes]
 
 
-def huge_page_zeros(shape, dtype: torch.dtype) -> torch.Tensor:
+def huge_page_zeros(shape, dtype) -> torch.Tensor:
     """``torch.zeros(shape, dtype=dtype)`` in huge pages (the KV cache: attention reads a layer's in every step)."""
+    import torch
+
     n = 1
     for d in shape:
         n *= d
