@@ -28,13 +28,13 @@ def _candidates(m, k):
     out = {
         "torch fp32": (lambda: to_huge_pages(w), lambda c: F.linear(x, c), m * k * 4),
         "torch bf16": (lambda: to_huge_pages(w.to(torch.bfloat16)), lambda c: F.linear(xb, c), m * k * 2),
-        "torch int4wo": (lambda: tuple(map(to_huge_pages, int4pack(w, group))), lambda c: int4_linear(xb, c, group),
-                         m * k // 2 + m * k // group * 4),
+        "torch int4wo": (lambda: tuple(map(to_huge_pages, int4pack(w, group))),
+                         lambda c: int4_linear(xb, c, group), m * k // 2 + m * k // group * 4),
     }
     s8 = w.abs().amax(1) / 127
     w8 = (w / s8[:, None]).round().to(torch.int8)
-    out["torch int8wo"] = (lambda: (to_huge_pages(w8), to_huge_pages(s8)), lambda c: torch.ops.aten._weight_int8pack_mm(x, c[0], c[1]),
-                           m * k + m * 4)
+    out["torch int8wo"] = (lambda: (to_huge_pages(w8), to_huge_pages(s8)),
+                           lambda c: torch.ops.aten._weight_int8pack_mm(x, c[0], c[1]), m * k + m * 4)
     formats = {f"tmac W{bits}": dict(bits=bits, group_size=group) for bits in (1, 2, 3, 4)}
     formats["tmac ternary"] = dict(ternary=True, group_size="tensor")  # BitNet b1.58: triples, 1.67 bits
     for name, fmt in formats.items():

@@ -24,7 +24,8 @@ def quantize_model(model: nn.Module, bits: int = 2, group_size: int | str = 128,
     ``skip``: names or fnmatch patterns, matched against a layer's full name (``model.layers.0.mlp.up_proj``)
     and its last component (``lm_head``), or a callable ``(name, module) -> bool``. Layers whose
     ``in_features`` the group size (and the kernels' multiple of 32) does not divide stay float, with one
-    warning naming them.
+    warning naming them. The packed tensors of all of ``model``'s ``tmac.Linear`` layers end in one huge-page arena
+    (``tmac.memory.gather_packed``).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"quantize_model takes an nn.Module, got {type(model).__name__}")
