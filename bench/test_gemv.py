@@ -14,7 +14,7 @@ from baselines import COLD_BYTES, bench_group, int4_linear, int4pack, random_wei
 from conftest import BYTES, record
 from tmac import quantize_weight
 from tmac.lut_ops import LutWeight
-from tmac.memory import huge_page_empty, to_huge_pages
+from tmac.memory import huge_page_full, to_huge_pages
 
 SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008), (3200, 8640), (8640, 3200)]
 
@@ -80,7 +80,7 @@ def test_gemv(benchmark, set_threads, regime, shape, cand):
 
 def test_dram_bandwidth(benchmark, set_threads):
     """What the hardware can stream: a sum over 1 GiB (one read per byte)."""
-    buf = huge_page_empty(COLD_BYTES).view(torch.float32).fill_(1.0)
+    buf = huge_page_full((COLD_BYTES // 4,), 1.0, torch.float32)
     benchmark.group = f"bandwidth {set_threads}t"
     benchmark.pedantic(lambda: buf.sum(), rounds=5, iterations=1, warmup_rounds=1)
     BYTES[("dram", "read 1 GiB")] = COLD_BYTES

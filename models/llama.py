@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tmac.glue import KV_BLOCK, check_kv_dtype
-from tmac.memory import huge_page_zeros
+from tmac.memory import huge_page_full
 
 from .generate import GenerationMixin
 
@@ -229,8 +229,8 @@ class Transformer(GenerationMixin, nn.Module):
             return
         blocks, dtype = -(-context // KV_BLOCK), getattr(torch, kv_dtype)
         self.cache_k = self.cache_v = None  # the old cache's memory back before the new one is taken
-        self.cache_k = huge_page_zeros((cfg.n_layers, cfg.n_kv_heads, blocks, cfg.head_dim, KV_BLOCK), dtype)
-        self.cache_v = huge_page_zeros((cfg.n_layers, cfg.n_kv_heads, blocks * KV_BLOCK, cfg.head_dim), dtype)
+        self.cache_k = huge_page_full((cfg.n_layers, cfg.n_kv_heads, blocks, cfg.head_dim, KV_BLOCK), 0, dtype)
+        self.cache_v = huge_page_full((cfg.n_layers, cfg.n_kv_heads, blocks * KV_BLOCK, cfg.head_dim), 0, dtype)
         self.kv_dtype = kv_dtype
         self.cached_ids = []  # a new cache holds nothing
         angles = torch.arange(context, dtype=torch.float64)[:, None] * rope_frequencies(cfg)[None]

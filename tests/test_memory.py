@@ -36,8 +36,9 @@ def test_huge_page_empty_is_aligned_and_advised(monkeypatch):
     assert t.data_ptr() + 4 * memory.HUGE_PAGE <= storage.data_ptr() + storage.nbytes()
     with pytest.raises(ValueError, match="nbytes"):
         memory.huge_page_empty(-1)
-    z = memory.huge_page_zeros((3, 5, 7), torch.float16)
+    z = memory.huge_page_full((3, 5, 7), 0, torch.float16)
     assert z.shape == (3, 5, 7) and z.dtype == torch.float16 and not z.any()
+    assert torch.equal(memory.huge_page_full((4, 3), 1.5, torch.float32), torch.full((4, 3), 1.5))
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="transparent huge pages are a Linux feature")

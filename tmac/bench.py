@@ -223,14 +223,15 @@ _DRAM_GBPS: dict[int, float] = {}  # thread count → probed read bandwidth, onc
 
 
 def dram_read_bandwidth() -> float:
-    """GB/s a torch sum over 1 GiB reaches at the current thread count: the ceiling a decode step streams at."""
+    """GB/s a torch sum over 1 GiB (in huge pages, as a loaded model's weights) reaches at the current thread count:
+    the ceiling a decode step streams at."""
     import torch
 
-    from .memory import huge_page_empty
+    from .memory import huge_page_full
 
     threads = torch.get_num_threads()
     if threads not in _DRAM_GBPS:
-        buf = huge_page_empty(1 << 30).view(torch.float32).fill_(1.0)  # in huge pages, as the weights
+        buf = huge_page_full((1 << 28,), 1.0, torch.float32)
         _DRAM_GBPS[threads] = (1 << 30) / median_seconds(lambda: buf.sum(), min_seconds=0.5, min_runs=3) / 1e9
     return _DRAM_GBPS[threads]
 

@@ -12,6 +12,7 @@ gain within noise); the read probe itself 30.6 -> 32.4 GB/s. Elsewhere (no THP, 
 from __future__ import annotations
 
 import ctypes
+import math
 import re
 import sys
 from typing import TYPE_CHECKING
@@ -59,21 +60,22 @@ def huge_page_empty(nbytes: int) -> torch.Tensor:
     return base[start:start + nbytes]
 
 
-def huge_page_zeros(shape, dtype) -> torch.Tensor:
-    """``torch.zeros(shape, dtype=dtype)`` in huge pages (the KV cache: attention reads a layer's in every step)."""
+def huge_page_full(shape, value, dtype) -> torch.Tensor:
+    """``torch.full(shape, value, dtype=dtype)`` in huge pages (the KV cache; the read probes, as the weights)."""
     import torch
 
-    n = 1
-    for d in shape:
-        n *= d
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return huge_page_empty(n * itemsize).view(dtype).view(shape).zero_()
+    return huge_page_empty(math.prod(shape) * itemsize).view(dtype).view(shape).fill_(value)
 
 
 def to_huge_pages(t: torch.Tensor) -> torch.Tensor:
     """A contiguous copy of ``t`` in huge pages."""
-    view = huge_page_empty(t.numel() * t.element_size()).view(t.dtype).view(t.shape)
-    return view.copy_(t)
+    return _copy_into(huge_page_empty(t.nbytes), t)
+
+
+def _copy_into(raw: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``t`` copied into the uint8 tensor ``raw`` of exactly its bytes, as a tensor of its dtype and shape."""
+    return raw.view(t.dtype).view(t.shape).copy_(t)
 
 
 def gather_packed(model: torch.nn.Module) -> torch.nn.Module:
@@ -91,7 +93,7 @@ def gather_packed(model: torch.nn.Module) -> torch.nn.Module:
     for m, name in owners:
         t = getattr(m, name)
         if id(t) not in moved:
-            moved[id(t)] = arena[at:at + t.nbytes].view(t.dtype).view(t.shape).copy_(t)
+            moved[id(t)] = _copy_into(arena[at:at + t.nbytes], t)
             at += sizes[id(t)]
         setattr(m, name, moved[id(t)])
     return model
