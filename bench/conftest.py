@@ -1,8 +1,9 @@
 """Collects every benchmark's median and prints ratio tables at the end (ratios within one run only)."""
 
 import pytest
-import torch
 
+import tmac  # before torch, so that torch's OpenMP workers wait passively instead of spinning on the kernels' cores
+import torch
 from tmac.bench import BUSY_LIMIT, cpu_busy_fraction
 
 RESULTS: dict[tuple, float] = {}  # (regime, threads, shape, candidate) → median seconds
@@ -19,8 +20,6 @@ def pytest_generate_tests(metafunc):
 
 @pytest.fixture
 def set_threads(threads):
-    import tmac
-
     old_t, old_k = torch.get_num_threads(), tmac.get_num_threads()
     if threads > 1:
         busy = cpu_busy_fraction()
