@@ -1,3 +1,4 @@
+import os
 import subprocess
 import sys
 
@@ -6,6 +7,18 @@ def test_import_tmac_is_light():
     code = "import sys, tmac; bad = [m for m in ('tvm', 'torch') if m in sys.modules]; print(bad); assert not bad"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_import_tmac_chooses_passive_openmp_only_when_it_can_and_the_user_did_not():
+    """torch's OpenMP workers must not spin on the kernels' cores; a user's own setting wins, and torch imported
+    first has read the policy already. The flag tells the benchmark's llama.cpp peer what to undo."""
+    code = "import os, sys; {} import tmac; print(os.environ.get('OMP_WAIT_POLICY'), tmac.OMP_WAIT_POLICY_SET_BY_TMAC)"
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    for before, extra, expected in [("", {}, "PASSIVE True"), ("", {"OMP_WAIT_POLICY": "ACTIVE"}, "ACTIVE False"),
+                                    ("import torch;", {}, "None False")]:
+        r = subprocess.run([sys.executable, "-c", code.format(before)], capture_output=True, text=True,
+                           env={**env, **extra})
+        assert r.returncode == 0 and r.stdout.split() == expected.split(), (before, extra, r.stdout + r.stderr)
 
 
 def test_subpackages_map_to_top_level_folders():

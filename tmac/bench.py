@@ -146,9 +146,13 @@ def e2e_bench(source, variants, threads_list, notes: list[str], prompt_tokens=64
     for threads in measured_threads(threads_list, notes):
         candidates = models + ([_llama_cpp_candidate(path, threads, prompt, gen_tokens)] if with_peer else [])
         runs: dict[str, list[tuple[float, float]]] = {c.label: [] for c in candidates}
-        for _ in range(rounds):
+        try:
+            for _ in range(rounds):
+                for c in candidates:
+                    runs[c.label].append(c.run())
+        finally:
             for c in candidates:
-                runs[c.label].append(c.run())
+                c.close()
         for c in candidates:
             tok_s = statistics.median(decode for _, decode in runs[c.label])
             gbps = c.streamed * tok_s / 1e9
@@ -171,6 +175,7 @@ class _Candidate:
     streamed: int  # weight bytes one decode step reads
     info: dict  # model MiB, size vs fp16
     model: object = None  # the tmac model, for a decode profile
+    close: Callable[[], None] = lambda: None  # ends what ``run`` needs (the peer's process)
 
 
 def _tmac_candidate(path, bits, head_bits, prompt, gen_tokens) -> _Candidate:
@@ -252,29 +257,37 @@ def gguf_streamed_bytes(path: str) -> int:
 
 
 def _llama_cpp_candidate(path, threads, prompt, gen_tokens) -> _Candidate:
+    """llama.cpp in a process of its own (``tmac/peer_llama_cpp.py``), with the OpenMP settings the user gave."""
+    import json
     import os
+    import subprocess
+    import sys
 
-    import numpy as np
-    from llama_cpp import Llama, llama_get_logits_ith
+    from . import OMP_WAIT_POLICY_SET_BY_TMAC
 
-    llm = Llama(path, n_ctx=len(prompt) + gen_tokens + 8, n_threads=threads, n_threads_batch=threads,
-                n_batch=len(prompt), verbose=False)
+    env = dict(os.environ)
+    if OMP_WAIT_POLICY_SET_BY_TMAC:
+        del env["OMP_WAIT_POLICY"]
+    script = os.path.join(os.path.dirname(__file__), "peer_llama_cpp.py")
+    proc = subprocess.Popen([sys.executable, script, path, str(threads), str(len(prompt) + gen_tokens + 8),
+                             str(len(prompt))], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
 
     def run():
-        llm.reset()
-        llm.eval(prompt[:8])  # warm-up: thread pool
-        llm.reset()
-        t0 = time.perf_counter()
-        llm.eval(prompt)
-        prefill = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        for _ in range(gen_tokens):  # greedy decode one token at a time, as tmac does
-            token = int(np.ctypeslib.as_array(llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),)).argmax())
-            llm.eval([token])
-        return len(prompt) / prefill, gen_tokens / (time.perf_counter() - t0)
+        proc.stdin.write(json.dumps({"prompt": prompt, "gen_tokens": gen_tokens}) + "\n")
+        proc.stdin.flush()
+        answer = proc.stdout.readline()
+        if not answer:
+            raise RuntimeError(f"the llama.cpp peer process for {path} exited with code {proc.wait()} (its "
+                               f"error is on stderr above)")
+        speeds = json.loads(answer)
+        return speeds["prefill"], speeds["decode"]
+
+    def close():
+        proc.stdin.close()
+        proc.wait()
 
     return _Candidate("llama.cpp (same file)", path, run, gguf_streamed_bytes(path),
-                      {"model MiB": os.path.getsize(path) / 2**20})
+                      {"model MiB": os.path.getsize(path) / 2**20}, close=close)
 
 
 def table(rows: list[Row], unit: str, baseline: str) -> str:
