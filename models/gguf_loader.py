@@ -46,7 +46,7 @@ class GGUFModel:
         self.path = path
         if not os.path.isfile(path):
             raise FileNotFoundError(f"no such model file: {path}")
-        file = GGUFFile(path)
+        self.file = file = GGUFFile(path)
         self.meta, self.tensors = file.metadata, file.tensors
         self.config = self._config()
         self.tokenizer = Tokenizer.from_gguf_metadata(self.meta, path)
@@ -104,6 +104,7 @@ class GGUFModel:
                 value = torch.from_numpy(_dequantize(t.data, type_name, shape))
         except ValueError as e:
             raise ModelFormatError(f"{self.path}: tensor {gname} ({type_name}, {shape}): {e}") from None
+        self.file.release(t)  # converted: its pages need not stay resident
         return self._unpermute(name, value)
 
     def _unpermute(self, name, value):

@@ -7,7 +7,6 @@ rows; float weights are concatenated; mixed formats stay separate layers behind 
 
 from __future__ import annotations
 
-import ctypes
 import importlib.util
 import os
 
@@ -19,7 +18,7 @@ from tmac.errors import ModelFormatError
 from tmac.formats import GROUP_SIZES, check_bits, check_group_size
 from tmac.glue import check_kv_dtype
 from tmac.linear import Linear
-from tmac.memory import gather_packed
+from tmac.memory import gather_packed, release_freed_memory
 from tmac.progress import Progress
 from tmac.quantize import quantize_weight
 from tmac.qweight import QuantizedWeight, stack_rows
@@ -94,6 +93,7 @@ def load_model(source: str | os.PathLike | None = None, *, bits: int | None = No
             layer.attention.wo = make_linear([get("attention.wo.weight")], **opts)
             layer.feed_forward.w13 = make_linear([get("feed_forward.w1.weight"), get("feed_forward.w3.weight")], **opts)
             layer.feed_forward.w2 = make_linear([get("feed_forward.w2.weight")], **opts)
+            release_freed_memory()  # the layer's temporaries
             bar.advance(f"layer {i}")
         head_name = "tok_embeddings.weight" if cfg.tie_embeddings else "output.weight"
         head = weight(head_name, exact=bits is None and head_bits is None)
@@ -111,7 +111,6 @@ def load_model(source: str | os.PathLike | None = None, *, bits: int | None = No
     model.source = path
     gather_packed(model)
     model.setup_cache(context, kv_dtype)
-    _release_freed_memory()
     return model.eval()
 
 
@@ -183,14 +182,6 @@ def token_embedding(table, requantized: bool) -> nn.Module:
 
 def _param(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t.float().contiguous(), requires_grad=False)
-
-
-def _release_freed_memory() -> None:
-    """Hand the loader's freed temporaries back to the OS (glibc keeps them in its heap otherwise)."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to do
-        pass
 
 
 def _is_gguf(path: str) -> bool:

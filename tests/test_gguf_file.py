@@ -1,11 +1,13 @@
 """Our GGUF reader against the gguf package's, and against malformed files."""
+import hashlib
 import struct
+import sys
 
 import gguf
 import numpy as np
 import pytest
 
-from conftest import smollm2_path
+from conftest import smaps_kib, smollm2_path
 from tmac import ModelFormatError
 from tmac.models.gguf_file import GGUFFile
 
@@ -24,6 +26,21 @@ def test_reads_smollm2_like_the_gguf_package():
         assert mine.type_name == t.tensor_type.name
         assert mine.shape == tuple(int(d) for d in reversed(t.shape))
         assert np.array_equal(mine.data, np.asarray(t.data).view(np.uint8).reshape(-1)), t.name
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
+def test_release_unmaps_a_read_tensor_and_keeps_it_readable():
+    """A loader releases each tensor once converted, so the file does not stay resident beside the model."""
+    f = GGUFFile(smollm2_path())
+    t = f.tensors["token_embd.weight"]  # Q8_0, 30 MiB
+    digest = hashlib.sha256(t.data).hexdigest()  # reads every page
+    address = t.data.ctypes.data
+    before = smaps_kib(address, "Rss")
+    assert before * 1024 >= t.data.nbytes
+    f.release(t)
+    after = smaps_kib(address, "Rss")
+    assert before - after >= t.data.nbytes // 1024 - 8  # all but the two pages it shares with its neighbours
+    assert hashlib.sha256(t.data).hexdigest() == digest  # faulted back in from the page cache
 
 
 def _header(version=3, tensors=0, kvs=0):

@@ -1,5 +1,4 @@
 """tmac.memory: packed weights and the KV cache in one huge-page arena — same results, aligned, really huge."""
-import re
 import sys
 
 import pytest
@@ -8,21 +7,8 @@ from torch import nn
 
 import tmac
 import tmac.memory as memory
-from conftest import smollm2_path
+from conftest import smaps_kib, smollm2_path
 from tmac.linear import Linear
-
-
-def _huge_kib(address: int) -> int:
-    """AnonHugePages of the mapping holding ``address`` (from /proc/self/smaps)."""
-    with open("/proc/self/smaps") as f:
-        inside = False
-        for line in f:
-            head = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
-            if head:
-                inside = int(head.group(1), 16) <= address < int(head.group(2), 16)
-            elif inside and line.startswith("AnonHugePages:"):
-                return int(line.split()[1])
-    raise AssertionError(f"no mapping holds {address:#x}")
 
 
 def test_huge_page_empty_is_aligned_and_advised(monkeypatch):
@@ -46,7 +32,7 @@ def test_huge_pages_are_huge_where_the_kernel_offers_them():
     mode = memory.huge_page_mode()
     t = memory.huge_page_empty(8 << 20)
     t.fill_(1)  # first touch: the kernel picks the page size now
-    huge = _huge_kib(t.data_ptr())
+    huge = smaps_kib(t.data_ptr(), "AnonHugePages")
     if mode in ("always", "madvise"):
         assert huge >= 2048, f"THP mode {mode}, yet no huge page backs an advised 8 MiB range ({huge} KiB)"
     else:
@@ -84,3 +70,23 @@ def test_loaded_models_and_quantize_model_use_the_arena():
     small = tmac.quantize_model(nn.Sequential(nn.Linear(256, 128), nn.Linear(128, 64)), bits=3, skip=None,
                                 progress=False)
     assert small[0].qweight.untyped_storage().data_ptr() == small[1].qweight.untyped_storage().data_ptr()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="VmHWM is read from /proc (Linux)")
+def test_peak_rss_is_a_process_own_not_inherited_from_its_parent():
+    """The benchmark measures each candidate's memory in a process it starts; ru_maxrss would report this (larger)
+    process's peak there, VmHWM the child's own."""
+    import os
+    import resource
+    import subprocess
+
+    held = torch.ones(1 << 27)  # 512 MiB resident here
+    code = "import resource; from tmac.memory import peak_rss_mib; " \
+           "print(peak_rss_mib(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    own, inherited = map(float, r.stdout.split())
+    assert own < 200 < 512 < memory.peak_rss_mib() and inherited > 512  # the child's RSS is a few tens of MiB
+    assert abs(memory.peak_rss_mib(os.getpid()) - memory.peak_rss_mib()) < 64
+    assert memory.peak_rss_mib(os.getpid()) <= resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 + 1
+    del held

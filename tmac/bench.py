@@ -197,8 +197,38 @@ def _tmac_candidate(path, bits, head_bits, prompt, gen_tokens) -> _Candidate:
         return s["prefill_tokens"] / s["prefill_s"], s["generated_tokens"] / s["decode_s"]
 
     label = "tmac " + ("file's own" if bits is None else f"W{bits}") + (f", head W{head_bits}" if head_bits else "")
-    return _Candidate(label, path, run, streamed_bytes(model), {"model MiB": size / 2**20, "x fp16": size / fp16_size},
+    info = {"model MiB": size / 2**20, "x fp16": size / fp16_size,
+            "peak RSS MiB": _process_peak_rss_mib(path, bits, head_bits, prompt, gen_tokens)}
+    return _Candidate(label, path, run, streamed_bytes(model), info,
                       model)
+
+
+def _process_peak_rss_mib(path, bits, head_bits, prompt, gen_tokens) -> float:
+    """Peak RSS of a process of its own that loads the model as the candidate does and generates from the prompt
+    (this process holds every candidate at once)."""
+    import json
+    import subprocess
+    import sys
+
+    request = json.dumps([path, bits, head_bits, prompt, gen_tokens])
+    r = subprocess.run([sys.executable, "-c", "import sys, tmac.bench; tmac.bench.report_peak_rss(sys.argv[1])",
+                        request], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"measuring the peak RSS of {path} failed:\n{r.stderr[-2000:]}")
+    return float(r.stdout.split()[-1])
+
+
+def report_peak_rss(request: str) -> None:
+    """``_process_peak_rss_mib``'s child: load, generate, print the peak RSS in MiB."""
+    import json
+
+    from .memory import peak_rss_mib
+    from .models.load import load_model
+
+    path, bits, head_bits, prompt, gen_tokens = json.loads(request)
+    model = load_model(path, bits=bits, head_bits=head_bits, context=len(prompt) + gen_tokens + 8, progress=False)
+    model.generate(prompt, max_new_tokens=gen_tokens, stop_on_eos=False)
+    print(peak_rss_mib())
 
 
 def decode_profile(model, token: int, pos: int, notes: list[str]) -> dict[str, float]:
@@ -264,6 +294,7 @@ def _llama_cpp_candidate(path, threads, prompt, gen_tokens) -> _Candidate:
     import sys
 
     from . import OMP_WAIT_POLICY_SET_BY_TMAC
+    from .memory import peak_rss_mib
 
     env = dict(os.environ)
     if OMP_WAIT_POLICY_SET_BY_TMAC:
@@ -280,14 +311,16 @@ def _llama_cpp_candidate(path, threads, prompt, gen_tokens) -> _Candidate:
             raise RuntimeError(f"the llama.cpp peer process for {path} exited with code {proc.wait()} (its "
                                f"error is on stderr above)")
         speeds = json.loads(answer)
+        if (rss := peak_rss_mib(proc.pid)) is not None:
+            info["peak RSS MiB"] = rss
         return speeds["prefill"], speeds["decode"]
 
     def close():
         proc.stdin.close()
         proc.wait()
 
-    return _Candidate("llama.cpp (same file)", path, run, gguf_streamed_bytes(path),
-                      {"model MiB": os.path.getsize(path) / 2**20}, close=close)
+    info = {"model MiB": os.path.getsize(path) / 2**20}
+    return _Candidate("llama.cpp (same file)", path, run, gguf_streamed_bytes(path), info, close=close)
 
 
 def table(rows: list[Row], unit: str, baseline: str) -> str:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import signal
 import sys
 import time
 
 from .glue import KV_DTYPES
+from .memory import peak_rss_mib
 
 
 def add_parsers(sub, common) -> None:
@@ -157,7 +157,7 @@ def _stats(model, load_s: float) -> dict:
             "prompt_tokens_per_s": s["prefill_tokens"] / s["prefill_s"] if s["prefill_s"] else 0.0,
             "generated_tokens": s["generated_tokens"],
             "gen_tokens_per_s": s["generated_tokens"] / s["decode_s"] if s["decode_s"] else 0.0,
-            "load_s": load_s, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "load_s": load_s, "peak_rss_mb": peak_rss_mib(),
             "stop_reason": s["stop_reason"]}
 
 
