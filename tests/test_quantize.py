@@ -59,6 +59,24 @@ def test_scales_float16_cannot_hold_fall_back_to_float32(rng):
     assert big.format.scale_dtype == "float32" and rel_l2(big.dequantize(), w * 1e13) < 0.1
 
 
+@pytest.mark.parametrize("fmt", [dict(bits=2), dict(bits=1), dict(bits=4, symmetric=True), dict(bits=3, group_size=64),
+                                 dict(ternary=True, group_size="row"), dict(bits=2, group_size="row")])
+def test_large_matrices_quantize_in_row_slices_exactly_as_whole(rng, monkeypatch, fmt):
+    """Row slices bound the float64 temporaries (a 49152-row head would need gigabytes); they must not change a
+    single code or parameter — also where one slice's scales fall out of float16 and the whole matrix decides."""
+    import tmac.quantize as q
+
+    w = rng.standard_normal((96, 256)).astype(np.float32)
+    w[70:72] *= 1e6 if fmt.get("bits") == 2 and "group_size" not in fmt else 1  # beyond float16 in one slice only
+    whole = quantize_weight(w, **fmt)
+    monkeypatch.setattr(q, "QUANTIZE_CHUNK", 256 * 32)  # slices of 32 rows
+    sliced = quantize_weight(w, **fmt)
+    assert sliced.format == whole.format
+    assert np.array_equal(sliced.codes, whole.codes) and np.array_equal(sliced.scales, whole.scales)
+    assert (sliced.zeros is None) == (whole.zeros is None)
+    assert sliced.zeros is None or np.array_equal(sliced.zeros, whole.zeros)
+
+
 def test_ternary_matches_bitnet_reference_formula(rng):
     w = torch.from_numpy(rng.standard_normal((32, 256)).astype(np.float32))
     # BitNet b1.58 weight_quant, written independently of tmac

@@ -36,6 +36,23 @@ def quantize_weight(w, bits: int = 2, group_size: int | str = 128, symmetric: bo
                              "(levels min and max of each group)")
         fmt = WeightFormat.rtn(bits, group_size, symmetric)
     m, k = w.shape
+    rows = max(1, QUANTIZE_CHUNK // k)
+    if fmt.group_size != PER_TENSOR and m > rows:  # groups lie within rows: slices quantize as the whole would
+        parts = [_quantize(w[i:i + rows], fmt, symmetric) for i in range(0, m, rows)]
+        if len({p.format for p in parts}) == 1:  # else (some scales beyond float16) the whole matrix decides
+            return QuantizedWeight(np.concatenate([p.codes for p in parts]),
+                                   np.concatenate([p.scales for p in parts]),
+                                   None if parts[0].zeros is None else np.concatenate([p.zeros for p in parts]),
+                                   parts[0].format)
+    return _quantize(w, fmt, symmetric)
+
+
+QUANTIZE_CHUNK = 1 << 22  # weights quantized at a time: float64 temporaries of 32 MiB each, not of a whole head
+
+
+def _quantize(w: np.ndarray, fmt: WeightFormat, symmetric: bool) -> QuantizedWeight:
+    m, k = w.shape
+    bits, group_size = fmt.bits, fmt.group_size
     groups = _grouped(w.astype(np.float64), fmt)  # [M', G, gs]
     top = (1 << fmt.bits) - 1
     if fmt.ternary:
