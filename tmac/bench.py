@@ -302,6 +302,7 @@ def _llama_cpp_candidate(path, threads, prompt, gen_tokens) -> _Candidate:
     script = os.path.join(os.path.dirname(__file__), "peer_llama_cpp.py")
     proc = subprocess.Popen([sys.executable, script, path, str(threads), str(len(prompt) + gen_tokens + 8),
                              str(len(prompt))], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    info = {"model MiB": os.path.getsize(path) / 2**20}
 
     def run():
         proc.stdin.write(json.dumps({"prompt": prompt, "gen_tokens": gen_tokens}) + "\n")
@@ -319,7 +320,6 @@ def _llama_cpp_candidate(path, threads, prompt, gen_tokens) -> _Candidate:
         proc.stdin.close()
         proc.wait()
 
-    info = {"model MiB": os.path.getsize(path) / 2**20}
     return _Candidate("llama.cpp (same file)", path, run, gguf_streamed_bytes(path), info, close=close)
 
 
