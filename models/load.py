@@ -171,13 +171,20 @@ def _make_linear(parts, bits, group_size, symmetric, isa, kernel_dir) -> nn.Modu
 
 def token_embedding(table, requantized: bool) -> nn.Module:
     """The token table: a file's quantized table stays quantized and exact (``tmac.Embedding``); a float one is
-    kept exact, or — when the model is requantized — stored at 8 bits, symmetric, in groups of 32 (Q8_0's
-    layout: a quarter of float32, its rounding far below the projections' own)."""
+    kept exact — in float16 or bfloat16 when that holds every value, as a table read from a 16-bit file does (a
+    BitNet checkpoint's 32002×3200 table: 205 MB instead of 410) — or, when the model is requantized, stored at 8
+    bits, symmetric, in groups of 32 (Q8_0's layout: a quarter of float32, its rounding far below the
+    projections' own). Rows are widened to float32 as they are looked up."""
     if isinstance(table, QuantizedWeight):
         return Embedding(table)
     if requantized and table.shape[1] % 32 == 0:
         return Embedding(quantize_weight(table, bits=8, group_size=32, symmetric=True))
-    return nn.Embedding.from_pretrained(table.float(), freeze=True)
+    table = table.float()
+    for dtype in (torch.float16, torch.bfloat16):
+        narrow = table.to(dtype)
+        if torch.equal(narrow.float(), table):
+            return nn.Embedding.from_pretrained(narrow, freeze=True)
+    return nn.Embedding.from_pretrained(table, freeze=True)
 
 
 def _param(t: torch.Tensor) -> nn.Parameter:

@@ -79,3 +79,17 @@ def test_save_and_load(rng, tmp_path):
     empty.tok = tmac.Embedding._empty(state["tok._extra_state"])
     with pytest.raises(RuntimeError, match="codes of format"):
         empty.load_state_dict(state, assign=True)
+
+
+def test_float_tables_keep_the_narrowest_exact_dtype(rng):
+    """A float table read from a 16-bit file keeps 16 bits (half the memory of float32) and the very same rows."""
+    from models.load import token_embedding
+
+    base = torch.from_numpy(rng.standard_normal((64, 32)).astype(np.float32))
+    # bfloat16 values of this size fit float16 too; ones beyond float16's range keep bfloat16
+    for source, scale, kept in [(torch.float16, 1, torch.float16), (torch.bfloat16, 1e6, torch.bfloat16),
+                                (torch.float32, 1, torch.float32)]:
+        table = (base * scale).to(source).float()
+        emb = token_embedding(table, requantized=False)
+        assert emb.weight.dtype == kept, source
+        assert torch.equal(emb(torch.arange(64)).float(), table)
