@@ -12,6 +12,7 @@ gain within noise); the read probe itself 30.6 -> 32.4 GB/s. Elsewhere (no THP, 
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import re
 import sys
@@ -23,6 +24,7 @@ if TYPE_CHECKING:  # torch loads with the first arena, not with ``tmac info``
 HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14  # <sys/mman.h>, the same on every Linux architecture
 ALIGN = 64  # of each tensor placed in an arena: the kernels' vector loads want cache-line starts
+TRIM_EVERY = 64 << 20  # bytes gathered between handing freed memory back to the OS
 
 
 def huge_page_mode() -> str:
@@ -54,14 +56,19 @@ def peak_rss_mib(pid: int | str = "self") -> float | None:
     return peak / 2**20 if sys.platform == "darwin" else peak / 1024
 
 
-def _advise(address: int, length: int) -> bool:
-    if not sys.platform.startswith("linux") or length <= 0:
-        return False
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """The C library this process runs on, opened once (None where it cannot be)."""
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
+        return ctypes.CDLL(None, use_errno=True)
     except OSError:
+        return None
+
+
+def _advise(address: int, length: int) -> bool:
+    if not sys.platform.startswith("linux") or length <= 0 or _libc() is None:
         return False
-    return libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), _MADV_HUGEPAGE) == 0
+    return _libc().madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), _MADV_HUGEPAGE) == 0
 
 
 def huge_page_empty(nbytes: int) -> torch.Tensor:
@@ -123,15 +130,11 @@ def gather_packed(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-TRIM_EVERY = 64 << 20
-
-
 def release_freed_memory() -> None:
     """Hand freed heap memory back to the OS. glibc keeps it otherwise: once a large block has been freed, blocks
     up to its size (up to 32 MiB) come from the heap, where freed space is reused but not returned — a loader's
     temporaries and the tensors it replaced would stay resident (1B Q4_0: 400 MiB above the model while it is
-    gathered). Elsewhere nothing to do."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    gathered). Elsewhere (no glibc) nothing to do."""
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
