@@ -106,6 +106,7 @@ def load_model(source: str | os.PathLike | None = None, *, bits: int | None = No
                 model.tok_embeddings = nn.Embedding.from_pretrained(model.output.weight, freeze=True)
         else:
             model.output = make_linear([head], **{**opts, "bits": head_bits})
+        del head  # its codes or floats (100 MB and more at 49152 rows), before the model is gathered
         bar.advance("output head")
     model.tokenizer = src.tokenizer
     model.source = path
@@ -179,6 +180,8 @@ def token_embedding(table, requantized: bool) -> nn.Module:
         return Embedding(table)
     if requantized and table.shape[1] % 32 == 0:
         return Embedding(quantize_weight(table, bits=8, group_size=32, symmetric=True))
+    if table.dtype in (torch.float16, torch.bfloat16):  # a 16-bit file's table: exact as it is
+        return nn.Embedding.from_pretrained(table, freeze=True)
     table = table.float()
     for dtype in (torch.float16, torch.bfloat16):
         narrow = table.to(dtype)

@@ -93,3 +93,8 @@ def test_float_tables_keep_the_narrowest_exact_dtype(rng):
         emb = token_embedding(table, requantized=False)
         assert emb.weight.dtype == kept, source
         assert torch.equal(emb(torch.arange(64)).float(), table)
+    for source in (torch.float16, torch.bfloat16):  # as a 16-bit file gives it: kept as it is, not copied
+        table = base.to(source)
+        emb = token_embedding(table, requantized=False)
+        assert emb.weight.dtype == source and emb.weight.data_ptr() == table.data_ptr()
+        assert torch.equal(emb(torch.arange(64)), table)

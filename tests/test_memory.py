@@ -90,3 +90,42 @@ def test_peak_rss_is_a_process_own_not_inherited_from_its_parent():
     assert abs(memory.peak_rss_mib(os.getpid()) - memory.peak_rss_mib()) < 64
     assert memory.peak_rss_mib(os.getpid()) <= resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 + 1
     del held
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "TQ2_0"])
+def test_a_large_tensor_converts_without_copies_of_its_codes(monkeypatch, type_name):
+    """A 49152-row head's codes are 100 MB: importing it (in row slices), packing it for the kernels and keeping
+    an 8-bit token table must each add at most small slices on top of the codes and the result — measured by
+    tracemalloc, which sees numpy's allocations."""
+    import tracemalloc
+
+    import numpy as np
+    from gguf.quants import quantize
+
+    import tmac.packing as packing
+    import tmac.quantize as q
+    from models.load import make_linear
+
+    monkeypatch.setattr(q, "QUANTIZE_CHUNK", 1 << 16)  # slices of 16 rows below
+    monkeypatch.setattr(packing, "PACK_WEIGHTS", 1 << 16)
+    rows, k = 2048, 4096
+    w = np.random.default_rng(0).standard_normal((rows, k)).astype(np.float32)
+    blocks = quantize(np.sign(w) if type_name.startswith("TQ") else w, getattr(__import__("gguf").GGMLQuantizationType,
+                                                                               type_name))
+    codes = rows * k  # bytes: one per weight
+    tracemalloc.start()
+    try:
+        qw = tmac.import_gguf(blocks, type_name, (rows, k))
+        assert tracemalloc.get_traced_memory()[1] < 1.5 * codes  # codes, scales (1/8 of them) and one slice's
+        tracemalloc.reset_peak()
+        before = tracemalloc.get_traced_memory()[0]
+        layer = make_linear([qw], None, None, False, None, None)
+        packed = sum(t.nbytes for t in layer.buffers())
+        assert tracemalloc.get_traced_memory()[1] - before < packed + 0.5 * codes  # no second copy of the codes
+        if type_name == "Q8_0":  # the token table of a Q8_0 file: its codes are stored as they are
+            tracemalloc.reset_peak()
+            table = tmac.Embedding(qw)
+            assert tracemalloc.get_traced_memory()[1] - tracemalloc.get_traced_memory()[0] < 0.5 * codes
+            assert np.shares_memory(table.codes.numpy(), qw.codes)
+    finally:
+        tracemalloc.stop()

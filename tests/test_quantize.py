@@ -77,6 +77,22 @@ def test_large_matrices_quantize_in_row_slices_exactly_as_whole(rng, monkeypatch
     assert sliced.zeros is None or np.array_equal(sliced.zeros, whole.zeros)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_16_bit_tensors_quantize_as_their_float32_values(rng, monkeypatch, dtype):
+    """A 16-bit torch weight (a bfloat16 head) is widened a slice at a time, with the codes of its float32 copy;
+    a NaN in any slice is still found."""
+    import tmac.quantize as q
+
+    monkeypatch.setattr(q, "QUANTIZE_CHUNK", 256 * 32)  # slices of 32 rows
+    w = torch.from_numpy(rng.standard_normal((96, 256)).astype(np.float32)).to(dtype)
+    for fmt in (dict(bits=2), dict(bits=4, symmetric=True), dict(ternary=True, group_size="row")):
+        a, b = quantize_weight(w, **fmt), quantize_weight(w.float(), **fmt)
+        assert a.format == b.format and np.array_equal(a.codes, b.codes) and np.array_equal(a.scales, b.scales)
+    w[70, 3] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        quantize_weight(w)
+
+
 def test_ternary_matches_bitnet_reference_formula(rng):
     w = torch.from_numpy(rng.standard_normal((32, 256)).astype(np.float32))
     # BitNet b1.58 weight_quant, written independently of tmac
@@ -126,8 +142,17 @@ def test_gguf_q4_1_zeros_are_float16_only_where_every_one_is():
         assert _same_bits(qw.dequantize(), ref.reshape(2, 32))
 
 
+@pytest.fixture(params=["whole", "row slices"])
+def import_slices(request, monkeypatch):
+    """Imports decode in row slices (bounding their temporaries); at 2 rows a slice every check sees several."""
+    import tmac.quantize as q
+
+    if request.param == "row slices":
+        monkeypatch.setattr(q, "QUANTIZE_CHUNK", 2 * 512)
+
+
 @pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1", "TQ1_0", "TQ2_0"])
-def test_gguf_import_is_exact_on_quantized_blocks(rng, type_name):
+def test_gguf_import_is_exact_on_quantized_blocks(rng, type_name, import_slices):
     qtype = gguf.GGMLQuantizationType[type_name]
     w = rng.standard_normal((6, 512)).astype(np.float32) * rng.uniform(0.01, 3, (6, 1)).astype(np.float32)
     blocks = quantize(w, qtype)
@@ -136,7 +161,7 @@ def test_gguf_import_is_exact_on_quantized_blocks(rng, type_name):
 
 
 @pytest.mark.parametrize("type_name", ["TQ1_0", "TQ2_0"])
-def test_ternary_gguf_blocks_sharing_a_scale_import_per_row(rng, type_name):
+def test_ternary_gguf_blocks_sharing_a_scale_import_per_row(rng, type_name, import_slices):
     """Converted BitNet models repeat one scale in every block: such rows get one scale (and the triple layout)."""
     qtype = gguf.GGMLQuantizationType[type_name]
     tau = rng.integers(-1, 2, (6, 512))
@@ -147,6 +172,11 @@ def test_ternary_gguf_blocks_sharing_a_scale_import_per_row(rng, type_name):
     assert _same_bits(qw.dequantize(), dequantize(blocks, qtype))
     mixed = quantize(rng.standard_normal((6, 512)).astype(np.float32), qtype)  # per-block scales differ
     assert import_gguf(mixed, type_name, (6, 512)).format.group_size == 256
+    # the last row's second block alone has another scale (in the last slice, when sliced)
+    last = np.concatenate([quantize((tau[:5] * np.float32(0.02)).astype(np.float32), qtype),
+                           quantize((tau[5:] * np.float32([0.02] * 256 + [0.03] * 256)).astype(np.float32), qtype)])
+    qw = import_gguf(last, type_name, tau.shape)
+    assert qw.format.group_size == 256 and _same_bits(qw.dequantize(), dequantize(last, qtype))
 
 
 def test_gguf_import_rejects_bad_blocks():

@@ -134,9 +134,12 @@ class Embedding(nn.Module):
 def _pack_codes(codes: np.ndarray, bits: int) -> torch.Tensor:
     slot = SLOT[bits]
     per = 8 // slot
-    c = codes.reshape(codes.shape[0], -1, per).astype(np.uint8)
-    out = np.zeros(c.shape[:2], dtype=np.uint8)
-    for j in range(per):
+    if per == 1:  # 8-bit codes are their own packing: shared, not copied (a 49152-row Q8_0 table's are 100 MB)
+        out = np.ascontiguousarray(codes, dtype=np.uint8)
+        return torch.from_numpy(out if out.flags.writeable else out.copy())
+    c = codes.reshape(codes.shape[0], -1, per)
+    out = c[..., 0].astype(np.uint8)
+    for j in range(1, per):
         out |= c[..., j] << np.uint8(j * slot)
     return torch.from_numpy(out)
 

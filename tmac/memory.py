@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+import mmap
 import re
 import sys
 from typing import TYPE_CHECKING
@@ -79,7 +80,14 @@ def huge_page_empty(nbytes: int) -> torch.Tensor:
     if type(nbytes) is not int or nbytes < 0:
         raise ValueError(f"nbytes must be a non-negative int, got {nbytes!r}")
     pages = -(-nbytes // HUGE_PAGE) * HUGE_PAGE  # advised whole, so the allocation must hold them all
-    base = torch.empty(pages + HUGE_PAGE, dtype=torch.uint8)
+    if sys.platform.startswith("linux") and nbytes:
+        # a mapping of its own, untouched: what torch.empty returns may be heap memory already resident in 4 KiB
+        # pages (glibc serves blocks up to 32 MiB from the heap once such a block was freed), which advice leaves
+        # as it is. The tensor keeps the mapping alive; it is unmapped with the last view.
+        base = torch.frombuffer(mmap.mmap(-1, pages + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS),
+                                dtype=torch.uint8)
+    else:
+        base = torch.empty(pages + HUGE_PAGE, dtype=torch.uint8)
     start = -base.data_ptr() % HUGE_PAGE
     _advise(base.data_ptr() + start, pages)
     return base[start:start + nbytes]
@@ -114,6 +122,7 @@ def gather_packed(model: torch.nn.Module) -> torch.nn.Module:
     sizes = {id(getattr(m, n)): -(-getattr(m, n).nbytes // ALIGN) * ALIGN for m, n in owners}
     if not sizes:
         return model
+    release_freed_memory()  # what the loader freed (its last tensor's temporaries) goes back before the arena grows
     arena, at, moved, untrimmed = huge_page_empty(sum(sizes.values())), 0, {}, 0
     for m, name in owners:
         t = getattr(m, name)

@@ -65,7 +65,7 @@ from .qweight import QuantizedWeight
 from .reference import TRIPLE_LUT_GROUP, default_lut_group, padded_k, plane_nibbles, triple_indices
 
 TRIPLES_LAYOUT = 2  # of the packed triple bytes (2: flags as bit masks), stored with saved weights
-PACK_ROWS = 4096
+PACK_WEIGHTS = 1 << 21  # codes packed at a time: the layout's temporaries, ~15 bytes a code, stay ~30 MiB
 CHUNKS = {1: ((0, 1),), 2: ((0, 2),), 3: ((0, 2), (2, 1)), 4: ((0, 4),), 8: ((0, 4), (4, 4))}  # bits → ((first plane, planes), ...)
 QUAD_CHUNKS = {1: ((0, 1, 0),), 2: ((0, 2, 0),), 3: ((0, 2, 0), (0, 2, 4), (2, 1, 0))}  # bits → ((plane, P, table), ...)
 
@@ -281,7 +281,7 @@ class PackedWeight:
 
 
 def pack(qw: QuantizedWeight, spec: KernelSpec) -> PackedWeight:
-    """Lay ``qw`` out for ``spec``. Deterministic; numpy, vectorized over slices of ~``PACK_ROWS`` rows."""
+    """Lay ``qw`` out for ``spec``. Deterministic; numpy, vectorized over row slices of ~``PACK_WEIGHTS`` codes."""
     m, k = qw.shape
     fmt = qw.format
     if (k, fmt.bits, fmt.has_zeros) != (spec.k, spec.bits, spec.has_zeros) or \
@@ -292,7 +292,7 @@ def pack(qw: QuantizedWeight, spec: KernelSpec) -> PackedWeight:
                          f"{fmt.scale_dtype}/{fmt.zero_dtype}) does not match kernel {spec.name}")
     bm, mb = spec.block_rows, spec.blocks(m)
     weights = np.empty(packed_shapes(spec, m)[0], dtype=np.uint8)
-    step = max(1, PACK_ROWS // bm)  # blocks per slice: the bit-plane temporaries are bits × the slice's codes
+    step = max(1, PACK_WEIGHTS // (bm * k))  # blocks per slice
     for b0 in range(0, mb, step):
         b1 = min(mb, b0 + step)
         codes = np.full(((b1 - b0) * bm, k), 2 if spec.triples else 0, dtype=np.uint8)  # padded rows: weight 0

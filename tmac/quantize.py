@@ -38,22 +38,29 @@ def quantize_weight(w, bits: int = 2, group_size: int | str = 128, symmetric: bo
     m, k = w.shape
     rows = max(1, QUANTIZE_CHUNK // k)
     if fmt.group_size != PER_TENSOR and m > rows:  # groups lie within rows: slices quantize as the whole would
-        parts = [_quantize(w[i:i + rows], fmt, symmetric) for i in range(0, m, rows)]
-        if len({p.format for p in parts}) == 1:  # else (some scales beyond float16) the whole matrix decides
-            return QuantizedWeight(np.concatenate([p.codes for p in parts]),
-                                   np.concatenate([p.scales for p in parts]),
-                                   None if parts[0].zeros is None else np.concatenate([p.zeros for p in parts]),
-                                   parts[0].format)
-    return _quantize(w, fmt, symmetric)
+        first = _quantize(_rows64(w, 0, rows), fmt, symmetric)
+        codes, scales = np.empty((m, k), np.uint8), np.empty((m, first.scales.shape[1]), first.scales.dtype)
+        zeros = None if first.zeros is None else np.empty(scales.shape, first.zeros.dtype)
+        for i in range(0, m, rows):
+            p = first if i == 0 else _quantize(_rows64(w, i, i + rows), fmt, symmetric)
+            if p.format != first.format:  # some scales beyond float16: the whole matrix decides
+                break
+            codes[i:i + rows], scales[i:i + rows] = p.codes, p.scales
+            if zeros is not None:
+                zeros[i:i + rows] = p.zeros
+        else:
+            return QuantizedWeight(codes, scales, zeros, first.format)
+    return _quantize(_rows64(w, 0, m), fmt, symmetric)
 
 
 QUANTIZE_CHUNK = 1 << 22  # weights quantized at a time: float64 temporaries of 32 MiB each, not of a whole head
 
 
 def _quantize(w: np.ndarray, fmt: WeightFormat, symmetric: bool) -> QuantizedWeight:
+    """``w``: float64 rows."""
     m, k = w.shape
     bits, group_size = fmt.bits, fmt.group_size
-    groups = _grouped(w.astype(np.float64), fmt)  # [M', G, gs]
+    groups = _grouped(w, fmt)  # [M', G, gs]
     top = (1 << fmt.bits) - 1
     if fmt.ternary:
         s = np.maximum(np.abs(groups).mean(axis=2), 1e-5)
@@ -113,22 +120,30 @@ def _level_range(groups: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]
     return np.where(n_above < groups.shape[2], lo, hi), hi
 
 
-def _as_float_matrix(w) -> np.ndarray:
+def _as_float_matrix(w):
+    """``w`` checked to be a non-empty 2-D float matrix: a numpy array, or a torch tensor kept in its own dtype
+    (a bfloat16 head is converted a slice at a time by ``_rows64``, never as a whole float32 copy)."""
     if hasattr(w, "detach"):  # torch tensor, without importing torch here
         if not w.dtype.is_floating_point:
             raise TypeError(f"weight must be a floating-point tensor, got dtype {w.dtype}")
-        w = w.detach().float().cpu().numpy()
-    if not isinstance(w, np.ndarray):
+        w = w.detach().cpu()
+    elif not isinstance(w, np.ndarray):
         raise TypeError(f"weight must be a numpy array or torch tensor, got {type(w).__name__}")
-    if w.dtype.kind != "f":
+    elif w.dtype.kind != "f":
         raise TypeError(f"weight must be a floating-point array, got dtype {w.dtype}")
     if w.ndim != 2:
-        raise ValueError(f"weight must be 2-D [out_features, in_features], got shape {w.shape}")
+        raise ValueError(f"weight must be 2-D [out_features, in_features], got shape {tuple(w.shape)}")
     if 0 in w.shape:
-        raise ValueError(f"weight must not be empty, got shape {w.shape}")
-    if not np.isfinite(w).all():
-        raise ValueError("weight contains NaN or inf")
+        raise ValueError(f"weight must not be empty, got shape {tuple(w.shape)}")
     return w
+
+
+def _rows64(w, start: int, stop: int) -> np.ndarray:
+    """Rows ``start:stop`` of a checked matrix as float64, themselves checked to be finite."""
+    part = w[start:stop].double().numpy() if hasattr(w, "detach") else w[start:stop].astype(np.float64)
+    if not np.isfinite(part).all():
+        raise ValueError("weight contains NaN or inf")
+    return part
 
 
 def _grouped(w: np.ndarray, fmt: WeightFormat) -> np.ndarray:
@@ -160,15 +175,19 @@ def import_gguf(data, type_name: str, shape: tuple[int, int]) -> QuantizedWeight
     if raw.size != nblocks * blk.type_size:
         raise ValueError(f"GGUF {type_name} tensor of shape {shape} needs {nblocks * blk.type_size} bytes, "
                          f"got {raw.size}")
-    blocks = raw.reshape(nblocks, blk.type_size)
-    codes, d, zeros = _DECODERS[type_name](blocks)
-    scales = d.reshape(m, k // blk.block_size)
-    if zeros is not None:
-        zeros = zeros.reshape(scales.shape)
+    blocks = raw.reshape(m, k // blk.block_size, blk.type_size)
+    # row slices: the decoders' temporaries (several times the codes) stay small beside a 49152-row head
+    rows = max(1, QUANTIZE_CHUNK // k)
+    codes, scales, zeros = np.empty((m, k), np.uint8), np.empty((m, k // blk.block_size), np.float32), None
+    for r0 in range(0, m, rows):
+        c, d, z = _DECODERS[type_name](blocks[r0:r0 + rows].reshape(-1, blk.type_size))
+        codes[r0:r0 + rows], scales[r0:r0 + rows] = c.reshape(-1, k), d.reshape(-1, scales.shape[1])
+        if z is not None:
+            zeros = np.empty(scales.shape, z.dtype) if zeros is None else zeros
+            zeros[r0:r0 + rows] = z.reshape(-1, scales.shape[1])
     bad = ~np.isfinite(scales) | (~np.isfinite(zeros) if zeros is not None else False)
     if bad.any():
         raise ValueError(f"GGUF {type_name} tensor has {int(bad.sum())} blocks with NaN/inf scale or min")
-    codes = codes.reshape(m, k)
     if zeros is not None and fmt.zero_dtype != "float16" and all_float16(zeros):
         fmt = fmt.with_half_zeros()
     if fmt.ternary:
@@ -181,9 +200,16 @@ def import_gguf(data, type_name: str, shape: tuple[int, int]) -> QuantizedWeight
 def _uniform_row_scales(codes: np.ndarray, scales: np.ndarray, block: int) -> np.ndarray | None:
     """One scale per row when, in every row, all blocks holding a nonzero ternary weight share their scale
     (all-zero blocks dequantize to 0 whatever theirs is); else None."""
-    nonzero = (codes != 2).reshape(codes.shape[0], -1, block).any(axis=2)
-    first = np.where(nonzero.any(axis=1), scales[np.arange(len(scales)), nonzero.argmax(axis=1)], scales[:, 0])
-    return first[:, None].copy() if ((scales == first[:, None]) | ~nonzero).all() else None
+    first = np.empty((len(scales), 1), scales.dtype)
+    rows = max(1, QUANTIZE_CHUNK // codes.shape[1])
+    for r0 in range(0, len(scales), rows):  # in row slices, as the import: a boolean per weight is a temporary
+        s = scales[r0:r0 + rows]
+        nonzero = (codes[r0:r0 + rows] != 2).reshape(len(s), -1, block).any(axis=2)
+        f = np.where(nonzero.any(axis=1), s[np.arange(len(s)), nonzero.argmax(axis=1)], s[:, 0])
+        if not ((s == f[:, None]) | ~nonzero).all():
+            return None
+        first[r0:r0 + rows, 0] = f
+    return first
 
 
 def _f16(blocks: np.ndarray, at: int) -> np.ndarray:

@@ -80,6 +80,8 @@ def stack_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
     if not parts or len({kind(p) for p in parts}) != 1:
         raise ValueError(f"cannot stack weights of formats {[p.format.name for p in parts]} with K "
                          f"{[p.shape[1] for p in parts]}")
+    if len(parts) == 1:  # nothing to stack: no copy of the codes (a 49152-row head's are 100 MB)
+        return parts[0]
     fmt = parts[0].format
     if len(parts) > 1 and not isinstance(fmt.group_size, int) and (fmt.group_size == PER_TENSOR
                                                                    or any(p.format != fmt for p in parts)):
