@@ -2,12 +2,14 @@
 
 Weights come back as ``QuantizedWeight`` when the type imports exactly (Q4_0, Q4_1, TQ1_0, TQ2_0) and the
 caller wants it, else as float32 (F32/F16/BF16 read directly, every other type through
-``gguf.quants.dequantize``). GGUF stores q/k rows interleaved for llama.cpp's RoPE; they are permuted back to
+``gguf.quants.dequantize``): matrices as ``DequantizedRows``, a row slice at a time, so that requantizing one
+never holds a float32 copy of it whole (a 49152-row head: 400 MB). GGUF stores q/k rows interleaved for llama.cpp's RoPE; they are permuted back to
 the Hugging Face "rotate half" order the model uses (a row permutation, so exact imports stay exact).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import numpy as np
@@ -97,19 +99,17 @@ class GGUFModel:
         if t is None:
             raise ModelFormatError(f"{self.path}: tensor {gname} is missing")
         shape, type_name = t.shape, t.type_name
-        try:
-            if exact and len(shape) == 2 and type_name in GGUF_EXACT:
-                value = import_gguf(t.data, type_name, shape)
-            else:
-                value = torch.from_numpy(_dequantize(t.data, type_name, shape))
-        except ValueError as e:
-            raise ModelFormatError(f"{self.path}: tensor {gname} ({type_name}, {shape}): {e}") from None
+        if len(shape) == 2 and not (exact and type_name in GGUF_EXACT) and _rope_heads(self.config, name) == 0:
+            return DequantizedRows(self, t)
+        with _naming(self.path, t):
+            value = import_gguf(t.data, type_name, shape) if exact and len(shape) == 2 and type_name in GGUF_EXACT \
+                else torch.from_numpy(_dequantize(t.data, type_name, shape))
         self.file.release(t)  # converted: its pages need not stay resident
         return self._unpermute(name, value)
 
     def _unpermute(self, name, value):
         cfg = self.config
-        heads = cfg.n_heads if name.endswith("wq.weight") else cfg.n_kv_heads if name.endswith("wk.weight") else 0
+        heads = _rope_heads(cfg, name)
         if not heads:
             return value
         rows = value.shape[0]
@@ -121,6 +121,40 @@ class GGUFModel:
                                    else value.scales, None if value.zeros is None else value.zeros[order],
                                    value.format)
         return value[torch.from_numpy(order)]
+
+
+class DequantizedRows:
+    """A float matrix of the file, dequantized on demand: ``rows(start, stop)`` (float32 numpy, what
+    ``tmac.quantize_weight`` reads a slice at a time) or ``tensor()`` (all of it, float32 torch)."""
+
+    def __init__(self, model: GGUFModel, t):
+        self.model, self.tensor_info, self.shape = model, t, tuple(t.shape)
+
+    def rows(self, start: int, stop: int) -> np.ndarray:
+        t, m = self.tensor_info, self.shape[0]
+        start, stop = max(0, start), min(m, stop)
+        with _naming(self.model.path, t):
+            part = _dequantize(t.data.reshape(m, -1)[start:stop], t.type_name, (stop - start, *self.shape[1:]))
+        if stop == m:  # read to the end: the file's pages need not stay resident
+            self.model.file.release(t)
+        return part
+
+    def tensor(self) -> torch.Tensor:
+        return torch.from_numpy(self.rows(0, self.shape[0]))
+
+
+@contextlib.contextmanager
+def _naming(path: str, t):
+    """Conversion errors as a ``ModelFormatError`` naming the file and the tensor."""
+    try:
+        yield
+    except ValueError as e:
+        raise ModelFormatError(f"{path}: tensor {t.name} ({t.type_name}, {t.shape}): {e}") from None
+
+
+def _rope_heads(cfg: LlamaConfig, name: str) -> int:
+    """Heads whose rows GGUF interleaves for llama.cpp's RoPE (q and k projections), else 0."""
+    return cfg.n_heads if name.endswith("wq.weight") else cfg.n_kv_heads if name.endswith("wk.weight") else 0
 
 
 def _gguf_name(name: str) -> str:

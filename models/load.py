@@ -156,18 +156,34 @@ def _make_linear(parts, bits, group_size, symmetric, isa, kernel_dir) -> nn.Modu
             return Linear.from_quantized(stack_rows(parts), isa=isa, kernel_dir=kernel_dir)
         except ValueError:  # different formats: keep each exact
             return Concat([_make_linear([p], bits, group_size, symmetric, isa, kernel_dir) for p in parts])
-    floats = [torch.from_numpy(p.dequantize()) if isinstance(p, QuantizedWeight) else p for p in parts]
-    weight = torch.cat(floats) if len(floats) > 1 else floats[0]
     if bits is None:
-        layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
-        layer.weight = _param(weight)
+        floats = [_float_tensor(p) for p in parts]
+        layer = nn.Linear(parts[0].shape[1], sum(p.shape[0] for p in parts), bias=False, device="meta")
+        layer.weight = _param(torch.cat(floats) if len(floats) > 1 else floats[0])
         return layer
-    k = weight.shape[1]
+    k = parts[0].shape[1]
     group = group_size or next((g for g in sorted(GROUP_SIZES[:3], reverse=True) if k % g == 0), None)
     if group is None or k % group:
         raise ValueError(f"cannot quantize a layer with {k} inputs in groups of {group_size or '32/64/128'}: "
                          f"the group size must divide the inputs")
-    return Linear.from_float(weight, bits=bits, group_size=group, symmetric=symmetric, isa=isa, kernel_dir=kernel_dir)
+
+    def quantized(w):
+        return quantize_weight(w.dequantize() if isinstance(w, QuantizedWeight) else w, bits=bits, group_size=group,
+                               symmetric=symmetric)
+
+    # part by part, each as the loader gives it (a file's rows dequantized a slice at a time), then stacked: what
+    # quantizing the concatenation gives, unless the parts disagree on float16 scales — then the whole decides
+    qws = [quantized(p) for p in parts]
+    if len({q.format for q in qws}) > 1:
+        qws = [quantized(torch.cat([_float_tensor(p) for p in parts]))]
+    return Linear.from_quantized(stack_rows(qws), isa=isa, kernel_dir=kernel_dir)
+
+
+def _float_tensor(p) -> torch.Tensor:
+    """A float tensor of a loader's weight: a tensor as it is, else dequantized whole."""
+    if isinstance(p, QuantizedWeight):
+        return torch.from_numpy(p.dequantize())
+    return p if isinstance(p, torch.Tensor) else p.tensor()
 
 
 def token_embedding(table, requantized: bool) -> nn.Module:
@@ -180,6 +196,7 @@ def token_embedding(table, requantized: bool) -> nn.Module:
         return Embedding(table)
     if requantized and table.shape[1] % 32 == 0:
         return Embedding(quantize_weight(table, bits=8, group_size=32, symmetric=True))
+    table = _float_tensor(table)
     if table.dtype in (torch.float16, torch.bfloat16):  # a 16-bit file's table: exact as it is
         return nn.Embedding.from_pretrained(table, freeze=True)
     table = table.float()
@@ -190,8 +207,8 @@ def token_embedding(table, requantized: bool) -> nn.Module:
     return nn.Embedding.from_pretrained(table, freeze=True)
 
 
-def _param(t: torch.Tensor) -> nn.Parameter:
-    return nn.Parameter(t.float().contiguous(), requires_grad=False)
+def _param(t) -> nn.Parameter:
+    return nn.Parameter(_float_tensor(t).float().contiguous(), requires_grad=False)
 
 
 def _is_gguf(path: str) -> bool:

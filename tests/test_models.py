@@ -258,3 +258,42 @@ def test_greedy_tokens_do_not_depend_on_thread_count(smollm2):
         tmac.set_num_threads(old[0])
         torch.set_num_threads(old[1])
     assert runs[0] == runs[1]
+
+
+def test_gguf_matrices_dequantize_a_row_slice_at_a_time(tmp_path):
+    """A GGUF matrix that is not imported exactly comes as rows dequantized on demand (so a requantized head is
+    never float32 whole): any slice equals the gguf package's dequantization of the whole tensor."""
+    import numpy as np
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    from models.gguf_loader import DequantizedRows, GGUFModel
+    from models.llama import LlamaConfig
+    from models.synthetic import write_random_gguf
+
+    path = str(tmp_path / "m.gguf")
+    write_random_gguf(path, LlamaConfig(vocab_size=512, dim=256, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=512,
+                                        context_length=64), "Q8_0")
+    head = GGUFModel(path).weight("output.weight")
+    assert isinstance(head, DequantizedRows) and head.shape == (512, 256)
+    t = next(t for t in GGUFReader(path).tensors if t.name == "output.weight")
+    whole = dequantize(t.data, t.tensor_type).reshape(512, 256)
+    assert np.array_equal(head.rows(100, 133), whole[100:133]) and torch.equal(head.tensor(), torch.from_numpy(whole))
+    assert isinstance(GGUFModel(path).weight("output.weight", exact=True), tmac.QuantizedWeight)  # Q8_0 imports
+
+
+@pytest.mark.parametrize("huge", [False, True], ids=["float16 scales", "one part beyond float16"])
+def test_fused_parts_quantize_as_their_concatenation(huge):
+    """A fused projection is quantized part by part (each from its own rows, no float copy of the whole), which
+    must give exactly the concatenation's codes and scales — also when one part's scales leave float16 and the
+    whole layer decides."""
+    from models.load import make_linear
+
+    torch.manual_seed(0)
+    parts = [torch.randn(96, 256), torch.randn(32, 256)]
+    if huge:
+        parts[1] *= 1e6
+    layer = make_linear(parts, bits=3, group_size=64, symmetric=False, isa=None, kernel_dir=None)
+    whole = tmac.Linear.from_float(torch.cat(parts), bits=3, group_size=64)
+    assert layer.spec == whole.spec
+    assert all(torch.equal(getattr(layer, n), getattr(whole, n)) for n in ("qweight", "scales", "zeros"))

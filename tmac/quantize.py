@@ -21,7 +21,8 @@ from .qweight import QuantizedWeight, all_float16
 
 def quantize_weight(w, bits: int = 2, group_size: int | str = 128, symmetric: bool = False,
                     ternary: bool = False) -> QuantizedWeight:
-    """Quantize a float matrix ``[out_features, in_features]`` (numpy or torch) group-wise.
+    """Quantize a float matrix ``[out_features, in_features]`` (numpy, torch, or a row source: see
+    ``_as_float_matrix``) group-wise.
 
     ``group_size`` is 32/64/128/256, ``"row"`` or ``"tensor"``. ``ternary=True`` gives BitNet b1.58 absmean
     ternary weights (``bits`` and ``symmetric`` are then ignored; BitNet itself uses ``group_size="tensor"``).
@@ -121,8 +122,13 @@ def _level_range(groups: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]
 
 
 def _as_float_matrix(w):
-    """``w`` checked to be a non-empty 2-D float matrix: a numpy array, or a torch tensor kept in its own dtype
-    (a bfloat16 head is converted a slice at a time by ``_rows64``, never as a whole float32 copy)."""
+    """``w`` checked to be a non-empty 2-D float matrix: a numpy array, a torch tensor kept in its own dtype (a
+    bfloat16 head is converted a slice at a time by ``_rows64``, never as a whole float32 copy), or a row source
+    (``shape`` and ``rows(start, stop)`` giving float rows: a GGUF tensor dequantized a slice at a time)."""
+    if hasattr(w, "rows") and hasattr(w, "shape"):
+        if len(w.shape) != 2 or 0 in w.shape:
+            raise ValueError(f"weight must be a non-empty 2-D matrix, got shape {tuple(w.shape)}")
+        return w
     if hasattr(w, "detach"):  # torch tensor, without importing torch here
         if not w.dtype.is_floating_point:
             raise TypeError(f"weight must be a floating-point tensor, got dtype {w.dtype}")
@@ -140,7 +146,8 @@ def _as_float_matrix(w):
 
 def _rows64(w, start: int, stop: int) -> np.ndarray:
     """Rows ``start:stop`` of a checked matrix as float64, themselves checked to be finite."""
-    part = w[start:stop].double().numpy() if hasattr(w, "detach") else w[start:stop].astype(np.float64)
+    part = np.asarray(w.rows(start, stop), dtype=np.float64) if hasattr(w, "rows") else \
+        w[start:stop].double().numpy() if hasattr(w, "detach") else w[start:stop].astype(np.float64)
     if not np.isfinite(part).all():
         raise ValueError("weight contains NaN or inf")
     return part
