@@ -35,7 +35,23 @@ BITNET_TENSORS = {"attention.out_norm.weight": "self_attn.attn_sub_norm.weight",
                   "feed_forward.hidden_norm.weight": "mlp.ffn_sub_norm.weight"}
 GLOBAL_TENSORS = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
                   "output.weight": "lm_head.weight"}
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names of the float dtypes
 FINITE_CHECK_ELEMENTS = 1 << 22  # checked at a time: a boolean per weight of a whole head would be 100 MB
+
+
+class SafetensorsRows:
+    """A float matrix of the checkpoint, read on demand: ``rows(start, stop)`` (float32 numpy, what
+    ``tmac.quantize_weight`` reads a slice at a time: a requantized head is never in memory whole) or ``tensor()``
+    (all of it, in the file's dtype)."""
+
+    def __init__(self, model: "HFModel", hf: str, shape: tuple[int, int]):
+        self.model, self.hf, self.shape = model, hf, shape
+
+    def rows(self, start: int, stop: int) -> np.ndarray:
+        return self.model._read(self.hf, lambda f: f.get_slice(self.hf)[start:stop]).float().numpy()
+
+    def tensor(self) -> torch.Tensor:
+        return self.model._float(self.hf, self.model._tensor(self.hf))
 
 
 class HFModel:
@@ -128,12 +144,22 @@ class HFModel:
         prefix = hf[:-len(".weight")]
         if self.gptq and prefix + ".qweight" in self.files:
             return self._gptq(prefix)
+        def header(f):
+            entry = f.get_slice(hf)
+            return entry.get_dtype(), tuple(entry.get_shape())
+
+        dtype, shape = self._read(hf, header)
+        if len(shape) == 2 and dtype in FLOAT_DTYPES:
+            return SafetensorsRows(self, hf, shape)
         t = self._tensor(hf)
         if t.dtype == torch.uint8 and self.packed_ternary:
             return self._ternary(hf, t)
+        return self._float(hf, t)
+
+    def _float(self, hf: str, t: torch.Tensor) -> torch.Tensor:
+        """``t`` checked to be float and finite, in the file's dtype: users widen what they keep."""
         if not t.is_floating_point():
             raise ModelFormatError(f"{self.path}: tensor {hf} has dtype {t.dtype}, expected a float type")
-        # in the file's dtype: users widen what they keep (a bfloat16 head is quantized a slice at a time)
         rows = t.reshape(len(t), -1) if t.dim() else t.reshape(1, 1)
         step = max(1, FINITE_CHECK_ELEMENTS // max(1, rows.shape[1]))
         if not all(torch.isfinite(rows[i:i + step]).all() for i in range(0, len(rows), step)):
@@ -141,6 +167,10 @@ class HFModel:
         return t
 
     def _tensor(self, hf: str) -> torch.Tensor:
+        return self._read(hf, lambda f: f.get_tensor(hf))
+
+    def _read(self, hf: str, what):
+        """``what(f)`` of the open safetensors file holding ``hf``; its failures name the file and the tensor."""
         file = self.files.get(hf)
         if file is None:
             raise ModelFormatError(f"{self.path}: tensor {hf} is missing")
@@ -148,7 +178,7 @@ class HFModel:
 
         try:
             with safe_open(file, framework="pt") as f:
-                return f.get_tensor(hf)
+                return what(f)
         except Exception as e:
             raise ModelFormatError(f"{file}: tensor {hf}: {e}") from None
 

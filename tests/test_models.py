@@ -297,3 +297,30 @@ def test_fused_parts_quantize_as_their_concatenation(huge):
     whole = tmac.Linear.from_float(torch.cat(parts), bits=3, group_size=64)
     assert layer.spec == whole.spec
     assert all(torch.equal(getattr(layer, n), getattr(whole, n)) for n in ("qweight", "scales", "zeros"))
+
+
+def test_hf_matrices_read_a_row_slice_at_a_time(tmp_path):
+    """A checkpoint's float matrices come as rows read on demand in the file's dtype (a bfloat16 head is
+    requantized without a float32 copy of it): slices and the whole equal the checkpoint's tensors, and a NaN in
+    one slice is still found."""
+    import numpy as np
+    from safetensors.torch import save_file
+
+    from models.hf_loader import HFModel, SafetensorsRows
+
+    hf = _tiny_llama(tmp_path)
+    src = HFModel(str(tmp_path))
+    head = src.weight("output.weight")
+    assert isinstance(head, SafetensorsRows) and head.shape == (256, 128)
+    want = hf.lm_head.weight.detach()
+    assert np.array_equal(head.rows(37, 90), want[37:90].float().numpy()) and torch.equal(head.tensor(), want)
+    assert src.weight("norm.weight").dim() == 1  # vectors are read whole
+    tensors = {k: v.to(torch.bfloat16).contiguous() for k, v in hf.state_dict().items()}
+    tensors["lm_head.weight"][200, 5] = float("nan")
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    head = HFModel(str(tmp_path)).weight("output.weight")
+    assert np.array_equal(head.rows(0, 8), tensors["lm_head.weight"][:8].float().numpy())  # read as stored
+    with pytest.raises(ValueError, match="NaN"):
+        tmac.quantize_weight(head, bits=4, group_size=32)
+    with pytest.raises(tmac.ModelFormatError, match="lm_head.weight contains NaN"):
+        head.tensor()
