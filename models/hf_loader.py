@@ -4,7 +4,8 @@ Float ``LlamaForCausalLM`` and ``BitNetForCausalLM``, and BitNet's packed ternar
 ``bitlinear``): uint8 ``[out/4, in]`` whose 2-bit fields hold w+1, packed row r holding rows r, r+R, r+2R,
 r+3R (R = out/4) at bits 0, 2, 4, 6, and a scalar ``weight_scale`` that the reference *divides* by
 (``y = x·Wq / weight_scale``), so the imported scale is 1/weight_scale. Tensors are read one at a time from
-the memory-mapped safetensors files.
+the memory-mapped safetensors files, in their own dtype; float matrices as ``SafetensorsRows``, a row slice at a
+time when they are requantized.
 """
 
 from __future__ import annotations
