@@ -3,8 +3,9 @@
 Weights come back as ``QuantizedWeight`` when the type imports exactly (Q4_0, Q4_1, TQ1_0, TQ2_0) and the
 caller wants it, else as float32 (F32/F16/BF16 read directly, every other type through
 ``gguf.quants.dequantize``): matrices as ``DequantizedRows``, a row slice at a time, so that requantizing one
-never holds a float32 copy of it whole (a 49152-row head: 400 MB). GGUF stores q/k rows interleaved for llama.cpp's RoPE; they are permuted back to
-the Hugging Face "rotate half" order the model uses (a row permutation, so exact imports stay exact).
+never holds a float32 copy of it whole (a 49152-row head: 400 MB). GGUF stores q/k rows interleaved for
+llama.cpp's RoPE; they are permuted back to the Hugging Face "rotate half" order the model uses (a row
+permutation, so exact imports stay exact).
 """
 
 from __future__ import annotations
@@ -99,10 +100,11 @@ class GGUFModel:
         if t is None:
             raise ModelFormatError(f"{self.path}: tensor {gname} is missing")
         shape, type_name = t.shape, t.type_name
-        if len(shape) == 2 and not (exact and type_name in GGUF_EXACT) and _rope_heads(self.config, name) == 0:
+        imported = exact and len(shape) == 2 and type_name in GGUF_EXACT
+        if len(shape) == 2 and not imported and _rope_heads(self.config, name) == 0:
             return DequantizedRows(self, t)
         with _naming(self.path, t):
-            value = import_gguf(t.data, type_name, shape) if exact and len(shape) == 2 and type_name in GGUF_EXACT \
+            value = import_gguf(t.data, type_name, shape) if imported \
                 else torch.from_numpy(_dequantize(t.data, type_name, shape))
         self.file.release(t)  # converted: its pages need not stay resident
         return self._unpermute(name, value)

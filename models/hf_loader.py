@@ -145,14 +145,16 @@ class HFModel:
         prefix = hf[:-len(".weight")]
         if self.gptq and prefix + ".qweight" in self.files:
             return self._gptq(prefix)
-        def header(f):
-            entry = f.get_slice(hf)
-            return entry.get_dtype(), tuple(entry.get_shape())
 
-        dtype, shape = self._read(hf, header)
-        if len(shape) == 2 and dtype in FLOAT_DTYPES:
-            return SafetensorsRows(self, hf, shape)
-        t = self._tensor(hf)
+        def matrix_or_tensor(f):  # one opening of the file: a float matrix stays unread, anything else is read
+            shape = tuple(f.get_slice(hf).get_shape())
+            if len(shape) == 2 and f.get_slice(hf).get_dtype() in FLOAT_DTYPES:
+                return SafetensorsRows(self, hf, shape)
+            return f.get_tensor(hf)
+
+        t = self._read(hf, matrix_or_tensor)
+        if isinstance(t, SafetensorsRows):
+            return t
         if t.dtype == torch.uint8 and self.packed_ternary:
             return self._ternary(hf, t)
         return self._float(hf, t)

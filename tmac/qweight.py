@@ -83,8 +83,7 @@ def stack_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
     if len(parts) == 1:  # nothing to stack: no copy of the codes (a 49152-row head's are 100 MB)
         return parts[0]
     fmt = parts[0].format
-    if len(parts) > 1 and not isinstance(fmt.group_size, int) and (fmt.group_size == PER_TENSOR
-                                                                   or any(p.format != fmt for p in parts)):
+    if not isinstance(fmt.group_size, int) and (fmt.group_size == PER_TENSOR or any(p.format != fmt for p in parts)):
         fmt = fmt.per_row()
     for field in ("scale_dtype", "zero_dtype"):  # float16 only where every part promises it
         if any(getattr(p.format, field) != getattr(fmt, field) for p in parts):
