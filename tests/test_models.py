@@ -200,13 +200,13 @@ def test_float_bitnet_matches_transformers(tmp_path):
     assert (model.logits(ids.tolist()) - ref).abs().max().item() <= 1e-4
 
 
-def test_packed_bitnet_matches_transformers_bitlinear(tmp_path, monkeypatch):
+@torch._dynamo.config.patch(disable=True)  # BitLinear's helpers are torch.compile'd; patch() restores the option
+def test_packed_bitnet_matches_transformers_bitlinear(tmp_path):
     """A packed ternary checkpoint (uint8 [out/4, in] + weight_scale), against transformers' own BitLinear."""
     from safetensors.torch import save_file
     from torch import nn
     from transformers.integrations import bitnet as hf_bitnet
 
-    monkeypatch.setattr(torch._dynamo.config, "disable", True)  # BitLinear's helpers are torch.compile'd
     torch.manual_seed(0)
     hf = transformers.BitNetForCausalLM(_tiny_bitnet_config()).eval()
     for name, module in list(hf.named_modules()):
