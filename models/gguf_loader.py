@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from tmac.errors import ModelFormatError
-from tmac.formats import GGUF_EXACT
+from tmac.formats import GGUF_EXACT, Q8_0_LAYOUT
 from tmac.quantize import quantize_weight
 from tmac.qweight import QuantizedWeight
 from tmac.quantize import import_gguf
@@ -107,7 +107,7 @@ class GGUFModel:
         shape, type_name = t.shape, t.type_name
         imported = exact and len(shape) == 2 and type_name in GGUF_EXACT
         if exact and len(shape) == 2 and not imported and type_name not in FLOAT_TYPES:
-            return quantize_weight(self.weight(name), bits=8, group_size=32, symmetric=True)
+            return quantize_weight(self.weight(name), **Q8_0_LAYOUT)
         if len(shape) == 2 and not imported and _rope_heads(self.config, name) == 0:
             return DequantizedRows(self, t)
         with _naming(self.path, t):

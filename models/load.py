@@ -15,7 +15,7 @@ from torch import nn
 
 from tmac.embedding import Embedding
 from tmac.errors import ModelFormatError
-from tmac.formats import GROUP_SIZES, check_bits, check_group_size
+from tmac.formats import GROUP_SIZES, Q8_0_LAYOUT, check_bits, check_group_size
 from tmac.glue import check_kv_dtype
 from tmac.linear import Linear
 from tmac.memory import gather_packed, release_freed_memory
@@ -41,7 +41,7 @@ def default_model_path() -> str:
 
 
 def load_model(source: str | os.PathLike | None = None, *, bits: int | None = None, group_size: int | None = None,
-               symmetric: bool = False, head_bits: int | None = None, context: int | None = None,
+               symmetric: bool = False, head_bits: int | str | None = None, context: int | None = None,
                kv_dtype: str = "float16", isa: str | None = None, kernel_dir: str | None = None,
                progress: bool | None = None) -> Transformer:
     """Load a model for generation.
@@ -50,13 +50,18 @@ def load_model(source: str | os.PathLike | None = None, *, bits: int | None = No
     ``bits=None`` keeps the file's weights: Q4_0/Q4_1/Q8_0/TQ1_0/TQ2_0 import exactly, other quantized GGUF types
     (K-quants, Q5_0 …) at 8 bits in Q8_0's layout, float ones load as float ``nn.Linear``. ``bits=1..4``
     requantizes every projection from float with ``group_size`` (default: the largest of 128/64/32 dividing the
-    layer's inputs). The output head keeps the file's weights as the projections do with ``bits=None`` (a Q6_K
-    head, as llama.cpp's files have: 8 bits) and is float with ``bits`` alone; ``head_bits`` requantizes it. ``context``: KV cache positions (default: the model's, at most 4096); ``kv_dtype``: the
+    layer's inputs). The output head keeps a quantized file's own weights as the projections do with
+    ``bits=None`` (a Q6_K head, as llama.cpp's files have: 8 bits); a float head stays float, or, when ``bits``
+    requantizes the model, goes to 8 bits in Q8_0's layout (near-lossless; a float32 head would be most of a
+    2-bit model's bytes per token). ``head_bits`` says otherwise: 1-4 or 8 bits as the projections, ``"float"``
+    unquantized (float32). ``context``: KV cache positions (default: the model's, at most 4096); ``kv_dtype``: the
     cache's, ``"float16"`` (as llama.cpp; half the bytes attention reads per token) or ``"float32"``.
     """
     if bits is not None:
         check_bits(bits)
-    if head_bits is not None:
+    if head_bits not in (None, "float"):
+        if isinstance(head_bits, str):
+            raise ValueError(f"head_bits must be bits (1-4, 8), 'float' or None, got {head_bits!r}")
         check_bits(head_bits)
     if group_size is not None:
         check_group_size(group_size)
@@ -96,16 +101,18 @@ def load_model(source: str | os.PathLike | None = None, *, bits: int | None = No
             release_freed_memory()  # the layer's temporaries
             bar.advance(f"layer {i}")
         head_name = "tok_embeddings.weight" if cfg.tie_embeddings else "output.weight"
-        head = weight(head_name, exact=bits is None and head_bits is None)
+        head = weight(head_name, exact=head_bits is None)
+        requantized = {"bits": head_bits} if isinstance(head_bits, int) else \
+            Q8_0_LAYOUT if head_bits is None and bits is not None and cfg.dim % 32 == 0 else None
         if isinstance(head, QuantizedWeight):  # the file's own quantization (GGUF Q8_0 heads: exact 8-bit)
-            model.output = make_linear([head], **opts)
-        elif head_bits is None:
+            model.output = make_linear([head], **{**opts, "bits": None})
+        elif requantized is None:
             model.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False, device="meta")
             model.output.weight = _param(head)
             if cfg.tie_embeddings:  # the float head's table serves the lookups too: one copy, not two
                 model.tok_embeddings = nn.Embedding.from_pretrained(model.output.weight, freeze=True)
         else:
-            model.output = make_linear([head], **{**opts, "bits": head_bits})
+            model.output = make_linear([head], **{**opts, **requantized})
         del head  # its codes or floats (100 MB and more at 49152 rows), before the model is gathered
         bar.advance("output head")
     model.tokenizer = src.tokenizer
@@ -195,7 +202,7 @@ def token_embedding(table, requantized: bool) -> nn.Module:
     if isinstance(table, QuantizedWeight):
         return Embedding(table)
     if requantized and table.shape[1] % 32 == 0:
-        return Embedding(quantize_weight(table, bits=8, group_size=32, symmetric=True))
+        return Embedding(quantize_weight(table, **Q8_0_LAYOUT))
     table = _float_tensor(table)
     if table.dtype in (torch.float16, torch.bfloat16):  # a 16-bit file's table: exact as it is
         return nn.Embedding.from_pretrained(table, freeze=True)

@@ -136,15 +136,15 @@ def test_bench_kernels_table_json_and_plot(tmp_path):
 
 
 def test_bench_end_to_end_on_the_default_model():
-    r = tmac("bench", "--e2e", "--profile", "--bits", "2", "--threads", "1", "--prompt-tokens", "8", "--gen-tokens",
-             "8", "--no-peer", "--json")
+    r = tmac("bench", "--e2e", "--profile", "--bits", "2", "--head-bits", "float", "--threads", "1", "--prompt-tokens",
+             "8", "--gen-tokens", "8", "--no-peer", "--json")
     assert r.returncode == 0, r.stderr
     (row,) = json.loads(r.stdout)["rows"]
     (profile,) = json.loads(r.stdout)["profiles"]
     spent = profile["seconds"]  # every kind of call of the static decode step, the float head included
     assert {"lut_gemv", "build_tables", "attend", "norm_in", "gated_act", "float projection (torch.mm)"} <= set(spent)
     assert all(v > 0 for v in spent.values())
-    assert row["candidate"] == "tmac W2" and row["threads"] == 1 and row["value"] > 0
+    assert row["candidate"] == "tmac W2, float head" and row["threads"] == 1 and row["value"] > 0
     assert row["extra"]["prefill tok/s"] > 0 and 20 < row["extra"]["model MiB"] < 400
     # measured in a process of its own: the model plus torch and the kernels, far below this test process's own
     assert row["extra"]["model MiB"] < row["extra"]["peak RSS MiB"] < 1500

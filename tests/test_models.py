@@ -73,10 +73,19 @@ def test_quantized_llama_error_is_bounded(tmp_path):
     errors = {}
     for bits in (4, 3, 2):
         model = tmac.load_model(tmp_path, bits=bits, group_size=64)
-        assert sum(isinstance(m, tmac.Linear) for m in model.modules()) == 3 * 4  # wqkv, wo, w13, w2 per layer
+        linears = [m for m in model.layers.modules() if isinstance(m, tmac.Linear)]
+        assert len(linears) == 3 * 4 and all(m.format.bits == bits for m in linears)  # wqkv, wo, w13, w2 per layer
+        # the head of a requantized model: 8 bits in Q8_0's layout unless head_bits says otherwise
+        assert (model.output.format.bits, model.output.format.group_size, model.output.format.has_zeros) == (8, 32, False)
         errors[bits] = rel_l2(model.logits(ids).numpy(), ref)
+    float_head = tmac.load_model(tmp_path, bits=4, group_size=64, head_bits="float")
+    assert type(float_head.output) is torch.nn.Linear
+    errors["4, float head"] = rel_l2(float_head.logits(ids).numpy(), ref)
     print("tiny Llama logits rel L2 vs transformers fp32:", {f"W{b}": round(e, 4) for b, e in errors.items()})
     assert errors[4] < 0.3 and errors[4] < errors[3] < errors[2]  # random N(0, 0.02) weights quantize badly
+    assert abs(errors["4, float head"] - errors[4]) < 0.05 * errors[4]  # the 8-bit head adds little to W4's error
+    with pytest.raises(ValueError, match="head_bits must be"):
+        tmac.load_model(tmp_path, bits=2, head_bits="fp16")
 
 
 def test_generation_controls(tmp_path):
@@ -353,6 +362,9 @@ def test_gguf_quantized_types_without_an_exact_import_run_at_8_bits(tmp_path):
     assert model.tok_embeddings.weight.dtype == torch.float16  # F16: exact as the file has it
     err = rel_l2(model.logits(ids).numpy(), ref.numpy())
     print(f"Q5_0/Q5_1 GGUF at 8 bits, logits rel L2 vs transformers on the dequantized file: {err:.5f}")
+    requantized = tmac.load_model(path, bits=4, group_size=32)  # the head stays the file's own (here: 8 bits)
+    assert requantized.layers[0].attention.wqkv.format.bits == 4
+    assert all(torch.equal(getattr(requantized.output, n), getattr(model.output, n)) for n in ("qweight", "scales"))
     # a Q8_0 file of these shapes, imported exactly, is at 1.2 % here: the int8 tables' rounding, which this tiny
     # random model amplifies; requantizing Q5_0/Q5_1 to 8 bits adds little (1.35 %)
     assert err <= 0.02

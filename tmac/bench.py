@@ -196,7 +196,8 @@ def _tmac_candidate(path, bits, head_bits, prompt, gen_tokens) -> _Candidate:
         s = model.last_stats
         return s["prefill_tokens"] / s["prefill_s"], s["generated_tokens"] / s["decode_s"]
 
-    label = "tmac " + ("file's own" if bits is None else f"W{bits}") + (f", head W{head_bits}" if head_bits else "")
+    head = {None: "", "float": ", float head"}.get(head_bits, f", head W{head_bits}")
+    label = "tmac " + ("file's own" if bits is None else f"W{bits}") + head
     model.generate(prompt[:8], max_new_tokens=2, stop_on_eos=False)  # kernels compile here, before the child
     # measures its peak: compiling there would count TVM (a cold cache added 70-150 MiB to every candidate)
     info = {"model MiB": size / 2**20, "x fp16": size / fp16_size,

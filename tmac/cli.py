@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--shape", nargs="+", action="extend", metavar="MxK", help="benchmark GEMV kernels at these shapes")
     b.add_argument("--bits", default=None, help="comma-separated bit widths (default: kernels 1,2,3,4; models: the "
                                                 "file's own quantization and 2)")
-    b.add_argument("--head-bits", type=int, choices=[1, 2, 3, 4, 8], help="with --bits: quantize the output head too")
+    b.add_argument("--head-bits", type=cli_generate.head_bits_arg, help="with --bits: " + cli_generate.HEAD_BITS_HELP)
     b.add_argument("--threads", default="1,2", help="comma-separated thread counts (default 1,2)")
     b.add_argument("--prompt-tokens", type=int, default=64)
     b.add_argument("--gen-tokens", type=int, default=64)

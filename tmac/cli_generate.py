@@ -24,7 +24,7 @@ def add_parsers(sub, common) -> None:
     v.add_argument("--bits", type=int, choices=[1, 2, 3, 4, 8], help="requantize the projections (default: keep "
                                                                      "the file's exact quantization)")
     v.add_argument("--group-size", type=int, choices=[32, 64, 128, 256], help="group size with --bits")
-    v.add_argument("--head-bits", type=int, choices=[1, 2, 3, 4, 8], help="quantize the output head too")
+    v.add_argument("--head-bits", type=head_bits_arg, help=HEAD_BITS_HELP)
     v.add_argument("-o", "--output", required=True, metavar="OUT.tmac")
     v.set_defaults(func=cmd_convert)
 
@@ -34,11 +34,24 @@ def add_parsers(sub, common) -> None:
     c.set_defaults(func=cmd_chat, chat=True)
 
 
+HEAD_BITS_HELP = ("the output head: 1, 2, 3, 4 or 8 bits, or float (default: the file's own; with --bits, 8 bits "
+                  "in Q8_0's layout)")
+
+
+def head_bits_arg(text: str) -> int | str:
+    if text == "float":
+        return text
+    if text in ("1", "2", "3", "4", "8"):
+        return int(text)
+    raise argparse.ArgumentTypeError(f"expected 1, 2, 3, 4, 8 or float, got {text!r}")
+
+
 def _model_args(p) -> None:
     p.add_argument("model", nargs="?", default=None,
                    help="GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct Q4_1)")
     p.add_argument("--bits", type=int, choices=[1, 2, 3, 4], help="requantize the projections to this many bits")
     p.add_argument("--group-size", type=int, choices=[32, 64, 128, 256], help="group size with --bits")
+    p.add_argument("--head-bits", type=head_bits_arg, help=HEAD_BITS_HELP)
     p.add_argument("--threads", "-t", type=int, help="kernel and torch threads (default: physical cores)")
     p.add_argument("--context", type=int, help="context size in tokens (default: the model's, at most 4096)")
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default="float16", help="KV cache dtype (default: float16)")
@@ -69,8 +82,8 @@ def _load(args):
     else:
         torch.set_num_threads(tmac.get_num_threads())
     t0 = time.perf_counter()
-    model = tmac.load_model(args.model, bits=args.bits, group_size=args.group_size, context=args.context,
-                            kv_dtype=args.kv_dtype)
+    model = tmac.load_model(args.model, bits=args.bits, group_size=args.group_size, head_bits=args.head_bits,
+                            context=args.context, kv_dtype=args.kv_dtype)
     if model.tokenizer is None:
         raise ValueError(f"{model.source}: the model has no tokenizer (tokenizer.json), so it cannot take text")
     return model, time.perf_counter() - t0

@@ -166,3 +166,6 @@ FORMATS: dict[str, WeightFormat] = {
 }
 
 GGUF_EXACT = {f.gguf.type_name: f for f in FORMATS.values() if f.gguf is not None}
+# quantize_weight's arguments for Q8_0's layout: what loaders keep near-lossless at 8 bits (the token table and the
+# head of a requantized model, matrices of GGUF types without an exact import)
+Q8_0_LAYOUT = dict(bits=8, group_size=32, symmetric=True)
