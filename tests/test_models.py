@@ -2,6 +2,7 @@
 import json
 import os
 
+import numpy as np
 import pytest
 import torch
 import transformers  # test-only dependency (the dev extra)
@@ -335,19 +336,23 @@ def test_hf_matrices_read_a_row_slice_at_a_time(tmp_path):
         head.tensor()
 
 
-def test_gguf_quantized_types_without_an_exact_import_run_at_8_bits(tmp_path):
-    """Matrices of a quantized GGML type the kernels cannot take as it is (Q5_0 projections, a Q5_1 head here;
-    K-quants in llama.cpp's usual files) come in at 8 bits in Q8_0's layout, not as float32; a float table stays
-    float. Reference: transformers' own GGUF reader (its dequantization and q/k row order) in its Llama."""
+@pytest.mark.parametrize("kind", ["Q5_0", "Q4_K"])
+def test_gguf_quantized_types_import_exactly_or_at_8_bits(tmp_path, kind):
+    """Q4_K (llama.cpp's usual 4-bit type) imports exactly as W4 in groups of 32; matrices of a type the kernels
+    cannot take as it is (Q5_0 projections, a Q5_1 head; K-quants such as llama.cpp's Q6_K heads) come at 8 bits
+    in Q8_0's layout, not as float32; a float table stays float. Reference: transformers' own GGUF reader (its
+    dequantization and q/k row order) in its Llama."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     from models.llama import LlamaConfig
     from models.synthetic import write_random_gguf
 
     path = str(tmp_path / "m.gguf")
-    types = {"output": "Q5_1", "token_embd": "F16"}
+    types = {"output": "Q5_1" if kind == "Q5_0" else kind, "token_embd": "F16"}
     write_random_gguf(path, LlamaConfig(vocab_size=512, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=512,
-                                        context_length=64), lambda name: types.get(name.split(".")[0], "Q5_0"))
+                                        context_length=64), lambda name: types.get(name.split(".")[0], kind))
     cfg = transformers.LlamaConfig(**load_gguf_checkpoint(path)["config"])
     hf = transformers.LlamaForCausalLM(cfg).eval()
     hf.load_state_dict(load_gguf_checkpoint(path, return_tensors=True, model_to_load=hf)["tensors"])
@@ -357,14 +362,28 @@ def test_gguf_quantized_types_without_an_exact_import_run_at_8_bits(tmp_path):
 
     model = tmac.load_model(path, kv_dtype="float32")
     linears = [m for m in model.modules() if isinstance(m, tmac.Linear)]
-    assert len(linears) == 2 * 4 + 1 and all(m.format.bits == 8 and m.format.group_size == 32 for m in linears)
+    want = (8, False) if kind == "Q5_0" else (4, True)  # (bits, zeros)
+    assert len(linears) == 2 * 4 + 1 and all((m.format.bits, m.format.has_zeros, m.format.group_size) == (*want, 32)
+                                             for m in linears)
     assert not any(type(m) is torch.nn.Linear for m in model.modules())
     assert model.tok_embeddings.weight.dtype == torch.float16  # F16: exact as the file has it
     err = rel_l2(model.logits(ids).numpy(), ref.numpy())
-    print(f"Q5_0/Q5_1 GGUF at 8 bits, logits rel L2 vs transformers on the dequantized file: {err:.5f}")
-    requantized = tmac.load_model(path, bits=4, group_size=32)  # the head stays the file's own (here: 8 bits)
-    assert requantized.layers[0].attention.wqkv.format.bits == 4
-    assert all(torch.equal(getattr(requantized.output, n), getattr(model.output, n)) for n in ("qweight", "scales"))
+    print(f"{kind} GGUF, logits rel L2 vs transformers on the dequantized file: {err:.5f}")
     # a Q8_0 file of these shapes, imported exactly, is at 1.2 % here: the int8 tables' rounding, which this tiny
     # random model amplifies; requantizing Q5_0/Q5_1 to 8 bits adds little (1.35 %)
     assert err <= 0.02
+    requantized = tmac.load_model(path, bits=3, group_size=32)  # the head stays the file's own
+    assert requantized.layers[0].attention.wqkv.format.bits == 3
+    assert all(torch.equal(getattr(requantized.output, n), getattr(model.output, n)) for n in ("qweight", "scales"))
+    if kind == "Q4_K":  # a block whose zero float32 cannot hold: that tensor comes at 8 bits, the others exact
+        down = next(t for t in GGUFReader(path).tensors if t.name == "blk.0.ffn_down.weight")
+        with open(path, "r+b") as f:  # the first block's dmin: 4.0, 2^12 times its scales' size
+            f.seek(down.data_offset + 2)
+            f.write(np.float16(4.0).tobytes())
+        planted = tmac.load_model(path)
+        assert {n for n, m in planted.named_modules() if isinstance(m, tmac.Linear) and m.format.bits == 8} == \
+            {"layers.0.feed_forward.w2"}
+        down = next(t for t in GGUFReader(path).tensors if t.name == "blk.0.ffn_down.weight")
+        file_values = dequantize(down.data, down.tensor_type)
+        got = planted.layers[0].feed_forward.w2.dequantized_weight().numpy()
+        assert rel_l2(got, file_values.reshape(got.shape)) < 0.01

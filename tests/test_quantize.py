@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from conftest import rel_l2, smollm2_path
 from tmac import import_gguf, quantize_weight
+from tmac.errors import InexactImport
 
 
 @pytest.mark.parametrize("bits, bound", [(1, 0.62), (2, 0.42), (3, 0.19), (4, 0.09)])
@@ -128,18 +129,21 @@ def test_gguf_q4_1_import_is_exact_on_smollm2():
 
 
 def test_gguf_q4_1_zeros_are_float16_only_where_every_one_is():
-    """Q4_1's zero −(m + 8d) is stored as float16 when, in the whole tensor, it is a float16 value; else float32."""
+    """Q4_1's zero −(m + 8d) is stored as float16 when, in the whole tensor, it is a float16 value; else float32;
+    a zero that is not even a float32 value is no exact import."""
     def q4_1(blocks):  # (d, m) per block, codes 0..15 in order
         return b"".join(np.array([d, m], np.float16).tobytes() + bytes((2 * j) | (2 * j + 1) << 4 for j in range(8))
                         + bytes(8) for d, m in blocks)
 
     exact = import_gguf(q4_1([(0.5, -4.0), (0.25, -1.5)]), "Q4_1", (2, 32))
     assert exact.format.zero_dtype == "float16"
-    inexact = import_gguf(q4_1([(0.5, -4.0), (1000.0, 2.0 ** -14)]), "Q4_1", (2, 32))  # −(8000 + 2^-14)
-    assert inexact.format.zero_dtype == "float32"
-    for qw, params in ((exact, [(0.5, -4.0), (0.25, -1.5)]), (inexact, [(0.5, -4.0), (1000.0, 2.0 ** -14)])):
+    wide = import_gguf(q4_1([(0.5, -4.0), (1000.0, 0.5)]), "Q4_1", (2, 32))  # −8000.5: float32, not float16
+    assert wide.format.zero_dtype == "float32"
+    for qw, params in ((exact, [(0.5, -4.0), (0.25, -1.5)]), (wide, [(0.5, -4.0), (1000.0, 0.5)])):
         ref = dequantize(np.frombuffer(q4_1(params), np.uint8).reshape(2, 20), gguf.GGMLQuantizationType.Q4_1)
         assert _same_bits(qw.dequantize(), ref.reshape(2, 32))
+    with pytest.raises(InexactImport, match="row 1 is not a float32 value"):  # −(8000 + 2^-14)
+        import_gguf(q4_1([(0.5, -4.0), (1000.0, 2.0 ** -14)]), "Q4_1", (2, 32))
 
 
 @pytest.fixture(params=["whole", "row slices"])
@@ -158,6 +162,20 @@ def test_gguf_import_is_exact_on_quantized_blocks(rng, type_name, import_slices)
     blocks = quantize(w, qtype)
     qw = import_gguf(blocks, type_name, w.shape)
     assert _same_bits(qw.dequantize(), dequantize(blocks, qtype))
+
+
+def test_gguf_q4_k_import_is_exact(rng, import_slices):
+    """llama.cpp's 4-bit K-quant: 8 groups of 32 a block, each with its own 6-bit scale and min multipliers."""
+    from tmac.models.synthetic import q4_k_blocks
+
+    blocks = q4_k_blocks(rng, 6, 512)
+    qw = import_gguf(blocks, "Q4_K", (6, 512))
+    assert (qw.format.bits, qw.format.group_size, qw.scales.shape) == (4, 32, (6, 16))
+    assert _same_bits(qw.dequantize(), dequantize(blocks, gguf.GGMLQuantizationType.Q4_K))
+    extreme = blocks.copy()  # a min 2^12 times the scale: dmin·b − 8·d·a needs more than float32's 24 bits
+    extreme[5, 2:4] = np.frombuffer(np.float16(4.0).tobytes(), np.uint8)
+    with pytest.raises(InexactImport, match="row 5"):
+        import_gguf(extreme, "Q4_K", (6, 512))
 
 
 @pytest.mark.parametrize("type_name", ["TQ1_0", "TQ2_0"])

@@ -46,8 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="instruction set (default: this CPU's best, or the common one of --arch)")
     c.add_argument("--bits", type=int, choices=[1, 2, 3, 4, 8],
                    help="weights requantized to this many bits (with --model, default: the kernels the file's own "
-                        "exactly imported tensors need, e.g. Q4_1 layers and a Q8_0 head)")
-    c.add_argument("--group-size", default="128", help=f"one of {GROUP_SIZES}, '{PER_ROW}' or '{PER_TENSOR}'")
+                        "weights load with, e.g. Q4_1 layers and a Q8_0 head; other quantized types at 8 bits)")
+    c.add_argument("--group-size", help=f"one of {GROUP_SIZES}, '{PER_ROW}' or '{PER_TENSOR}' (default: as load_model, "
+                                        "the largest of 128/64/32 dividing K)")
     c.add_argument("--symmetric", action="store_true", help="weights without zeros")
     src = c.add_mutually_exclusive_group(required=True)
     src.add_argument("--shape", nargs="+", action="extend", metavar="MxK", help="weight shapes (out x in features)")
@@ -185,8 +186,9 @@ def resolve_isa(arch: str | None, isa_choice: str | None):
     return isa
 
 
-def model_layers(path: str) -> list[tuple[str, int]]:
-    """(GGML type, K) of the 2-D weight tensors of a GGUF model, distinct: what its linear layers need."""
+def model_layers(path: str) -> tuple[list[tuple[str, int]], tuple[str, int]]:
+    """(GGML type, K) of the 2-D weight tensors of a GGUF model, distinct — what its linear layers need — and of
+    its head."""
     from .models.gguf_file import GGUFFile
 
     if not os.path.isfile(path):
@@ -197,26 +199,32 @@ def model_layers(path: str) -> list[tuple[str, int]]:
               and (t.name != "token_embd.weight" or head == "token_embd.weight")}
     if not layers:
         raise ValueError(f"{path}: no 2-D weight tensors found")
-    return sorted(layers)
+    return sorted(layers), (tensors[head].type_name, tensors[head].shape[1])
 
 
 def kernel_formats(args) -> list[tuple[WeightFormat, int]]:
-    """(format, K) of every kernel ``tmac compile`` is asked for."""
-    from .formats import GGUF_EXACT
+    """(format, K) of every kernel ``tmac compile`` is asked for: what ``load_model`` gives the layers."""
+    from .formats import GGUF_EXACT, GGUF_FLOAT_TYPES, Q8_0_LAYOUT, default_group_size
 
-    if args.bits is None:
+    eight = WeightFormat.rtn(**Q8_0_LAYOUT)
+    layers, head = model_layers(args.model) if args.model else ([], None)
+    if args.bits is None:  # exact imports; other quantized types at 8 bits
         if not args.model:
             raise ValueError("--bits is required with --shape (only --model can default to the file's own formats)")
-        pairs = [(GGUF_EXACT[t], k) for t, k in model_layers(args.model) if t in GGUF_EXACT]
+        pairs = [(GGUF_EXACT.get(t, eight), k) for t, k in layers if t not in GGUF_FLOAT_TYPES]
         if not pairs:
-            raise ValueError(f"{args.model}: no tensor imports exactly (Q4_0/Q4_1/Q8_0/TQ1_0/TQ2_0); give --bits")
-        # ternary rows whose blocks share one scale import per row (ternary triples), zeros that all are float16
-        # values import as float16; which tensors do is in the blocks, not the header, so both kernels are built
-        return pairs + [(fmt.per_row(), k) for fmt, k in pairs if fmt.ternary] + \
-            [(fmt.with_half_zeros(), k) for fmt, k in pairs if fmt.has_zeros and fmt.zero_dtype != "float16"]
-    fmt = WeightFormat.rtn(args.bits, parse_group_size(args.group_size), args.symmetric)
-    ks = {parse_shape(s)[1] for s in args.shape} if args.shape else {k for _, k in model_layers(args.model)}
-    return [(fmt, k) for k in sorted(ks)]
+            raise ValueError(f"{args.model}: every tensor is float; give --bits")
+    else:
+        group = parse_group_size(args.group_size) if args.group_size else None
+        ks = {parse_shape(s)[1] for s in args.shape} if args.shape else {k for _, k in layers}
+        pairs = [(WeightFormat.rtn(args.bits, group or default_group_size(k) or 32, args.symmetric), k)
+                 for k in sorted(ks)]
+        if head is not None:  # the head of a requantized model: the file's own quantization, else 8 bits
+            pairs.append((GGUF_EXACT.get(head[0], eight), head[1]))
+    # ternary rows whose blocks share one scale import per row (ternary triples), zeros that all are float16
+    # values import as float16; which tensors do is in the blocks, not the header, so both kernels are built
+    return pairs + [(fmt.per_row(), k) for fmt, k in pairs if fmt.ternary] + \
+        [(fmt.with_half_zeros(), k) for fmt, k in pairs if fmt.has_zeros and fmt.zero_dtype != "float16"]
 
 
 def cmd_compile(args) -> int:

@@ -7,3 +7,8 @@ class ModelFormatError(ValueError):
 
 class KernelUnavailableError(RuntimeError):
     """No compiled kernel can serve this request on this machine (the message says why)."""
+
+
+class InexactImport(ValueError):
+    """A tensor of an exactly importable GGUF type holds a block whose parameters the format cannot store
+    exactly (a zero that is not a float32 value); loaders take it another way."""

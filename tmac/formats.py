@@ -32,7 +32,8 @@ PARAM_DTYPES = ("float16", "float32")  # storage of scales / zeros
 
 @dataclass(frozen=True)
 class GGUFBlock:
-    """How a llama.cpp block type stores one group: its GGUF type name, weights per block and bytes per block."""
+    """How a llama.cpp block type stores its weights: GGUF type name, weights and bytes per block (a block holds
+    one group of the format, or several: Q4_K's 8)."""
 
     type_name: str
     block_size: int
@@ -133,6 +134,12 @@ def check_bits(bits) -> None:
         raise ValueError(f"bits must be one of {BITS}, got {bits}")
 
 
+def default_group_size(k: int) -> int | None:
+    """The group size a layer of ``k`` inputs is requantized with by default: the largest of 128, 64, 32 dividing
+    it (None: none does)."""
+    return next((g for g in (128, 64, 32) if k % g == 0), None)
+
+
 def check_group_size(group_size) -> None:
     if isinstance(group_size, str):
         if group_size not in (PER_ROW, PER_TENSOR):
@@ -150,6 +157,8 @@ def check_group_size(group_size) -> None:
 #   Q4_1  {f16 d; f16 m; u8 qs[16]}          w = d·q + m
 #   TQ2_0 {u8 qs[64]; f16 d}                 w = d·(q − 1), q ∈ {0,1,2}, 2-bit fields
 #   TQ1_0 {u8 qs[48]; u8 qh[4]; f16 d}       w = d·(q − 1), q ∈ {0,1,2}, base-3 digits packed 5 (qs) / 4 (qh) per byte
+#   Q4_K  {f16 d; f16 dmin; u8 sc[12]; u8 qs[128]}  w = d·a_j·q − dmin·b_j for group j of 32 (8 a block; a_j, b_j:
+#         6 bits, packed in sc); q: low nibbles of 32 bytes (group 2i), then their high nibbles (group 2i + 1)
 FORMATS: dict[str, WeightFormat] = {
     f.name: f
     for f in (
@@ -161,11 +170,14 @@ FORMATS: dict[str, WeightFormat] = {
                      scale_dtype="float16"),
         WeightFormat("tq2_0", 2, 256, has_zeros=False, ternary=True, gguf=GGUFBlock("TQ2_0", 256, 66),
                      scale_dtype="float16"),
+        # scale d·a (a float32 value), zero dmin·b − 8·d·a: imported where every zero is a float32 value
+        WeightFormat("q4_k", 4, 32, has_zeros=True, gguf=GGUFBlock("Q4_K", 256, 144)),
         WeightFormat("bitnet", 2, PER_TENSOR, has_zeros=False, ternary=True),
     )
 }
 
 GGUF_EXACT = {f.gguf.type_name: f for f in FORMATS.values() if f.gguf is not None}
+GGUF_FLOAT_TYPES = ("F32", "F16", "BF16", "F64")  # stored as floats: kept float, not requantized to 8 bits
 # quantize_weight's arguments for Q8_0's layout: what loaders keep near-lossless at 8 bits (the token table and the
 # head of a requantized model, matrices of GGUF types without an exact import)
 Q8_0_LAYOUT = dict(bits=8, group_size=32, symmetric=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .errors import InexactImport
 from .formats import FORMATS, GGUF_EXACT, PER_TENSOR, WeightFormat, check_bits
 from .qweight import QuantizedWeight, all_float16
 
@@ -163,11 +164,12 @@ def _grouped(w: np.ndarray, fmt: WeightFormat) -> np.ndarray:
 # ---- exact GGUF importers ------------------------------------------------------------------------------
 
 def import_gguf(data, type_name: str, shape: tuple[int, int]) -> QuantizedWeight:
-    """Import a GGUF tensor of type Q4_0, Q4_1, TQ1_0 or TQ2_0 without requantizing.
+    """Import a GGUF tensor of type Q8_0, Q4_0, Q4_1, Q4_K, TQ1_0 or TQ2_0 without requantizing.
 
     ``data`` holds the raw blocks (bytes or a uint8 array, as ``gguf.GGUFReader`` gives them); ``shape`` is
     ``(rows, row_length)`` — numpy order, i.e. GGUF's ``ne`` reversed. ``.dequantize()`` of the result equals
-    ``gguf.quants.dequantize`` bit for bit.
+    ``gguf.quants.dequantize`` bit for bit; ``InexactImport`` where it could not (a block's zero that is not a
+    float32 value).
     """
     fmt = GGUF_EXACT.get(type_name)
     if fmt is None:
@@ -185,13 +187,18 @@ def import_gguf(data, type_name: str, shape: tuple[int, int]) -> QuantizedWeight
     blocks = raw.reshape(m, k // blk.block_size, blk.type_size)
     # row slices: the decoders' temporaries (several times the codes) stay small beside a 49152-row head
     rows = max(1, QUANTIZE_CHUNK // k)
-    codes, scales, zeros = np.empty((m, k), np.uint8), np.empty((m, k // blk.block_size), np.float32), None
+    codes, scales, zeros = np.empty((m, k), np.uint8), np.empty((m, k // fmt.group_size), np.float32), None
     for r0 in range(0, m, rows):
         c, d, z = _DECODERS[type_name](blocks[r0:r0 + rows].reshape(-1, blk.type_size))
         codes[r0:r0 + rows], scales[r0:r0 + rows] = c.reshape(-1, k), d.reshape(-1, scales.shape[1])
         if z is not None:
-            zeros = np.empty(scales.shape, z.dtype) if zeros is None else zeros
+            zeros = np.empty(scales.shape, np.float32) if zeros is None else zeros
             zeros[r0:r0 + rows] = z.reshape(-1, scales.shape[1])
+            z = z.reshape(-1, scales.shape[1])  # float64, from the decoders
+            inexact = (zeros[r0:r0 + rows] != z) & np.isfinite(z)
+            if inexact.any():
+                raise InexactImport(f"GGUF {type_name} tensor: the zero of a block in row {r0 + inexact.any(1).argmax()} "
+                                    f"is not a float32 value ({z[inexact][0]!r})")
     bad = ~np.isfinite(scales) | (~np.isfinite(zeros) if zeros is not None else False)
     if bad.any():
         raise ValueError(f"GGUF {type_name} tensor has {int(bad.sum())} blocks with NaN/inf scale or min")
@@ -261,6 +268,25 @@ def _decode_tq1_0(blocks):
     return q + 1, _f16(blocks, 52).astype(np.float32), None
 
 
-_DECODERS = {"Q8_0": _decode_q8_0, "Q4_0": _decode_q4_0, "Q4_1": _decode_q4_1, "TQ2_0": _decode_tq2_0, "TQ1_0": _decode_tq1_0}
+def _decode_q4_k(blocks):
+    a, b = _q4_k_scales(blocks[:, 4:16])
+    s = _f16(blocks, 0).astype(np.float64)[:, None] * a  # exact: 11 × 6 significant bits
+    qs = blocks[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+    # w = s·q − dmin·b = s·(q − 8) − z with z = dmin·b − 8s; exact in float64
+    return (qs & 0x0F).reshape(-1, 256), s.astype(np.float32), _f16(blocks, 2).astype(np.float64)[:, None] * b - 8 * s
+
+
+def _q4_k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 6-bit scale and min multipliers of a Q4_K block's 8 groups from its 12 bytes: bytes 0-3 hold scales
+    0-3 (low 6 bits) and the top 2 bits of scales 4-7, bytes 4-7 the same for the mins, bytes 8-11 the low nibbles
+    of scales 4-7 (low) and mins 4-7 (high)."""
+    lo, hi, mixed = packed[:, 0:4], packed[:, 4:8], packed[:, 8:12]
+    a = np.concatenate([lo & 0x3F, (mixed & 0x0F) | ((lo >> 2) & 0x30)], axis=1)
+    b = np.concatenate([hi & 0x3F, (mixed >> 4) | ((hi >> 2) & 0x30)], axis=1)
+    return a.astype(np.float64), b.astype(np.float64)
+
+
+_DECODERS = {"Q8_0": _decode_q8_0, "Q4_0": _decode_q4_0, "Q4_1": _decode_q4_1, "TQ2_0": _decode_tq2_0,
+             "TQ1_0": _decode_tq1_0, "Q4_K": _decode_q4_k}
 assert set(_DECODERS) == set(GGUF_EXACT), "every exact GGUF format in formats.FORMATS needs a decoder"
 assert all(FORMATS[f.name] is f for f in GGUF_EXACT.values())
