@@ -30,7 +30,7 @@ SHAPES = {
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("shape", choices=sorted(SHAPES))
-    p.add_argument("--type", default="Q4_0", help="GGML type of the projections and head (Q4_0, Q4_1, Q8_0, TQ2_0, "
+    p.add_argument("--type", default="Q4_0", help="GGML type of the projections and head (Q4_0, Q4_1, Q4_K, Q8_0, TQ2_0, "
                                                   "TQ1_0, F16, ...); the embedding follows it unless --embd-type")
     p.add_argument("--embd-type", help="GGML type of the token embedding (default: as --type)")
     p.add_argument("--seed", type=int, default=0)
