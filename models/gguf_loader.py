@@ -1,14 +1,13 @@
 """GGUF files (llama architecture): config, tokenizer and weights, read lazily from the memory-mapped file.
 
 Weights come back as ``QuantizedWeight`` when the caller wants the file's own weights (``exact``): imported
-exactly where the type allows (Q4_0, Q4_1, Q4_K, Q8_0, TQ1_0, TQ2_0), and a matrix of any other quantized type (the
-K-quants, Q5_0 …: llama.cpp's usual heads are Q6_K) at 8 bits in Q8_0's layout — within a fraction of the
+exactly where the type allows (Q4_0, Q4_1, Q4_K, Q8_0, TQ1_0, TQ2_0), and a matrix of any other quantized type
+(Q6_K, Q5_K, Q5_0 …: llama.cpp's usual heads are Q6_K) at 8 bits in Q8_0's layout — within a fraction of the
 type's own rounding, at a quarter of float32's bytes and several times its speed. Otherwise tensors come as
 float32 (F32/F16/BF16 read directly, every other type through ``gguf.quants.dequantize``): matrices as
 ``DequantizedRows``, a row slice at a time, so that requantizing one never holds a float32 copy of it whole (a
-49152-row head: 400 MB). GGUF stores q/k rows interleaved for
-llama.cpp's RoPE; they are permuted back to the Hugging Face "rotate half" order the model uses (a row
-permutation, so exact imports stay exact).
+49152-row head: 400 MB). GGUF stores q/k rows interleaved for llama.cpp's RoPE; they are permuted back to the
+Hugging Face "rotate half" order the model uses (a row permutation, so exact imports stay exact).
 """
 
 from __future__ import annotations
@@ -21,9 +20,8 @@ import torch
 
 from tmac.errors import InexactImport, ModelFormatError
 from tmac.formats import GGUF_EXACT, GGUF_FLOAT_TYPES, Q8_0_LAYOUT
-from tmac.quantize import quantize_weight
+from tmac.quantize import import_gguf, quantize_weight
 from tmac.qweight import QuantizedWeight
-from tmac.quantize import import_gguf
 
 from .gguf_file import GGUFFile
 from .llama import LlamaConfig

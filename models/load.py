@@ -102,8 +102,12 @@ def load_model(source: str | os.PathLike | None = None, *, bits: int | None = No
             bar.advance(f"layer {i}")
         head_name = "tok_embeddings.weight" if cfg.tie_embeddings else "output.weight"
         head = weight(head_name, exact=head_bits is None)
-        requantized = {"bits": head_bits} if isinstance(head_bits, int) else \
-            Q8_0_LAYOUT if head_bits is None and bits is not None and cfg.dim % 32 == 0 else None
+        if isinstance(head_bits, int):
+            requantized = {"bits": head_bits}
+        elif head_bits is None and bits is not None and cfg.dim % 32 == 0:  # a float head of a requantized model
+            requantized = Q8_0_LAYOUT
+        else:
+            requantized = None
         if isinstance(head, QuantizedWeight):  # the file's own quantization (GGUF Q8_0 heads: exact 8-bit)
             model.output = make_linear([head], **{**opts, "bits": None})
         elif requantized is None:

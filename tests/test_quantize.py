@@ -205,6 +205,12 @@ def test_gguf_import_rejects_bad_blocks():
     nan_block = np.frombuffer(np.float16(np.nan).tobytes() + b"\0" * 16, np.uint8)
     with pytest.raises(ValueError, match="NaN/inf"):
         import_gguf(nan_block, "Q4_0", (1, 32))
+    for at in (0, 2):  # Q4_K's d, then its dmin: an error, not an inexact import taken another way
+        q4_k = bytearray(144)
+        q4_k[at:at + 2] = np.float16(np.inf).tobytes()
+        with pytest.raises(ValueError, match="NaN/inf") as e:
+            import_gguf(bytes(q4_k), "Q4_K", (1, 256))
+        assert not isinstance(e.value, InexactImport)
 
 
 @settings(max_examples=60, deadline=None)

@@ -217,6 +217,7 @@ def kernel_formats(args) -> list[tuple[WeightFormat, int]]:
     else:
         group = parse_group_size(args.group_size) if args.group_size else None
         ks = {parse_shape(s)[1] for s in args.shape} if args.shape else {k for _, k in layers}
+        # (where no group size divides K, 32 makes the spec's own check name K)
         pairs = [(WeightFormat.rtn(args.bits, group or default_group_size(k) or 32, args.symmetric), k)
                  for k in sorted(ks)]
         if head is not None:  # the head of a requantized model: the file's own quantization, else 8 bits

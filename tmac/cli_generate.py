@@ -8,6 +8,7 @@ import signal
 import sys
 import time
 
+from .formats import BITS
 from .glue import KV_DTYPES
 from .memory import peak_rss_mib
 
@@ -41,9 +42,9 @@ HEAD_BITS_HELP = ("the output head: 1, 2, 3, 4 or 8 bits, or float (default: the
 def head_bits_arg(text: str) -> int | str:
     if text == "float":
         return text
-    if text in ("1", "2", "3", "4", "8"):
+    if text in map(str, BITS):
         return int(text)
-    raise argparse.ArgumentTypeError(f"expected 1, 2, 3, 4, 8 or float, got {text!r}")
+    raise argparse.ArgumentTypeError(f"expected one of {', '.join(map(str, BITS))} or float, got {text!r}")
 
 
 def _model_args(p) -> None:
