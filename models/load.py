@@ -51,10 +51,10 @@ def load_model(source: str | os.PathLike | None = None, *, bits: int | None = No
     types (Q6_K, Q5_0 …) at 8 bits in Q8_0's layout, float ones load as float ``nn.Linear``. ``bits=1..4``
     requantizes every projection from float with ``group_size`` (default: the largest of 128/64/32 dividing the
     layer's inputs). The output head keeps a quantized file's own weights as the projections do with
-    ``bits=None`` (a Q6_K head, as llama.cpp's files have: 8 bits); a float head stays float, or, when ``bits``
-    requantizes the model, goes to 8 bits in Q8_0's layout (near-lossless; a float32 head would be most of a
-    2-bit model's bytes per token). ``head_bits`` says otherwise: 1-4 or 8 bits as the projections, ``"float"``
-    unquantized (float32). ``context``: KV cache positions (default: the model's, at most 4096); ``kv_dtype``: the
+    ``bits=None`` (a Q6_K head, as llama.cpp's files have: 8 bits); a float head stays float in a float model and
+    goes to 8 bits in Q8_0's layout in a quantized one (requantized, or a BitNet checkpoint's ternary layers beside
+    a bfloat16 head): near-lossless, where a float32 head would be most of a low-bit model's bytes per token.
+    ``head_bits`` says otherwise: 1-4 or 8 bits as the projections, ``"float"`` unquantized (float32). ``context``: KV cache positions (default: the model's, at most 4096); ``kv_dtype``: the
     cache's, ``"float16"`` (as llama.cpp; half the bytes attention reads per token) or ``"float32"``.
     """
     if bits is not None:
@@ -104,8 +104,8 @@ def load_model(source: str | os.PathLike | None = None, *, bits: int | None = No
         head = weight(head_name, exact=head_bits is None)
         if isinstance(head_bits, int):
             requantized = {"bits": head_bits}
-        elif head_bits is None and bits is not None and cfg.dim % 32 == 0:  # a float head of a requantized model
-            requantized = Q8_0_LAYOUT
+        elif head_bits is None and cfg.dim % 32 == 0 and any(isinstance(m, Linear) for m in model.layers.modules()):
+            requantized = Q8_0_LAYOUT  # a float head of a quantized model (requantized, or a file's own quantization)
         else:
             requantized = None
         if isinstance(head, QuantizedWeight):  # the file's own quantization (GGUF Q8_0 heads: exact 8-bit)

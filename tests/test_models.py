@@ -237,8 +237,9 @@ def test_packed_bitnet_matches_transformers_bitlinear(tmp_path):
     with torch.no_grad():
         ref = hf(ids[None]).logits[0]
     model = tmac.load_model(tmp_path)
-    linears = [m for m in model.modules() if isinstance(m, tmac.Linear)]
+    linears = [m for m in model.layers.modules() if isinstance(m, tmac.Linear)]
     assert len(linears) == 2 * 4 and all(m.format.ternary for m in linears)
+    assert model.output.format.bits == 8  # the float head of a quantized model: 8 bits (Q8_0's layout)
     # the imported weights are the reference's: ternary values divided by weight_scale
     w_ref = hf_bitnet.unpack_weights(hf.model.layers[0].mlp.down_proj.weight, torch.float32)
     w_ref = w_ref / hf.model.layers[0].mlp.down_proj.weight_scale
