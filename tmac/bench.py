@@ -178,6 +178,14 @@ class _Candidate:
     close: Callable[[], None] = lambda: None  # ends what ``run`` needs (the peer's process)
 
 
+def _head_label(head) -> str:
+    """How a loaded model's head is stored, for a candidate's label: the 8-bit default shows too."""
+    from .linear import Linear
+
+    inner = getattr(head, "linear", head)  # a ternary head behind its activation quantization
+    return f", head W{inner.format.bits}" if isinstance(inner, Linear) else ", float head"
+
+
 def _tmac_candidate(path, bits, head_bits, prompt, gen_tokens) -> _Candidate:
     import torch
 
@@ -196,7 +204,7 @@ def _tmac_candidate(path, bits, head_bits, prompt, gen_tokens) -> _Candidate:
         s = model.last_stats
         return s["prefill_tokens"] / s["prefill_s"], s["generated_tokens"] / s["decode_s"]
 
-    head = {None: "", "float": ", float head"}.get(head_bits, f", head W{head_bits}")
+    head = _head_label(model.output) if bits is not None or head_bits is not None else ""
     label = "tmac " + ("file's own" if bits is None else f"W{bits}") + head
     model.generate(prompt[:8], max_new_tokens=2, stop_on_eos=False)  # kernels compile here, before the child
     # measures its peak: compiling there would count TVM (a cold cache added 70-150 MiB to every candidate)
