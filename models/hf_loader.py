@@ -147,8 +147,9 @@ class HFModel:
             return self._gptq(prefix)
 
         def matrix_or_tensor(f):  # one opening of the file: a float matrix stays unread, anything else is read
-            shape = tuple(f.get_slice(hf).get_shape())
-            if len(shape) == 2 and f.get_slice(hf).get_dtype() in FLOAT_DTYPES:
+            header = f.get_slice(hf)
+            shape = tuple(header.get_shape())
+            if len(shape) == 2 and header.get_dtype() in FLOAT_DTYPES:
                 return SafetensorsRows(self, hf, shape)
             return f.get_tensor(hf)
 

@@ -54,8 +54,9 @@ def load_model(source: str | os.PathLike | None = None, *, bits: int | None = No
     ``bits=None`` (a Q6_K head, as llama.cpp's files have: 8 bits); a float head stays float in a float model and
     goes to 8 bits in Q8_0's layout in a quantized one (requantized, or a BitNet checkpoint's ternary layers beside
     a bfloat16 head): near-lossless, where a float32 head would be most of a low-bit model's bytes per token.
-    ``head_bits`` says otherwise: 1-4 or 8 bits as the projections, ``"float"`` unquantized (float32). ``context``: KV cache positions (default: the model's, at most 4096); ``kv_dtype``: the
-    cache's, ``"float16"`` (as llama.cpp; half the bytes attention reads per token) or ``"float32"``.
+    ``head_bits`` says otherwise: 1-4 or 8 bits as the projections, ``"float"`` unquantized (float32).
+    ``context``: KV cache positions (default: the model's, at most 4096); ``kv_dtype``: the cache's,
+    ``"float16"`` (as llama.cpp; half the bytes attention reads per token) or ``"float32"``.
     """
     if bits is not None:
         check_bits(bits)
@@ -83,7 +84,12 @@ def load_model(source: str | os.PathLike | None = None, *, bits: int | None = No
     bitnet = src.family == "bitnet"
     model = (BitNetTransformer if bitnet else Transformer).skeleton(cfg)
     weight = _shape_checked(src)
-    model.tok_embeddings = token_embedding(weight("tok_embeddings.weight", True), requantized=bits is not None)
+    table = weight("tok_embeddings.weight", True)
+    model.tok_embeddings = token_embedding(table, requantized=bits is not None)
+    # a tied head of the file's own weights is this table again: at 8 bits its codes are the embedding's own (held
+    # anyway), so the head takes them instead of importing or requantizing the largest tensor a second time
+    tied = table if cfg.tie_embeddings and isinstance(table, QuantizedWeight) and table.format.bits == 8 else None
+    del table
     model.norm.weight = _param(weight("norm.weight"))
     with Progress(f"loading {os.path.basename(path)}", cfg.n_layers + 1, progress) as bar:
         for i, layer in enumerate(model.layers):
@@ -101,22 +107,23 @@ def load_model(source: str | os.PathLike | None = None, *, bits: int | None = No
             release_freed_memory()  # the layer's temporaries
             bar.advance(f"layer {i}")
         head_name = "tok_embeddings.weight" if cfg.tie_embeddings else "output.weight"
-        head = weight(head_name, exact=head_bits is None)
+        head = tied if tied is not None and head_bits is None else weight(head_name, exact=head_bits is None)
+        del tied
         if isinstance(head_bits, int):
-            requantized = {"bits": head_bits}
+            head_format = {"bits": head_bits}
         elif head_bits is None and cfg.dim % 32 == 0 and any(isinstance(m, Linear) for m in model.layers.modules()):
-            requantized = Q8_0_LAYOUT  # a float head of a quantized model (requantized, or a file's own quantization)
+            head_format = Q8_0_LAYOUT  # a float head of a quantized model (requantized, or a file's own quantization)
         else:
-            requantized = None
+            head_format = None
         if isinstance(head, QuantizedWeight):  # the file's own quantization (GGUF Q8_0 heads: exact 8-bit)
             model.output = make_linear([head], **{**opts, "bits": None})
-        elif requantized is None:
+        elif head_format is None:
             model.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False, device="meta")
             model.output.weight = _param(head)
             if cfg.tie_embeddings:  # the float head's table serves the lookups too: one copy, not two
                 model.tok_embeddings = nn.Embedding.from_pretrained(model.output.weight, freeze=True)
         else:
-            model.output = make_linear([head], **{**opts, **requantized})
+            model.output = make_linear([head], **{**opts, **head_format})
         del head  # its codes or floats (100 MB and more at 49152 rows), before the model is gathered
         bar.advance("output head")
     model.tokenizer = src.tokenizer

@@ -192,9 +192,9 @@ def import_gguf(data, type_name: str, shape: tuple[int, int]) -> QuantizedWeight
         c, d, z = _DECODERS[type_name](blocks[r0:r0 + rows].reshape(-1, blk.type_size))
         codes[r0:r0 + rows], scales[r0:r0 + rows] = c.reshape(-1, k), d.reshape(-1, scales.shape[1])
         if z is not None:
-            zeros = np.empty(scales.shape, np.float32) if zeros is None else zeros
-            zeros[r0:r0 + rows] = z.reshape(-1, scales.shape[1])
             z = z.reshape(-1, scales.shape[1])  # float64, from the decoders
+            zeros = np.empty(scales.shape, np.float32) if zeros is None else zeros
+            zeros[r0:r0 + rows] = z
             inexact = (zeros[r0:r0 + rows] != z) & np.isfinite(z)
             if inexact.any():
                 raise InexactImport(f"GGUF {type_name} tensor: the zero of a block in row {r0 + inexact.any(1).argmax()} "
