@@ -3,7 +3,7 @@ the very same GGUF file when the optional `peer` extra is installed:
 
 - SmolLM2-135M-Instruct Q4_1 (imported exactly) and requantized W2 (with the default 8-bit head, and a W4 one);
 - a synthetic Llama-1B-shape model: Q4_0 (exact) and W2 g128 with a W2 head; Q4_K, llama.cpp's usual 4-bit type
-  (exact: 6 bits a weight with its float32 scales and zeros, against the file's 4.5); ternary TQ2_0 (exact, head too);
+  (exact: 4.75 bits a weight, its 6-bit multipliers as bytes, against the file's 4.5); ternary TQ2_0 (exact, head too);
   Q2_K made by llama.cpp's own quantizer with `--pure` semantics, against tmac W2 g128 of the same weights;
 - the BitNet-3B projection shapes rounded to llama.cpp's 256-blocks (3328/8704, 26 layers), ternary TQ2_0;
   and at its real shape (3200/8640, 32 heads of 100) as a packed-ternary Hugging Face directory with a W4 head,

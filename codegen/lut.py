@@ -152,15 +152,24 @@ def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str):
     def negated_where(looked, mask):  # −looked in the lanes whose flag is set (masked vpsubb on AVX-512)
         return tirx.Select(mask, tirx.Broadcast(tirx.IntImm("int8", 0), vl) - looked, looked)
 
-    def param(buf, *index):  # float16 parameters widen in registers (vcvtph2ps, fcvtl)
-        return buf[index] if buf.dtype == f32 else tirx.Cast(f32, buf[index])
+    sg = spec.super_groups
+
+    def param(buf, blk, g, row):  # float16 parameters widen in registers (vcvtph2ps, fcvtl); so do multipliers
+        at = (blk, g // sg, g % sg * bm + row) if sg else (blk, g, row)
+        return buf[at] if buf.dtype == f32 else tirx.Cast(f32, buf[at])
+
+    # K-quants (super scales): −(½s + z)·Σx = (offset − ½)·d·a·Σx − m·b·Σx, so a super group's terms are summed
+    # with the multipliers a, b only, and d, m applied once at its end (per-group d·a and m·b − offset·d·a would
+    # cost the epilogue more than the smaller parameters save)
+    sum_coef = tirx.FloatImm(f32, float(1 << (spec.bits - 1)) - 0.5)
 
     with prim_func(name) as ib:
         mb, np_, n, m = T.int32(), T.int32(), T.int32(), T.int32()
         w_shape, s_shape = packed_shapes(spec, 1)
         W = arg("w", (mb, *w_shape[1:]), "uint8")
-        S = arg("s", (mb, *s_shape[1:]), spec.scale_dtype)
-        Z = arg("z", (mb, *s_shape[1:]), spec.zero_dtype) if spec.has_zeros else None
+        s_dtype, z_dtype = spec.param_dtypes
+        S = arg("s", (mb, *s_shape[1:]), s_dtype)
+        Z = arg("z", (mb, *s_shape[1:]), z_dtype) if spec.has_zeros else None
         lut_shape, ls_shape, xs_shape = spec.table_shapes(np_)
         LUT = arg("lut", lut_shape, "int8")
         LS = arg("ls", ls_shape)
@@ -168,10 +177,14 @@ def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str):
         Y = arg("y", (n, m))
         tw, lookup = (64, isa.lookup64) if spec.quads else (16, isa.lookup)  # quads look into 4 adjacent tables
         tables_flat = T.decl_buffer((np_, lut_shape[1] * 16), "int8", data=LUT.data, align=1)
+        if sg:  # the super scales, read as float32: after each super group's multipliers
+            SF, ZF = (T.decl_buffer((mb, s_shape[1] * s_shape[2] // 4), f32, data=b.data, align=1) for b in (S, Z))
         with T.Assert(tirx.all(n <= np_, np_ % n_tile == 0),
                       f"{name}: the tables must cover every output row in whole tiles of {n_tile}", "ValueError"):
             with T.parallel(0, mb) as blk:
                 out = T.alloc_buffer((n_tile * sb,), f32, scope="global")
+                # K-quants: a super group's Σ a·(terms) and Σ b·Σx, per row of the tile
+                sums = [T.alloc_buffer((n_tile * sb,), f32, scope="global") for _ in range(2 if sg else 0)]
                 racc = T.alloc_buffer((sb,), "int32", scope="global")
                 accs = [T.alloc_buffer((nv * n_tile,), isa.acc_dtype(p), scope="global") for _, p, nv, _, _ in chunks]
                 with T.serial(0, np_ // n_tile) as nt:
@@ -179,7 +192,8 @@ def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str):
                         first = part * sb  # first row of the part in the block
                         with T.vectorized(0, n_tile * sb) as i:
                             T.buffer_store(out, tirx.FloatImm(f32, 0.0), [i])
-                        with T.serial(0, spec.k_padded // lg) as g:
+
+                        def lut_group(g):  # the weights of lut group g: integer sums, then the float epilogue
                             for (_, p, nv, _, _), acc in zip(chunks, accs):
                                 for a in range(nv * n_tile):
                                     T.buffer_store(acc, tirx.Broadcast(tirx.IntImm(isa.acc_dtype(p).split("x")[0], 0),
@@ -220,17 +234,41 @@ def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str):
                                         T.buffer_store(racc, wide, [vec(v * per_vec, per_vec)])
                                 with T.vectorized(0, sb) as i:
                                     at = r * sb + i
-                                    T.buffer_store(out, out[at] + tirx.Cast(f32, racc[i]) * (LS[row, g] * param(S, blk, wgi, first + i)),
-                                                   [at])
+                                    target = sums[0] if sg else out
+                                    T.buffer_store(target, target[at] + tirx.Cast(f32, racc[i]) *
+                                                   (LS[row, g] * param(S, blk, wgi, first + i)), [at])
                                 if spec.triples:  # ternary triples are symmetric: no Σx term
                                     continue
                                 with T.If(g % lut_groups_per_wg == lut_groups_per_wg - 1):
                                     with T.Then():
                                         with T.vectorized(0, sb) as i:
                                             at = r * sb + i
-                                            half_s = tirx.FloatImm(f32, 0.5) * param(S, blk, wgi, first + i)
-                                            coef = half_s + param(Z, blk, wgi, first + i) if Z is not None else half_s
-                                            T.buffer_store(out, out[at] - coef * XS[row, wgi], [at])
+                                            if sg:
+                                                T.buffer_store(sums[0], sums[0][at] + param(S, blk, wgi, first + i) *
+                                                               (sum_coef * XS[row, wgi]), [at])
+                                                T.buffer_store(sums[1], sums[1][at] + param(Z, blk, wgi, first + i) *
+                                                               XS[row, wgi], [at])
+                                            else:
+                                                half_s = tirx.FloatImm(f32, 0.5) * param(S, blk, wgi, first + i)
+                                                coef = half_s + param(Z, blk, wgi, first + i) if Z is not None else half_s
+                                                T.buffer_store(out, out[at] - coef * XS[row, wgi], [at])
+                        if sg:  # K-quants: a super group's lut groups, then its d and m
+                            per = sg * lut_groups_per_wg
+                            with T.serial(0, spec.k_padded // lg // per) as j:
+                                with T.vectorized(0, n_tile * sb) as i:
+                                    for buf in sums:
+                                        T.buffer_store(buf, tirx.FloatImm(f32, 0.0), [i])
+                                with T.serial(0, per) as gi:
+                                    lut_group(j * per + gi)
+                                for r in range(n_tile):
+                                    with T.vectorized(0, sb) as i:
+                                        at = r * sb + i
+                                        base = (j * (sg + 4) + sg) * bm // 4 + first + i
+                                        T.buffer_store(out, out[at] + SF[blk, base] * sums[0][at] -
+                                                       ZF[blk, base] * sums[1][at], [at])
+                        else:
+                            with T.serial(0, spec.k_padded // lg) as g:
+                                lut_group(g)
                         for r in range(n_tile):
                             row = nt * n_tile + r
                             with T.If(row < n):

@@ -184,6 +184,41 @@ def test_raw_kernel_checks_shapes(rng):
                           torch.empty(1, 8))
 
 
+@pytest.mark.parametrize("isa", RUNNABLE)
+def test_k_quant_super_scales(rng, isa):
+    """Q4_K's scales d·a and zeros dmin·b − 8·d·a stream as byte multipliers of one float32 per 8 groups (4.75
+    bits a weight instead of 6): GEMV and GEMM match the reference epilogue, a partial last block, an all-zero
+    super group and a negative dmin included; packing round-trips exactly; parameters that do not factor so get
+    plain float32 storage."""
+    from tmac.models.synthetic import q4_k_blocks
+    from tmac.quantize import import_gguf
+
+    m, k = 200, 512
+    qw = import_gguf(q4_k_blocks(rng, m, k), "Q4_K", (m, k))
+    scales, zeros = qw.scales.copy(), qw.zeros.copy()
+    scales[3, :8], zeros[3, :8] = 0, 0
+    zeros[5] = -(zeros[5] + 8 * scales[5]) - 8 * scales[5]  # dmin·b negated
+    qw = QuantizedWeight(qw.codes, scales, zeros, qw.format)
+    spec = spec_for(qw, ISAS[isa])
+    assert spec.super_groups == 8
+    packed = pack(qw, spec)
+    assert packed.scales.dtype == np.uint8 and packed.scales.nbytes == spec.blocks(m) * spec.block_rows * k * 12 // 256
+    lw = LutWeight(packed)
+    for n in (1, 2, 5):
+        x = rng.standard_normal((n, k)).astype(np.float32)
+        assert rel_l2(lw.matmul(torch.from_numpy(x)).numpy(), ref.lut_matmul(x, qw)) <= 1e-5
+    back = unpack(packed, qw.format)
+    for got, want in ((back.codes, qw.codes), (back.scales, scales), (back.zeros, zeros)):
+        np.testing.assert_array_equal(got, want)
+    odd = QuantizedWeight(qw.codes, rng.uniform(0.01, 0.02, scales.shape).astype(np.float32), zeros, qw.format)
+    assert spec_for(odd, ISAS[isa]).super_groups == 0
+    with pytest.raises(ValueError, match="not multiples of one float32"):
+        pack(odd, spec)
+    plain = LutWeight(pack(odd, spec_for(odd, ISAS[isa])))
+    x = rng.standard_normal((2, k)).astype(np.float32)
+    assert rel_l2(plain.matmul(torch.from_numpy(x)).numpy(), ref.lut_matmul(x, odd)) <= 1e-5
+
+
 @pytest.mark.parametrize("kind", ["w1", "w2", "w3", "ternary"])
 def test_quads_layout_round_trips_and_is_what_low_bit_weights_get(rng, kind):
     """1- to 3-bit weights and triples on an ISA with 64-entry lookups are packed as quads; packing is exactly

@@ -211,6 +211,26 @@ def test_state_packed_for_a_foreign_isa_is_repacked(bits):
             arm(x)
 
 
+def test_k_quant_state_round_trip(tmp_path):
+    """A Q4_K layer's byte multipliers and super scales survive tmac.save/tmac.load, also packed for NEON
+    (repacked here); a state with plain float32 parameters (an older tmac's) loads as such."""
+    from tmac.models.synthetic import q4_k_blocks
+    from tmac.quantize import import_gguf
+
+    qw = import_gguf(q4_k_blocks(np.random.default_rng(0), 96, 512), "Q4_K", (96, 512))
+    local, plain = Linear.from_quantized(qw), Linear.from_quantized(qw, super_groups=0)
+    assert local.spec.super_groups == 8 and plain.spec.super_groups == 0
+    x = torch.randn(3, 512)
+    for src, want in ((local, local), (Linear.from_quantized(qw, isa="neon"), local), (plain, plain)):
+        tmac.save(nn.Sequential(src), tmp_path / "q4k.safetensors")
+        with torch.device("meta"):
+            skeleton = nn.Sequential(nn.Linear(512, 96, bias=False))
+        loaded = tmac.load(tmp_path / "q4k.safetensors", skeleton)[0]
+        assert loaded.spec == want.spec
+        with torch.no_grad():
+            assert torch.equal(loaded(x), want(x))
+
+
 def test_ternary_triples_state_round_trip_and_layout_check():
     """Triples packed for NEON load here (repacked); a state without this tmac's triples layout is refused."""
     torch.manual_seed(0)

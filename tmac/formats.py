@@ -11,7 +11,8 @@ This one convention covers symmetric round-to-nearest (z = 0), asymmetric min/ma
 Scales and zeros are stored as float16 where the format guarantees every value is exactly one (GGUF's ``d``;
 the round-to-nearest quantizers, which round their parameters before choosing codes): at 2 bits and group 128
 that is 2.25 instead of 2.5 bits streamed per weight. Otherwise float32, unless an imported tensor's values all
-are float16 (``with_half_zeros``).
+are float16 (``with_half_zeros``). Q4_K's scales and zeros are multiples of one float32 per 256 weights
+(``super_group``): the kernels stream the multipliers as bytes (``tmac.packing``).
 
 ``FORMATS`` is the table of named formats (what importers produce); ``WeightFormat.rtn`` builds the
 parametric ones the float quantizers produce. Everything else — quantizers, importers, packing, kernels,
@@ -50,6 +51,10 @@ class WeightFormat:
     gguf: GGUFBlock | None = None
     scale_dtype: str = "float32"  # one of PARAM_DTYPES: float16 promises every scale is exactly a float16
     zero_dtype: str = "float32"
+    # llama.cpp's K-quants: in each run of super_group weights, the scales are integer multiples d·a (a ≤ 255) of
+    # one float32 d and the zeros m·b − offset·s of one m (b ≤ 255); kernels then stream a byte per scale and zero
+    # plus 8 bytes a run (Q4_K: 4.75 bits a weight instead of 6). None: plain scales and zeros
+    super_group: int | None = None
 
     def __post_init__(self):
         check_bits(self.bits)
@@ -59,6 +64,10 @@ class WeightFormat:
                              f"{self.scale_dtype!r}/{self.zero_dtype!r}")
         if self.ternary and (self.bits != 2 or self.has_zeros):
             raise ValueError(f"format {self.name}: ternary weights are stored as 2-bit codes without zeros")
+        if self.super_group is not None and not (isinstance(self.group_size, int) and self.has_zeros and
+                                                 self.super_group % self.group_size == 0):
+            raise ValueError(f"format {self.name}: super_group {self.super_group} needs zeros and a multiple of an "
+                             f"int group size (got {self.group_size})")
 
     @property
     def offset(self) -> int:
@@ -86,15 +95,16 @@ class WeightFormat:
     def with_half_zeros(self) -> "WeightFormat":
         """This format with float16 zeros, for a tensor whose zeros all happen to be float16 values (Q4_1's
         −(m + 8d) nearly always is: 5.0 instead of 5.5 bits streamed per weight)."""
-        return dataclasses.replace(self, name=f"{self.name}_zh", gguf=None, zero_dtype="float16")
+        return dataclasses.replace(self, name=f"{self.name}_zh", gguf=None, zero_dtype="float16", super_group=None)
 
     def per_row(self) -> "WeightFormat":
         """This format with one scale per row (fused rows of per-tensor parts; GGUF blocks sharing a scale)."""
-        return dataclasses.replace(self, name=f"{self.name}_rows", group_size=PER_ROW, gguf=None)
+        return dataclasses.replace(self, name=f"{self.name}_rows", group_size=PER_ROW, gguf=None, super_group=None)
 
     def to_dict(self) -> dict:
         return {"name": self.name, "bits": self.bits, "group_size": self.group_size, "has_zeros": self.has_zeros,
-                "ternary": self.ternary, "scale_dtype": self.scale_dtype, "zero_dtype": self.zero_dtype}
+                "ternary": self.ternary, "scale_dtype": self.scale_dtype, "zero_dtype": self.zero_dtype,
+                **({"super_group": self.super_group} if self.super_group is not None else {})}
 
     @staticmethod
     def from_dict(d) -> "WeightFormat":
@@ -102,9 +112,11 @@ class WeightFormat:
         written before parameters could be float16 lack the dtype keys: theirs are float32."""
         keys = {"name", "bits", "group_size", "has_zeros", "ternary"}
         dtypes = {"scale_dtype", "zero_dtype"}
-        if not isinstance(d, dict) or set(d) not in (keys, keys | dtypes):
-            raise ValueError(f"a weight format needs exactly the keys {sorted(keys | dtypes)}, got {d!r:.200}")
-        if not isinstance(d["name"], str) or type(d["has_zeros"]) is not bool or type(d["ternary"]) is not bool:
+        if not isinstance(d, dict) or set(d) not in (keys, keys | dtypes, keys | dtypes | {"super_group"}):
+            raise ValueError(f"a weight format needs exactly the keys {sorted(keys | dtypes)} (and super_group), "
+                             f"got {d!r:.200}")
+        if not isinstance(d["name"], str) or type(d["has_zeros"]) is not bool or type(d["ternary"]) is not bool or \
+                type(d.get("super_group", 0)) is not int:
             raise ValueError(f"malformed weight format {d!r:.200}")
         fmt = WeightFormat(**d)
         named = FORMATS.get(fmt.name)
@@ -171,7 +183,7 @@ FORMATS: dict[str, WeightFormat] = {
         WeightFormat("tq2_0", 2, 256, has_zeros=False, ternary=True, gguf=GGUFBlock("TQ2_0", 256, 66),
                      scale_dtype="float16"),
         # scale d·a (a float32 value), zero dmin·b − 8·d·a: imported where every zero is a float32 value
-        WeightFormat("q4_k", 4, 32, has_zeros=True, gguf=GGUFBlock("Q4_K", 256, 144)),
+        WeightFormat("q4_k", 4, 32, has_zeros=True, gguf=GGUFBlock("Q4_K", 256, 144), super_group=256),
         WeightFormat("bitnet", 2, PER_TENSOR, has_zeros=False, ternary=True),
     )
 }

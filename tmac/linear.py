@@ -115,10 +115,12 @@ class Linear(nn.Module):
         self = cls.__new__(cls)
         nn.Module.__init__(self)
         self.format, self.kernel_dir = fmt, kernel_dir
-        local = spec_for_format(fmt, spec.k, best_isa())  # what this machine runs; loading repacks if it differs
+        # what this machine runs (loading repacks if it differs), with the saved parameter storage: super scales
+        # only where the weight's parameters factored
+        local = spec_for_format(fmt, spec.k, best_isa(), super_groups=spec.super_groups)
         w_shape, s_shape = packed_shapes(local, m)
-        self._set_packed(PackedWeight(local, m, np.zeros(w_shape, np.uint8), np.zeros(s_shape, local.scale_dtype),
-                                      np.zeros(s_shape, local.zero_dtype) if fmt.has_zeros else None),
+        self._set_packed(PackedWeight(local, m, np.zeros(w_shape, np.uint8), np.zeros(s_shape, local.param_dtypes[0]),
+                                      np.zeros(s_shape, local.param_dtypes[1]) if fmt.has_zeros else None),
                          torch.zeros(m) if bias else None)
         return self
 

@@ -77,9 +77,9 @@ def check_packed(spec: KernelSpec, m, weights, scales, zeros, bias) -> None:
     if isinstance(m, bool) or not isinstance(m, int) or m < 1:
         raise ValueError(f"out_features must be a positive int, got {m!r}")
     w_shape, s_shape = packed_shapes(spec, m)
-    expected = [("weights", weights, torch.uint8, w_shape), ("scales", scales, getattr(torch, spec.scale_dtype), s_shape)]
+    expected = [("weights", weights, torch.uint8, w_shape), ("scales", scales, getattr(torch, spec.param_dtypes[0]), s_shape)]
     if spec.has_zeros:
-        expected.append(("zeros", zeros, getattr(torch, spec.zero_dtype), s_shape))
+        expected.append(("zeros", zeros, getattr(torch, spec.param_dtypes[1]), s_shape))
     elif zeros is not None:
         raise ValueError(f"kernel {spec.name} takes no zeros, but zeros were given")
     if bias is not None:

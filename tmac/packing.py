@@ -16,6 +16,15 @@ nibble = the plane bit of activation j of the run). Padded rows are code 0.
     S, Z [MB, K/WG, BM]  float16 or float32, as the spec says (scale, zero of row ``blk·BM + r`` for weight
                          group g; per-row: WG = K)
 
+With ``super_groups`` = SG > 0 (formats with a ``super_group``: llama.cpp's K-quants), scales and zeros are
+integer multiples of one float32 per SG groups of a row, and S and Z hold those, a super group at a time:
+
+    S, Z [MB, K/(WG·SG), (SG + 4)·BM]  uint8
+
+Byte ``[blk, j, i·BM + r]`` (i < SG) is the multiplier a (of S) or b (of Z) of row r's group ``j·SG + i``; bytes
+``SG·BM ..`` of ``[blk, j]`` are float32 ``[BM]``: d (of S) or m (of Z) of super group j of each row. The scale is
+d·a and the zero m·b − offset·d·a, both exact in float32.
+
 Tables are ``LUT [N', K/4, 16]`` int8, their scales ``LS [N', K/LG]`` and activation sums ``XS [N', K/WG]``
 float32, with N' = N rounded up to the kernel's row tile.
 
@@ -91,6 +100,7 @@ class KernelSpec:
     zero_dtype: str = "float32"
     triples: bool = False  # ternary weights three to an index + sign (1.67 bits), instead of 2 bit planes
     quads: bool = False  # a row's 4 bytes look into four tables at once (64-entry lookups): 1-3 bits and triples
+    super_groups: int = 0  # weight groups sharing one float32 of the scales and zeros (K-quants); 0: plain S, Z
 
     def __post_init__(self):
         check_bits(self.bits)
@@ -131,6 +141,10 @@ class KernelSpec:
         if self.n_tile < 1 or self.unroll < 1 or not steps or steps % self.unroll:
             problems.append(f"n_tile={self.n_tile}, unroll={self.unroll}: unroll must divide the "
                             f"{steps} steps of a lut group")
+        if self.super_groups and (self.super_groups < 0 or not self.has_zeros or self.triples or
+                                  k % (g * self.super_groups)):
+            problems.append(f"super_groups={self.super_groups} needs zeros and must divide the K/group_size="
+                            f"{k // g if g > 0 else '?'} groups")
         if self.scale_dtype not in PARAM_DTYPES or self.zero_dtype not in PARAM_DTYPES:
             problems.append(f"scale/zero dtypes must be in {PARAM_DTYPES}, got {self.scale_dtype!r}/{self.zero_dtype!r}")
         if problems:
@@ -140,6 +154,11 @@ class KernelSpec:
 
     def __hash__(self) -> int:
         return self._hash
+
+    @property
+    def param_dtypes(self) -> tuple[str, str]:
+        """Storage dtypes of S and Z: bytes of multipliers and super scales, or the format's floats."""
+        return ("uint8", "uint8") if self.super_groups else (self.scale_dtype, self.zero_dtype)
 
     @property
     def quad_chunks(self) -> tuple[tuple[int, int, int], ...]:
@@ -196,7 +215,7 @@ class KernelSpec:
         z = "z" if self.has_zeros else "s"
         half = ("_sh" if self.scale_dtype == "float16" else "") + \
             ("_zh" if self.has_zeros and self.zero_dtype == "float16" else "") + ("_t3" if self.triples else "") + \
-            ("_q4" if self.quads else "")
+            ("_q4" if self.quads else "") + (f"_ks{self.super_groups}" if self.super_groups else "")
         return (f"lut_{self.isa}_b{self.bits}_k{self.k}_g{self.group_size}_lg{self.lut_group}{z}"
                 f"_bm{self.block_rows}_nt{self.n_tile}_u{self.unroll}{half}")
 
@@ -229,7 +248,8 @@ class KernelSpec:
         return -(-n // self.n_tile) * self.n_tile
 
 
-_LATER_FIELDS = {"scale_dtype": "float32", "zero_dtype": "float32", "triples": False, "quads": False}  # old meaning
+_LATER_FIELDS = {"scale_dtype": "float32", "zero_dtype": "float32", "triples": False, "quads": False,
+                 "super_groups": 0}  # old meaning
 
 
 def default_block_rows(vector_bytes: int, row_bytes: int) -> int:
@@ -238,7 +258,10 @@ def default_block_rows(vector_bytes: int, row_bytes: int) -> int:
 
 
 def spec_for(qw: QuantizedWeight, isa, **tiling) -> KernelSpec:
-    """The kernel spec that serves ``qw`` on ``isa`` (a ``tmac.kernels.Isa``)."""
+    """The kernel spec that serves ``qw`` on ``isa`` (a ``tmac.kernels.Isa``): with super scales where its format
+    has them and its parameters factor (else plain float32 ones)."""
+    if qw.format.super_group is not None and "super_groups" not in tiling and factor_params(qw) is None:
+        tiling["super_groups"] = 0
     return spec_for_format(qw.format, qw.shape[1], isa, **tiling)
 
 
@@ -249,6 +272,9 @@ def spec_for_format(fmt: WeightFormat, k: int, isa, **tiling) -> KernelSpec:
 
     group = k if fmt.group_size in (PER_ROW, PER_TENSOR) else fmt.group_size
     params = dict(scale_dtype=fmt.scale_dtype, zero_dtype=fmt.zero_dtype if fmt.has_zeros else "float32")
+    supers = tiling.pop("super_groups", fmt.super_group // fmt.group_size if fmt.super_group else 0)
+    if supers:
+        params["super_groups"] = supers
     triples = tiling.pop("triples", uses_triples(fmt, k))
     if tiling.pop("quads", isa.wide_lookup and (triples or fmt.bits in (1, 2, 3))):
         params["quads"] = True
@@ -276,8 +302,8 @@ class PackedWeight:
     spec: KernelSpec
     m: int
     weights: np.ndarray  # uint8 [MB, K/8, BM·bits]; triples [MB, Kp/24, 5·BM]; quads [MB, K/4T, 4·chunks·BM]
-    scales: np.ndarray  # spec.scale_dtype [MB, K/WG, BM]
-    zeros: np.ndarray | None  # spec.zero_dtype
+    scales: np.ndarray  # spec.param_dtypes[0] [MB, K/WG, BM] (super scales: [MB, K/(WG·SG), (SG + 4)·BM])
+    zeros: np.ndarray | None  # spec.param_dtypes[1]
 
 
 def pack(qw: QuantizedWeight, spec: KernelSpec) -> PackedWeight:
@@ -299,8 +325,63 @@ def pack(qw: QuantizedWeight, spec: KernelSpec) -> PackedWeight:
         rows = qw.codes[b0 * bm:b1 * bm]
         codes[:rows.shape[0]] = rows
         weights[b0:b1] = (_pack_quads if spec.quads else _pack_triples if spec.triples else _pack_blocks)(codes, spec)
+    if spec.super_groups:
+        factors = factor_params(qw, spec.super_groups)
+        if factors is None:
+            raise ValueError(f"the scales and zeros of this {fmt.name} weight are not multiples of one float32 per "
+                             f"{spec.super_groups} groups, as kernel {spec.name} needs")
+        (a, d), (b, z) = factors
+        return PackedWeight(spec, m, weights, _pack_super(a, d, qw, spec), _pack_super(b, z, qw, spec))
     return PackedWeight(spec, m, weights, _pack_params(qw.scales, qw, spec, spec.scale_dtype),
                         None if qw.zeros is None else _pack_params(qw.zeros, qw, spec, spec.zero_dtype))
+
+
+def factor_params(qw: QuantizedWeight, super_groups: int | None = None):
+    """K-quant parameters as multipliers and super scales: ``((a, d), (b, m))`` with uint8 ``a, b [M, G]`` and
+    float32 ``d, m [M, G/SG]`` such that, in float32, scale = d·a and zero = m·b − offset·scale exactly (the
+    kernels' arithmetic); None where the parameters do not factor so. SG: the format's super group, in groups."""
+    fmt = qw.format
+    sg = super_groups or fmt.super_group // fmt.group_size
+    m, g = qw.scales.shape
+    if qw.zeros is None or g % sg:
+        return None
+    s = qw.scales.astype(np.float64)
+    t = qw.zeros.astype(np.float64) + fmt.offset * s  # m·b, llama.cpp's min
+    scale_f, zero_f = _common_factor(s.reshape(-1, sg)), _common_factor(t.reshape(-1, sg))
+    if scale_f is None or zero_f is None:
+        return None
+    (a, d), (b, mn) = scale_f, zero_f
+    s32 = np.repeat(d, sg, axis=1).reshape(m, g) * a.reshape(m, g).astype(np.float32)
+    z32 = np.repeat(mn, sg, axis=1).reshape(m, g) * b.reshape(m, g).astype(np.float32) - np.float32(fmt.offset) * s32
+    if not (np.array_equal(s32, qw.scales.astype(np.float32)) and np.array_equal(z32, qw.zeros.astype(np.float32))):
+        return None
+    return (a.reshape(m, g), d.reshape(m, g // sg)), (b.reshape(m, g), mn.reshape(m, g // sg))
+
+
+def _common_factor(v: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """``v [R, n]`` (float64) as ``mult [R, n]`` uint8 times ``base [R, 1]`` float32, exactly, with the largest
+    base (the gcd of each row's values); None where no such pair exists."""
+    mant, exp = np.frexp(v)
+    n = (mant * 2.0 ** 53).astype(np.int64)  # v = n·2^(exp − 53) exactly
+    low = n & -n  # strip trailing zero bits: the odd part stays small for products of short mantissas
+    nz = n != 0
+    odd = np.where(nz, n // np.where(nz, low, 1), 0)
+    e = np.where(nz, exp - 53 + np.log2(np.where(nz, low, 1)).astype(np.int64), np.iinfo(np.int64).max)
+    e_min = e.min(axis=1, keepdims=True)
+    e_min = np.where(nz.any(axis=1, keepdims=True), e_min, 0)
+    shift = np.where(nz, e - e_min, 0)
+    if (shift > 38).any() or (np.abs(odd) >= 1 << 24).any():  # the shifted values must fit int64
+        return None
+    big = odd << shift
+    gcd = np.gcd.reduce(np.abs(big), axis=1, keepdims=True)
+    sign = np.where((big < 0).any(axis=1, keepdims=True), -1, 1)
+    mult = big * sign // np.maximum(gcd, 1)
+    if (mult < 0).any() or (mult > 255).any():
+        return None
+    base = np.ldexp((sign * gcd).astype(np.float64), e_min)
+    if not np.array_equal(base.astype(np.float32).astype(np.float64), base):
+        return None
+    return mult.astype(np.uint8), base.astype(np.float32)
 
 
 def _pack_blocks(codes: np.ndarray, spec: KernelSpec) -> np.ndarray:
@@ -395,8 +476,8 @@ def _unpack_quads(w: np.ndarray, spec: KernelSpec) -> np.ndarray:
 
 def packed_shapes(spec: KernelSpec, m: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Shapes of W and of S (= Z) for ``m`` rows."""
-    mb = spec.blocks(m)
-    s_shape = (mb, spec.k // spec.group_size, spec.block_rows)
+    mb, g, sg = spec.blocks(m), spec.k // spec.group_size, spec.super_groups
+    s_shape = (mb, g // sg, (sg + 4) * spec.block_rows) if sg else (mb, g, spec.block_rows)
     if spec.triples:
         return (mb, spec.k_padded // 24, 5 * spec.block_rows), s_shape
     if spec.quads:
@@ -410,8 +491,13 @@ def unpack(packed: PackedWeight, fmt: WeightFormat) -> QuantizedWeight:
     if (fmt.bits, fmt.has_zeros) != (spec.bits, spec.has_zeros) or (spec.triples and not fmt.ternary):
         raise ValueError(f"format {fmt.name} does not match kernel {spec.name}")
     codes = (_unpack_quads if spec.quads else _unpack_triples if spec.triples else _unpack_blocks)(packed.weights, spec)
-    return QuantizedWeight(np.ascontiguousarray(codes[:m]), _unpack_params(packed.scales, m, fmt),
-                           None if packed.zeros is None else _unpack_params(packed.zeros, m, fmt), fmt)
+    if spec.super_groups:
+        scales, zeros = (_unpack_super(packed.scales, None, m, spec, fmt),
+                         _unpack_super(packed.zeros, packed.scales, m, spec, fmt))
+    else:
+        scales = _unpack_params(packed.scales, m, fmt)
+        zeros = None if packed.zeros is None else _unpack_params(packed.zeros, m, fmt)
+    return QuantizedWeight(np.ascontiguousarray(codes[:m]), scales, zeros, fmt)
 
 
 def _unpack_blocks(w: np.ndarray, spec: KernelSpec) -> np.ndarray:
@@ -443,6 +529,30 @@ def _codes_of_nibbles(nib: np.ndarray) -> np.ndarray:
 def _unpack_params(p: np.ndarray, m: int, fmt: WeightFormat) -> np.ndarray:
     rows = p.transpose(0, 2, 1).reshape(-1, p.shape[1])[:m].astype(np.float32)  # [M, K/WG]
     return np.ascontiguousarray(rows[:1, :1] if fmt.group_size == PER_TENSOR else rows)
+
+
+def _pack_super(mult: np.ndarray, base: np.ndarray, qw: QuantizedWeight, spec: KernelSpec) -> np.ndarray:
+    """S or Z of a super-scale spec: per super group, its groups' multipliers ``[SG, BM]``, then its float32 super
+    scales' bytes — one sequential stream, as the kernels read them."""
+    bm, mb, sg = spec.block_rows, spec.blocks(qw.shape[0]), spec.super_groups
+    head = _pack_params(mult, qw, spec, "uint8")  # [MB, G, BM]
+    g = head.shape[1]
+    full = np.zeros((mb * bm, g // sg), np.float32)
+    full[:qw.shape[0]] = base
+    tail = np.ascontiguousarray(full.reshape(mb, bm, -1).transpose(0, 2, 1)).view(np.uint8)  # [MB, G/SG, 4·BM]
+    return np.concatenate([head.reshape(mb, g // sg, sg * bm), tail], axis=2)
+
+
+def _unpack_super(p: np.ndarray, zeros_of: np.ndarray | None, m: int, spec: KernelSpec, fmt: WeightFormat):
+    """Float32 ``[M, G]`` scales (``zeros_of`` None) or zeros (``zeros_of``: the packed S) of a super-scale spec."""
+    bm, sg = spec.block_rows, spec.super_groups
+    mb, supers = p.shape[:2]
+    mult = _unpack_params(np.ascontiguousarray(p[:, :, :sg * bm]).reshape(mb, supers * sg, bm), m, fmt)
+    tail = np.ascontiguousarray(p[:, :, sg * bm:]).view(np.float32)  # [MB, G/SG, BM]
+    base = np.repeat(_unpack_params(tail, m, fmt), sg, axis=1)
+    if zeros_of is None:
+        return base * mult
+    return base * mult - np.float32(fmt.offset) * _unpack_super(zeros_of, None, m, spec, fmt)
 
 
 def _pack_params(p: np.ndarray, qw: QuantizedWeight, spec: KernelSpec, dtype: str) -> np.ndarray:

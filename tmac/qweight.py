@@ -60,15 +60,6 @@ class QuantizedWeight:
             w = w - self.expanded(self.zeros)
         return w.astype(np.float32)
 
-    def nbytes_packed(self) -> int:
-        """Bytes the kernels stream for this weight: codes at ``bits`` per weight plus the parameters."""
-        m, k = self.shape
-        fmt = self.format
-        params = self.scales.size * np.dtype(fmt.scale_dtype).itemsize
-        if self.zeros is not None:
-            params += self.zeros.size * np.dtype(fmt.zero_dtype).itemsize
-        return m * k * fmt.bits // 8 + params
-
 
 def stack_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
     """One weight holding the rows of ``parts`` in order (fused projections). Parts must share bits, zeros,
