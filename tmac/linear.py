@@ -21,7 +21,7 @@ from torch import nn
 from .formats import WeightFormat
 from .kernels import best_isa, isa_by_name
 from .lut_ops import bind_packed, check_packed, lut_linear
-from .packing import (TRIPLES_LAYOUT, KernelSpec, PackedWeight, pack, packed_shapes, spec_for, spec_for_format,
+from .packing import (TRIPLES_LAYOUT, KernelSpec, PackedWeight, pack, pack_for, packed_shapes, spec_for_format,
                       unpack)
 from .qweight import QuantizedWeight
 from .quantize import quantize_weight
@@ -91,7 +91,7 @@ class Linear(nn.Module):
         target = isa_by_name(isa) if isa else best_isa()
         self.format = qw.format
         self.kernel_dir = kernel_dir
-        self._set_packed(pack(qw, spec_for(qw, target, **tiling)), _check_bias(bias, qw.shape[0]))
+        self._set_packed(pack_for(qw, target, **tiling), _check_bias(bias, qw.shape[0]))
 
     def _set_packed(self, packed: PackedWeight, bias: torch.Tensor | None) -> None:
         self.spec = packed.spec

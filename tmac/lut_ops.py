@@ -14,7 +14,7 @@ import torch
 
 from . import runtime
 from .kernels import best_isa, isa_by_name
-from .packing import KernelSpec, PackedWeight, pack, packed_shapes, spec_for
+from .packing import KernelSpec, PackedWeight, pack_for, packed_shapes
 from .qweight import QuantizedWeight
 
 _workspaces = threading.local()
@@ -144,7 +144,7 @@ class LutWeight:
     def from_quantized(cls, qw: QuantizedWeight, isa: str | None = None, kernel_dir: str | None = None,
                        **tiling) -> "LutWeight":
         target = isa_by_name(isa) if isa else best_isa()
-        return cls(pack(qw, spec_for(qw, target, **tiling)), kernel_dir)
+        return cls(pack_for(qw, target, **tiling), kernel_dir)
 
     @property
     def kernels(self) -> runtime.KernelLibrary:

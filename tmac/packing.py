@@ -260,9 +260,24 @@ def default_block_rows(vector_bytes: int, row_bytes: int) -> int:
 def spec_for(qw: QuantizedWeight, isa, **tiling) -> KernelSpec:
     """The kernel spec that serves ``qw`` on ``isa`` (a ``tmac.kernels.Isa``): with super scales where its format
     has them and its parameters factor (else plain float32 ones)."""
-    if qw.format.super_group is not None and "super_groups" not in tiling and factor_params(qw) is None:
-        tiling["super_groups"] = 0
-    return spec_for_format(qw.format, qw.shape[1], isa, **tiling)
+    return _spec_and_factors(qw, isa, tiling)[0]
+
+
+def pack_for(qw: QuantizedWeight, isa, **tiling) -> PackedWeight:
+    """``pack(qw, spec_for(qw, isa, **tiling))``, factoring K-quant parameters once, not twice."""
+    spec, factors = _spec_and_factors(qw, isa, tiling)
+    return pack(qw, spec, factors)
+
+
+def _spec_and_factors(qw: QuantizedWeight, isa, tiling: dict):
+    """The spec for ``qw``, and the factors of its parameters where that spec streams them (else None)."""
+    fmt = qw.format
+    if fmt.super_group is None or tiling.get("super_groups") == 0:
+        return spec_for_format(fmt, qw.shape[1], isa, **tiling), None
+    factors = factor_params(qw, tiling.get("super_groups"))
+    if factors is None:  # plain float32 parameters
+        tiling = {**tiling, "super_groups": 0}
+    return spec_for_format(fmt, qw.shape[1], isa, **tiling), factors
 
 
 def spec_for_format(fmt: WeightFormat, k: int, isa, **tiling) -> KernelSpec:
@@ -306,8 +321,9 @@ class PackedWeight:
     zeros: np.ndarray | None  # spec.param_dtypes[1]
 
 
-def pack(qw: QuantizedWeight, spec: KernelSpec) -> PackedWeight:
-    """Lay ``qw`` out for ``spec``. Deterministic; numpy, vectorized over row slices of ~``PACK_WEIGHTS`` codes."""
+def pack(qw: QuantizedWeight, spec: KernelSpec, factors=None) -> PackedWeight:
+    """Lay ``qw`` out for ``spec``. Deterministic; numpy, vectorized over row slices of ~``PACK_WEIGHTS`` codes.
+    ``factors``: ``factor_params(qw)`` where the caller has it."""
     m, k = qw.shape
     fmt = qw.format
     if (k, fmt.bits, fmt.has_zeros) != (spec.k, spec.bits, spec.has_zeros) or \
@@ -326,7 +342,7 @@ def pack(qw: QuantizedWeight, spec: KernelSpec) -> PackedWeight:
         codes[:rows.shape[0]] = rows
         weights[b0:b1] = (_pack_quads if spec.quads else _pack_triples if spec.triples else _pack_blocks)(codes, spec)
     if spec.super_groups:
-        factors = factor_params(qw, spec.super_groups)
+        factors = factors or factor_params(qw, spec.super_groups)
         if factors is None:
             raise ValueError(f"the scales and zeros of this {fmt.name} weight are not multiples of one float32 per "
                              f"{spec.super_groups} groups, as kernel {spec.name} needs")
@@ -339,46 +355,57 @@ def pack(qw: QuantizedWeight, spec: KernelSpec) -> PackedWeight:
 def factor_params(qw: QuantizedWeight, super_groups: int | None = None):
     """K-quant parameters as multipliers and super scales: ``((a, d), (b, m))`` with uint8 ``a, b [M, G]`` and
     float32 ``d, m [M, G/SG]`` such that, in float32, scale = d·a and zero = m·b − offset·scale exactly (the
-    kernels' arithmetic); None where the parameters do not factor so. SG: the format's super group, in groups."""
+    kernels' arithmetic); None where the parameters do not factor so. SG: the format's super group, in groups.
+    Row slices of ``PACK_WEIGHTS`` parameters keep the int64 temporaries small beside a 49152-row head's."""
     fmt = qw.format
     sg = super_groups or fmt.super_group // fmt.group_size
     m, g = qw.scales.shape
     if qw.zeros is None or g % sg:
         return None
-    s = qw.scales.astype(np.float64)
-    t = qw.zeros.astype(np.float64) + fmt.offset * s  # m·b, llama.cpp's min
-    scale_f, zero_f = _common_factor(s.reshape(-1, sg)), _common_factor(t.reshape(-1, sg))
-    if scale_f is None or zero_f is None:
-        return None
-    (a, d), (b, mn) = scale_f, zero_f
-    s32 = np.repeat(d, sg, axis=1).reshape(m, g) * a.reshape(m, g).astype(np.float32)
-    z32 = np.repeat(mn, sg, axis=1).reshape(m, g) * b.reshape(m, g).astype(np.float32) - np.float32(fmt.offset) * s32
-    if not (np.array_equal(s32, qw.scales.astype(np.float32)) and np.array_equal(z32, qw.zeros.astype(np.float32))):
-        return None
-    return (a.reshape(m, g), d.reshape(m, g // sg)), (b.reshape(m, g), mn.reshape(m, g // sg))
+    a, b = np.empty((m, g), np.uint8), np.empty((m, g), np.uint8)
+    d, mn = np.empty((m, g // sg), np.float32), np.empty((m, g // sg), np.float32)
+    rows = max(1, PACK_WEIGHTS // (8 * g))
+    for r0 in range(0, m, rows):
+        s = qw.scales[r0:r0 + rows].astype(np.float64)
+        z = qw.zeros[r0:r0 + rows].astype(np.float64)
+        n = len(s)
+        t = z + fmt.offset * s  # m·b, llama.cpp's min
+        if not all(np.array_equal(p.astype(np.float32), p) for p in (s, t)):
+            return None
+        factors = _common_factor(s.reshape(-1, sg)), _common_factor(t.reshape(-1, sg))
+        if factors[0] is None or factors[1] is None:
+            return None
+        (a_s, d_s), (b_s, m_s) = ((mult.reshape(n, g), base.reshape(n, g // sg)) for mult, base in factors)
+        s32 = np.repeat(d_s, sg, axis=1) * a_s.astype(np.float32)
+        z32 = np.repeat(m_s, sg, axis=1) * b_s.astype(np.float32) - np.float32(fmt.offset) * s32
+        if not (np.array_equal(s32, s.astype(np.float32)) and np.array_equal(z32, z.astype(np.float32))):
+            return None
+        a[r0:r0 + n], d[r0:r0 + n], b[r0:r0 + n], mn[r0:r0 + n] = a_s, d_s, b_s, m_s
+    return (a, d), (b, mn)
 
 
 def _common_factor(v: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-    """``v [R, n]`` (float64) as ``mult [R, n]`` uint8 times ``base [R, 1]`` float32, exactly, with the largest
+    """``v [R, n]`` (float32) as ``mult [R, n]`` uint8 times ``base [R, 1]`` float32, exactly, with the largest
     base (the gcd of each row's values); None where no such pair exists."""
-    mant, exp = np.frexp(v)
-    n = (mant * 2.0 ** 53).astype(np.int64)  # v = n·2^(exp − 53) exactly
-    low = n & -n  # strip trailing zero bits: the odd part stays small for products of short mantissas
-    nz = n != 0
-    odd = np.where(nz, n // np.where(nz, low, 1), 0)
-    e = np.where(nz, exp - 53 + np.log2(np.where(nz, low, 1)).astype(np.int64), np.iinfo(np.int64).max)
-    e_min = e.min(axis=1, keepdims=True)
-    e_min = np.where(nz.any(axis=1, keepdims=True), e_min, 0)
+    bits = np.ascontiguousarray(v, np.float32).view(np.int32)
+    biased = (bits >> 23) & 0xFF
+    mant = (bits & 0x7FFFFF) | np.where(biased > 0, 1 << 23, 0)  # v = ±mant·2^(e), e = max(biased, 1) − 150
+    e = np.maximum(biased, 1) - 150
+    nz = mant != 0
+    e_min = np.where(nz, e, 1 << 10).min(axis=1, keepdims=True)
     shift = np.where(nz, e - e_min, 0)
-    if (shift > 38).any() or (np.abs(odd) >= 1 << 24).any():  # the shifted values must fit int64
+    if (shift > 38).any():  # the shifted values (24 + 38 bits) must fit int64
         return None
-    big = odd << shift
-    gcd = np.gcd.reduce(np.abs(big), axis=1, keepdims=True)
-    sign = np.where((big < 0).any(axis=1, keepdims=True), -1, 1)
-    mult = big * sign // np.maximum(gcd, 1)
-    if (mult < 0).any() or (mult > 255).any():
+    big = mant.astype(np.int64) << shift
+    gcd = np.maximum(np.gcd.reduce(big, axis=1, keepdims=True), 1)
+    negative = (bits < 0) & nz
+    if (negative.any(axis=1) & (nz & ~negative).any(axis=1)).any():  # one sign a row: unsigned multipliers
         return None
-    base = np.ldexp((sign * gcd).astype(np.float64), e_min)
+    mult = big // gcd
+    if (mult > 255).any():
+        return None
+    base = np.ldexp(np.where(negative.any(axis=1, keepdims=True), -gcd, gcd).astype(np.float64),
+                    np.where(nz.any(axis=1, keepdims=True), e_min, 0))
     if not np.array_equal(base.astype(np.float32).astype(np.float64), base):
         return None
     return mult.astype(np.uint8), base.astype(np.float32)
