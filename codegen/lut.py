@@ -234,9 +234,12 @@ def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str):
                                         T.buffer_store(racc, wide, [vec(v * per_vec, per_vec)])
                                 with T.vectorized(0, sb) as i:
                                     at = r * sb + i
-                                    target = sums[0] if sg else out
-                                    T.buffer_store(target, target[at] + tirx.Cast(f32, racc[i]) *
-                                                   (LS[row, g] * param(S, blk, wgi, first + i)), [at])
+                                    if sg:  # a lut group is a weight group (KernelSpec): a's terms in one
+                                        term = tirx.Cast(f32, racc[i]) * LS[row, g] + sum_coef * XS[row, wgi]
+                                        T.buffer_store(sums[0], sums[0][at] + term * param(S, blk, wgi, first + i), [at])
+                                    else:
+                                        T.buffer_store(out, out[at] + tirx.Cast(f32, racc[i]) *
+                                                       (LS[row, g] * param(S, blk, wgi, first + i)), [at])
                                 if spec.triples:  # ternary triples are symmetric: no Σx term
                                     continue
                                 with T.If(g % lut_groups_per_wg == lut_groups_per_wg - 1):
@@ -244,8 +247,6 @@ def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str):
                                         with T.vectorized(0, sb) as i:
                                             at = r * sb + i
                                             if sg:
-                                                T.buffer_store(sums[0], sums[0][at] + param(S, blk, wgi, first + i) *
-                                                               (sum_coef * XS[row, wgi]), [at])
                                                 T.buffer_store(sums[1], sums[1][at] + param(Z, blk, wgi, first + i) *
                                                                XS[row, wgi], [at])
                                             else:

@@ -141,10 +141,10 @@ class KernelSpec:
         if self.n_tile < 1 or self.unroll < 1 or not steps or steps % self.unroll:
             problems.append(f"n_tile={self.n_tile}, unroll={self.unroll}: unroll must divide the "
                             f"{steps} steps of a lut group")
-        if self.super_groups and (self.super_groups < 0 or not self.has_zeros or self.triples or
+        if self.super_groups and (self.super_groups < 0 or not self.has_zeros or self.triples or lg != g or
                                   k % (g * self.super_groups)):
-            problems.append(f"super_groups={self.super_groups} needs zeros and must divide the K/group_size="
-                            f"{k // g if g > 0 else '?'} groups")
+            problems.append(f"super_groups={self.super_groups} needs zeros, lut_group = group_size and must divide "
+                            f"the K/group_size={k // g if g > 0 else '?'} groups")
         if self.scale_dtype not in PARAM_DTYPES or self.zero_dtype not in PARAM_DTYPES:
             problems.append(f"scale/zero dtypes must be in {PARAM_DTYPES}, got {self.scale_dtype!r}/{self.zero_dtype!r}")
         if problems:
