@@ -18,6 +18,7 @@ from torch import nn
 
 from tmac import runtime
 from tmac.embedding import Embedding
+from tmac.float_linear import FloatLinear
 from tmac.glue import GlueSpec
 from tmac.kernels import isa_by_name
 from tmac.linear import Linear
@@ -58,9 +59,14 @@ def _projection(module: nn.Module, x: torch.Tensor, out: torch.Tensor, tables: d
             params = [_handle(t) for t in (part.qweight, part.scales, part.zeros) if t is not None]
             calls += [(kernels.build_tables, [_handle(x), *lut]), (kernels.lut_gemv, [*params, *lut, _handle(dest)])]
             labels.update({id(kernels.build_tables): "build_tables", id(kernels.lut_gemv): "lut_gemv"})
-        elif type(part) is nn.Linear and part.bias is None and part.weight.dtype == torch.float32:
+        elif type(part) in (nn.Linear, FloatLinear) and part.bias is None and part.weight.dtype == torch.float32:
             calls.append((functools.partial(torch.mm, out=dest), [x, part.weight.detach().t()]))
             labels[id(calls[-1][0])] = "float projection (torch.mm)"
+        elif type(part) is FloatLinear and part.bias is None and part.weight.dtype in (torch.float16, torch.bfloat16):
+            w = part.weight.detach()  # 16-bit: the input rounded to its dtype, the output widened (FloatLinear)
+            x16, y16 = torch.empty(x.shape, dtype=w.dtype), torch.empty(dest.shape, dtype=w.dtype)
+            calls += [(x16.copy_, [x]), (functools.partial(torch.mm, out=y16), [x16, w.t()]), (dest.copy_, [y16])]
+            labels.update({id(fn): "float projection (torch.mm)" for fn, _ in calls[-3:]})
         else:
             raise _Unsupported(f"projection part {type(part).__name__}")
         start += m

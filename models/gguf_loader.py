@@ -4,9 +4,9 @@ Weights come back as ``QuantizedWeight`` when the caller wants the file's own we
 exactly where the type allows (Q4_0, Q4_1, Q4_K, Q8_0, TQ1_0, TQ2_0), and a matrix of any other quantized type
 (Q6_K, Q5_K, Q5_0 …: llama.cpp's usual heads are Q6_K) at 8 bits in Q8_0's layout — within a fraction of the
 type's own rounding, at a quarter of float32's bytes and several times its speed. Otherwise tensors come as
-float32 (F32/F16/BF16 read directly, every other type through ``gguf.quants.dequantize``): matrices as
-``DequantizedRows``, a row slice at a time, so that requantizing one never holds a float32 copy of it whole (a
-49152-row head: 400 MB). GGUF stores q/k rows interleaved for llama.cpp's RoPE; they are permuted back to the
+float32 (F32 read directly, every other type through ``gguf.quants.dequantize``) or F16/BF16 in their own dtype;
+matrices as ``DequantizedRows``: float32 a row slice at a time, so that requantizing one never holds a float32
+copy of it whole (a 49152-row head: 400 MB), or whole in their dtype. GGUF stores q/k rows interleaved for llama.cpp's RoPE; they are permuted back to the
 Hugging Face "rotate half" order the model uses (a row permutation, so exact imports stay exact).
 """
 
@@ -113,7 +113,7 @@ class GGUFModel:
             if matrix and _rope_heads(self.config, name) == 0:
                 return DequantizedRows(self, t)
             with _naming(self.path, t):
-                value = torch.from_numpy(_dequantize(t.data, type_name, shape))
+                value = _as_torch(t.data, type_name, shape)
         self.file.release(t)  # converted: its pages need not stay resident
         return self._unpermute(name, value)
 
@@ -135,7 +135,7 @@ class GGUFModel:
 
 class DequantizedRows:
     """A float matrix of the file, dequantized on demand: ``rows(start, stop)`` (float32 numpy, what
-    ``tmac.quantize_weight`` reads a slice at a time) or ``tensor()`` (all of it, float32 torch)."""
+    ``tmac.quantize_weight`` reads a slice at a time) or ``tensor()`` (all of it, torch)."""
 
     def __init__(self, model: GGUFModel, t):
         self.model, self.tensor_info, self.shape = model, t, tuple(t.shape)
@@ -150,7 +150,12 @@ class DequantizedRows:
         return part
 
     def tensor(self) -> torch.Tensor:
-        return torch.from_numpy(self.rows(0, self.shape[0]))
+        """All of it: float16 and bfloat16 tensors in their own dtype, others dequantized to float32."""
+        t = self.tensor_info
+        with _naming(self.model.path, t):
+            a = _as_torch(t.data, t.type_name, self.shape)
+        self.model.file.release(t)
+        return a
 
 
 @contextlib.contextmanager
@@ -174,6 +179,19 @@ def _gguf_name(name: str) -> str:
         return GLOBAL_TENSORS[name]
     _, i, rest = name.split(".", 2)
     return f"blk.{i}.{LAYER_TENSORS[rest]}"
+
+
+def _as_torch(data: np.ndarray, type_name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor's values as torch: F16 and BF16 in their own dtype (16-bit weights stay 16-bit), others as
+    float32 (``_dequantize``)."""
+    if type_name not in ("F16", "BF16"):
+        return torch.from_numpy(_dequantize(data, type_name, shape))
+    a = torch.from_numpy(data.reshape(-1).view(np.int16).copy()).view(
+        torch.float16 if type_name == "F16" else torch.bfloat16).reshape(shape)  # a copy: the pages stay shared
+    rows = a.reshape(len(a), -1) if a.dim() else a.reshape(1, 1)
+    if not all(torch.isfinite(rows[i:i + DEQUANT_ROWS]).all() for i in range(0, len(rows), DEQUANT_ROWS)):
+        raise ValueError("contains NaN or inf")
+    return a
 
 
 def _dequantize(data: np.ndarray, type_name: str, shape: tuple[int, ...]) -> np.ndarray:

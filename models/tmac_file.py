@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from tmac.errors import ModelFormatError
+from tmac.float_linear import FloatLinear
 from tmac.serialize import load, read_model_info, save
 
 from .bitnet import ActivationQuantized, BitNetTransformer
@@ -72,7 +73,7 @@ def load_model_file(path: str) -> Transformer:
                     layer = ActivationQuantized(inner)
                 elif isinstance(kind, str) and kind.startswith("concat:") and kind[7:].isdigit() \
                         and 1 <= int(kind[7:]) <= MAX_CONCAT:
-                    layer = Concat([nn.Linear(1, 1, bias=False) for _ in range(int(kind[7:]))])
+                    layer = Concat([FloatLinear(1, 1, bias=False) for _ in range(int(kind[7:]))])
                 else:
                     raise ValueError(f"unknown wrapper {kind!r} at {name}")
                 setattr(model.get_submodule(parent), child, layer)

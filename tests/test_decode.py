@@ -151,8 +151,8 @@ def _tiny(tmp_path, bitnet=False):
     hf.eval().save_pretrained(tmp_path)
 
 
-@pytest.mark.parametrize("case", ["llama-w4", "llama-w4-float-head", "llama-w2-head-w4", "bitnet-ternary",
-                                  "llama-ternary"])
+@pytest.mark.parametrize("case", ["llama-w4", "llama-w4-float-head", "llama-w4-float16-head", "llama-w2-head-w4",
+                                  "bitnet-ternary", "llama-ternary"])
 def test_decode_plan_matches_the_eager_model(tmp_path, case):
     _tiny(tmp_path, bitnet=case.startswith("bitnet"))
     if case.endswith("ternary"):
@@ -167,8 +167,11 @@ def test_decode_plan_matches_the_eager_model(tmp_path, case):
         if case == "llama-ternary":
             model.output = _ternary(model.output)
     else:
-        bits, head = {"llama-w4": (4, None), "llama-w4-float-head": (4, "float"), "llama-w2-head-w4": (2, 4)}[case]
+        bits, head = {"llama-w4": (4, None), "llama-w4-float-head": (4, "float"), "llama-w4-float16-head": (4, "float"),
+                      "llama-w2-head-w4": (2, 4)}[case]
         model = tmac.load_model(tmp_path, bits=bits, head_bits=head, group_size=64, context=64)
+        if case == "llama-w4-float16-head":  # as a 16-bit file's head loads: rounded inputs, widened outputs
+            model.output.weight = torch.nn.Parameter(model.output.weight.half(), requires_grad=False)
     prompt = list(range(3, 40))
     with torch.inference_mode():
         model.logits(prompt)

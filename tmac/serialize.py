@@ -18,6 +18,7 @@ from torch import nn
 
 from .errors import ModelFormatError
 from .embedding import Embedding
+from .float_linear import FloatLinear
 from .linear import Linear
 
 FILE_VERSION = 1
@@ -79,7 +80,7 @@ def load(path: str | os.PathLike, model: nn.Module | None = None, *, strict: boo
         except AttributeError:
             continue  # load_state_dict reports the unexpected key
         try:
-            if type(current) is nn.Linear and "spec" in extra:
+            if type(current) in (nn.Linear, FloatLinear) and "spec" in extra:
                 setattr(parent, child, Linear._empty(extra, state.get(prefix + ".qweight" if prefix else "qweight")))
             elif type(current) is nn.Embedding and extra.get("kind") == "embedding":
                 setattr(parent, child, Embedding._empty(extra))

@@ -1,0 +1,40 @@
+"""``FloatLinear``: an ``nn.Linear`` whose weight may stay 16-bit, as a float16/bfloat16 checkpoint stores it."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class FloatLinear(nn.Linear):
+    """``nn.Linear`` with a float32, float16 or bfloat16 weight. A 16-bit weight takes half of float32's bytes and
+    streams in half the time (a decode step reads every weight once); the input is rounded to the weight's dtype,
+    as llama.cpp does for its F16/BF16 tensors, and the output returns in the input's dtype."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if x.dtype == w.dtype:
+            return super().forward(x)
+        return F.linear(x.to(w.dtype), w, None if self.bias is None else self.bias.to(w.dtype)).to(x.dtype)
+
+
+def exact_16bit(t: torch.Tensor) -> torch.Tensor:
+    """A 16-bit ``t`` as it is; any other in float16 where that holds every value exactly (torch multiplies it
+    fastest), else in bfloat16 where that does, else in float32."""
+    if t.dtype in (torch.float16, torch.bfloat16):
+        return t
+    for dtype in (torch.float16, torch.bfloat16):
+        narrow = exactly_in(t, dtype)
+        if narrow is not None:
+            return narrow
+    return t.float()
+
+
+def exactly_in(t: torch.Tensor, dtype: torch.dtype, rows: int = 1024) -> torch.Tensor | None:
+    """``t`` converted to ``dtype`` if every value survives (compared in float32 a slice of rows at a time: no
+    float32 copy of a whole head), else None."""
+    narrow = t.to(dtype)
+    a, b = (x.reshape(len(x), -1) if x.dim() else x.reshape(1, 1) for x in (t, narrow))
+    same = all(torch.equal(b[i:i + rows].float(), a[i:i + rows].float()) for i in range(0, len(a), rows))
+    return narrow if same else None
