@@ -30,21 +30,30 @@ def byte_tokens() -> list[str]:
     return [chars[b] for b in range(256)]
 
 
-def q4_k_blocks(rng: np.random.Generator, rows: int, k: int) -> np.ndarray:
-    """Random Q4_K blocks ``[rows, k/256·144]`` (uint8) of weights about N(0, 0.02)'s size: d·a·q − dmin·b with
-    6-bit a, b from 16 to 63, as llama.cpp's quantizer spreads them over most of their range."""
+def k_quant_blocks(rng: np.random.Generator, rows: int, k: int, type_name: str = "Q4_K") -> np.ndarray:
+    """Random ``type_name`` blocks (Q4_K, Q5_K or Q6_K; gguf-py quantizes none of them) ``[rows, k/256·bytes]``
+    (uint8) of weights about N(0, 0.02)'s size. Q4_K/Q5_K: d·a·q − dmin·b with 6-bit a, b from 16 to 63, as
+    llama.cpp's quantizer spreads them over most of their range; Q6_K: d·sc·(q − 32) with int8 sc of either sign."""
     n = rows * k // 256
-    d = rng.uniform(1e-4, 2e-4, n).astype(np.float16)
+    if type_name == "Q6_K":  # {u8 ql[128]; u8 qh[64]; i8 scales[16]; f16 d}
+        sc = (rng.integers(16, 128, (n, 16)) * rng.choice([-1, 1], (n, 16))).astype(np.int8)
+        d = rng.uniform(1.5e-5, 3e-5, n).astype(np.float16)
+        blocks = [rng.integers(0, 256, (n, 192), dtype=np.uint8), sc.view(np.uint8), d.view(np.uint8).reshape(n, 2)]
+        return np.concatenate(blocks, axis=1).reshape(rows, -1)
+    high = {"Q4_K": 0, "Q5_K": 32}[type_name]  # Q5_K: the fifth bits, 32 bytes before the nibbles
+    scale = 2 ** -(high // 32)  # codes twice as large at 5 bits: weights of the same size
+    d = rng.uniform(1e-4 * scale, 2e-4 * scale, n).astype(np.float16)
     dmin = rng.uniform(5e-4, 1e-3, n).astype(np.float16)
     a, b = (rng.integers(16, 64, (n, 8), dtype=np.uint8) for _ in range(2))
     # bytes 0-3: a0-a3 and the top 2 bits of a4-a7; 4-7: the same for b; 8-11: low nibbles of a4-a7 | b4-b7
     packed = np.concatenate([a[:, :4] | (a[:, 4:] >> 4) << 6, b[:, :4] | (b[:, 4:] >> 4) << 6,
                              (a[:, 4:] & 15) | (b[:, 4:] & 15) << 4], axis=1)
     blocks = [d.view(np.uint8).reshape(n, 2), dmin.view(np.uint8).reshape(n, 2), packed,
-              rng.integers(0, 256, (n, 128), dtype=np.uint8)]
+              rng.integers(0, 256, (n, high + 128), dtype=np.uint8)]
     return np.concatenate(blocks, axis=1).reshape(rows, -1)
 
 
+K_QUANT_TYPES = ("Q4_K", "Q5_K", "Q6_K")
 TERNARY_TYPES = ("TQ1_0", "TQ2_0")
 TERNARY_SCALE = 0.0200042724609375  # a float16 value, so every block's d holds it exactly
 
@@ -90,8 +99,8 @@ def write_random_gguf(path: str, cfg: LlamaConfig, weight_type: str | Callable[[
         qtype = gguf.GGMLQuantizationType[kind]
         if kind in ("F32", "F16"):
             w.add_tensor(name, data.astype(np.float16 if kind == "F16" else np.float32))
-        elif kind == "Q4_K":  # gguf-py has no Q4_K quantizer: random blocks of the same magnitude
-            w.add_tensor(name, q4_k_blocks(rng, *shape), raw_dtype=qtype)
+        elif kind in K_QUANT_TYPES:  # gguf-py has no K-quant quantizer: random blocks of the same magnitude
+            w.add_tensor(name, k_quant_blocks(rng, *shape, kind), raw_dtype=qtype)
         else:
             w.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
         if progress:

@@ -52,10 +52,10 @@ def _write(d, name, a):
 @pytest.mark.parametrize("isa", ["neon_dotprod", "neon"])
 @pytest.mark.parametrize("bits, zeros, params", [(1, True, "float16"), (2, True, "float16"), (3, False, "float16"),
                                                  (4, True, "float32"), (4, False, "float16"),
-                                                 ("ternary triples", False, "float32"), ("Q4_K", True, "super")])
+                                                 ("ternary triples", False, "float32"), ("Q5_K", True, "super")])
 def test_arm64_kernels_under_qemu(harness, tmp_path, rng, isa, bits, zeros, params):
     from tmac.codegen.build import build_library
-    from tmac.models.synthetic import q4_k_blocks
+    from tmac.models.synthetic import k_quant_blocks
     from tmac.quantize import import_gguf
 
     triples = bits == "ternary triples"
@@ -63,8 +63,8 @@ def test_arm64_kernels_under_qemu(harness, tmp_path, rng, isa, bits, zeros, para
     w = rng.standard_normal((m, k)).astype(np.float32)
     if triples:
         qw = quantize_weight(w, ternary=True, group_size="row")
-    elif bits == "Q4_K":  # byte multipliers of float32 super scales
-        qw = import_gguf(q4_k_blocks(rng, m, k), "Q4_K", (m, k))
+    elif bits == "Q5_K":  # 4 + 1 bit planes; byte multipliers of float32 super scales
+        qw = import_gguf(k_quant_blocks(rng, m, k, "Q5_K"), "Q5_K", (m, k))
     else:
         qw = quantize_weight(w, bits=bits, group_size=64, symmetric=not zeros)
         fmt = dataclasses.replace(qw.format, scale_dtype=params, zero_dtype=params)

@@ -17,7 +17,7 @@ FAST = [i for i in RUNNABLE if not i.startswith("generic")]
 
 def _isa_cases(generic_bits=(2, 3)):
     for isa in RUNNABLE:
-        for bits in (1, 2, 3, 4, 8) if isa in FAST else generic_bits:
+        for bits in (1, 2, 3, 4, 5, 8) if isa in FAST else generic_bits:
             yield isa, bits
 
 
@@ -185,19 +185,20 @@ def test_raw_kernel_checks_shapes(rng):
 
 
 @pytest.mark.parametrize("isa", RUNNABLE)
-def test_k_quant_super_scales(rng, isa):
-    """Q4_K's scales d·a and zeros dmin·b − 8·d·a stream as byte multipliers of one float32 per 8 groups (4.75
-    bits a weight instead of 6): GEMV and GEMM match the reference epilogue, a partial last block, an all-zero
-    super group and a negative dmin included; packing round-trips exactly; parameters that do not factor so get
-    plain float32 storage."""
-    from tmac.models.synthetic import q4_k_blocks
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K"])
+def test_k_quant_super_scales(rng, isa, type_name):
+    """K-quants' scales d·a and zeros dmin·b − offset·d·a stream as byte multipliers of one float32 per 8 groups
+    (Q4_K: 4.75 bits a weight instead of 6): GEMV and GEMM match the reference epilogue, a partial last block, an
+    all-zero super group and a negative dmin included; packing round-trips exactly; parameters that do not factor
+    so get plain float32 storage."""
+    from tmac.models.synthetic import k_quant_blocks
     from tmac.quantize import import_gguf
 
     m, k = 200, 512
-    qw = import_gguf(q4_k_blocks(rng, m, k), "Q4_K", (m, k))
-    scales, zeros = qw.scales.copy(), qw.zeros.copy()
+    qw = import_gguf(k_quant_blocks(rng, m, k, type_name), type_name, (m, k))
+    scales, zeros, offset = qw.scales.copy(), qw.zeros.copy(), qw.format.offset
     scales[3, :8], zeros[3, :8] = 0, 0
-    zeros[5] = -(zeros[5] + 8 * scales[5]) - 8 * scales[5]  # dmin·b negated
+    zeros[5] = -(zeros[5] + offset * scales[5]) - offset * scales[5]  # dmin·b negated
     qw = QuantizedWeight(qw.codes, scales, zeros, qw.format)
     spec = spec_for(qw, ISAS[isa])
     assert spec.super_groups == 8

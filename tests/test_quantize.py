@@ -155,7 +155,7 @@ def import_slices(request, monkeypatch):
         monkeypatch.setattr(q, "QUANTIZE_CHUNK", 2 * 512)
 
 
-@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1", "TQ1_0", "TQ2_0"])
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "TQ1_0", "TQ2_0"])
 def test_gguf_import_is_exact_on_quantized_blocks(rng, type_name, import_slices):
     qtype = gguf.GGMLQuantizationType[type_name]
     w = rng.standard_normal((6, 512)).astype(np.float32) * rng.uniform(0.01, 3, (6, 1)).astype(np.float32)
@@ -164,18 +164,20 @@ def test_gguf_import_is_exact_on_quantized_blocks(rng, type_name, import_slices)
     assert _same_bits(qw.dequantize(), dequantize(blocks, qtype))
 
 
-def test_gguf_q4_k_import_is_exact(rng, import_slices):
-    """llama.cpp's 4-bit K-quant: 8 groups of 32 a block, each with its own 6-bit scale and min multipliers."""
-    from tmac.models.synthetic import q4_k_blocks
+@pytest.mark.parametrize("type_name, bits", [("Q4_K", 4), ("Q5_K", 5)])
+def test_gguf_k_quant_import_is_exact(rng, import_slices, type_name, bits):
+    """llama.cpp's 4- and 5-bit K-quants: 8 groups of 32 a block, each with its own 6-bit scale and min
+    multipliers (Q5_K: the fifth bits apart)."""
+    from tmac.models.synthetic import k_quant_blocks
 
-    blocks = q4_k_blocks(rng, 6, 512)
-    qw = import_gguf(blocks, "Q4_K", (6, 512))
-    assert (qw.format.bits, qw.format.group_size, qw.scales.shape) == (4, 32, (6, 16))
-    assert _same_bits(qw.dequantize(), dequantize(blocks, gguf.GGMLQuantizationType.Q4_K))
+    blocks = k_quant_blocks(rng, 6, 512, type_name)
+    qw = import_gguf(blocks, type_name, (6, 512))
+    assert (qw.format.bits, qw.format.group_size, qw.scales.shape) == (bits, 32, (6, 16))
+    assert _same_bits(qw.dequantize(), dequantize(blocks, gguf.GGMLQuantizationType[type_name]))
     extreme = blocks.copy()  # a min 2^12 times the scale: dmin·b − 8·d·a needs more than float32's 24 bits
     extreme[5, 2:4] = np.frombuffer(np.float16(4.0).tobytes(), np.uint8)
     with pytest.raises(InexactImport, match="row 5"):
-        import_gguf(extreme, "Q4_K", (6, 512))
+        import_gguf(extreme, type_name, (6, 512))
 
 
 @pytest.mark.parametrize("type_name", ["TQ1_0", "TQ2_0"])
@@ -239,7 +241,7 @@ def test_bad_input_names_the_argument(case):
     if case == "k_not_divisible":
         w, match = np.ones((4, 48), np.float32), "group_size"
     elif case == "bits_high":
-        kwargs["bits"], match = 5, "bits"
+        kwargs["bits"], match = 6, "bits"
     elif case == "bits_low":
         kwargs["bits"], match = 0, "bits"
     elif case == "three_d":

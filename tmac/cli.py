@@ -11,7 +11,7 @@ import sys
 import time
 
 from . import cli_generate
-from .formats import GROUP_SIZES, PER_ROW, PER_TENSOR, WeightFormat
+from .formats import BITS, GROUP_SIZES, PER_ROW, PER_TENSOR, WeightFormat
 from .kernels import ISA_CHOICES
 
 
@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--arch", choices=["x86_64", "arm64"], default=None, help="target architecture (default: this)")
     c.add_argument("--isa", choices=list(ISA_CHOICES),
                    help="instruction set (default: this CPU's best, or the common one of --arch)")
-    c.add_argument("--bits", type=int, choices=[1, 2, 3, 4, 8],
+    c.add_argument("--bits", type=int, choices=BITS,
                    help="weights requantized to this many bits (with --model, default: the kernels the file's own "
                         "weights load with, e.g. Q4_1 layers and a Q8_0 head; other quantized types at 8 bits)")
     c.add_argument("--group-size", help=f"one of {GROUP_SIZES}, '{PER_ROW}' or '{PER_TENSOR}' (default: as load_model, "

@@ -22,8 +22,8 @@ def add_parsers(sub, common) -> None:
 
     v = sub.add_parser("convert", parents=[common], help="write a pre-packed .tmac model file")
     v.add_argument("model", help="GGUF file or Hugging Face directory")
-    v.add_argument("--bits", type=int, choices=[1, 2, 3, 4, 8], help="requantize the projections (default: keep "
-                                                                     "the file's exact quantization)")
+    v.add_argument("--bits", type=int, choices=BITS,
+                   help="requantize the projections (default: keep the file's exact quantization)")
     v.add_argument("--group-size", type=int, choices=[32, 64, 128, 256], help="group size with --bits")
     v.add_argument("--head-bits", type=head_bits_arg, help=HEAD_BITS_HELP)
     v.add_argument("-o", "--output", required=True, metavar="OUT.tmac")
@@ -50,7 +50,7 @@ def head_bits_arg(text: str) -> int | str:
 def _model_args(p) -> None:
     p.add_argument("model", nargs="?", default=None,
                    help="GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct Q4_1)")
-    p.add_argument("--bits", type=int, choices=[1, 2, 3, 4], help="requantize the projections to this many bits")
+    p.add_argument("--bits", type=int, choices=BITS, help="requantize the projections to this many bits")
     p.add_argument("--group-size", type=int, choices=[32, 64, 128, 256], help="group size with --bits")
     p.add_argument("--head-bits", type=head_bits_arg, help=HEAD_BITS_HELP)
     p.add_argument("--threads", "-t", type=int, help="kernel and torch threads (default: physical cores)")

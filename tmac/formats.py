@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-BITS = (1, 2, 3, 4, 8)  # 8: exact Q8_0 imports (two 4-plane chunks in the kernels)
+BITS = (1, 2, 3, 4, 5, 8)  # 5: exact Q5_0/Q5_1/Q5_K imports (4 + 1 planes); 8: Q8_0 (two 4-plane chunks)
 GROUP_SIZES = (32, 64, 128, 256)
 PER_ROW = "row"
 PER_TENSOR = "tensor"
@@ -169,8 +169,11 @@ def check_group_size(group_size) -> None:
 #   Q4_1  {f16 d; f16 m; u8 qs[16]}          w = d·q + m
 #   TQ2_0 {u8 qs[64]; f16 d}                 w = d·(q − 1), q ∈ {0,1,2}, 2-bit fields
 #   TQ1_0 {u8 qs[48]; u8 qh[4]; f16 d}       w = d·(q − 1), q ∈ {0,1,2}, base-3 digits packed 5 (qs) / 4 (qh) per byte
+#   Q5_0  {f16 d; u8 qh[4]; u8 qs[16]}        w = d·(q − 16)          q: Q4_0's nibble | bit j of qh (LE) << 4
+#   Q5_1  {f16 d; f16 m; u8 qh[4]; u8 qs[16]} w = d·q + m
 #   Q4_K  {f16 d; f16 dmin; u8 sc[12]; u8 qs[128]}  w = d·a_j·q − dmin·b_j for group j of 32 (8 a block; a_j, b_j:
 #         6 bits, packed in sc); q: low nibbles of 32 bytes (group 2i), then their high nibbles (group 2i + 1)
+#   Q5_K  {f16 d; f16 dmin; u8 sc[12]; u8 qh[32]; u8 qs[128]}  as Q4_K, q | bit j of qh[l] << 4 (weight l of group j)
 FORMATS: dict[str, WeightFormat] = {
     f.name: f
     for f in (
@@ -178,12 +181,15 @@ FORMATS: dict[str, WeightFormat] = {
         WeightFormat("q4_0", 4, 32, has_zeros=False, gguf=GGUFBlock("Q4_0", 32, 18), scale_dtype="float16"),
         # the zero −(m + 8d) of two float16s is not a float16 in general
         WeightFormat("q4_1", 4, 32, has_zeros=True, gguf=GGUFBlock("Q4_1", 32, 20), scale_dtype="float16"),
+        WeightFormat("q5_0", 5, 32, has_zeros=False, gguf=GGUFBlock("Q5_0", 32, 22), scale_dtype="float16"),
+        WeightFormat("q5_1", 5, 32, has_zeros=True, gguf=GGUFBlock("Q5_1", 32, 24), scale_dtype="float16"),
         WeightFormat("tq1_0", 2, 256, has_zeros=False, ternary=True, gguf=GGUFBlock("TQ1_0", 256, 54),
                      scale_dtype="float16"),
         WeightFormat("tq2_0", 2, 256, has_zeros=False, ternary=True, gguf=GGUFBlock("TQ2_0", 256, 66),
                      scale_dtype="float16"),
         # scale d·a (a float32 value), zero dmin·b − 8·d·a: imported where every zero is a float32 value
         WeightFormat("q4_k", 4, 32, has_zeros=True, gguf=GGUFBlock("Q4_K", 256, 144), super_group=256),
+        WeightFormat("q5_k", 5, 32, has_zeros=True, gguf=GGUFBlock("Q5_K", 256, 176), super_group=256),
         WeightFormat("bitnet", 2, PER_TENSOR, has_zeros=False, ternary=True),
     )
 }

@@ -75,7 +75,7 @@ from .reference import TRIPLE_LUT_GROUP, default_lut_group, padded_k, plane_nibb
 
 TRIPLES_LAYOUT = 2  # of the packed triple bytes (2: flags as bit masks), stored with saved weights
 PACK_WEIGHTS = 1 << 21  # codes packed at a time: the layout's temporaries, ~15 bytes a code, stay ~30 MiB
-CHUNKS = {1: ((0, 1),), 2: ((0, 2),), 3: ((0, 2), (2, 1)), 4: ((0, 4),), 8: ((0, 4), (4, 4))}  # bits → ((first plane, planes), ...)
+CHUNKS = {1: ((0, 1),), 2: ((0, 2),), 3: ((0, 2), (2, 1)), 4: ((0, 4),), 5: ((0, 4), (4, 1)), 8: ((0, 4), (4, 4))}  # bits → ((first plane, planes), ...)
 QUAD_CHUNKS = {1: ((0, 1, 0),), 2: ((0, 2, 0),), 3: ((0, 2, 0), (0, 2, 4), (2, 1, 0))}  # bits → ((plane, P, table), ...)
 
 

@@ -164,7 +164,7 @@ def _grouped(w: np.ndarray, fmt: WeightFormat) -> np.ndarray:
 # ---- exact GGUF importers ------------------------------------------------------------------------------
 
 def import_gguf(data, type_name: str, shape: tuple[int, int]) -> QuantizedWeight:
-    """Import a GGUF tensor of type Q8_0, Q4_0, Q4_1, Q4_K, TQ1_0 or TQ2_0 without requantizing.
+    """Import a GGUF tensor of type Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, TQ1_0 or TQ2_0 without requantizing.
 
     ``data`` holds the raw blocks (bytes or a uint8 array, as ``gguf.GGUFReader`` gives them); ``shape`` is
     ``(rows, row_length)`` — numpy order, i.e. GGUF's ``ne`` reversed. ``.dequantize()`` of the result equals
@@ -235,8 +235,17 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
     return np.concatenate([qs & 0x0F, qs >> 4], axis=1)
 
 
+def _fifth_bits(qh: np.ndarray) -> np.ndarray:
+    """Bit j of a block's 4 little-endian bytes ``qh`` is the fifth bit of its weight j (Q5_0, Q5_1), as 16."""
+    return (np.unpackbits(qh, axis=1, bitorder="little") << 4).astype(np.uint8)
+
+
 def _decode_q4_0(blocks):
     return _nibbles(blocks[:, 2:]), _f16(blocks, 0).astype(np.float32), None
+
+
+def _decode_q5_0(blocks):
+    return _nibbles(blocks[:, 6:]) | _fifth_bits(blocks[:, 2:6]), _f16(blocks, 0).astype(np.float32), None
 
 
 def _decode_q8_0(blocks):
@@ -244,11 +253,15 @@ def _decode_q8_0(blocks):
     return (blocks[:, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8), _f16(blocks, 0).astype(np.float32), None
 
 
-def _decode_q4_1(blocks):
+def _decode_q4_1(blocks, codes=None, offset=8):
     d = _f16(blocks, 0).astype(np.float64)
     m = _f16(blocks, 2).astype(np.float64)
-    # w = d·q + m = d·(q − 8) − z with z = −(m + 8d); exact in float64 (both are float16 values)
-    return _nibbles(blocks[:, 4:]), d.astype(np.float32), -(m + 8.0 * d)
+    # w = d·q + m = d·(q − offset) − z with z = −(m + offset·d); exact in float64 (both are float16 values)
+    return _nibbles(blocks[:, 4:]) if codes is None else codes, d.astype(np.float32), -(m + offset * d)
+
+
+def _decode_q5_1(blocks):
+    return _decode_q4_1(blocks, _nibbles(blocks[:, 8:]) | _fifth_bits(blocks[:, 4:8]), 16)
 
 
 def _decode_tq2_0(blocks):
@@ -268,12 +281,19 @@ def _decode_tq1_0(blocks):
     return q + 1, _f16(blocks, 52).astype(np.float32), None
 
 
-def _decode_q4_k(blocks):
+def _decode_q4_k(blocks, qh=None):
     a, b = _q4_k_scales(blocks[:, 4:16])
     s = _f16(blocks, 0).astype(np.float64)[:, None] * a  # exact: 11 × 6 significant bits
-    qs = blocks[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
-    # w = s·q − dmin·b = s·(q − 8) − z with z = dmin·b − 8s; exact in float64
-    return (qs & 0x0F).reshape(-1, 256), s.astype(np.float32), _f16(blocks, 2).astype(np.float64)[:, None] * b - 8 * s
+    qs = blocks[:, -128:].reshape(-1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+    q, offset = (qs & 0x0F).reshape(-1, 8, 32), 8
+    if qh is not None:  # Q5_K: bit j of byte l is the fifth bit of weight l of group j
+        q, offset = q | ((qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1) << 4, 16
+    # w = s·q − dmin·b = s·(q − offset) − z with z = dmin·b − offset·s; exact in float64
+    return q.reshape(-1, 256), s.astype(np.float32), _f16(blocks, 2).astype(np.float64)[:, None] * b - offset * s
+
+
+def _decode_q5_k(blocks):
+    return _decode_q4_k(blocks, blocks[:, 16:48])
 
 
 def _q4_k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -286,7 +306,8 @@ def _q4_k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return a.astype(np.float64), b.astype(np.float64)
 
 
-_DECODERS = {"Q8_0": _decode_q8_0, "Q4_0": _decode_q4_0, "Q4_1": _decode_q4_1, "TQ2_0": _decode_tq2_0,
-             "TQ1_0": _decode_tq1_0, "Q4_K": _decode_q4_k}
+_DECODERS = {"Q8_0": _decode_q8_0, "Q4_0": _decode_q4_0, "Q4_1": _decode_q4_1, "Q5_0": _decode_q5_0,
+             "Q5_1": _decode_q5_1, "TQ2_0": _decode_tq2_0, "TQ1_0": _decode_tq1_0, "Q4_K": _decode_q4_k,
+             "Q5_K": _decode_q5_k}
 assert set(_DECODERS) == set(GGUF_EXACT), "every exact GGUF format in formats.FORMATS needs a decoder"
 assert all(FORMATS[f.name] is f for f in GGUF_EXACT.values())
