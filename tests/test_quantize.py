@@ -11,7 +11,7 @@ from tmac import import_gguf, quantize_weight
 from tmac.errors import InexactImport
 
 
-@pytest.mark.parametrize("bits, bound", [(1, 0.62), (2, 0.42), (3, 0.19), (4, 0.09)])
+@pytest.mark.parametrize("bits, bound", [(1, 0.62), (2, 0.42), (3, 0.19), (4, 0.09), (5, 0.045)])
 def test_asymmetric_error_bounds(rng, bits, bound):
     w = rng.standard_normal((64, 512)).astype(np.float32)
     qw = quantize_weight(w, bits=bits, group_size=32)
@@ -22,7 +22,7 @@ def test_asymmetric_error_bounds(rng, bits, bound):
         assert (np.abs(deq - w) <= 0.5 * step * (1 + 1e-5) + 1e-7).all()
 
 
-@pytest.mark.parametrize("bits, bound", [(2, 0.45), (3, 0.2), (4, 0.1)])
+@pytest.mark.parametrize("bits, bound", [(2, 0.45), (3, 0.2), (4, 0.1), (5, 0.05)])
 def test_symmetric_error_bounds(rng, bits, bound):
     w = rng.standard_normal((64, 512)).astype(np.float32)
     qw = quantize_weight(w, bits=bits, group_size=64, symmetric=True)
