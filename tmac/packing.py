@@ -342,12 +342,13 @@ def pack(qw: QuantizedWeight, spec: KernelSpec, factors=None) -> PackedWeight:
         codes[:rows.shape[0]] = rows
         weights[b0:b1] = (_pack_quads if spec.quads else _pack_triples if spec.triples else _pack_blocks)(codes, spec)
     if spec.super_groups:
-        factors = factors or factor_params(qw, spec.super_groups)
+        if factors is None:
+            factors = factor_params(qw, spec.super_groups)
         if factors is None:
             raise ValueError(f"the scales and zeros of this {fmt.name} weight are not multiples of one float32 per "
                              f"{spec.super_groups} groups, as kernel {spec.name} needs")
-        (a, d), (b, z) = factors
-        return PackedWeight(spec, m, weights, _pack_super(a, d, qw, spec), _pack_super(b, z, qw, spec))
+        (a, d), (b, mn) = factors
+        return PackedWeight(spec, m, weights, _pack_super(a, d, qw, spec), _pack_super(b, mn, qw, spec))
     return PackedWeight(spec, m, weights, _pack_params(qw.scales, qw, spec, spec.scale_dtype),
                         None if qw.zeros is None else _pack_params(qw.zeros, qw, spec, spec.zero_dtype))
 
