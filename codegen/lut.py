@@ -253,14 +253,13 @@ def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str):
                                                 half_s = tirx.FloatImm(f32, 0.5) * param(S, blk, wgi, first + i)
                                                 coef = half_s + param(Z, blk, wgi, first + i) if Z is not None else half_s
                                                 T.buffer_store(out, out[at] - coef * XS[row, wgi], [at])
-                        if sg:  # K-quants: a super group's lut groups, then its d and m
-                            per = sg * lut_groups_per_wg
-                            with T.serial(0, spec.k_padded // lg // per) as j:
+                        if sg:  # K-quants: a super group's lut groups (= weight groups), then its d and m
+                            with T.serial(0, k // lg // sg) as j:
                                 with T.vectorized(0, n_tile * sb) as i:
                                     for buf in sums:
                                         T.buffer_store(buf, tirx.FloatImm(f32, 0.0), [i])
-                                with T.serial(0, per) as gi:
-                                    lut_group(j * per + gi)
+                                with T.serial(0, sg) as gi:
+                                    lut_group(j * sg + gi)
                                 for r in range(n_tile):
                                     with T.vectorized(0, sb) as i:
                                         at = r * sb + i
