@@ -220,7 +220,7 @@ def test_k_quant_super_scales(rng, isa, type_name):
     assert rel_l2(plain.matmul(torch.from_numpy(x)).numpy(), ref.lut_matmul(x, odd)) <= 1e-5
 
 
-@pytest.mark.parametrize("kind", ["w1", "w2", "w3", "ternary"])
+@pytest.mark.parametrize("kind", ["w1", "w2", "w3", "w5", "ternary"])
 def test_quads_layout_round_trips_and_is_what_low_bit_weights_get(rng, kind):
     """1- to 3-bit weights and triples on an ISA with 64-entry lookups are packed as quads; packing is exactly
     invertible, rows past M included (a partial last block); 4 bits and other ISAs keep the bit-plane layout."""
@@ -233,7 +233,7 @@ def test_quads_layout_round_trips_and_is_what_low_bit_weights_get(rng, kind):
     assert spec.quads and spec.triples == ternary and spec.block_rows == (64 if kind in ("w3", "ternary") else 128)
     packed = pack(qw, spec)
     steps = ref.padded_k(k) // 24 if ternary else k // 16 if kind == "w2" else k // 32
-    row_bytes = {"w1": 4, "w2": 4, "w3": 12, "ternary": 5}[kind]  # per step
+    row_bytes = {"w1": 4, "w2": 4, "w3": 12, "w5": 20, "ternary": 5}[kind]  # per step
     assert packed.weights.shape == (-(-m // spec.block_rows), steps, row_bytes * spec.block_rows)
 
     def nib(plane, t):  # the plane's index into table t of row 1: bit j is that bit of code 4t + j

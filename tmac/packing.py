@@ -48,11 +48,12 @@ serves four tables and one ``vpdpbusd`` sums a row's four bytes (weighted 2^(o +
 with no interleaving, every chunk into the same accumulator. A step covers T tables: 8 (32 activations; 24 for
 triples), or 4 (16 activations) at 2 bits, whose one chunk holds both planes of 4 tables. At 1 bit and for
 triples the one chunk is plane 0 of 8 tables; at 3 bits planes 0-1 of tables 0-3, planes 0-1 of tables 4-7, then
-plane 2 of all 8:
+plane 2 of all 8; at 5 bits the same for planes 0-1 and 2-3, then plane 4 of all 8:
 
     W [MB, K/32, 4·BM]  uint8           (1 bit)
     W [MB, K/16, 4·BM]  uint8           (2 bits)
     W [MB, K/32, 12·BM] uint8           (3 bits)
+    W [MB, K/32, 20·BM] uint8           (5 bits)
     W [MB, Kp/24, 5·BM] uint8           (triples)
 
 Chunk c occupies bytes ``[4·BM·c, 4·BM·(c+1))`` of a ``[blk, step]`` row. Its byte ``4i + p`` of vector v (VL/4
@@ -76,7 +77,8 @@ from .reference import TRIPLE_LUT_GROUP, default_lut_group, padded_k, plane_nibb
 TRIPLES_LAYOUT = 2  # of the packed triple bytes (2: flags as bit masks), stored with saved weights
 PACK_WEIGHTS = 1 << 21  # codes packed at a time: the layout's temporaries, ~15 bytes a code, stay ~30 MiB
 CHUNKS = {1: ((0, 1),), 2: ((0, 2),), 3: ((0, 2), (2, 1)), 4: ((0, 4),), 5: ((0, 4), (4, 1)), 8: ((0, 4), (4, 4))}  # bits → ((first plane, planes), ...)
-QUAD_CHUNKS = {1: ((0, 1, 0),), 2: ((0, 2, 0),), 3: ((0, 2, 0), (0, 2, 4), (2, 1, 0))}  # bits → ((plane, P, table), ...)
+QUAD_CHUNKS = {1: ((0, 1, 0),), 2: ((0, 2, 0),), 3: ((0, 2, 0), (0, 2, 4), (2, 1, 0)),
+               5: ((0, 2, 0), (0, 2, 4), (2, 2, 0), (2, 2, 4), (4, 1, 0))}  # bits → ((plane, P, table), ...)
 
 
 @dataclass(frozen=True)
@@ -99,7 +101,7 @@ class KernelSpec:
     scale_dtype: str = "float32"  # storage of S and Z: the format's (tmac.formats.PARAM_DTYPES)
     zero_dtype: str = "float32"
     triples: bool = False  # ternary weights three to an index + sign (1.67 bits), instead of 2 bit planes
-    quads: bool = False  # a row's 4 bytes look into four tables at once (64-entry lookups): 1-3 bits and triples
+    quads: bool = False  # a row's 4 bytes look into four tables at once (64-entry lookups): 1-3, 5 bits, triples
     super_groups: int = 0  # weight groups sharing one float32 of the scales and zeros (K-quants); 0: plain S, Z
 
     def __post_init__(self):
@@ -108,10 +110,11 @@ class KernelSpec:
             # blocks of 4 weight vectors a step (W4, 1- and 2-bit quads) on 64-byte vectors take 8, not 4 (cold on
             # an AMD EPYC, 11008x4096 W1 248 vs 277 us; W2 3200x8640 327 vs 362, 4096x4096 194 vs 203; W4
             # 4096x11008 976 vs 1233, 8640x3200 608 vs 734; the GEMM runs such a block in two parts of rows, at
-            # par); triples (5 vectors) lose: 428 vs 408, 3-bit quads (12) 268 vs 286 at 4096x4096
+            # par); triples (5 vectors) lose: 428 vs 408, 3-bit quads (12) 268 vs 286 at 4096x4096; 5-bit quads (20)
+            # gain: 4096x4096 Q5_K 382 vs 490 us, the 64-row GEMM at par
             rows = default_block_rows(self.vector_bytes, self.row_bytes)
-            wider = 2 if self.vector_bytes == 64 and self.row_bytes == 4 and self.step_vectors(rows) == 4 \
-                and not self.triples else 1
+            wider = 2 if self.vector_bytes == 64 and self.row_bytes == 4 and not self.triples and \
+                (self.step_vectors(rows) == 4 or self.quads and self.bits == 5) else 1
             object.__setattr__(self, "block_rows", wider * rows)
         steps = self.steps_per_lut_group
         if self.unroll == 0 and steps:
@@ -132,8 +135,8 @@ class KernelSpec:
                                 f"lut_group {TRIPLE_LUT_GROUP}")
         elif lg not in (32, 64, 128, 256) or k % lg or g % lg:
             problems.append(f"lut_group={lg} must be 32/64/128/256 and divide K={k} and the group size {g}")
-        if self.quads and (vl != 64 or not (self.triples or self.bits in (1, 2, 3))):
-            problems.append("quads need 1-, 2- or 3-bit weights or triples and 64-byte vectors")
+        if self.quads and (vl != 64 or not (self.triples or self.bits in QUAD_CHUNKS)):
+            problems.append(f"quads need {sorted(QUAD_CHUNKS)}-bit weights or triples and 64-byte vectors")
         if vl not in (16, 32, 64):
             problems.append(f"vector_bytes={vl} must be 16, 32 or 64")
         elif bm <= 0 or bm % vl:
@@ -291,7 +294,7 @@ def spec_for_format(fmt: WeightFormat, k: int, isa, **tiling) -> KernelSpec:
     if supers:
         params["super_groups"] = supers
     triples = tiling.pop("triples", uses_triples(fmt, k))
-    if tiling.pop("quads", isa.wide_lookup and (triples or fmt.bits in (1, 2, 3))):
+    if tiling.pop("quads", isa.wide_lookup and (triples or fmt.bits in QUAD_CHUNKS)):
         params["quads"] = True
     if triples:  # 1.67 instead of 2 bits streamed per weight
         if not tiling:
