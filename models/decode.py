@@ -18,7 +18,7 @@ from torch import nn
 
 from tmac import runtime
 from tmac.embedding import Embedding
-from tmac.float_linear import FloatLinear
+from tmac.float_linear import FLOAT_LINEARS, FloatLinear
 from tmac.glue import GlueSpec
 from tmac.kernels import isa_by_name
 from tmac.linear import Linear
@@ -59,7 +59,7 @@ def _projection(module: nn.Module, x: torch.Tensor, out: torch.Tensor, tables: d
             params = [_handle(t) for t in (part.qweight, part.scales, part.zeros) if t is not None]
             calls += [(kernels.build_tables, [_handle(x), *lut]), (kernels.lut_gemv, [*params, *lut, _handle(dest)])]
             labels.update({id(kernels.build_tables): "build_tables", id(kernels.lut_gemv): "lut_gemv"})
-        elif type(part) in (nn.Linear, FloatLinear) and part.bias is None and part.weight.dtype == torch.float32:
+        elif type(part) in FLOAT_LINEARS and part.bias is None and part.weight.dtype == torch.float32:
             calls.append((functools.partial(torch.mm, out=dest), [x, part.weight.detach().t()]))
             labels[id(calls[-1][0])] = "float projection (torch.mm)"
         elif type(part) is FloatLinear and part.bias is None and part.weight.dtype in (torch.float16, torch.bfloat16):

@@ -19,6 +19,9 @@ class FloatLinear(nn.Linear):
         return F.linear(x.to(w.dtype), w, None if self.bias is None else self.bias.to(w.dtype)).to(x.dtype)
 
 
+FLOAT_LINEARS = (nn.Linear, FloatLinear)  # the float projection types: quantize_model and tmac.load replace them
+
+
 def exact_16bit(t: torch.Tensor) -> torch.Tensor:
     """A 16-bit ``t`` as it is; any other in float16 where that holds every value exactly (torch multiplies it
     fastest), else in bfloat16 where that does, else in float32."""

@@ -18,7 +18,7 @@ from torch import nn
 
 from .errors import ModelFormatError
 from .embedding import Embedding
-from .float_linear import FloatLinear
+from .float_linear import FLOAT_LINEARS
 from .linear import Linear
 
 FILE_VERSION = 1
@@ -80,7 +80,7 @@ def load(path: str | os.PathLike, model: nn.Module | None = None, *, strict: boo
         except AttributeError:
             continue  # load_state_dict reports the unexpected key
         try:
-            if type(current) in (nn.Linear, FloatLinear) and "spec" in extra:
+            if type(current) in FLOAT_LINEARS and "spec" in extra:
                 setattr(parent, child, Linear._empty(extra, state.get(prefix + ".qweight" if prefix else "qweight")))
             elif type(current) is nn.Embedding and extra.get("kind") == "embedding":
                 setattr(parent, child, Embedding._empty(extra))

@@ -8,7 +8,7 @@ from typing import Callable, Iterable
 
 from torch import nn
 
-from .float_linear import FloatLinear
+from .float_linear import FLOAT_LINEARS
 from .formats import PER_ROW, PER_TENSOR, check_bits, check_group_size
 from .linear import Linear
 from .memory import gather_packed
@@ -36,7 +36,7 @@ def quantize_model(model: nn.Module, bits: int = 2, group_size: int | str = 128,
     skipped = _skip_predicate(skip)
     targets, ineligible = [], []
     for name, module in model.named_modules():
-        if type(module) not in (nn.Linear, FloatLinear) or skipped(name, module):
+        if type(module) not in FLOAT_LINEARS or skipped(name, module):
             continue
         k = module.in_features
         if k % 32 or group_size not in (PER_ROW, PER_TENSOR) and k % group_size:
