@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from tmac.errors import InexactImport, ModelFormatError
+from tmac.float_linear import all_finite
 from tmac.formats import GGUF_EXACT, GGUF_FLOAT_TYPES, Q8_0_LAYOUT
 from tmac.quantize import import_gguf, quantize_weight
 from tmac.qweight import QuantizedWeight
@@ -189,8 +190,7 @@ def _as_torch(data: np.ndarray, type_name: str, shape: tuple[int, ...]) -> torch
         return torch.from_numpy(_dequantize(data, type_name, shape))
     a = torch.from_numpy(data.reshape(-1).view(np.int16).copy()).view(
         torch.float16 if type_name == "F16" else torch.bfloat16).reshape(shape)  # a copy: the pages stay shared
-    rows = a.reshape(len(a), -1) if a.dim() else a.reshape(1, 1)
-    if not all(torch.isfinite(rows[i:i + DEQUANT_ROWS]).all() for i in range(0, len(rows), DEQUANT_ROWS)):
+    if not all_finite(a):
         raise ValueError("contains NaN or inf")
     return a
 

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from tmac.errors import ModelFormatError
+from tmac.float_linear import all_finite
 from tmac.formats import PER_TENSOR, WeightFormat
 from tmac.qweight import QuantizedWeight
 
@@ -37,7 +38,6 @@ BITNET_TENSORS = {"attention.out_norm.weight": "self_attn.attn_sub_norm.weight",
 GLOBAL_TENSORS = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
                   "output.weight": "lm_head.weight"}
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names of the float dtypes
-FINITE_CHECK_ELEMENTS = 1 << 22  # checked at a time: a boolean per weight of a whole head would be 100 MB
 
 
 class SafetensorsRows:
@@ -164,9 +164,7 @@ class HFModel:
         """``t`` checked to be float and finite, in the file's dtype: users widen what they keep."""
         if not t.is_floating_point():
             raise ModelFormatError(f"{self.path}: tensor {hf} has dtype {t.dtype}, expected a float type")
-        rows = t.reshape(len(t), -1) if t.dim() else t.reshape(1, 1)
-        step = max(1, FINITE_CHECK_ELEMENTS // max(1, rows.shape[1]))
-        if not all(torch.isfinite(rows[i:i + step]).all() for i in range(0, len(rows), step)):
+        if not all_finite(t):
             raise ModelFormatError(f"{self.path}: tensor {hf} contains NaN or inf")
         return t
 

@@ -34,10 +34,24 @@ def exact_16bit(t: torch.Tensor) -> torch.Tensor:
     return t.float()
 
 
-def exactly_in(t: torch.Tensor, dtype: torch.dtype, rows: int = 1024) -> torch.Tensor | None:
+CHECK_ELEMENTS = 1 << 22  # values checked at a time: a temporary per value of a whole head would be 100-400 MB
+
+
+def exactly_in(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
     """``t`` converted to ``dtype`` if every value survives (compared in float32 a slice of rows at a time: no
     float32 copy of a whole head), else None."""
     narrow = t.to(dtype)
-    a, b = (x.reshape(len(x), -1) if x.dim() else x.reshape(1, 1) for x in (t, narrow))
-    same = all(torch.equal(b[i:i + rows].float(), a[i:i + rows].float()) for i in range(0, len(a), rows))
+    same = all(torch.equal(b.float(), a.float()) for a, b in zip(_row_slices(t), _row_slices(narrow)))
     return narrow if same else None
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether ``t`` holds no NaN or inf, checked a slice of rows at a time."""
+    return all(torch.isfinite(rows).all() for rows in _row_slices(t))
+
+
+def _row_slices(t: torch.Tensor):
+    """``t`` as 2-D row slices of about ``CHECK_ELEMENTS`` values."""
+    rows = t.reshape(len(t), -1) if t.dim() else t.reshape(1, 1)
+    step = max(1, CHECK_ELEMENTS // max(1, rows.shape[1]))
+    return (rows[i:i + step] for i in range(0, len(rows), step))

@@ -75,6 +75,11 @@ class WeightFormat:
         return 1 << (self.bits - 1)
 
     @property
+    def groups_per_super(self) -> int:
+        """Weight groups sharing one super scale (``super_group``); 0 for plain parameters."""
+        return self.super_group // self.group_size if self.super_group else 0
+
+    @property
     def code_range(self) -> tuple[int, int]:
         """Smallest and largest valid code (ternary uses 1..3 of the 2-bit range)."""
         return (1, 3) if self.ternary else (0, (1 << self.bits) - 1)

@@ -290,7 +290,7 @@ def spec_for_format(fmt: WeightFormat, k: int, isa, **tiling) -> KernelSpec:
 
     group = k if fmt.group_size in (PER_ROW, PER_TENSOR) else fmt.group_size
     params = dict(scale_dtype=fmt.scale_dtype, zero_dtype=fmt.zero_dtype if fmt.has_zeros else "float32")
-    supers = tiling.pop("super_groups", fmt.super_group // fmt.group_size if fmt.super_group else 0)
+    supers = tiling.pop("super_groups", fmt.groups_per_super)
     if supers:
         params["super_groups"] = supers
     triples = tiling.pop("triples", uses_triples(fmt, k))
@@ -362,7 +362,7 @@ def factor_params(qw: QuantizedWeight, super_groups: int | None = None):
     kernels' arithmetic); None where the parameters do not factor so. SG: the format's super group, in groups.
     Row slices of ``PACK_WEIGHTS`` parameters keep the int64 temporaries small beside a 49152-row head's."""
     fmt = qw.format
-    sg = super_groups or fmt.super_group // fmt.group_size
+    sg = super_groups or fmt.groups_per_super
     m, g = qw.scales.shape
     if qw.zeros is None or g % sg:
         return None
