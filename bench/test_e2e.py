@@ -4,7 +4,8 @@ the very same GGUF file when the optional `peer` extra is installed:
 - SmolLM2-135M-Instruct Q4_1 (imported exactly) and requantized W2 (with the default 8-bit head, and a W4 one);
 - a synthetic Llama-1B-shape model: Q4_0 (exact) and W2 g128 with a W2 head; Q4_K, llama.cpp's usual 4-bit type
   (exact: 4.75 bits a weight, its 6-bit multipliers as bytes, against the file's 4.5) and Q5_K (exact, 5.75 against
-  5.5); ternary TQ2_0 (exact, head too);
+  5.5); ternary TQ2_0 and TQ1_0 (exact, head too: both as triples, 1.67 bits a weight, against the files' 2.06
+  and 1.69);
   Q2_K made by llama.cpp's own quantizer with `--pure` semantics, against tmac W2 g128 of the same weights;
 - the BitNet-3B projection shapes rounded to llama.cpp's 256-blocks (3328/8704, 26 layers), ternary TQ2_0;
   and at its real shape (3200/8640, 32 heads of 100) as a packed-ternary Hugging Face directory with a W4 head,
@@ -73,6 +74,7 @@ CASES = {  # name → (file, tmac variants (bits, head bits); bits None = the fi
     "llama-1b-q4_k": (lambda: _synthetic("llama-1b", "Q4_K"), [(None, None)]),
     "llama-1b-q5_k": (lambda: _synthetic("llama-1b", "Q5_K"), [(None, None)]),
     "llama-1b-tq2_0": (lambda: _synthetic("llama-1b", "TQ2_0"), [(None, None)]),
+    "llama-1b-tq1_0": (lambda: _synthetic("llama-1b", "TQ1_0"), [(None, None)]),
     "llama-1b-q2_k": (lambda: _llama_cpp_q2_k("llama-1b"), [(2, 2)]),
     "bitnet-3b-tq2_0": (lambda: _synthetic("bitnet-3b-llama", "TQ2_0"), [(None, None)]),
     "bitnet-3b-real-shape": (lambda: _bitnet_dir("bitnet-3b"), [(None, 4)]),  # tmac only: 3200/8640, W4 head
