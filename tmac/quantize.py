@@ -189,7 +189,7 @@ def import_gguf(data, type_name: str, shape: tuple[int, int]) -> QuantizedWeight
     rows = max(1, QUANTIZE_CHUNK // k)
     codes, scales, zeros = np.empty((m, k), np.uint8), np.empty((m, k // fmt.group_size), np.float32), None
     for r0 in range(0, m, rows):
-        c, d, z = _DECODERS[type_name](blocks[r0:r0 + rows].reshape(-1, blk.type_size))
+        c, d, z = _DECODERS[type_name](blocks[r0:r0 + rows].reshape(-1, blk.type_size), fmt.offset)
         codes[r0:r0 + rows], scales[r0:r0 + rows] = c.reshape(-1, k), d.reshape(-1, scales.shape[1])
         if z is not None:
             z = z.reshape(-1, scales.shape[1])  # float64, from the decoders
@@ -240,60 +240,64 @@ def _fifth_bits(qh: np.ndarray) -> np.ndarray:
     return (np.unpackbits(qh, axis=1, bitorder="little") << 4).astype(np.uint8)
 
 
-def _decode_q4_0(blocks):
+# Decoders: (raw blocks [n, type_size], the format's offset) → (codes [n, block], scales [n, groups], zeros or None)
+# with w = s·(code − offset) − z
+
+def _decode_q4_0(blocks, offset):
     return _nibbles(blocks[:, 2:]), _f16(blocks, 0).astype(np.float32), None
 
 
-def _decode_q5_0(blocks):
+def _decode_q5_0(blocks, offset):
     return _nibbles(blocks[:, 6:]) | _fifth_bits(blocks[:, 2:6]), _f16(blocks, 0).astype(np.float32), None
 
 
-def _decode_q8_0(blocks):
-    # w = d·q with q signed; code q + 128 so that w = d·(code − 128)
-    return (blocks[:, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8), _f16(blocks, 0).astype(np.float32), None
+def _decode_q8_0(blocks, offset):
+    # w = d·q with q signed: code q + offset
+    return (blocks[:, 2:].view(np.int8).astype(np.int16) + offset).astype(np.uint8), \
+        _f16(blocks, 0).astype(np.float32), None
 
 
-def _decode_q4_1(blocks, codes=None, offset=8):
+def _decode_q4_1(blocks, offset, codes=None):
     d = _f16(blocks, 0).astype(np.float64)
     m = _f16(blocks, 2).astype(np.float64)
     # w = d·q + m = d·(q − offset) − z with z = −(m + offset·d); exact in float64 (both are float16 values)
     return _nibbles(blocks[:, 4:]) if codes is None else codes, d.astype(np.float32), -(m + offset * d)
 
 
-def _decode_q5_1(blocks):
-    return _decode_q4_1(blocks, _nibbles(blocks[:, 8:]) | _fifth_bits(blocks[:, 4:8]), 16)
+def _decode_q5_1(blocks, offset):
+    return _decode_q4_1(blocks, offset, _nibbles(blocks[:, 8:]) | _fifth_bits(blocks[:, 4:8]))
 
 
-def _decode_tq2_0(blocks):
+def _decode_tq2_0(blocks, offset):
     qs = blocks[:, :64].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
-    return ((qs & 3) + 1).reshape(-1, 256), _f16(blocks, 64).astype(np.float32), None
+    return ((qs & 3) + (offset - 1)).reshape(-1, 256), _f16(blocks, 64).astype(np.float32), None  # w = d·(q − 1)
 
 
 _POW3 = np.array([1, 3, 9, 27, 81], dtype=np.uint8)
 
 
-def _decode_tq1_0(blocks):
+def _decode_tq1_0(blocks, offset):
     def trits(b, n):  # base-3 digits stored as fixed-point fractions of 256; uint8 products wrap on purpose
         t = (b.reshape(len(b), 1, -1) * _POW3[:n].reshape(1, n, 1)).reshape(len(b), -1)
         return ((t.astype(np.uint16) * 3) >> 8).astype(np.uint8)
 
     q = np.concatenate([trits(blocks[:, :32], 5), trits(blocks[:, 32:48], 5), trits(blocks[:, 48:52], 4)], axis=1)
-    return q + 1, _f16(blocks, 52).astype(np.float32), None
+    return q + (offset - 1), _f16(blocks, 52).astype(np.float32), None  # w = d·(q − 1)
 
 
-def _decode_q4_k(blocks, qh=None):
+def _decode_q4_k(blocks, offset, qh=None):
     a, b = _q4_k_scales(blocks[:, 4:16])
     s = _f16(blocks, 0).astype(np.float64)[:, None] * a  # exact: 11 × 6 significant bits
     qs = blocks[:, -128:].reshape(-1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
-    q, offset = (qs & 0x0F).reshape(-1, 8, 32), 8
+    q = (qs & 0x0F).reshape(-1, 8, 32)
     if qh is not None:  # Q5_K: bit j of byte l is the fifth bit of weight l of group j
-        q, offset = q | ((qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1) << 4, 16
+        q = q | ((qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1) << 4
     # w = s·q − dmin·b = s·(q − offset) − z with z = dmin·b − offset·s; exact in float64
     return q.reshape(-1, 256), s.astype(np.float32), _f16(blocks, 2).astype(np.float64)[:, None] * b - offset * s
 
 
-def _decode_q5_k(blocks):
-    return _decode_q4_k(blocks, blocks[:, 16:48])
+def _decode_q5_k(blocks, offset):
+    return _decode_q4_k(blocks, offset, blocks[:, 16:48])
 
 
 def _q4_k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
