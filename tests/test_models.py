@@ -437,3 +437,32 @@ def test_gguf_quantized_types_import_exactly_or_at_8_bits(tmp_path, kind):
         file_values = dequantize(down.data, down.tensor_type)
         got = planted.layers[0].feed_forward.w2.dequantized_weight().numpy()
         assert rel_l2(got, file_values.reshape(got.shape)) < 0.01
+
+
+def test_layers_load_in_parallel_as_in_sequence_and_fail_by_name(tmp_path):
+    """Layers are built on every kernel thread: 1 and 2 threads give the same tensors, and a bad tensor in a later
+    layer surfaces as the ModelFormatError naming it (the layers not yet started are dropped)."""
+    from gguf import GGUFReader
+
+    from models.llama import LlamaConfig
+    from models.synthetic import write_random_gguf
+
+    path = str(tmp_path / "m.gguf")
+    write_random_gguf(path, LlamaConfig(vocab_size=512, dim=256, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=512,
+                                        context_length=64), "Q4_0")
+    old = tmac.get_num_threads()
+    try:
+        states = []
+        for threads in (1, 2):
+            tmac.set_num_threads(threads)
+            states.append(tmac.load_model(path).state_dict())
+        assert states[0].keys() == states[1].keys()
+        assert all(torch.equal(states[0][k], states[1][k]) for k in states[0] if isinstance(states[0][k], torch.Tensor))
+        bad = next(t for t in GGUFReader(path).tensors if t.name == "blk.2.ffn_down.weight")
+        with open(path, "r+b") as f:  # the first block's float16 scale d := NaN
+            f.seek(int(bad.data_offset))
+            f.write(np.array([np.nan], np.float16).tobytes())
+        with pytest.raises(tmac.ModelFormatError, match="blk.2.ffn_down.weight.*NaN"):
+            tmac.load_model(path)
+    finally:
+        tmac.set_num_threads(old)
