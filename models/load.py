@@ -22,9 +22,9 @@ from tmac.glue import check_kv_dtype
 from tmac.linear import Linear
 from tmac.memory import gather_packed, release_freed_memory
 from tmac.progress import Progress
-from tmac.runtime import get_num_threads
 from tmac.quantize import quantize_weight
 from tmac.qweight import QuantizedWeight, stack_rows
+from tmac.runtime import get_num_threads
 
 from .bitnet import ActivationQuantized, BitNetTransformer
 from .llama import Transformer, expected_shape
