@@ -186,7 +186,8 @@ def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str):
                 # K-quants: a super group's Σ a·(terms) and Σ b·Σx, per row of the tile
                 sums = [T.alloc_buffer((n_tile * sb,), f32, scope="global") for _ in range(2 if sg else 0)]
                 racc = T.alloc_buffer((sb,), "int32", scope="global")
-                accs = [T.alloc_buffer((nv * n_tile,), isa.acc_dtype(p), scope="global") for _, p, nv, _, _ in chunks]
+                accs = [T.alloc_buffer((nv * n_tile,), isa.acc_dtype(p, steps), scope="global")
+                        for _, p, nv, _, _ in chunks]
                 with T.serial(0, np_ // n_tile) as nt:
                     with T.serial(0, parts) as part:  # the block's rows, a part at a time
                         first = part * sb  # first row of the part in the block
@@ -195,9 +196,9 @@ def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str):
 
                         def lut_group(g):  # the weights of lut group g: integer sums, then the float epilogue
                             for (_, p, nv, _, _), acc in zip(chunks, accs):
+                                elem, lanes = isa.acc_dtype(p, steps).split("x")
                                 for a in range(nv * n_tile):
-                                    T.buffer_store(acc, tirx.Broadcast(tirx.IntImm(isa.acc_dtype(p).split("x")[0], 0),
-                                                                       vl // p), [a])
+                                    T.buffer_store(acc, tirx.Broadcast(tirx.IntImm(elem, 0), int(lanes)), [a])
                             with T.serial(0, steps // u) as kpo:
                                 with T.unroll(0, u) as kpi:
                                     step = g * steps + kpo * u + kpi
@@ -226,7 +227,7 @@ def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str):
                                         lanes = acc[v * n_tile + r]
                                         if rows is not None:
                                             lanes = tirx.Shuffle([lanes], [rows.index(i) for i in range(per_vec)])
-                                        wide = tirx.Cast(f"int32x{per_vec}", lanes)
+                                        wide = isa.widen(lanes, p)
                                         if o:
                                             wide = wide << tirx.Broadcast(tirx.IntImm("int32", o), per_vec)
                                         if ci:

@@ -8,7 +8,8 @@ offers the same three primitives the code generator composes:
 - ``accumulate(acc, looked, planes, period, first)``: add looked-up int8 values into wider accumulators, summing
   the ``planes`` adjacent bytes of a row with weights 1, 2, 4, 8 repeating every ``period`` bytes, times
   2^first (the dot-product trick);
-- ``acc_dtype(planes)``: the accumulator vector type that goes with it.
+- ``acc_dtype(planes, steps)``: the accumulator vector type that goes with it over a lut group of ``steps`` steps,
+  and ``widen(acc, planes)``: a lut group's accumulator as int32 per row.
 
 This package imports no TVM; the primitives import it when they are called, i.e. only while compiling.
 """

@@ -15,9 +15,16 @@ class Isa:
     description: str = ""
     wide_lookup: bool = False  # has ``lookup64`` (1- to 3-bit weights and triples then use quads)
 
-    def acc_dtype(self, planes: int) -> str:
+    def acc_dtype(self, planes: int, steps: int) -> str:
+        """The accumulator vector type of ``accumulate`` over a lut group of ``steps`` steps."""
         lanes = self.vector_bytes // planes
         return f"int32x{lanes}" if planes == 4 else f"int16x{lanes}"
+
+    def widen(self, acc, planes: int):
+        """int32 per row (lanes in ``acc_rows`` order) of a lut group's accumulator."""
+        from tvm import tirx
+
+        return tirx.Cast(f"int32x{self.vector_bytes // planes}", acc)
 
     def acc_rows(self, planes: int) -> list[int] | None:
         """The row each lane of ``accumulate``'s result holds, when not lane = row (None)."""

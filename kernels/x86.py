@@ -38,7 +38,7 @@ class X86Isa(Isa):
         from tvm import tirx
 
         vb = self.vector_bytes
-        _, maddubs, maddwd = self._suffix
+        maddubs = self._suffix[1]
         if planes == 1:
             # one plane (1 bit, ternary triples): the two lookups of a byte's nibbles are interleaved row by row
             # (vpunpck[lh]bw) and each pair summed by vpmaddubsw with ones — two instructions per vector where
@@ -56,15 +56,35 @@ class X86Isa(Isa):
                 acc = tirx.call_llvm_pure_intrin(f"int32x{vb // 4}", f"llvm.x86.avx512.vpdpbusd.{vb * 8}", acc, w, v)
             return acc
         # vpmaddubsw: int16 per byte pair, exact here (|sum| ≤ 2·(4+8)·127 < 2^15); the looked vectors are added
-        # in int16 before widening, so a 4-plane step costs one vpmaddwd, not one per lookup
+        # in int16 before widening, so a 4-plane step costs one vpmaddwd, not one per lookup — or none, where the
+        # lut group is short enough to sum in int16 (``acc_dtype``) and ``widen`` pays one vpmaddwd per group
         pairs = [tirx.call_llvm_pure_intrin(f"int16x{vb // 2}", f"llvm.x86.{maddubs}", w, v) for v in looked]
         total = pairs[0]
         for p in pairs[1:]:
             total = total + p
-        if planes == 2:
+        if planes == 2 or str(acc.ty).startswith("int16"):
             return acc + total
+        return acc + self._pair_sums(total)
+
+    def _pair_sums(self, v):
+        """int32 sums of adjacent int16 lanes (vpmaddwd with ones)."""
+        from tvm import tirx
+
+        vb = self.vector_bytes
         ones = tirx.Broadcast(tirx.IntImm("int16", 1), vb // 2)
-        return acc + tirx.call_llvm_pure_intrin(f"int32x{vb // 4}", f"llvm.x86.{maddwd}", total, ones)
+        return tirx.call_llvm_pure_intrin(f"int32x{vb // 4}", f"llvm.x86.{self._suffix[2]}", v, ones)
+
+    def acc_dtype(self, planes: int, steps: int) -> str:
+        # without VNNI a 4-plane step adds at most 2·(4+8)·127 = 3048 to an int16 lane, so lut groups of up to 10
+        # steps (up to 80 activations: groups of 32 and 64, as GGUF's Q4/Q5 types have) sum in int16
+        if planes == 4 and not self.vnni and steps * 2 * (4 + 8) * 127 < 1 << 15:
+            return f"int16x{self.vector_bytes // 2}"
+        return super().acc_dtype(planes, steps)
+
+    def widen(self, acc, planes: int):
+        if planes == 4 and str(acc.ty).startswith("int16"):
+            return self._pair_sums(acc)
+        return super().widen(acc, planes)
 
     def lane_mask(self, mask_bytes):
         if self.vector_bytes == 64:  # AVX-512: the mask is a k register as stored (kmovq, no vptestmb)
