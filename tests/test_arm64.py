@@ -69,7 +69,7 @@ def test_arm64_kernels_under_qemu(harness, tmp_path, rng, isa, bits, zeros, para
         qw = quantize_weight(w, bits=bits, group_size=64, symmetric=not zeros)
         fmt = dataclasses.replace(qw.format, scale_dtype=params, zero_dtype=params)
         qw = QuantizedWeight(qw.codes, qw.scales, qw.zeros, fmt)
-    spec = spec_for(qw, ISAS[isa], n_tile=2)
+    spec = spec_for(qw, ISAS[isa], n_tile=2, **({"triples": True} if triples else {}))  # NEON's default: planes
     assert spec.triples == triples and bool(spec.super_groups) == (params == "super")
     lib = str(tmp_path / "kern.so")
     build_library(spec, ISAS[isa], lib)

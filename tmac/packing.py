@@ -28,7 +28,8 @@ d·a and the zero m·b − offset·d·a, both exact in float32.
 Tables are ``LUT [N', K/4, 16]`` int8, their scales ``LS [N', K/LG]`` and activation sums ``XS [N', K/WG]``
 float32, with N' = N rounded up to the kernel's row tile.
 
-*Triples* (``triples=True``; ternary weights with one scale per row, see ``tmac.reference``): K is padded to
+*Triples* (``triples=True``; ternary weights with one scale per row, see ``tmac.reference``; the default on ISAs
+with quads, ``uses_triples``): K is padded to
 Kp (whole lut groups), and a *step* is 24 activations = 8 triples = 4 table pairs:
 
     W [MB, Kp/24, 5·BM]  uint8
@@ -293,7 +294,7 @@ def spec_for_format(fmt: WeightFormat, k: int, isa, **tiling) -> KernelSpec:
     supers = tiling.pop("super_groups", fmt.groups_per_super)
     if supers:
         params["super_groups"] = supers
-    triples = tiling.pop("triples", uses_triples(fmt, k))
+    triples = tiling.pop("triples", uses_triples(fmt, k, isa))
     if tiling.pop("quads", isa.wide_lookup and (triples or fmt.bits in QUAD_CHUNKS)):
         params["quads"] = True
     if triples:  # 1.67 instead of 2 bits streamed per weight
@@ -307,10 +308,13 @@ def spec_for_format(fmt: WeightFormat, k: int, isa, **tiling) -> KernelSpec:
     return KernelSpec(isa.name, isa.vector_bytes, fmt.bits, k, group, lut_group, fmt.has_zeros, **tiling, **params)
 
 
-def uses_triples(fmt: WeightFormat, k: int) -> bool:
-    """Ternary weights with one scale per row or tensor are packed as triples by default, unless padding K to
-    whole lut groups costs more than the triples save (small K)."""
-    return fmt.ternary and fmt.group_size in (PER_ROW, PER_TENSOR) and padded_k(k) * 5 < k * 6
+def uses_triples(fmt: WeightFormat, k: int, isa) -> bool:
+    """Ternary weights with one scale per row or tensor are packed as triples by default on ISAs with 64-entry
+    lookups (quads), unless padding K to whole lut groups costs more than the triples save (small K). Elsewhere
+    the triples' negation (a mask spread over the lanes, or a k-register load and a masked subtract, per lookup)
+    costs more than their 17 % fewer bytes save: 2-bit planes decode a 1B TQ2_0 model faster on AVX2 (55 -> 70
+    tok/s, 1 thread, Zen 4) and AVX-512 VNNI without VBMI (69 -> 81), at par with VBMI quads (96 vs 95)."""
+    return fmt.ternary and fmt.group_size in (PER_ROW, PER_TENSOR) and isa.wide_lookup and padded_k(k) * 5 < k * 6
 
 
 @dataclass(frozen=True)
