@@ -236,7 +236,7 @@ def test_ternary_triples_state_round_trip_and_layout_check():
     torch.manual_seed(0)
     qw = tmac.quantize_weight(torch.randn(80, 576), ternary=True, group_size="row")
     arm, local = Linear.from_quantized(qw, isa="neon", triples=True), Linear.from_quantized(qw)
-    assert arm.spec.triples  # (NEON's default is 2-bit planes; this machine's whichever is faster here)
+    assert arm.spec.triples  # asked for: NEON's default is 2-bit planes
     fresh = Linear.from_quantized(tmac.quantize_weight(torch.randn(80, 576), ternary=True, group_size="row"))
     fresh.load_state_dict(arm.state_dict())
     x = torch.randn(2, 576)
