@@ -8,7 +8,7 @@ import signal
 import sys
 import time
 
-from .formats import BITS
+from .formats import BITS, GROUP_SIZES
 from .glue import KV_DTYPES
 from .memory import peak_rss_mib
 
@@ -24,7 +24,7 @@ def add_parsers(sub, common) -> None:
     v.add_argument("model", help="GGUF file or Hugging Face directory")
     v.add_argument("--bits", type=int, choices=BITS,
                    help="requantize the projections (default: keep the file's exact quantization)")
-    v.add_argument("--group-size", type=int, choices=[32, 64, 128, 256], help="group size with --bits")
+    v.add_argument("--group-size", type=int, choices=GROUP_SIZES, help="group size with --bits")
     v.add_argument("--head-bits", type=head_bits_arg, help=HEAD_BITS_HELP)
     v.add_argument("-o", "--output", required=True, metavar="OUT.tmac")
     v.set_defaults(func=cmd_convert)
@@ -51,7 +51,7 @@ def _model_args(p) -> None:
     p.add_argument("model", nargs="?", default=None,
                    help="GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct Q4_1)")
     p.add_argument("--bits", type=int, choices=BITS, help="requantize the projections to this many bits")
-    p.add_argument("--group-size", type=int, choices=[32, 64, 128, 256], help="group size with --bits")
+    p.add_argument("--group-size", type=int, choices=GROUP_SIZES, help="group size with --bits")
     p.add_argument("--head-bits", type=head_bits_arg, help=HEAD_BITS_HELP)
     p.add_argument("--threads", "-t", type=int, help="kernel and torch threads (default: physical cores)")
     p.add_argument("--context", type=int, help="context size in tokens (default: the model's, at most 4096)")

@@ -526,9 +526,9 @@ def unpack(packed: PackedWeight, fmt: WeightFormat) -> QuantizedWeight:
     if (fmt.bits, fmt.has_zeros) != (spec.bits, spec.has_zeros) or (spec.triples and not fmt.ternary):
         raise ValueError(f"format {fmt.name} does not match kernel {spec.name}")
     codes = (_unpack_quads if spec.quads else _unpack_triples if spec.triples else _unpack_blocks)(packed.weights, spec)
-    if spec.super_groups:
-        scales, zeros = (_unpack_super(packed.scales, None, m, spec, fmt),
-                         _unpack_super(packed.zeros, packed.scales, m, spec, fmt))
+    if spec.super_groups:  # scale d·a, zero m·b − offset·scale
+        scales = _unpack_super(packed.scales, m, spec, fmt)
+        zeros = _unpack_super(packed.zeros, m, spec, fmt) - np.float32(fmt.offset) * scales
     else:
         scales = _unpack_params(packed.scales, m, fmt)
         zeros = None if packed.zeros is None else _unpack_params(packed.zeros, m, fmt)
@@ -578,16 +578,13 @@ def _pack_super(mult: np.ndarray, base: np.ndarray, qw: QuantizedWeight, spec: K
     return np.concatenate([head.reshape(mb, g // sg, sg * bm), tail], axis=2)
 
 
-def _unpack_super(p: np.ndarray, zeros_of: np.ndarray | None, m: int, spec: KernelSpec, fmt: WeightFormat):
-    """Float32 ``[M, G]`` scales (``zeros_of`` None) or zeros (``zeros_of``: the packed S) of a super-scale spec."""
+def _unpack_super(p: np.ndarray, m: int, spec: KernelSpec, fmt: WeightFormat) -> np.ndarray:
+    """Float32 ``[M, G]`` base × multiplier of S or Z of a super-scale spec (d·a, or m·b)."""
     bm, sg = spec.block_rows, spec.super_groups
     mb, supers = p.shape[:2]
     mult = _unpack_params(np.ascontiguousarray(p[:, :, :sg * bm]).reshape(mb, supers * sg, bm), m, fmt)
     tail = np.ascontiguousarray(p[:, :, sg * bm:]).view(np.float32)  # [MB, G/SG, BM]
-    base = np.repeat(_unpack_params(tail, m, fmt), sg, axis=1)
-    if zeros_of is None:
-        return base * mult
-    return base * mult - np.float32(fmt.offset) * _unpack_super(zeros_of, None, m, spec, fmt)
+    return np.repeat(_unpack_params(tail, m, fmt), sg, axis=1) * mult
 
 
 def _pack_params(p: np.ndarray, qw: QuantizedWeight, spec: KernelSpec, dtype: str) -> np.ndarray:
