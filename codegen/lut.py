@@ -4,7 +4,8 @@ Two functions per spec (layouts: ``tmac.packing``):
 
 - ``build_tables(X[N, K], LUT[N', K/4, 16], LS[N', K/LG], XS[N', K/WG])``: the int8 tables, their scales and
   the activation sums, in exactly the float operations of ``tmac.reference``;
-- ``lut_gemm(W, S[, Z], LUT, LS, XS, Y[N, M])``: parallel over row blocks; per activation-row tile, per lut
+- ``lut_gemm(W, S[, Z], LUT, LS, XS, Y[N, M])``: a K chunk at a time, parallel over row blocks; per
+  activation-row tile, per lut
   group, the unrolled inner loop loads each weight vector once and looks it up in the tables of every row of
   the tile (``n_tile`` rows; the GEMV variant ``lut_gemv`` has a tile of 1), then a float epilogue applies
   table scale × weight scale and the ``(½s + z)·Σx`` term.
@@ -154,8 +155,20 @@ def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str):
 
     sg = spec.super_groups
 
-    def param(buf, blk, g, row):  # float16 parameters widen in registers (vcvtph2ps, fcvtl); so do multipliers
-        at = (blk, g // sg, g % sg * bm + row) if sg else (blk, g, row)
+    # K chunks (tmac.packing): chunk c of W, S and Z holds every block's rows (steps, weight or super groups) of its
+    # lut groups, so row r of block blk in a chunk of rows [r0, r0 + rc) is flat row mb·r0 + blk·rc + (r − r0)
+    def chunk_row(blk, r, r0, rc):
+        return mb * r0 + blk * rc + (r - r0)
+
+    groups_per_chunk = spec.k_chunk // lg
+
+    def param(buf, blk, g, row, g0, gc):  # float16 parameters widen in registers (vcvtph2ps, fcvtl); so do multipliers
+        if sg:  # [super group][multipliers of its SG groups, then 4·BM bytes of d or m]
+            at = chunk_row(blk, g // sg, g0 // sg, gc // sg) * (sg + 4) * bm + g % sg * bm + row
+        elif per_row:
+            at = blk * bm + row
+        else:
+            at = chunk_row(blk, g, g0, gc) * bm + row
         return buf[at] if buf.dtype == f32 else tirx.Cast(f32, buf[at])
 
     # K-quants (super scales): −(½s + z)·Σx = (offset − ½)·d·a·Σx − m·b·Σx, so a super group's terms are summed
@@ -177,10 +190,16 @@ def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str):
         Y = arg("y", (n, m))
         tw, lookup = (64, isa.lookup64) if spec.quads else (16, isa.lookup)  # quads look into 4 adjacent tables
         tables_flat = T.decl_buffer((np_, lut_shape[1] * 16), "int8", data=LUT.data, align=1)
+        steps_total, row_bytes = w_shape[1], w_shape[2]
+        per_row = s_shape[1] == 1 and not sg
+        WF = T.decl_buffer((mb * steps_total * row_bytes,), "uint8", data=W.data, align=1)
+        SF, ZF = (None if b is None else T.decl_buffer((mb * s_shape[1] * s_shape[2],), b.dtype, data=b.data, align=1)
+                  for b in (S, Z))
         if sg:  # the super scales, read as float32: after each super group's multipliers
-            SF, ZF = (T.decl_buffer((mb, s_shape[1] * s_shape[2] // 4), f32, data=b.data, align=1) for b in (S, Z))
-        with T.Assert(tirx.all(n <= np_, np_ % n_tile == 0),
-                      f"{name}: the tables must cover every output row in whole tiles of {n_tile}", "ValueError"):
+            SF32, ZF32 = (T.decl_buffer((mb * s_shape[1] * s_shape[2] // 4,), f32, data=b.data, align=1) for b in (S, Z))
+
+        def chunk(g0, gc: int, first):
+            """Lut groups ``[g0, g0 + gc)`` of every block; ``first``: the first chunk (the others start from Y)."""
             with T.parallel(0, mb) as blk:
                 out = T.alloc_buffer((n_tile * sb,), f32, scope="global")
                 # K-quants: a super group's Σ a·(terms) and Σ b·Σx, per row of the tile
@@ -190,9 +209,18 @@ def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str):
                         for _, p, nv, _, _ in chunks]
                 with T.serial(0, np_ // n_tile) as nt:
                     with T.serial(0, parts) as part:  # the block's rows, a part at a time
-                        first = part * sb  # first row of the part in the block
-                        with T.vectorized(0, n_tile * sb) as i:
-                            T.buffer_store(out, tirx.FloatImm(f32, 0.0), [i])
+                        first_row = part * sb  # first row of the part in the block
+                        for r in range(n_tile):  # later chunks go on from Y: the float sums keep their order
+                            row = nt * n_tile + r
+                            with T.serial(0, sb) as i:
+                                col = blk * bm + first_row + i
+                                y = tirx.if_then_else(tirx.all(tirx.Not(first), row < n, col < m), Y[row, col],
+                                                      tirx.FloatImm(f32, 0.0))
+                                T.buffer_store(out, y, [r * sb + i])
+
+                        def weights(step, start, lanes):  # bytes of the block's ``step`` (a global step index)
+                            row = chunk_row(blk, step, g0 * steps, gc * steps)
+                            return WF[vec(row * row_bytes + start, lanes)]
 
                         def lut_group(g):  # the weights of lut group g: integer sums, then the float epilogue
                             for (_, p, nv, _, _), acc in zip(chunks, accs):
@@ -208,8 +236,8 @@ def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str):
                                         for (_, p, nv, off, _), acc in zip(chunks, accs):
                                             for v in range(nv):
                                                 vb = part * nv + v  # the vector in the block
-                                                idx = nibbles(W[blk, step, vec(base + off + vb * vl, vl)], qp)
-                                                masks = [isa.lane_mask(W[blk, step, vec(mask_start(j, vb, h), vl // 8)])
+                                                idx = nibbles(weights(step, base + off + vb * vl, vl), qp)
+                                                masks = [isa.lane_mask(weights(step, mask_start(j, vb, h), vl // 8))
                                                          for h in (0, 1)] if spec.triples else None
                                                 for r, t_pair in enumerate(tables):
                                                     looked = [lookup(t, i) for t, i in zip(t_pair, idx)]
@@ -219,6 +247,7 @@ def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str):
                                                     total = isa.accumulate(acc[a], looked, p, qp or p, first_plane)
                                                     T.buffer_store(acc, total, [a])
                             wgi = 0 if spec.triples else g // lut_groups_per_wg
+                            wg0, wgc = g0 // lut_groups_per_wg, gc // lut_groups_per_wg  # the chunk's weight groups
                             for r in range(n_tile):
                                 row = nt * n_tile + r
                                 for ci, ((o, p, nv, _, per_vec), acc) in enumerate(zip(chunks, accs)):
@@ -237,10 +266,11 @@ def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str):
                                     at = r * sb + i
                                     if sg:  # a lut group is a weight group (KernelSpec): a's terms in one
                                         term = tirx.Cast(f32, racc[i]) * LS[row, g] + sum_coef * XS[row, wgi]
-                                        T.buffer_store(sums[0], sums[0][at] + term * param(S, blk, wgi, first + i), [at])
+                                        T.buffer_store(sums[0], sums[0][at] + term *
+                                                       param(SF, blk, wgi, first_row + i, wg0, wgc), [at])
                                     else:
                                         T.buffer_store(out, out[at] + tirx.Cast(f32, racc[i]) *
-                                                       (LS[row, g] * param(S, blk, wgi, first + i)), [at])
+                                                       (LS[row, g] * param(SF, blk, wgi, first_row + i, wg0, wgc)), [at])
                                 if spec.triples:  # ternary triples are symmetric: no Σx term
                                     continue
                                 with T.If(g % lut_groups_per_wg == lut_groups_per_wg - 1):
@@ -248,14 +278,17 @@ def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str):
                                         with T.vectorized(0, sb) as i:
                                             at = r * sb + i
                                             if sg:
-                                                T.buffer_store(sums[1], sums[1][at] + param(Z, blk, wgi, first + i) *
-                                                               XS[row, wgi], [at])
+                                                T.buffer_store(sums[1], sums[1][at] + param(
+                                                    ZF, blk, wgi, first_row + i, wg0, wgc) * XS[row, wgi], [at])
                                             else:
-                                                half_s = tirx.FloatImm(f32, 0.5) * param(S, blk, wgi, first + i)
-                                                coef = half_s + param(Z, blk, wgi, first + i) if Z is not None else half_s
+                                                half_s = tirx.FloatImm(f32, 0.5) * param(SF, blk, wgi, first_row + i,
+                                                                                         wg0, wgc)
+                                                coef = half_s + param(ZF, blk, wgi, first_row + i, wg0, wgc) \
+                                                    if Z is not None else half_s
                                                 T.buffer_store(out, out[at] - coef * XS[row, wgi], [at])
                         if sg:  # K-quants: a super group's lut groups (= weight groups), then its d and m
-                            with T.serial(0, k // lg // sg) as j:
+                            with T.serial(0, gc // sg) as jj:
+                                j = g0 // sg + jj
                                 with T.vectorized(0, n_tile * sb) as i:
                                     for buf in sums:
                                         T.buffer_store(buf, tirx.FloatImm(f32, 0.0), [i])
@@ -264,20 +297,30 @@ def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str):
                                 for r in range(n_tile):
                                     with T.vectorized(0, sb) as i:
                                         at = r * sb + i
-                                        base = (j * (sg + 4) + sg) * bm // 4 + first + i
-                                        T.buffer_store(out, out[at] + SF[blk, base] * sums[0][at] -
-                                                       ZF[blk, base] * sums[1][at], [at])
+                                        base = (chunk_row(blk, j, g0 // sg, gc // sg) * (sg + 4) + sg) * bm // 4 + \
+                                            first_row + i
+                                        T.buffer_store(out, out[at] + SF32[base] * sums[0][at] -
+                                                       ZF32[base] * sums[1][at], [at])
                         else:
-                            with T.serial(0, spec.k_padded // lg) as g:
-                                lut_group(g)
+                            with T.serial(0, gc) as gi:
+                                lut_group(g0 + gi)
                         for r in range(n_tile):
                             row = nt * n_tile + r
                             with T.If(row < n):
                                 with T.Then():
                                     with T.serial(0, sb) as i:
-                                        with T.If(blk * bm + first + i < m):
+                                        col = blk * bm + first_row + i
+                                        with T.If(col < m):
                                             with T.Then():
-                                                T.buffer_store(Y, out[r * sb + i], [row, blk * bm + first + i])
+                                                T.buffer_store(Y, out[r * sb + i], [row, col])
+
+        with T.Assert(tirx.all(n <= np_, np_ % n_tile == 0),
+                      f"{name}: the tables must cover every output row in whole tiles of {n_tile}", "ValueError"):
+            full, tail = divmod(spec.k_padded // lg, groups_per_chunk)
+            with T.serial(0, full) as c:
+                chunk(c * groups_per_chunk, groups_per_chunk, c == 0)
+            if tail:
+                chunk(full * groups_per_chunk, tail, tirx.const(full == 0, "bool"))
     return ib.get()
 
 
