@@ -11,6 +11,7 @@ import contextlib
 import time
 from typing import Callable
 
+import numpy as np
 import torch
 
 from tmac import runtime
@@ -31,8 +32,11 @@ def check_ids(ids, vocab: int, what: str = "prompt_ids") -> list[int]:
 def next_token(logits: torch.Tensor, history: list[int], temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, repetition_penalty: float = 1.0, repeat_last_n: int = 64,
                generator: torch.Generator | None = None) -> int:
+    penalized = repetition_penalty != 1.0 and history and repeat_last_n
+    if temperature <= 0 and not penalized:  # greedy without a copy, and numpy's argmax: 5 us, torch's 43 (49152)
+        return int(np.argmax(logits.numpy())) if logits.dtype == torch.float32 else int(logits.argmax())
     logits = logits.float().clone()
-    if repetition_penalty != 1.0 and history and repeat_last_n:
+    if penalized:
         idx = torch.tensor(sorted(set(history[-repeat_last_n:])))
         seen = logits[idx]
         logits[idx] = torch.where(seen > 0, seen / repetition_penalty, seen * repetition_penalty)
