@@ -40,6 +40,8 @@ def build_tables_func(spec: KernelSpec):
         # scratch buffers are "global" scope: TVM puts small global-scope buffers on the stack (registers, once
         # LLVM promotes them), but services "local" ones with a workspace allocation per use
         amax = T.alloc_buffer((1,), f32, scope="global")
+        tv = min(16, lg // per)  # tables whose scale candidates are taken at once
+        amaxv = T.alloc_buffer((tv,), f32, scope="global")
         lanes = T.alloc_buffer((16,), f32, scope="global")
 
         def constant(values):  # a float32 vector of these lanes (LLVM folds the shuffle of broadcasts)
@@ -55,8 +57,9 @@ def build_tables_func(spec: KernelSpec):
             return (t[0] + t[1]) + t[2] if spec.triples else \
                 tirx.Broadcast(half, 16) * ((t[0] + t[1]) + (t[2] + t[3]))
 
-        def largest(xa):  # |entry| of the all-signs-agree entry, the largest of a table
-            return (xa[0] + xa[1]) + xa[2] if spec.triples else half * ((xa[0] + xa[1]) + (xa[2] + xa[3]))
+        def largest(xa, lanes=1):  # |entry| of the all-signs-agree entry, the largest of a table (of `lanes` tables)
+            h = half if lanes == 1 else tirx.Broadcast(half, lanes)
+            return (xa[0] + xa[1]) + xa[2] if spec.triples else h * ((xa[0] + xa[1]) + (xa[2] + xa[3]))
 
         def lut_group(row, g, padded: bool):
             def x_at(i):  # past K, a zero activation; the load itself stays in bounds
@@ -66,9 +69,19 @@ def build_tables_func(spec: KernelSpec):
             # all-signs-agree entry is the largest in fp32 too; then each table computed and rounded in registers
             # (a float copy of the lut group's tables would outgrow TVM's stack scratch)
             T.buffer_store(amax, zero, [0])
-            with T.serial(0, lg // per) as t:
-                xa = [tirx.abs(x_at(g * lg + t * per + j)) for j in range(per)]
-                T.buffer_store(amax, tirx.max(amax[0], largest(xa)), [0])
+            if padded:
+                with T.serial(0, lg // per) as t:
+                    xa = [tirx.abs(x_at(g * lg + t * per + j)) for j in range(per)]
+                    T.buffer_store(amax, tirx.max(amax[0], largest(xa)), [0])
+            else:  # the candidates of `tv` tables at a time: one load, de-interleaved by shuffles
+                at = tirx.Ramp(0, 1, tv)
+                T.buffer_store(amaxv, tirx.Broadcast(zero, tv), [at])
+                with T.serial(0, lg // per // tv) as t:
+                    run = X[row, tirx.Ramp(g * lg + t * tv * per, 1, tv * per)]
+                    xa = [tirx.abs(tirx.Shuffle([run], [j + per * i for i in range(tv)])) for j in range(per)]
+                    T.buffer_store(amaxv, tirx.max(amaxv[at], largest(xa, tv)), [at])
+                with T.serial(0, tv) as i:
+                    T.buffer_store(amax, tirx.max(amax[0], amaxv[i]), [0])
             inv = tirx.Select(amax[0] > zero, tirx.FloatImm(f32, 127.0) / amax[0], zero)
             with T.serial(0, lg // per) as t:
                 xs = [x_at(g * lg + t * per + j) for j in range(per)]
