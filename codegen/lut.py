@@ -329,11 +329,14 @@ def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str):
 
         with T.Assert(tirx.all(n <= np_, np_ % n_tile == 0),
                       f"{name}: the tables must cover every output row in whole tiles of {n_tile}", "ValueError"):
+            # one parallel launch for all chunks: each thread takes the same blocks of every chunk (TVM splits a
+            # parallel loop inside a launch point statically), so no chunk waits for another thread
             full, tail = divmod(spec.k_padded // lg, groups_per_chunk)
-            with T.serial(0, full) as c:
-                chunk(c * groups_per_chunk, groups_per_chunk, c == 0)
-            if tail:
-                chunk(full * groups_per_chunk, tail, tirx.const(full == 0, "bool"))
+            with T.attr(tirx.const(0, "int32"), "pragma_parallel_launch_point", tirx.const(1, "int32")):
+                with T.serial(0, full) as c:
+                    chunk(c * groups_per_chunk, groups_per_chunk, c == 0)
+                if tail:
+                    chunk(full * groups_per_chunk, tail, tirx.const(full == 0, "bool"))
     return ib.get()
 
 

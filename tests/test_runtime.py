@@ -152,10 +152,15 @@ def test_threads():
     tmac.set_num_threads(old)
 
 
-def test_two_threads_give_the_same_result(rng):
-    qw = quantize_weight(rng.standard_normal((1024, 512)).astype(np.float32), bits=2, group_size=128)
-    lw = LutWeight.from_quantized(qw)
-    x = torch.from_numpy(rng.standard_normal((3, 512)).astype(np.float32))
+@pytest.mark.parametrize("kind", ["w2", "ternary in K chunks"])
+def test_two_threads_give_the_same_result(rng, kind):
+    """Each thread takes the same row blocks of every K chunk (one parallel launch): 1 and 2 threads agree."""
+    m, k = (1024, 512) if kind == "w2" else (1000, 2304)
+    w = rng.standard_normal((m, k)).astype(np.float32)
+    qw = quantize_weight(w, bits=2, group_size=128) if kind == "w2" else \
+        quantize_weight(w, ternary=True, group_size="tensor")
+    lw = LutWeight.from_quantized(qw, **({} if kind == "w2" else {"k_chunk": 768}))  # 3 chunks on any ISA
+    x = torch.from_numpy(rng.standard_normal((3, k)).astype(np.float32))
     old = tmac.get_num_threads()
     try:
         tmac.set_num_threads(1)
