@@ -1,4 +1,6 @@
 """Compiled LUT kernels against the numpy reference, on every ISA this machine can run."""
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -9,7 +11,7 @@ from tmac import reference as ref
 from tmac.kernels import ISAS
 from tmac.cpu import machine_arch
 from tmac.lut_ops import LutWeight
-from tmac.packing import pack, spec_for, unpack
+from tmac.packing import KernelSpec, pack, spec_for, unpack
 
 RUNNABLE = runnable_isas()
 FAST = [i for i in RUNNABLE if not i.startswith("generic")]
@@ -260,6 +262,12 @@ def test_k_chunks_reorder_rows_and_keep_results_bit_exact(rng, isa, kind):
     x = torch.from_numpy(rng.standard_normal((5, k)).astype(np.float32))
     for n in (1, 5):
         assert torch.equal(LutWeight(cut).matmul(x[:n]), LutWeight(one).matmul(x[:n]))
+    for bad in (unit // 2, whole.k_padded + unit, -unit):
+        with pytest.raises(ValueError, match=f"k_chunk={bad} must be a positive multiple of {unit}"):
+            spec_for(qw, ISAS[isa], k_chunk=bad)
+    saved = json.loads(chunked.to_json())
+    del saved["k_chunk"]  # a spec saved before K chunks: one chunk, the layout it was packed in
+    assert KernelSpec.from_dict(saved).k_chunk == whole.k_padded
 
 
 @pytest.mark.parametrize("kind", ["w1", "w2", "w3", "w5", "ternary"])
