@@ -69,8 +69,10 @@ def test_arm64_kernels_under_qemu(harness, tmp_path, rng, isa, bits, zeros, para
         qw = quantize_weight(w, bits=bits, group_size=64, symmetric=not zeros)
         fmt = dataclasses.replace(qw.format, scale_dtype=params, zero_dtype=params)
         qw = QuantizedWeight(qw.codes, qw.scales, qw.zeros, fmt)
-    spec = spec_for(qw, ISAS[isa], n_tile=2, **({"triples": True} if triples else {}))  # NEON's default: planes
+    chunks = {} if bits == "Q5_K" else {"k_chunk": 384 if triples else 128}  # K chunks (triples: a shorter last)
+    spec = spec_for(qw, ISAS[isa], n_tile=2, **chunks, **({"triples": True} if triples else {}))  # NEON: planes
     assert spec.triples == triples and bool(spec.super_groups) == (params == "super")
+    assert spec.k_chunk < spec.k_padded or bits == "Q5_K"
     lib = str(tmp_path / "kern.so")
     build_library(spec, ISAS[isa], lib)
     pw = pack(qw, spec)
