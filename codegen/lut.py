@@ -4,11 +4,10 @@ Two functions per spec (layouts: ``tmac.packing``):
 
 - ``build_tables(X[N, K], LUT[N', K/4, 16], LS[N', K/LG], XS[N', K/WG])``: the int8 tables, their scales and
   the activation sums, in exactly the float operations of ``tmac.reference``;
-- ``lut_gemm(W, S[, Z], LUT, LS, XS, Y[N, M])``: a K chunk at a time, parallel over row blocks; per
-  activation-row tile, per lut
-  group, the unrolled inner loop loads each weight vector once and looks it up in the tables of every row of
-  the tile (``n_tile`` rows; the GEMV variant ``lut_gemv`` has a tile of 1), then a float epilogue applies
-  table scale × weight scale and the ``(½s + z)·Σx`` term.
+- ``lut_gemm(W, S[, Z], LUT, LS, XS, Y[N, M])``: parallel over row blocks (the GEMV a K chunk at a time); per
+  activation-row tile, per lut group, the unrolled inner loop loads each weight vector once and looks it up in
+  the tables of every row of the tile (``n_tile`` rows; the GEMV variant ``lut_gemv`` has a tile of 1), then a
+  float epilogue applies table scale × weight scale and the ``(½s + z)·Σx`` term.
 
 Kernels are built with TVM's IR builder so that Python decides the shape of the code (chunks, vectors,
 tiles are unrolled here); nothing is left for a schedule.
@@ -211,8 +210,9 @@ def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str):
         if sg:  # the super scales, read as float32: after each super group's multipliers
             SF32, ZF32 = (T.decl_buffer((mb * s_shape[1] * s_shape[2] // 4,), f32, data=b.data, align=1) for b in (S, Z))
 
-        def chunk(g0, gc: int, first):
-            """Lut groups ``[g0, g0 + gc)`` of every block; ``first``: the first chunk (the others start from Y)."""
+        def blocks(each_chunk, first):
+            """Every row block over the K chunks ``each_chunk`` emits (``first``: they start the sum; otherwise the
+            block's rows start from Y)."""
             with T.parallel(0, mb) as blk:
                 out = T.alloc_buffer((n_tile * sb,), f32, scope="global")
                 # K-quants: a super group's Σ a·(terms) and Σ b·Σx, per row of the tile
@@ -231,92 +231,95 @@ def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str):
                                                       tirx.FloatImm(f32, 0.0))
                                 T.buffer_store(out, y, [r * sb + i])
 
-                        def weights(step, start, lanes):  # bytes of the block's ``step`` (a global step index)
-                            row = chunk_row(blk, step, g0 * steps, gc * steps)
-                            return WF[vec(row * row_bytes + start, lanes)]
+                        def groups(g0, gc):  # lut groups [g0, g0 + gc) of one K chunk
+                            def weights(step, start, lanes):  # bytes of the block's ``step`` (a global step index)
+                                row = chunk_row(blk, step, g0 * steps, gc * steps)
+                                return WF[vec(row * row_bytes + start, lanes)]
 
-                        def lut_group(g):  # the weights of lut group g: integer sums, then the float epilogue
-                            for (_, p, nv, _, _), acc in zip(chunks, accs):
-                                elem, lanes = isa.acc_dtype(p, steps).split("x")
-                                for a in range(nv * n_tile):
-                                    T.buffer_store(acc, tirx.Broadcast(tirx.IntImm(elem, 0), int(lanes)), [a])
-                            with T.serial(0, steps // u) as kpo:
-                                with T.unroll(0, u) as kpi:
-                                    step = g * steps + kpo * u + kpi
-                                    for j, (t_lo, t_hi, base, qp, first_plane) in enumerate(pairs(step)):
-                                        tables = [tuple(tables_flat[nt * n_tile + r, vec(t * 16, tw)] for t in (t_lo, t_hi))
-                                                  for r in range(n_tile)]
-                                        for (_, p, nv, off, _), acc in zip(chunks, accs):
-                                            for v in range(nv):
-                                                vb = part * nv + v  # the vector in the block
-                                                idx = nibbles(weights(step, base + off + vb * vl, vl), qp)
-                                                masks = [isa.lane_mask(weights(step, mask_start(j, vb, h), vl // 8))
-                                                         for h in (0, 1)] if spec.triples else None
-                                                for r, t_pair in enumerate(tables):
-                                                    looked = [lookup(t, i) for t, i in zip(t_pair, idx)]
-                                                    if masks is not None:
-                                                        looked = [negated_where(x, mk) for x, mk in zip(looked, masks)]
-                                                    a = v * n_tile + r
-                                                    total = isa.accumulate(acc[a], looked, p, qp or p, first_plane)
-                                                    T.buffer_store(acc, total, [a])
-                            wgi = 0 if spec.triples else g // lut_groups_per_wg
-                            wg0, wgc = g0 // lut_groups_per_wg, gc // lut_groups_per_wg  # the chunk's weight groups
-                            for r in range(n_tile):
-                                row = nt * n_tile + r
-                                for ci, ((o, p, nv, _, per_vec), acc) in enumerate(zip(chunks, accs)):
-                                    rows = isa.acc_rows(p)  # lanes → rows of the block, where not in order
-                                    for v in range(nv):
-                                        lanes = acc[v * n_tile + r]
-                                        if rows is not None:
-                                            lanes = tirx.Shuffle([lanes], [rows.index(i) for i in range(per_vec)])
-                                        wide = isa.widen(lanes, p)
-                                        if o:
-                                            wide = wide << tirx.Broadcast(tirx.IntImm("int32", o), per_vec)
-                                        if ci:
-                                            wide = racc[vec(v * per_vec, per_vec)] + wide
-                                        T.buffer_store(racc, wide, [vec(v * per_vec, per_vec)])
-                                with T.vectorized(0, sb) as i:
-                                    at = r * sb + i
-                                    if sg:  # a lut group is a weight group (KernelSpec): a's terms in one
-                                        term = tirx.Cast(f32, racc[i]) * LS[row, g] + sum_coef * XS[row, wgi]
-                                        T.buffer_store(sums[0], sums[0][at] + term *
-                                                       param(SF, blk, wgi, first_row + i, wg0, wgc), [at])
-                                    else:
-                                        T.buffer_store(out, out[at] + tirx.Cast(f32, racc[i]) *
-                                                       (LS[row, g] * param(SF, blk, wgi, first_row + i, wg0, wgc)), [at])
-                                if spec.triples:  # ternary triples are symmetric: no Σx term
-                                    continue
-                                with T.If(g % lut_groups_per_wg == lut_groups_per_wg - 1):
-                                    with T.Then():
-                                        with T.vectorized(0, sb) as i:
-                                            at = r * sb + i
-                                            if sg:
-                                                T.buffer_store(sums[1], sums[1][at] + param(
-                                                    ZF, blk, wgi, first_row + i, wg0, wgc) * XS[row, wgi], [at])
-                                            else:
-                                                half_s = tirx.FloatImm(f32, 0.5) * param(SF, blk, wgi, first_row + i,
-                                                                                         wg0, wgc)
-                                                coef = half_s + param(ZF, blk, wgi, first_row + i, wg0, wgc) \
-                                                    if Z is not None else half_s
-                                                T.buffer_store(out, out[at] - coef * XS[row, wgi], [at])
-                        if sg:  # K-quants: a super group's lut groups (= weight groups), then its d and m
-                            with T.serial(0, gc // sg) as jj:
-                                j = g0 // sg + jj
-                                with T.vectorized(0, n_tile * sb) as i:
-                                    for buf in sums:
-                                        T.buffer_store(buf, tirx.FloatImm(f32, 0.0), [i])
-                                with T.serial(0, sg) as gi:
-                                    lut_group(j * sg + gi)
+                            def lut_group(g):  # the weights of lut group g: integer sums, then the float epilogue
+                                for (_, p, nv, _, _), acc in zip(chunks, accs):
+                                    elem, lanes = isa.acc_dtype(p, steps).split("x")
+                                    for a in range(nv * n_tile):
+                                        T.buffer_store(acc, tirx.Broadcast(tirx.IntImm(elem, 0), int(lanes)), [a])
+                                with T.serial(0, steps // u) as kpo:
+                                    with T.unroll(0, u) as kpi:
+                                        step = g * steps + kpo * u + kpi
+                                        for j, (t_lo, t_hi, base, qp, first_plane) in enumerate(pairs(step)):
+                                            tables = [tuple(tables_flat[nt * n_tile + r, vec(t * 16, tw)] for t in (t_lo, t_hi))
+                                                      for r in range(n_tile)]
+                                            for (_, p, nv, off, _), acc in zip(chunks, accs):
+                                                for v in range(nv):
+                                                    vb = part * nv + v  # the vector in the block
+                                                    idx = nibbles(weights(step, base + off + vb * vl, vl), qp)
+                                                    masks = [isa.lane_mask(weights(step, mask_start(j, vb, h), vl // 8))
+                                                             for h in (0, 1)] if spec.triples else None
+                                                    for r, t_pair in enumerate(tables):
+                                                        looked = [lookup(t, i) for t, i in zip(t_pair, idx)]
+                                                        if masks is not None:
+                                                            looked = [negated_where(x, mk) for x, mk in zip(looked, masks)]
+                                                        a = v * n_tile + r
+                                                        total = isa.accumulate(acc[a], looked, p, qp or p, first_plane)
+                                                        T.buffer_store(acc, total, [a])
+                                wgi = 0 if spec.triples else g // lut_groups_per_wg
+                                wg0, wgc = g0 // lut_groups_per_wg, gc // lut_groups_per_wg  # the chunk's weight groups
                                 for r in range(n_tile):
+                                    row = nt * n_tile + r
+                                    for ci, ((o, p, nv, _, per_vec), acc) in enumerate(zip(chunks, accs)):
+                                        rows = isa.acc_rows(p)  # lanes → rows of the block, where not in order
+                                        for v in range(nv):
+                                            lanes = acc[v * n_tile + r]
+                                            if rows is not None:
+                                                lanes = tirx.Shuffle([lanes], [rows.index(i) for i in range(per_vec)])
+                                            wide = isa.widen(lanes, p)
+                                            if o:
+                                                wide = wide << tirx.Broadcast(tirx.IntImm("int32", o), per_vec)
+                                            if ci:
+                                                wide = racc[vec(v * per_vec, per_vec)] + wide
+                                            T.buffer_store(racc, wide, [vec(v * per_vec, per_vec)])
                                     with T.vectorized(0, sb) as i:
                                         at = r * sb + i
-                                        base = (chunk_row(blk, j, g0 // sg, gc // sg) * (sg + 4) + sg) * bm // 4 + \
-                                            first_row + i
-                                        T.buffer_store(out, out[at] + SF32[base] * sums[0][at] -
-                                                       ZF32[base] * sums[1][at], [at])
-                        else:
-                            with T.serial(0, gc) as gi:
-                                lut_group(g0 + gi)
+                                        if sg:  # a lut group is a weight group (KernelSpec): a's terms in one
+                                            term = tirx.Cast(f32, racc[i]) * LS[row, g] + sum_coef * XS[row, wgi]
+                                            T.buffer_store(sums[0], sums[0][at] + term *
+                                                           param(SF, blk, wgi, first_row + i, wg0, wgc), [at])
+                                        else:
+                                            T.buffer_store(out, out[at] + tirx.Cast(f32, racc[i]) *
+                                                           (LS[row, g] * param(SF, blk, wgi, first_row + i, wg0, wgc)), [at])
+                                    if spec.triples:  # ternary triples are symmetric: no Σx term
+                                        continue
+                                    with T.If(g % lut_groups_per_wg == lut_groups_per_wg - 1):
+                                        with T.Then():
+                                            with T.vectorized(0, sb) as i:
+                                                at = r * sb + i
+                                                if sg:
+                                                    T.buffer_store(sums[1], sums[1][at] + param(
+                                                        ZF, blk, wgi, first_row + i, wg0, wgc) * XS[row, wgi], [at])
+                                                else:
+                                                    half_s = tirx.FloatImm(f32, 0.5) * param(SF, blk, wgi, first_row + i,
+                                                                                             wg0, wgc)
+                                                    coef = half_s + param(ZF, blk, wgi, first_row + i, wg0, wgc) \
+                                                        if Z is not None else half_s
+                                                    T.buffer_store(out, out[at] - coef * XS[row, wgi], [at])
+                            if sg:  # K-quants: a super group's lut groups (= weight groups), then its d and m
+                                with T.serial(0, gc // sg) as jj:
+                                    j = g0 // sg + jj
+                                    with T.vectorized(0, n_tile * sb) as i:
+                                        for buf in sums:
+                                            T.buffer_store(buf, tirx.FloatImm(f32, 0.0), [i])
+                                    with T.serial(0, sg) as gi:
+                                        lut_group(j * sg + gi)
+                                    for r in range(n_tile):
+                                        with T.vectorized(0, sb) as i:
+                                            at = r * sb + i
+                                            base = (chunk_row(blk, j, g0 // sg, gc // sg) * (sg + 4) + sg) * bm // 4 + \
+                                                first_row + i
+                                            T.buffer_store(out, out[at] + SF32[base] * sums[0][at] -
+                                                           ZF32[base] * sums[1][at], [at])
+                            else:
+                                with T.serial(0, gc) as gi:
+                                    lut_group(g0 + gi)
+
+                        each_chunk(groups)
                         for r in range(n_tile):
                             row = nt * n_tile + r
                             with T.If(row < n):
@@ -329,14 +332,28 @@ def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str):
 
         with T.Assert(tirx.all(n <= np_, np_ % n_tile == 0),
                       f"{name}: the tables must cover every output row in whole tiles of {n_tile}", "ValueError"):
-            # one parallel launch for all chunks: each thread takes the same blocks of every chunk (TVM splits a
-            # parallel loop inside a launch point statically), so no chunk waits for another thread
-            full, tail = divmod(spec.k_padded // lg, groups_per_chunk)
-            with T.attr(tirx.const(0, "int32"), "pragma_parallel_launch_point", tirx.const(1, "int32")):
-                with T.serial(0, full) as c:
-                    chunk(c * groups_per_chunk, groups_per_chunk, c == 0)
-                if tail:
-                    chunk(full * groups_per_chunk, tail, tirx.const(full == 0, "bool"))
+            groups_total = spec.k_padded // lg
+            full, tail = divmod(groups_total, groups_per_chunk)
+            if n_tile == 1:
+                # the GEMV streams each weight once: a chunk at a time over all blocks, in one parallel launch (TVM
+                # splits a parallel loop inside a launch point statically: each thread takes the same blocks of
+                # every chunk, so no chunk waits for another thread); the chunk sizes are constants (the shorter
+                # last chunk its own code: with a computed size the AVX2 W2 GEMV ran 30 % slower warm)
+                with T.attr(tirx.const(0, "int32"), "pragma_parallel_launch_point", tirx.const(1, "int32")):
+                    with T.serial(0, full) as c:
+                        blocks(lambda emit, c=c: emit(c * groups_per_chunk, groups_per_chunk), c == 0)
+                    if tail:
+                        blocks(lambda emit: emit(full * groups_per_chunk, tail), tirx.const(full == 0, "bool"))
+            else:
+                # the GEMM reads a block's weights once per row tile, from cache: every chunk of a block in turn,
+                # one code for all (a second copy of the unrolled body for the last chunk cost the 16-row AVX2 W2
+                # GEMM 20 %)
+                def every_chunk(emit):
+                    with T.serial(0, full + (tail > 0)) as c:
+                        g0 = c * groups_per_chunk
+                        emit(g0, tirx.min(groups_per_chunk, groups_total - g0))
+
+                blocks(every_chunk, tirx.const(True, "bool"))
     return ib.get()
 
 
