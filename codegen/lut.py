@@ -167,22 +167,6 @@ def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str):
 
     sg = spec.super_groups
 
-    # K chunks (tmac.packing): chunk c of W, S and Z holds every block's rows (steps, weight or super groups) of its
-    # lut groups, so row r of block blk in a chunk of rows [r0, r0 + rc) is flat row mb·r0 + blk·rc + (r − r0)
-    def chunk_row(blk, r, r0, rc):
-        return mb * r0 + blk * rc + (r - r0)
-
-    groups_per_chunk = spec.k_chunk // lg
-
-    def param(buf, blk, g, row, g0, gc):  # float16 parameters widen in registers (vcvtph2ps, fcvtl); so do multipliers
-        if sg:  # [super group][multipliers of its SG groups, then 4·BM bytes of d or m]
-            at = chunk_row(blk, g // sg, g0 // sg, gc // sg) * (sg + 4) * bm + g % sg * bm + row
-        elif per_row:
-            at = blk * bm + row
-        else:
-            at = chunk_row(blk, g, g0, gc) * bm + row
-        return buf[at] if buf.dtype == f32 else tirx.Cast(f32, buf[at])
-
     # K-quants (super scales): −(½s + z)·Σx = (offset − ½)·d·a·Σx − m·b·Σx, so a super group's terms are summed
     # with the multipliers a, b only, and d, m applied once at its end (per-group d·a and m·b − offset·d·a would
     # cost the epilogue more than the smaller parameters save)
@@ -203,12 +187,26 @@ def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str):
         tw, lookup = (64, isa.lookup64) if spec.quads else (16, isa.lookup)  # quads look into 4 adjacent tables
         tables_flat = T.decl_buffer((np_, lut_shape[1] * 16), "int8", data=LUT.data, align=1)
         steps_total, row_bytes = w_shape[1], w_shape[2]
-        per_row = s_shape[1] == 1 and not sg
         WF = T.decl_buffer((mb * steps_total * row_bytes,), "uint8", data=W.data, align=1)
         SF, ZF = (None if b is None else T.decl_buffer((mb * s_shape[1] * s_shape[2],), b.dtype, data=b.data, align=1)
                   for b in (S, Z))
         if sg:  # the super scales, read as float32: after each super group's multipliers
             SF32, ZF32 = (T.decl_buffer((mb * s_shape[1] * s_shape[2] // 4,), f32, data=b.data, align=1) for b in (S, Z))
+
+        # K chunks (tmac.packing): chunk c of W, S and Z holds every block's rows (steps, weight or super groups) of
+        # its lut groups, so row r of block blk in a chunk of rows [r0, r0 + rc) is flat row mb·r0 + blk·rc + (r − r0)
+        def chunk_row(blk, r, r0, rc):
+            return mb * r0 + blk * rc + (r - r0)
+
+        # float16 parameters widen in registers (vcvtph2ps, fcvtl); so do multipliers
+        def param(buf, blk, g, row, g0, gc):
+            if sg:  # [super group][multipliers of its SG groups, then 4·BM bytes of d or m]
+                at = chunk_row(blk, g // sg, g0 // sg, gc // sg) * (sg + 4) * bm + g % sg * bm + row
+            elif s_shape[1] == 1:  # one scale a row: not chunked
+                at = blk * bm + row
+            else:
+                at = chunk_row(blk, g, g0, gc) * bm + row
+            return buf[at] if buf.dtype == f32 else tirx.Cast(f32, buf[at])
 
         def blocks(each_chunk, first):
             """Every row block over the K chunks ``each_chunk`` emits (``first``: they start the sum; otherwise the
@@ -332,7 +330,7 @@ def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str):
 
         with T.Assert(tirx.all(n <= np_, np_ % n_tile == 0),
                       f"{name}: the tables must cover every output row in whole tiles of {n_tile}", "ValueError"):
-            groups_total = spec.k_padded // lg
+            groups_total, groups_per_chunk = spec.k_padded // lg, spec.k_chunk // lg
             full, tail = divmod(groups_total, groups_per_chunk)
             if n_tile == 1:
                 # the GEMV streams each weight once: a chunk at a time over all blocks, in one parallel launch (TVM
