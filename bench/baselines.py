@@ -3,8 +3,8 @@ import numpy as np
 import torch
 
 from tmac.bench import bench_group, int4_linear, int4pack  # noqa: F401  (re-exported for the benches)
+from tmac.tuning import COLD_BYTES  # noqa: F401  (cycle through this many bytes of weight copies: cold)
 
-COLD_BYTES = 1 << 30  # cycle through this many bytes of weight copies to defeat the caches
 
 
 def random_weights(m, k, seed=0):

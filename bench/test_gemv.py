@@ -13,13 +13,13 @@ from baselines import COLD_BYTES, bench_group, int4_linear, int4pack, random_wei
 from conftest import BYTES, record
 from tmac import quantize_weight
 from tmac.lut_ops import LutWeight
-from tmac.memory import huge_page_full, to_huge_pages
+from tmac.memory import huge_page_copies, huge_page_full
 
 SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008), (3200, 8640), (8640, 3200)]
 
 
 def _candidates(m, k):
-    """name → (make one weight copy, call with (copy, x), bytes per copy)."""
+    """name → (make n weight copies, call with (copy, x), bytes per copy)."""
     w = random_weights(m, k)
     x = torch.randn(1, k)
     xb = x.to(torch.bfloat16)
@@ -28,28 +28,22 @@ def _candidates(m, k):
     # 5-15 µs a cold call: its allocator's code and lines are evicted by the weight stream)
     y, yb = torch.empty(1, m), torch.empty(1, m, dtype=torch.bfloat16)
     out = {
-        "torch fp32": (lambda: to_huge_pages(w), lambda c: torch.mm(x, c.t(), out=y), m * k * 4),
-        "torch bf16": (lambda: to_huge_pages(w.to(torch.bfloat16)), lambda c: torch.mm(xb, c.t(), out=yb), m * k * 2),
-        "torch int4wo": (lambda: tuple(map(to_huge_pages, int4pack(w, group))),
+        "torch fp32": (lambda n: huge_page_copies((w,), n), lambda c: torch.mm(x, c[0].t(), out=y), m * k * 4),
+        "torch bf16": (lambda n: huge_page_copies((w.to(torch.bfloat16),), n),
+                       lambda c: torch.mm(xb, c[0].t(), out=yb), m * k * 2),
+        "torch int4wo": (lambda n: huge_page_copies(int4pack(w, group), n),
                          lambda c: int4_linear(xb, c, group), m * k // 2 + m * k // group * 4),
     }
     s8 = w.abs().amax(1) / 127
     w8 = (w / s8[:, None]).round().to(torch.int8)
-    out["torch int8wo"] = (lambda: (to_huge_pages(w8), to_huge_pages(s8)),
+    out["torch int8wo"] = (lambda n: huge_page_copies((w8, s8), n),
                            lambda c: torch.ops.aten._weight_int8pack_mm(x, c[0], c[1]), m * k + m * 4)
     formats = {f"tmac W{bits}": dict(bits=bits, group_size=group) for bits in (1, 2, 3, 4)}
     formats["tmac ternary"] = dict(ternary=True, group_size="tensor")  # BitNet b1.58: triples, 1.67 bits
     for name, fmt in formats.items():
         lw = LutWeight.from_quantized(quantize_weight(w.numpy(), **fmt))
         lw.matmul(x)  # compile / load outside the timing
-
-        def copy(lw=lw):
-            c = LutWeight.__new__(LutWeight)
-            c.__dict__.update(lw.__dict__)
-            c.weights, c.scales = to_huge_pages(lw.weights), to_huge_pages(lw.scales)
-            c.zeros = None if lw.zeros is None else to_huge_pages(lw.zeros)
-            return c
-        out[name] = (copy, lambda c: c.matmul(x, out=y), lw.nbytes)
+        out[name] = (lw.copies, lambda c: c.matmul(x, out=y), lw.nbytes)
     return out
 
 
@@ -65,7 +59,7 @@ def test_gemv(benchmark, set_threads, regime, shape, cand):
         _CACHE.clear()
         _CACHE[shape] = _candidates(*shape)
     make, call, nbytes = _CACHE[shape][cand]
-    copies = [make() for _ in range(1 if regime == "warm" else max(2, COLD_BYTES // nbytes))]
+    copies = make(1 if regime == "warm" else max(2, COLD_BYTES // nbytes))
     state = {"i": 0}
 
     def step():

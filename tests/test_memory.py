@@ -129,3 +129,18 @@ def test_a_large_tensor_converts_without_copies_of_its_codes(monkeypatch, type_n
             assert np.shares_memory(table.codes.numpy(), qw.codes)
     finally:
         tracemalloc.stop()
+
+
+def test_huge_page_copies_lie_in_order_in_one_arena_and_equal_the_originals():
+    a, b = torch.arange(10, dtype=torch.int16).reshape(2, 5), torch.randn(3)
+    copies = memory.huge_page_copies((a, None, b), 3)
+    assert len(copies) == 3 and all(c[1] is None for c in copies)
+    assert all(torch.equal(c[0], a) and torch.equal(c[2], b) for c in copies)
+    flat = [t for c in copies for t in (c[0], c[2])]
+    ptrs = [t.data_ptr() for t in flat]
+    assert ptrs == sorted(ptrs) and len(set(ptrs)) == 6 and all(p % memory.ALIGN == 0 for p in ptrs)
+    assert all(t.untyped_storage().data_ptr() == flat[0].untyped_storage().data_ptr() for t in flat)
+    copies[0][0].fill_(0)  # copies, not views of the original or of each other
+    assert torch.equal(copies[1][0], a) and a.any()
+    with pytest.raises(ValueError, match="positive int"):
+        memory.huge_page_copies((a,), 0)

@@ -12,7 +12,9 @@ import torch
 import tmac
 from tmac import quantize_weight, runtime
 from tmac import reference as ref
+from tmac.kernels import best_isa
 from tmac.lut_ops import LutWeight
+from tmac.packing import spec_for_format
 
 RUN_CACHED = """
 import sys, numpy as np, torch
@@ -186,13 +188,19 @@ def _tune(tmp_path, *args):
 def test_tune_persists_and_later_kernels_use_it(tmp_path):
     env, r, path, key, tiling = _tune(tmp_path, "--bits", "2", "--k", "256")
     assert "tuned GEMV ms" in r.stdout and "w2g128" in r.stdout
-    assert key.endswith("|b2|k256|g128|lg128|z") and set(tiling) == {"block_rows", "unroll", "n_tile"}
+    assert "_kc128" in r.stderr  # K in two chunks was compiled and timed too
+    assert key.endswith("|b2|k256|g128|lg128|z") and set(tiling) == {"block_rows", "unroll", "n_tile", "k_chunk"}
     check = ("import numpy as np, tmac; from tmac.lut_ops import LutWeight; "
              "qw = tmac.quantize_weight(np.ones((64, 256), np.float32), bits=2, group_size=128); "
-             "s = LutWeight.from_quantized(qw).spec; print(s.block_rows, s.unroll, s.n_tile)")
+             "s = LutWeight.from_quantized(qw).spec; print(s.block_rows, s.unroll, s.n_tile, s.k_chunk)")
     used = _run(check, env)
     assert used.returncode == 0, used.stderr
-    assert used.stdout.split() == [str(tiling["block_rows"]), str(tiling["unroll"]), str(tiling["n_tile"])]
+    assert used.stdout.split() == [str(tiling[f]) for f in ("block_rows", "unroll", "n_tile", "k_chunk")]
+    json.dump({key: {"block_rows": 256, "unroll": 1, "n_tile": 8}}, open(path, "w"))  # tuned before K chunks
+    old = _run(check, env)
+    fmt = tmac.quantize_weight(np.ones((1, 256), np.float32), bits=2, group_size=128).format
+    chunk = spec_for_format(fmt, 256, best_isa(), block_rows=256, unroll=1, n_tile=8).k_chunk  # the default's
+    assert old.returncode == 0 and old.stdout.split() == ["256", "1", "8", str(chunk)], old.stderr
     open(path, "w").write("{not json")  # a damaged tuning file means defaults, not a crash
     again = _run(check, env)
     defaults = _run(check, dict(env, TMAC_CACHE_DIR=str(tmp_path / "untuned")))
@@ -207,7 +215,7 @@ def test_tune_covers_ternary_triples(tmp_path):
     assert key.endswith("|b2|k384|g384|lg192|s|t3")
     check = ("import numpy as np, tmac; from tmac.lut_ops import LutWeight; "
              "qw = tmac.quantize_weight(np.ones((64, 384), np.float32), ternary=True, group_size='tensor'); "
-             "s = LutWeight.from_quantized(qw).spec; print(s.triples, s.block_rows, s.unroll, s.n_tile)")
+             "s = LutWeight.from_quantized(qw).spec; print(s.triples, s.block_rows, s.unroll, s.n_tile, s.k_chunk)")
     used = _run(check, env)
     assert used.returncode == 0, used.stderr
-    assert used.stdout.split() == ["True", str(tiling["block_rows"]), str(tiling["unroll"]), str(tiling["n_tile"])]
+    assert used.stdout.split() == ["True"] + [str(tiling[f]) for f in ("block_rows", "unroll", "n_tile", "k_chunk")]

@@ -287,14 +287,16 @@ def cmd_tune(args) -> int:
     rows = []
     for i, (fmt, k) in enumerate(work, 1):
         defaults = spec_for_format(fmt, k, isa, unroll=0)  # a tiling argument: the defaults, not earlier tuning
-        n = len(tuning.candidates(defaults)) + 3
+        # one off where the best block's default K chunk is not among the defaults' candidates
+        n = len(tuning.candidates(defaults)) + len(tuning.chunk_candidates(defaults)) + 3
         with Progress(f"[{i}/{len(work)}] tuning {fmt.name} K={k}", n, None) as bar:
             best, measured = tuning.tune(fmt, k, isa, progress=bar)
-        gemv = {(t["block_rows"], t["unroll"]): sec for t, sec in measured[:-3]}
-        rows.append((fmt.name, k, best["block_rows"], best["unroll"], best["n_tile"],
-                     f"{gemv[(defaults.block_rows, defaults.unroll)] * 1e3:.3f}",
-                     f"{gemv[(best['block_rows'], best['unroll'])] * 1e3:.3f}"))
-    _print_table(rows, header=("format", "K", "block_rows", "unroll", "n_tile", "default GEMV ms", "tuned GEMV ms"))
+        gemv = {(t["block_rows"], t["unroll"], t["k_chunk"]): sec for t, sec in measured["gemv"]}
+        rows.append((fmt.name, k, best["block_rows"], best["unroll"], best["k_chunk"], best["n_tile"],
+                     f"{gemv[(defaults.block_rows, defaults.unroll, defaults.k_chunk)] * 1e3:.3f}",
+                     f"{gemv[(best['block_rows'], best['unroll'], best['k_chunk'])] * 1e3:.3f}"))
+    _print_table(rows, header=("format", "K", "block_rows", "unroll", "k_chunk", "n_tile", "default GEMV ms (cold)",
+                               "tuned GEMV ms (cold)"))
     print(f"saved to {tuning.tuning_file()}; later kernels for these parameters use it")
     return 0
 

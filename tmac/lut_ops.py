@@ -155,6 +155,17 @@ class LutWeight:
         """Bytes a GEMV streams: packed weights and their parameters."""
         return sum(t.numel() * t.element_size() for t in (self.weights, self.scales, self.zeros) if t is not None)
 
+    def copies(self, n: int) -> list["LutWeight"]:
+        """``n`` handles on copies of the packed tensors, one after another in huge pages (``huge_page_copies``)."""
+        from .memory import huge_page_copies
+
+        out = []
+        for weights, scales, zeros in huge_page_copies((self.weights, self.scales, self.zeros), n):
+            c = LutWeight.__new__(LutWeight)
+            c.__dict__.update(self.__dict__, weights=weights, scales=scales, zeros=zeros)
+            out.append(c)
+        return out
+
     def matmul(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ W.T`` for float32 ``x [N, K]``; returns float32 ``[N, M]``."""
         packed = (self.weights, self.scales, self.zeros, None)

@@ -106,6 +106,22 @@ def to_huge_pages(t: torch.Tensor) -> torch.Tensor:
     return _copy_into(huge_page_empty(t.nbytes), t)
 
 
+def huge_page_copies(tensors, n: int) -> list[tuple]:
+    """``n`` copies of the tuple ``tensors`` (None entries stay None), laid one after another in one huge-page
+    arena as a model's weights lie: cycling through enough of them streams them from DRAM (cold timing)."""
+    if type(n) is not int or n < 1:
+        raise ValueError(f"n must be a positive int, got {n!r}")
+    sizes = [0 if t is None else -(-t.nbytes // ALIGN) * ALIGN for t in tensors]
+    arena, at, copies = huge_page_empty(n * sum(sizes)), 0, []
+    for _ in range(n):
+        copy = []
+        for t, size in zip(tensors, sizes):
+            copy.append(None if t is None else _copy_into(arena[at:at + t.nbytes], t))
+            at += size
+        copies.append(tuple(copy))
+    return copies
+
+
 def _copy_into(raw: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     """``t`` copied into the uint8 tensor ``raw`` of exactly its bytes, as a tensor of its dtype and shape."""
     return raw.view(t.dtype).view(t.shape).copy_(t)

@@ -25,7 +25,7 @@ class Progress:
         if self.enabled and (now - self._drawn > 0.1 or self.done == self.total):
             self._drawn = now
             width = 24
-            filled = width * self.done // max(self.total, 1)
+            filled = min(width, width * self.done // max(self.total, 1))  # a total may be an estimate
             self.stream.write(f"\r{self.what} [{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} "
                               f"{now - self._start:5.1f}s {label[:40]:<40}")
             self.stream.flush()
