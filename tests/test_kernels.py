@@ -224,7 +224,7 @@ def test_k_quant_super_scales(rng, isa, type_name):
 
 
 @pytest.mark.parametrize("isa", FAST)
-@pytest.mark.parametrize("kind", ["w4g32", "w2g128", "w3row", "ternary", "Q4_K"])
+@pytest.mark.parametrize("kind", ["w4g32", "w2g128", "w1g64", "w3row", "ternary", "Q4_K"])
 def test_k_chunks_reorder_rows_and_keep_results_bit_exact(rng, isa, kind):
     """K cut into chunks (the last shorter) stores each chunk's rows of every block before the next chunk's —
     checked row by row against the one-chunk packing — and the kernels give bit-identical GEMV and GEMM
@@ -237,8 +237,9 @@ def test_k_chunks_reorder_rows_and_keep_results_bit_exact(rng, isa, kind):
         qw = import_gguf(k_quant_blocks(rng, m, k, kind), kind, (m, k))
     else:
         w = rng.standard_normal((m, k)).astype(np.float32)
+        groups = {"g32": 32, "g64": 64, "g128": 128, "row": "row"}
         qw = quantize_weight(w, ternary=True, group_size="row") if kind == "ternary" else \
-            quantize_weight(w, bits=int(kind[1]), group_size={"g32": 32, "g128": 128, "row": "row"}[kind[2:]])
+            quantize_weight(w, bits=int(kind[1]), group_size=groups[kind[2:]])
     whole = spec_for(qw, ISAS[isa], k_chunk=ref.padded_k(k) if kind == "ternary" else k)
     unit = whole.chunk_unit
     chunked = spec_for(qw, ISAS[isa], k_chunk=unit * 5 if whole.k_padded // unit > 5 else unit)
