@@ -2,8 +2,7 @@
 import numpy as np
 import torch
 
-from tmac.bench import bench_group, int4_linear, int4pack  # noqa: F401  (re-exported for the benches)
-from tmac.tuning import COLD_BYTES  # noqa: F401  (cycle through this many bytes of weight copies: cold)
+from tmac.bench import COLD_BYTES, bench_group, int4_linear, int4pack  # noqa: F401  (re-exported for the benches)
 
 
 

@@ -37,23 +37,25 @@ def record(benchmark, key):
 
 
 def pytest_terminal_summary(terminalreporter):
-    if not RESULTS:
-        return
+    """A table per (regime, threads, shape): ms, speed-ups over torch fp32 and int4 weight-only and GB/s, and the
+    share of the read probe where one was timed alongside (interleaved runs); columns without a baseline drop."""
     tr = terminalreporter
-    groups = sorted({k[:3] for k in RESULTS}, key=str)
-    for regime, threads, shape in groups:
-        base = RESULTS.get((regime, threads, shape, "torch fp32"))
-        int4 = RESULTS.get((regime, threads, shape, "torch int4wo"))
+    for regime, threads, shape in sorted({k[:3] for k in RESULTS}, key=str):
+        rows = sorted(((cand, sec) for (r, t, s, cand), sec in RESULTS.items() if (r, t, s) == (regime, threads, shape)),
+                      key=lambda cs: cs[1])
+        found = dict(rows)
+        columns = [(f"vs {b.split()[-1]}", lambda cand, sec, b=b: f"{found[b] / sec:.2f}x")
+                   for b in ("torch fp32", "torch int4wo") if b in found]
+        columns.append(("GB/s", lambda cand, sec: f"{BYTES[(shape, cand)] / sec / 1e9:.1f}"
+                        if (shape, cand) in BYTES else "—"))
+        if "read 1 GiB" in found:
+            probe = BYTES[(shape, "read 1 GiB")] / found["read 1 GiB"]
+            columns.append(("% probe", lambda cand, sec: f"{100 * BYTES[(shape, cand)] / sec / probe:.0f} %"))
         what = shape if isinstance(shape, str) else f"GEMV {shape[0]}x{shape[1]}"
         tr.write_line(f"\n{regime}, {threads} thread(s), {what}:")
-        tr.write_line(f"  {'candidate':<16}{'ms':>9}{'vs fp32':>10}{'vs int4wo':>11}{'GB/s':>8}")
-        for (r, t, s, cand), sec in sorted(RESULTS.items(), key=lambda kv: kv[1]):
-            if (r, t, s) != (regime, threads, shape):
-                continue
-            gbs = BYTES.get((s, cand))
-            tr.write_line(f"  {cand:<16}{sec * 1e3:>9.3f}{(base / sec if base else float('nan')):>9.2f}x"
-                          f"{(int4 / sec if int4 else float('nan')):>10.2f}x"
-                          f"{(gbs / sec / 1e9 if gbs else float('nan')):>8.1f}")
+        tr.write_line(f"  {'candidate':<16}{'ms':>9}" + "".join(f"{name:>11}" for name, _ in columns))
+        for cand, sec in rows:
+            tr.write_line(f"  {cand:<16}{sec * 1e3:>9.3f}" + "".join(f"{fmt(cand, sec):>11}" for _, fmt in columns))
 
 
 BYTES: dict[tuple, int] = {}  # (shape, candidate) → weight bytes streamed per call

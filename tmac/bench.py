@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+COLD_BYTES = 1 << 30  # weight copies cycled for cold timing (256 MiB ran a 4096x11008 W4 GEMV 1.7x faster: cached)
 BUSY_LIMIT = 0.25  # share of all CPUs busy before a multi-thread run above which its numbers would be noise
 
 
@@ -40,6 +41,29 @@ def median_seconds(fn, min_seconds: float = 0.3, min_runs: int = 5) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def cold_medians(candidates, min_seconds: float = 0.3, each_pass=None) -> list[float]:
+    """Median seconds of a cold call of each candidate ``(make, call, nbytes)``, all timed together: ``make(n)``
+    returns ``n`` copies of its weights (``COLD_BYTES`` for all candidates together) and ``call(copy)`` runs on one.
+    A pass calls every candidate's first copy, then every candidate's second …, so each call streams its weights
+    from DRAM and a slower stretch of the shared host hits every candidate alike; ``each_pass()`` runs before
+    each pass. The first pass warms up."""
+    per = max(2, COLD_BYTES // sum(nbytes for _, _, nbytes in candidates))
+    copies = [make(per) for make, _, _ in candidates]
+    times = [[] for _ in candidates]
+    start, passes = time.perf_counter(), 0
+    while passes < 3 or time.perf_counter() - start < min_seconds * len(candidates):
+        if each_pass:
+            each_pass()
+        for i in range(per):
+            for (_, call, _), c, t in zip(candidates, copies, times):
+                t0 = time.perf_counter()
+                call(c[i])
+                t.append(time.perf_counter() - t0)
+        passes += 1
+    return [statistics.median(t[per:]) for t in times]
+
 
 
 def bench_group(k: int) -> int:

@@ -3,10 +3,10 @@ and group, measured in this process; results persist in the kernel cache directo
 later ``spec_for_format`` without explicit tiling uses them.
 
 Candidates are timed cold, as a model's weights stream from DRAM (a single cache-resident matrix favours other
-tilings: K chunks lose there and gain cold), and together: the copies of all of them (``COLD_BYTES`` in all)
-called in turn, so a slower stretch of the shared host hits them alike. First the GEMV's block rows × unroll,
-then its K chunks at the best of those, on one activation row, table build included; then the GEMM row tile on
-``GEMM_ROWS`` rows. Weights are random; timing does not depend on their values.
+tilings: K chunks lose there and gain cold), and together (``tmac.bench.cold_medians``), so a slower stretch of
+the shared host hits them alike. First the GEMV's block rows × unroll, then its K chunks at the best of those, on
+one activation row, table build included; then the GEMM row tile on ``GEMM_ROWS`` rows. Weights are random;
+timing does not depend on their values.
 """
 
 from __future__ import annotations
@@ -14,11 +14,8 @@ from __future__ import annotations
 import functools
 import json
 import os
-import statistics
-import time
 
 GEMM_ROWS = 16
-COLD_BYTES = 1 << 30  # 256 MiB still ran a 4096x11008 W4 GEMV 1.7x faster than this: partly cached
 MARGIN = 0.03  # a tiling replaces the default only when it is this much faster: timings of one tiling vary ~1-3 %
 TILE_FIELDS = ("block_rows", "unroll", "n_tile", "k_chunk")  # k_chunk may be missing: tuned before K chunks
 
@@ -112,23 +109,14 @@ def tune(fmt, k: int, isa, m: int = 4096, progress=None) -> tuple[dict, dict[str
     return best, measured
 
 
-def cold_seconds(weights: list, x, min_seconds: float = 0.3) -> list[float]:
-    """Median seconds of ``w.matmul(x)`` for each of ``weights``, cold: their copies (``COLD_BYTES`` in all)
-    called in turn."""
+def cold_seconds(weights: list, x) -> list[float]:
+    """Median seconds of ``w.matmul(x)`` for each of ``weights``, cold and timed together (``cold_medians``)."""
     import torch
 
-    per = max(2, COLD_BYTES // sum(w.nbytes for w in weights))
-    copies = [w.copies(per) for w in weights]
+    from .bench import cold_medians
+
     out = torch.empty(x.shape[0], weights[0].m)
-    times = [[] for _ in weights]
-    start = time.perf_counter()
-    while len(times[0]) < 2 * per or time.perf_counter() - start < min_seconds * len(weights):
-        for i in range(per):
-            for c, t in zip(copies, times):
-                t0 = time.perf_counter()
-                c[i].matmul(x, out=out)
-                t.append(time.perf_counter() - t0)
-    return [statistics.median(t[per:]) for t in times]  # the first pass warms up
+    return cold_medians([(w.copies, lambda c: c.matmul(x, out=out), w.nbytes) for w in weights])
 
 
 def save(entry_key: str, tiling: dict) -> None:
