@@ -62,7 +62,7 @@ class X86Isa(Isa):
         total = pairs[0]
         for p in pairs[1:]:
             total = total + p
-        if planes == 2 or str(acc.ty).startswith("int16"):
+        if planes == 2 or _sums_in_int16(acc):
             return acc + total
         return acc + self._pair_sums(total)
 
@@ -82,7 +82,7 @@ class X86Isa(Isa):
         return super().acc_dtype(planes, steps)
 
     def widen(self, acc, planes: int):
-        if planes == 4 and str(acc.ty).startswith("int16"):
+        if planes == 4 and _sums_in_int16(acc):
             return self._pair_sums(acc)
         return super().widen(acc, planes)
 
@@ -100,6 +100,11 @@ class X86Isa(Isa):
             return None
         vb = self.vector_bytes
         return [lane + i for first in (0, 8) for lane in range(0, vb, 16) for i in range(first, first + 8)]
+
+
+def _sums_in_int16(acc) -> bool:
+    """Whether an accumulator holds int16 lanes (``acc_dtype``: short lut groups of 4 planes without VNNI)."""
+    return str(acc.ty).startswith("int16")
 
 
 def _interleave(vb: int, first: int) -> list[int]:
