@@ -23,7 +23,8 @@ def test_rows_are_the_dequantized_table(rng, bits, group, symmetric):
     assert got.dtype == torch.float32 and got.shape == (2, 3, 128)
     # (q − offset)·s rounds once in float32; subtracting a zero may round a second time: one ulp at most
     np.testing.assert_allclose(got.numpy(), want, rtol=0 if symmetric else 2.0 ** -23, atol=0 if symmetric else 1e-6)
-    assert torch.equal(emb.row(49), got[0, 2])
+    table = emb(torch.arange(50))
+    assert all(torch.equal(emb.row(i), table[i]) for i in range(50))  # the decode path's one-row lookup
     np.testing.assert_array_equal(emb.quantized_weight().codes, qw.codes)
     expected_bytes = 50 * 128 * {1: 1, 2: 2, 3: 4, 4: 4, 8: 8}[bits] // 8
     assert emb.codes.numel() == expected_bytes
@@ -38,6 +39,7 @@ def test_smollm2_q8_0_table_is_bit_exact():
     ids = torch.tensor([0, 1, 2, 1000, 49151])
     want = dequantize(t.data, t.tensor_type).reshape(shape)[ids.numpy()]
     assert np.array_equal(emb(ids).numpy().view(np.uint32), want.astype(np.float32).view(np.uint32))
+    assert all(torch.equal(emb.row(int(i)), emb(i)) for i in ids)
     assert emb.codes.numel() + emb.scales.numel() * 2 == shape[0] * shape[1] * 34 // 32  # Q8_0's own size
 
 

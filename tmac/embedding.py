@@ -49,8 +49,24 @@ class Embedding(nn.Module):
         return self._rows(flat).reshape(*ids.shape, self.embedding_dim)
 
     def row(self, token: int) -> torch.Tensor:
-        """Row ``token`` as float32 ``[embedding_dim]`` (the caller checks the range, as for a tensor index)."""
-        return self._rows(torch.tensor([token]))[0]
+        """Row ``token`` as float32 ``[embedding_dim]`` (the caller checks the range, as for a tensor index), the
+        same values as ``forward``'s, in numpy: one row is a dozen small operations, which torch's per-op overhead
+        made 53 µs a generated token (a 2048-wide Q8_0 row; 19 µs in numpy)."""
+        fmt, d = self.format, self.embedding_dim
+        slot = SLOT[fmt.bits]
+        packed = self.codes.numpy()[token]
+        q = packed if slot == 8 else (packed[:, None] >> np.arange(0, 8, slot, dtype=np.uint8)) & ((1 << slot) - 1)
+        per_tensor = fmt.group_size == PER_TENSOR
+
+        def param(p):
+            p = p.numpy() if per_tensor else p.numpy()[token]
+            return p.astype(np.float32).reshape(-1, 1)
+
+        w = (q.reshape(-1).astype(np.float32) - np.float32(fmt.offset)).reshape(len(param(self.scales)), -1)
+        w = w * param(self.scales)
+        if self.zeros is not None:
+            w = w - param(self.zeros)
+        return torch.from_numpy(w.reshape(d))
 
     def _rows(self, rows: torch.Tensor) -> torch.Tensor:
         fmt, d = self.format, self.embedding_dim
