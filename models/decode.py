@@ -93,8 +93,9 @@ class DecodePlan:
         self.model, self.calls, self.positions, self.buf, self.labels = model, calls, positions, buffers, labels
         emb = model.tok_embeddings
         self.vocab = emb.num_embeddings
-        # one row of the token table, float32: a float table's row, or a quantized table's row dequantized
-        self.embed_row = emb.weight.__getitem__ if isinstance(emb, nn.Embedding) else emb.row
+        x = buffers["x"][0]  # the step's first input: the token's row (a quantized table's dequantized) lands there
+        self.embed_into = (lambda t: x.copy_(emb.weight[t])) if isinstance(emb, nn.Embedding) else \
+            (lambda t: emb.row(t, out=x))
         self._keep = keep  # the glue library and the scratch tensors the handles in ``calls`` point into
 
     @classmethod
@@ -172,7 +173,7 @@ class DecodePlan:
         runtime.apply_threads()
         for args in self.positions:
             args[6] = pos
-        self.buf["x"][0].copy_(self.embed_row(token))
+        self.embed_into(token)
         for fn, args in self.calls:
             fn(*args)
         return self.buf["logits"][0]
@@ -187,7 +188,7 @@ class DecodePlan:
             t0 = time.perf_counter()
             self.step(token, pos)
             steps.append(time.perf_counter() - t0)
-            self.buf["x"][0].copy_(self.embed_row(token))
+            self.embed_into(token)
             spent: dict[str, float] = {}
             for fn, args in self.calls:
                 t0 = time.perf_counter()
