@@ -199,6 +199,7 @@ def test_ternary_gguf_blocks_sharing_a_scale_import_per_row(rng, type_name, impo
     assert qw.format.group_size == 256 and _same_bits(qw.dequantize(), dequantize(last, qtype))
 
 
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # a clear ValueError, not numpy's warnings beside it
 def test_gguf_import_rejects_bad_blocks():
     with pytest.raises(ValueError, match="needs 36 bytes"):
         import_gguf(b"\0" * 35, "Q4_0", (1, 64))

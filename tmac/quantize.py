@@ -189,7 +189,8 @@ def import_gguf(data, type_name: str, shape: tuple[int, int]) -> QuantizedWeight
     rows = max(1, QUANTIZE_CHUNK // k)
     codes, scales, zeros = np.empty((m, k), np.uint8), np.empty((m, k // fmt.group_size), np.float32), None
     for r0 in range(0, m, rows):
-        c, d, z = _DECODERS[type_name](blocks[r0:r0 + rows].reshape(-1, blk.type_size), fmt.offset)
+        with np.errstate(invalid="ignore", over="ignore"):  # NaN/inf scales are refused by name below
+            c, d, z = _DECODERS[type_name](blocks[r0:r0 + rows].reshape(-1, blk.type_size), fmt.offset)
         codes[r0:r0 + rows], scales[r0:r0 + rows] = c.reshape(-1, k), d.reshape(-1, scales.shape[1])
         if z is not None:
             z = z.reshape(-1, scales.shape[1])  # float64, from the decoders
