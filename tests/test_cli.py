@@ -133,6 +133,12 @@ def test_bench_kernels_table_json_and_plot(tmp_path):
     r = tmac("bench", "--shape", "256x512", "--bits", "2", "--threads", "1")
     lines = r.stdout.splitlines()
     assert r.returncode == 0 and "vs torch fp32" in lines[0] and any("tmac W2" in line for line in lines[2:])
+    r = tmac("bench", "--shape", "256x512", "--bits", "1,2", "--threads", "1", "--cold", "--json")
+    assert r.returncode == 0, r.stderr
+    got = {row["candidate"]: row for row in json.loads(r.stdout)["rows"]}
+    assert {"torch fp32", "torch int4wo", "tmac W1", "tmac W2"} <= set(got)
+    assert all(0 < got[c]["extra"]["% probe"] < 1000 for c in ("tmac W1", "tmac W2"))  # timed beside the probe
+    assert "% probe" not in got["torch fp32"]["extra"] and got["torch fp32"]["value"] > 0
 
 
 def test_bench_end_to_end_on_the_default_model():
@@ -158,6 +164,7 @@ def test_bench_errors_are_one_line():
                                                                        "--bits"),
                          (["bench", "m.gguf", "--shape", "8x64"], "not both"),
                          (["bench", "--e2e", "--shape", "8x64"], "not both"),
+                         (["bench", "--cold"], "give --shape"),
                          (["bench", "--profile", "--shape", "8x64"], "not both"),
                          (["bench", "--gen-tokens", "2"], "--gen-tokens"), (["bench", "--rounds", "0"], "--rounds")]:
         r = tmac(*args)

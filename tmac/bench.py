@@ -117,33 +117,63 @@ def measured_threads(threads_list: list[int], notes: list[str]):
         yield threads
 
 
-def kernel_bench(shapes, bits_list, threads_list, notes: list[str], progress=None) -> list[Row]:
+def kernel_bench(shapes, bits_list, threads_list, notes: list[str], progress=None, cold: bool = False) -> list[Row]:
     """GEMV (one activation row, table build included) per shape: tmac at each bit width, torch fp32, bf16 and
-    int4 weight-only. Weights are cache-warm (one matrix); ``bench/`` also measures DRAM-streaming copies."""
+    int4 weight-only. Warm: one cache-resident matrix each. ``cold``: weights streamed from DRAM, as in a model
+    (``cold_medians``): tmac's layouts timed together with the 1 GiB read probe before each pass (``% probe``),
+    torch's each on its own (a cold torch fp32 call slowed the next tmac one up to 1.7x)."""
     import numpy as np
     import torch
     import torch.nn.functional as F
 
     from .lut_ops import LutWeight
+    from .memory import huge_page_copies, huge_page_full
     from .quantize import quantize_weight
 
+    probe = huge_page_full((COLD_BYTES // 4,), 1.0, torch.float32) if cold else None
     rows = []
     for m, k in shapes:
         w = torch.from_numpy(np.random.default_rng(0).standard_normal((m, k), dtype=np.float32))
         x = torch.randn(1, k)
-        xb, wb = x.to(torch.bfloat16), w.to(torch.bfloat16)
-        cands = {"torch fp32": (lambda: F.linear(x, w), m * k * 4),
-                 "torch bf16": (lambda: F.linear(xb, wb), m * k * 2)}
+        xb = x.to(torch.bfloat16)
         group = bench_group(k)
-        packed4 = int4pack(w, group)
-        cands["torch int4wo"] = (lambda: int4_linear(xb, packed4, group), m * k // 2 + m * k // group * 4)
-        for bits in bits_list:
-            lw = LutWeight.from_quantized(quantize_weight(w.numpy(), bits=bits, group_size=group))
-            cands[f"tmac W{bits}"] = (lambda lw=lw: lw.matmul(x), lw.nbytes)
+
+        def floats(tensors, call, nbytes):  # a torch candidate: (weights, call on weights, copies, bytes)
+            return tensors, call, lambda n: huge_page_copies(tensors, n), nbytes
+
+        torch_cands = {"torch fp32": floats((w,), lambda c: F.linear(x, c[0]), m * k * 4),
+                       "torch bf16": floats((w.to(torch.bfloat16),), lambda c: F.linear(xb, c[0]), m * k * 2),
+                       "torch int4wo": floats(int4pack(w, group), lambda c: int4_linear(xb, c, group),
+                                              m * k // 2 + m * k // group * 4)}
+        lut = {f"tmac W{bits}": LutWeight.from_quantized(quantize_weight(w.numpy(), bits=bits, group_size=group))
+               for bits in bits_list}
         for threads in measured_threads(threads_list, notes):
-            for name, (fn, nbytes) in cands.items():
-                sec = median_seconds(fn)
-                rows.append(Row(f"{m}x{k}", name, threads, sec * 1e3, {"GB/s": nbytes / sec / 1e9}))
+            seconds, extra = {}, {}
+            if cold:
+                passes = []
+
+                def read_probe():
+                    t0 = time.perf_counter()
+                    probe.sum()
+                    passes.append(time.perf_counter() - t0)
+
+                timed = cold_medians([(lw.copies, lambda c: c.matmul(x), lw.nbytes) for lw in lut.values()],
+                                     each_pass=read_probe)
+                probe_gbs = COLD_BYTES / statistics.median(passes[1:]) / 1e9
+                for (name, lw), sec in zip(lut.items(), timed):
+                    seconds[name] = sec
+                    extra[name] = {"% probe": 100 * lw.nbytes / sec / 1e9 / probe_gbs}
+                for name, (_, call, make, nbytes) in torch_cands.items():
+                    seconds[name] = cold_medians([(make, call, nbytes)])[0]
+            else:
+                for name, (tensors, call, _, _) in torch_cands.items():
+                    seconds[name] = median_seconds(lambda: call(tensors))
+                for name, lw in lut.items():
+                    seconds[name] = median_seconds(lambda: lw.matmul(x))
+            nbytes = {name: c[3] for name, c in torch_cands.items()} | {name: lw.nbytes for name, lw in lut.items()}
+            for name, sec in seconds.items():
+                rows.append(Row(f"{m}x{k}", name, threads, sec * 1e3,
+                                {"GB/s": nbytes[name] / sec / 1e9, **extra.get(name, {})}))
                 if progress:
                     progress.advance(f"{m}x{k} {name} {threads}t")
     return rows

@@ -74,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--e2e", action="store_true", help="end-to-end generation of MODEL (what runs without --shape)")
     b.add_argument("--profile", action="store_true", help="end to end: also break one decode step down by call")
     b.add_argument("--shape", nargs="+", action="extend", metavar="MxK", help="benchmark GEMV kernels at these shapes")
+    b.add_argument("--cold", action="store_true", help="kernels: stream the weights from DRAM (1 GiB of copies, as in "
+                                                       "a model) instead of one cache-resident matrix")
     b.add_argument("--bits", default=None, help="comma-separated bit widths (default: kernels 1,2,3,4; models: the "
                                                 "file's own quantization and 2)")
     b.add_argument("--head-bits", type=cli_generate.head_bits_arg, help="with --bits: " + cli_generate.HEAD_BITS_HELP)
@@ -328,9 +330,11 @@ def cmd_bench(args) -> int:
         bits = _int_list(args.bits or "1,2,3,4", "--bits", (1, 2, 3, 4))
         total = len(shapes) * len(threads) * (len(bits) + 3)
         with Progress("benchmarking kernels", total, None) as bar:
-            rows = bench.kernel_bench(shapes, bits, threads, notes, bar)
+            rows = bench.kernel_bench(shapes, bits, threads, notes, bar, args.cold)
         unit, baseline, ylabel = "ms", "torch fp32", "ms per GEMV (lower is better)"
     else:
+        if args.cold:
+            raise ValueError("--cold is for kernel benchmarks: give --shape")
         bits = [None, 2] if args.bits is None else _int_list(args.bits, "--bits", (1, 2, 3, 4))
         for n, name, least in ((args.prompt_tokens, "--prompt-tokens", 8), (args.gen_tokens, "--gen-tokens", 8),
                                (args.rounds, "--rounds", 1)):
