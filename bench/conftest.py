@@ -41,8 +41,8 @@ def pytest_terminal_summary(terminalreporter):
     share of the read probe where one was timed alongside (interleaved runs); columns without a baseline drop."""
     tr = terminalreporter
     for regime, threads, shape in sorted({k[:3] for k in RESULTS}, key=str):
-        rows = sorted(((cand, sec) for (r, t, s, cand), sec in RESULTS.items() if (r, t, s) == (regime, threads, shape)),
-                      key=lambda cs: cs[1])
+        rows = sorted(((cand, sec) for (r, t, s, cand), sec in RESULTS.items()
+                       if (r, t, s) == (regime, threads, shape)), key=lambda cs: cs[1])
         found = dict(rows)
         columns = [(f"vs {b.split()[-1]}", lambda cand, sec, b=b: f"{found[b] / sec:.2f}x")
                    for b in ("torch fp32", "torch int4wo") if b in found]

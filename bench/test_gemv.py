@@ -14,8 +14,8 @@ import torch
 
 from baselines import COLD_BYTES, bench_group, int4_linear, int4pack, random_weights
 from conftest import BYTES, RESULTS, record
-from tmac.bench import cold_medians
 from tmac import quantize_weight
+from tmac.bench import cold_medians
 from tmac.lut_ops import LutWeight
 from tmac.memory import huge_page_copies, huge_page_full
 

@@ -65,7 +65,6 @@ def cold_medians(candidates, min_seconds: float = 0.3, each_pass=None) -> list[f
     return [statistics.median(t[per:]) for t in times]
 
 
-
 def bench_group(k: int) -> int:
     """The group size GEMV benchmarks use for K inputs, for tmac and torch int4 alike: 128, else the largest of 64
     and 32 that divides K (BitNet-3B's K = 8640 is a multiple of 64 only)."""
