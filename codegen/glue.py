@@ -302,6 +302,35 @@ def gated_act_func(spec: GlueSpec, widest: int):
     return ib.get()
 
 
+def embed_func(spec: GlueSpec):
+    """Row ``token`` of the token table (``tmac.Embedding``'s storage: codes bit-packed row-major, ``8 / slot`` to a
+    byte, low bits first) as ``(q − offset)·s − z`` in float32, the operations and order of ``Embedding.row``."""
+    from tvm import tirx
+    from tvm.script.ir_builder import tirx as T
+
+    from tmac.embedding import SLOT
+
+    d, bits, groups = spec.dim, spec.embed_bits, spec.embed_groups
+    slot = SLOT[bits]
+    per_byte, mask, offset = 8 // slot, (1 << slot) - 1, 1 << (bits - 1)
+    with prim_func("embed") as ib:
+        vocab = T.int32()
+        C = arg("codes", (vocab, d // per_byte), "uint8")
+        S = arg("scales", (vocab, groups) if groups else (1, 1), spec.embed_scale)
+        Z = arg("zeros", (vocab, groups) if groups else (1, 1), spec.embed_zero) if spec.embed_zero else None
+        token = T.arg("token", T.int32())
+        OUT = arg("out", (1, d))
+        with T.Assert(tirx.all(0 <= token, token < vocab), "embed: token id outside the table", "ValueError"):
+            with T.serial(0, d) as i:
+                q = (C[token, i // per_byte] >> tirx.Cast("uint8", i % per_byte * slot)) & tirx.IntImm("uint8", mask)
+                at = (token, i // (d // groups)) if groups else (0, 0)
+                w = (tirx.Cast(F32, q) - _f(float(offset))) * tirx.Cast(F32, S[at])
+                if Z is not None:
+                    w = w - tirx.Cast(F32, Z[at])
+                T.buffer_store(OUT, w, [0, i])
+    return ib.get()
+
+
 def module(spec: GlueSpec, isa):
     """The IRModule of ``spec``'s glue functions."""
     import tvm
@@ -317,4 +346,6 @@ def module(spec: GlueSpec, isa):
     if spec.act_quant:
         for name, n in (("dim", spec.dim), ("q", q_dim), ("ffn", spec.ffn_dim)):
             funcs[f"quantize_{name}"] = quantize_func(f"quantize_{name}", n, widest)
+    if spec.embed_bits:
+        funcs["embed"] = embed_func(spec)
     return tvm.IRModule({name: f.with_attr("global_symbol", name) for name, f in funcs.items()})

@@ -19,6 +19,7 @@ from torch import nn
 from tmac import runtime
 from tmac.embedding import Embedding
 from tmac.float_linear import FLOAT_LINEARS, FloatLinear
+from tmac.formats import PER_TENSOR
 from tmac.glue import GlueSpec
 from tmac.kernels import isa_by_name
 from tmac.linear import Linear
@@ -75,11 +76,18 @@ def _projection(module: nn.Module, x: torch.Tensor, out: torch.Tensor, tables: d
     return calls
 
 
-def glue_spec(cfg, bitnet: bool, act_quant: bool, isa, kv_dtype: str = "float16") -> GlueSpec:
+def glue_spec(cfg, bitnet: bool, act_quant: bool, isa, kv_dtype: str = "float16", table=None) -> GlueSpec:
     """The glue kernels a model of config ``cfg`` (Llama, or BitNet with ``bitnet``; with int8 activations in front
-    of some projections with ``act_quant``) decodes with on ``isa``, with a KV cache of ``kv_dtype``."""
+    of some projections with ``act_quant``) decodes with on ``isa``, with a KV cache of ``kv_dtype`` and the token
+    table module ``table`` (a quantized one gets its lookup compiled)."""
+    embed = {}
+    if isinstance(table, Embedding):
+        per_tensor = table.format.group_size == PER_TENSOR
+        embed = dict(embed_bits=table.format.bits, embed_groups=0 if per_tensor else table.scales.shape[1],
+                     embed_scale=str(table.scales.dtype).removeprefix("torch."),
+                     embed_zero="" if table.zeros is None else str(table.zeros.dtype).removeprefix("torch."))
     return GlueSpec(isa.name, isa.vector_bytes, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim,
-                    "relu2" if bitnet else "silu", bitnet, act_quant, kv_dtype)
+                    "relu2" if bitnet else "silu", bitnet, act_quant, kv_dtype, **embed)
 
 
 QUANTIZE = {"xn": "quantize_dim", "att": "quantize_q", "att_n": "quantize_q", "hid": "quantize_ffn",
@@ -94,8 +102,12 @@ class DecodePlan:
         emb = model.tok_embeddings
         self.vocab = emb.num_embeddings
         x = buffers["x"][0]  # the step's first input: the token's row (a quantized table's dequantized) lands there
-        self.embed_into = (lambda t: x.copy_(emb.weight[t])) if isinstance(emb, nn.Embedding) else \
-            (lambda t: emb.row(t, out=x))
+        if isinstance(emb, nn.Embedding):
+            self.embed_into = lambda t: x.copy_(emb.weight[t])
+        else:
+            glue, params = keep[0], [_handle(t) for t in (emb.codes, emb.scales, emb.zeros) if t is not None]
+            x_handle = _handle(buffers["x"])
+            self.embed_into = lambda t: glue.embed(*params, t, x_handle)
         self._keep = keep  # the glue library and the scratch tensors the handles in ``calls`` point into
 
     @classmethod
@@ -119,7 +131,7 @@ class DecodePlan:
             raise _Unsupported("float projections")
         isa = isa_by_name(first.spec.isa)
         act_quant = any(isinstance(m, ActivationQuantized) for m in model.modules())
-        glue = runtime.load_kernels(glue_spec(cfg, bitnet, act_quant, isa, model.kv_dtype), isa)
+        glue = runtime.load_kernels(glue_spec(cfg, bitnet, act_quant, isa, model.kv_dtype, model.tok_embeddings), isa)
         q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
         names = {"x": cfg.dim, "delta": cfg.dim, "zero": cfg.dim, "xn": cfg.dim, "qkv": q_dim + 2 * kv_dim,
                  "att": q_dim, "att_n": q_dim, "gu": 2 * cfg.ffn_dim, "hid": cfg.ffn_dim, "hid_n": cfg.ffn_dim,

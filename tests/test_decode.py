@@ -30,6 +30,29 @@ def _quantize_ref(x):
     return np.clip(np.round(x * scale), -128, 127) / scale
 
 
+@pytest.mark.parametrize("fmt", [dict(bits=8, group_size=32, symmetric=True), dict(bits=4, group_size=32),
+                                 dict(bits=3, group_size="row"), dict(bits=2, group_size="tensor"),
+                                 dict(bits=1, group_size=32)], ids=["q8_0", "w4g32z", "w3row", "w2tensor", "w1g32"])
+def test_embed_gives_the_token_tables_rows(fmt, rng):
+    """The compiled token-table lookup returns ``tmac.Embedding``'s rows bit for bit, and refuses a token id outside
+    the table by name."""
+    from tmac.models.decode import glue_spec
+
+    table = tmac.Embedding(tmac.quantize_weight(rng.standard_normal((300, 96)).astype(np.float32), **fmt))
+    cfg = type("Cfg", (), dict(dim=96, n_heads=6, n_kv_heads=2, head_dim=16, ffn_dim=80))
+    isa = isa_by_name(runnable_isas()[0])
+    spec = glue_spec(cfg, False, False, isa, "float16", table)
+    assert spec.embed_bits == fmt["bits"] and "embed" in spec.functions and f"_e{fmt['bits']}g" in spec.name
+    glue = runtime.load_kernels(spec, isa)
+    params = [t for t in (table.codes, table.scales, table.zeros) if t is not None]
+    out = torch.full((1, 96), float("nan"))
+    for token in (0, 7, 299):
+        glue.embed(*params, token, out)
+        assert torch.equal(out[0], table.row(token))
+    with pytest.raises(ValueError, match="token id outside the table"):
+        glue.embed(*params, 300, out)
+
+
 @pytest.mark.parametrize("isa", runnable_isas())
 def test_norms_and_activations_match_their_math(isa, rng):
     spec, g = _glue(isa, sub_norms=True, act_quant=True)

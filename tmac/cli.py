@@ -244,10 +244,13 @@ def cmd_compile(args) -> int:
         from .glue import KV_DTYPES
         from .models.decode import glue_spec
         from .models.gguf_loader import GGUFModel
+        from .models.load import token_embedding
 
         source = GGUFModel(args.model)
         ternary = any(fmt.ternary for fmt, _ in formats)
-        specs.extend(glue_spec(source.config, source.family == "bitnet", ternary, isa, kv) for kv in KV_DTYPES)
+        # the token table as load_model keeps it: its lookup is compiled into the glue when quantized
+        table = token_embedding(source.weight("tok_embeddings.weight", True), requantized=args.bits is not None)
+        specs.extend(glue_spec(source.config, source.family == "bitnet", ternary, isa, kv, table) for kv in KV_DTYPES)
     os.makedirs(args.output, exist_ok=True)
     entries, rows = [], []
     for i, spec in enumerate(specs, 1):
