@@ -6,18 +6,15 @@ stream from DRAM, the regime of real models. Every candidate's copies, and the b
 as a model's weights do once tmac loads them (tmac.memory). Run: `make bench` (or pytest bench -k 4096x4096
 --threads 1).
 """
-import statistics
-import time
-
 import pytest
 import torch
 
 from baselines import COLD_BYTES, bench_group, int4_linear, int4pack, random_weights
 from conftest import BYTES, RESULTS, record
 from tmac import quantize_weight
-from tmac.bench import cold_medians
+from tmac.bench import cold_medians_beside_probe, read_probe
 from tmac.lut_ops import LutWeight
-from tmac.memory import huge_page_copies, huge_page_full
+from tmac.memory import huge_page_copies
 
 SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008), (3200, 8640), (8640, 3200)]
 
@@ -91,26 +88,19 @@ def test_gemv_cold_interleaved(set_threads, shape):
     if shape not in _CACHE:
         _CACHE.clear()
         _CACHE[shape] = _candidates(*shape)
-    probe, probe_times = huge_page_full((COLD_BYTES // 4,), 1.0, torch.float32), []
-
-    def read_probe():
-        t0 = time.perf_counter()
-        probe.sum()
-        probe_times.append(time.perf_counter() - t0)
-
-    seconds = cold_medians([_CACHE[shape][c] for c in INTERLEAVED], each_pass=read_probe)
+    seconds, probe_sec = cold_medians_beside_probe([_CACHE[shape][c] for c in INTERLEAVED])
     key = ("cold interleaved", set_threads, shape)
     for cand, sec in zip(INTERLEAVED, seconds):
         BYTES[(shape, cand)] = _CACHE[shape][cand][2]
         RESULTS[(*key, cand)] = sec
     BYTES[(shape, "read 1 GiB")] = COLD_BYTES
-    RESULTS[(*key, "read 1 GiB")] = statistics.median(probe_times[1:])
+    RESULTS[(*key, "read 1 GiB")] = probe_sec
     assert all(sec > 0 for sec in seconds)
 
 
 def test_dram_bandwidth(benchmark, set_threads):
     """What the hardware can stream: a sum over 1 GiB (one read per byte)."""
-    buf = huge_page_full((COLD_BYTES // 4,), 1.0, torch.float32)
+    buf = read_probe()
     benchmark.group = f"bandwidth {set_threads}t"
     benchmark.pedantic(lambda: buf.sum(), rounds=5, iterations=1, warmup_rounds=1)
     BYTES[("dram", "read 1 GiB")] = COLD_BYTES

@@ -8,6 +8,7 @@ run in vector lanes and are folded once at the end.
 
 from __future__ import annotations
 
+from tmac.embedding import SLOT
 from tmac.glue import KV_BLOCK, GlueSpec
 
 from .tir import arg, prim_func
@@ -307,8 +308,6 @@ def embed_func(spec: GlueSpec):
     byte, low bits first) as ``(q − offset)·s − z`` in float32, the operations and order of ``Embedding.row``."""
     from tvm import tirx
     from tvm.script.ir_builder import tirx as T
-
-    from tmac.embedding import SLOT
 
     d, bits, groups = spec.dim, spec.embed_bits, spec.embed_groups
     slot = SLOT[bits]

@@ -82,10 +82,10 @@ def glue_spec(cfg, bitnet: bool, act_quant: bool, isa, kv_dtype: str = "float16"
     table module ``table`` (a quantized one gets its lookup compiled)."""
     embed = {}
     if isinstance(table, Embedding):
-        per_tensor = table.format.group_size == PER_TENSOR
-        embed = dict(embed_bits=table.format.bits, embed_groups=0 if per_tensor else table.scales.shape[1],
-                     embed_scale=str(table.scales.dtype).removeprefix("torch."),
-                     embed_zero="" if table.zeros is None else str(table.zeros.dtype).removeprefix("torch."))
+        fmt = table.format
+        embed = dict(embed_bits=fmt.bits, embed_groups=0 if fmt.group_size == PER_TENSOR else
+                     fmt.groups_per_row(table.embedding_dim), embed_scale=fmt.scale_dtype,
+                     embed_zero=fmt.zero_dtype if fmt.has_zeros else "")
     return GlueSpec(isa.name, isa.vector_bytes, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim,
                     "relu2" if bitnet else "silu", bitnet, act_quant, kv_dtype, **embed)
 

@@ -65,6 +65,29 @@ def cold_medians(candidates, min_seconds: float = 0.3, each_pass=None) -> list[f
     return [statistics.median(t[per:]) for t in times]
 
 
+def cold_medians_beside_probe(candidates) -> tuple[list[float], float]:
+    """``cold_medians`` with the 1 GiB read probe (``read_probe``) timed before each pass: the candidates' medians,
+    and the probe's seconds from the same passes (a share of it does not drift with the shared host)."""
+    probe, passes = read_probe(), []
+
+    def read():
+        t0 = time.perf_counter()
+        probe.sum()
+        passes.append(time.perf_counter() - t0)
+
+    return cold_medians(candidates, each_pass=read), statistics.median(passes[1:])
+
+
+def read_probe():
+    """``COLD_BYTES`` of float32 in huge pages, as a loaded model's weights: its ``sum()`` is the read probe, the
+    bandwidth a decode step's weight stream is measured against."""
+    import torch
+
+    from .memory import huge_page_full
+
+    return huge_page_full((COLD_BYTES // 4,), 1.0, torch.float32)
+
+
 def bench_group(k: int) -> int:
     """The group size GEMV benchmarks use for K inputs, for tmac and torch int4 alike: 128, else the largest of 64
     and 32 that divides K (BitNet-3B's K = 8640 is a multiple of 64 only)."""
@@ -126,10 +149,9 @@ def kernel_bench(shapes, bits_list, threads_list, notes: list[str], progress=Non
     import torch.nn.functional as F
 
     from .lut_ops import LutWeight
-    from .memory import huge_page_copies, huge_page_full
+    from .memory import huge_page_copies
     from .quantize import quantize_weight
 
-    probe = huge_page_full((COLD_BYTES // 4,), 1.0, torch.float32) if cold else None
     rows = []
     for m, k in shapes:
         w = torch.from_numpy(np.random.default_rng(0).standard_normal((m, k), dtype=np.float32))
@@ -149,16 +171,9 @@ def kernel_bench(shapes, bits_list, threads_list, notes: list[str], progress=Non
         for threads in measured_threads(threads_list, notes):
             seconds, extra = {}, {}
             if cold:
-                passes = []
-
-                def read_probe():
-                    t0 = time.perf_counter()
-                    probe.sum()
-                    passes.append(time.perf_counter() - t0)
-
-                timed = cold_medians([(lw.copies, lambda c: c.matmul(x), lw.nbytes) for lw in lut.values()],
-                                     each_pass=read_probe)
-                probe_gbs = COLD_BYTES / statistics.median(passes[1:]) / 1e9
+                timed, probe_sec = cold_medians_beside_probe([(lw.copies, lambda c: c.matmul(x), lw.nbytes)
+                                                              for lw in lut.values()])
+                probe_gbs = COLD_BYTES / probe_sec / 1e9
                 for (name, lw), sec in zip(lut.items(), timed):
                     seconds[name] = sec
                     extra[name] = {"% probe": 100 * lw.nbytes / sec / 1e9 / probe_gbs}
@@ -326,12 +341,10 @@ def dram_read_bandwidth() -> float:
     the ceiling a decode step streams at."""
     import torch
 
-    from .memory import huge_page_full
-
     threads = torch.get_num_threads()
     if threads not in _DRAM_GBPS:
-        buf = huge_page_full((1 << 28,), 1.0, torch.float32)
-        _DRAM_GBPS[threads] = (1 << 30) / median_seconds(lambda: buf.sum(), min_seconds=0.5, min_runs=3) / 1e9
+        buf = read_probe()
+        _DRAM_GBPS[threads] = COLD_BYTES / median_seconds(lambda: buf.sum(), min_seconds=0.5, min_runs=3) / 1e9
     return _DRAM_GBPS[threads]
 
 

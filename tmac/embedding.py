@@ -49,19 +49,9 @@ class Embedding(nn.Module):
         return self._rows(flat).reshape(*ids.shape, self.embedding_dim)
 
     def row(self, token: int) -> torch.Tensor:
-        """Row ``token`` as float32 ``[embedding_dim]`` (the caller checks the range, as for a tensor index), the
-        same values as ``forward``'s, in numpy: one row is a dozen small operations, 19 µs where torch's took 53
-        (a 2048-wide Q8_0 row). The decode path has this lookup compiled (``tmac.glue``: ``embed``)."""
-        fmt, slot = self.format, SLOT[self.format.bits]
-        packed = self.codes.numpy()[token]
-        q = packed if slot == 8 else (packed[:, None] >> np.arange(0, 8, slot, dtype=np.uint8)) & ((1 << slot) - 1)
-        out = q.reshape(-1).astype(np.float32) - np.float32(fmt.offset)
-        per_tensor = fmt.group_size == PER_TENSOR
-        groups = out.reshape(1 if per_tensor else self.scales.shape[1], -1)
-        for p, op in ((self.scales, np.multiply), (self.zeros, np.subtract)):
-            if p is not None:  # float16 parameters widen exactly; the arithmetic is float32, as forward's
-                op(groups, (p.numpy() if per_tensor else p.numpy()[token]).reshape(-1, 1), out=groups)
-        return torch.from_numpy(out)
+        """Row ``token`` as float32 ``[embedding_dim]`` (the caller checks the range, as for a tensor index); the
+        decode path has this lookup compiled (``tmac.glue``: ``embed``)."""
+        return self._rows(torch.tensor([token]))[0]
 
     def _rows(self, rows: torch.Tensor) -> torch.Tensor:
         fmt, d = self.format, self.embedding_dim

@@ -14,13 +14,16 @@ glue kernels do each of those stretches in one call (``tmac.codegen.glue`` gener
   and attention of every head over positions ``0..pos`` (grouped-query);
 - ``gated_act(gate_up, out)``: ``act(gate)·up`` (SiLU for Llama, squared ReLU for BitNet);
 - ``embed(codes, scales[, zeros], token, out)``: row ``token`` of a quantized token table (``tmac.Embedding``,
-  described by the ``embed_*`` fields) dequantized into ``out``: one call instead of a dozen numpy operations,
-  which cost 150-230 µs a token right after the weight stream has evicted the interpreter's working set.
+  described by the ``embed_*`` fields) dequantized into ``out``: one call instead of a dozen torch or numpy
+  operations, which cost 150-430 µs a token right after the weight stream has evicted the interpreter's working set.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+
+from .embedding import SLOT
+from .formats import PARAM_DTYPES
 
 ACTIVATIONS = ("silu", "relu2")
 KV_DTYPES = ("float16", "float32")
@@ -61,10 +64,9 @@ class GlueSpec:
         if self.act not in ACTIVATIONS:
             raise ValueError(f"activation {self.act!r} has no glue kernel; known: {ACTIVATIONS}")
         check_kv_dtype(self.kv_dtype)
-        if self.embed_bits and (self.embed_bits not in (1, 2, 3, 4, 8) or self.embed_groups < 0 or
+        if self.embed_bits and (self.embed_bits not in SLOT or self.embed_groups < 0 or
                                 self.embed_groups and self.dim % self.embed_groups or
-                                self.embed_scale not in ("float16", "float32") or
-                                self.embed_zero not in ("", "float16", "float32")):
+                                self.embed_scale not in PARAM_DTYPES or self.embed_zero not in ("", *PARAM_DTYPES)):
             raise ValueError(f"invalid token table for the glue: bits {self.embed_bits}, {self.embed_groups} groups "
                              f"a row, scales {self.embed_scale!r}, zeros {self.embed_zero!r}")
 

@@ -190,7 +190,8 @@ class KernelSpec:
         4096x4096 101 -> 93, 2048x8192 101 -> 91; AVX2 4096x4096 W2 212 -> 168, W4 416 -> 355, ternary planes
         16384x2048 389 -> 297). On 64-byte vectors, 2-5 bits (fewer table bytes per weight byte than W1, whose
         every nibble has a table of its own) gain nothing or lose (4096x4096 cold: W2 quads 144 -> 150 us, W3 210
-        -> 223, W4 286 -> 299, AVX-512 VNNI ternary planes 170 -> 188): one chunk. (The GEMM loses 1-3 % with chunks: W1 16 rows 4096x4096 0.714 -> 0.727 ms.)"""
+        -> 223, W4 286 -> 299, AVX-512 VNNI ternary planes 170 -> 188): one chunk. (The GEMM loses 1-3 % with
+        chunks: W1 16 rows 4096x4096 0.714 -> 0.727 ms.)"""
         unit, kp = self.chunk_unit, self.k_padded
         if not (self.triples or self.bits == 1 or self.vector_bytes < 64) or unit <= 0 or kp % unit:
             return kp  # (invalid specs: the checks that follow say why)
