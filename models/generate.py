@@ -80,7 +80,9 @@ class GenerationMixin:
                  callback: Callable[[int], object] | None = None) -> list[int]:
         """New token ids after ``prompt_ids``. ``callback(id)`` is called as each token is produced (streaming);
         generation stops at an end-of-generation token (returned), at a ``stop`` string or after
-        ``max_new_tokens``. Statistics land in ``self.last_stats``."""
+        ``max_new_tokens``. Statistics land in ``self.last_stats``: seconds of set-up (the decode plan, and compiling
+        kernels on a host's first use), prefill and decode, and the decode steps run (the first new token comes from
+        the prefill's logits, so a generation of n tokens runs n − 1: decode speed is steps per second)."""
         prompt = check_ids(prompt_ids, self.config.vocab_size)
         if not prompt:
             raise ValueError("prompt_ids is empty: generation needs at least one token")
@@ -97,19 +99,18 @@ class GenerationMixin:
         reuse = min(reuse, len(prompt) - 1)  # the last prompt token is always fed: its logits start decoding
         out: list[int] = []
         stats = self.last_stats = {"prompt_tokens": len(prompt), "prefill_tokens": len(prompt) - reuse,
-                                   "prefill_s": 0.0, "generated_tokens": 0, "decode_s": 0.0, "stop_reason": "length"}
+                                   "setup_s": 0.0, "prefill_s": 0.0, "generated_tokens": 0, "decode_steps": 0,
+                                   "decode_s": 0.0, "stop_reason": "length"}
         with torch.inference_mode(), self._torch_threads():
+            t0 = time.perf_counter()
+            plan = self._decode_plan() if self.static_decode and max_new_tokens > 1 else None
+            stats["setup_s"] = time.perf_counter() - t0
             t0 = time.perf_counter()
             self.cached_ids = prompt[:reuse]
             logits = self(torch.tensor(prompt[reuse:]), reuse, last_only=True)[-1]
             self.cached_ids = list(prompt)
             stats["prefill_s"] = time.perf_counter() - t0
             t0 = time.perf_counter()
-            plan = None
-            if self.static_decode and max_new_tokens > 1:
-                from .decode import DecodePlan  # it knows the model classes, which import this module
-
-                plan = DecodePlan.build(self)
             history = list(prompt)
             try:
                 self._decode(plan, out, history, logits, max_new_tokens, stats, stop, stop_ids, callback,
@@ -119,6 +120,18 @@ class GenerationMixin:
             finally:  # an interrupted generation keeps its tokens and its statistics
                 stats["decode_s"] = time.perf_counter() - t0
         return out
+
+    def _decode_plan(self):
+        """The model's ``DecodePlan`` (or ``None``: eager decoding), built on the first generation and kept while
+        the model's modules, tensors and cache stay the ones it was built from. Building it loads every kernel the
+        model runs, compiling what the cache lacks, before anything is timed."""
+        from .decode import DecodePlan, plan_key  # it knows the model classes, which import this module
+
+        key = plan_key(self)
+        kept = getattr(self, "_kept_plan", None)
+        if kept is None or kept[0] != key:
+            self._kept_plan = kept = (key, DecodePlan.build(self))
+        return kept[1]
 
     def _torch_threads(self):
         """torch on one thread while LUT layers run: the torch ops beside them are small or (a float head) slower
@@ -147,6 +160,7 @@ class GenerationMixin:
             pos = len(self.cached_ids)
             logits = plan.step(token, pos) if plan else self(torch.tensor([token]), pos, last_only=True)[-1]
             self.cached_ids.append(token)
+            stats["decode_steps"] += 1
 
     def _check_room(self, prompt: int, new: int) -> None:
         if prompt + new > self.context:

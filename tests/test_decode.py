@@ -248,6 +248,32 @@ def test_generation_uses_the_plan_and_agrees_with_eager(tmp_path):
     assert DecodePlan.build(float_model) is None  # float projections: generation stays eager
 
 
+def test_generation_keeps_its_plan_until_the_model_changes(tmp_path):
+    """The plan is built once (kernels compiled before the timers start) and reused while nothing it points into
+    changed; a swapped projection or a new cache gets a new plan, whose tokens are the eager model's."""
+    _tiny(tmp_path)
+    model = tmac.load_model(tmp_path, bits=4, group_size=64, context=64)
+    prompt = list(range(5, 25))
+
+    def generate():
+        model.cached_ids = []
+        ids = model.generate(prompt, max_new_tokens=6, stop_on_eos=False)
+        assert model.last_stats["decode_steps"] == 5 and model.last_stats["setup_s"] > 0
+        return ids, model._kept_plan[1]
+
+    first, plan = generate()
+    assert isinstance(plan, DecodePlan) and generate() == (first, plan)
+    model.layers[1].feed_forward.w2 = tmac.Linear.from_float(torch.randn(128, 384), bits=2, group_size=64)
+    swapped, new_plan = generate()
+    assert new_plan is not plan and swapped != first  # the old plan would have run the old weights
+    model.static_decode = False
+    model.cached_ids = []
+    assert model.generate(prompt, max_new_tokens=6, stop_on_eos=False) == swapped  # the new plan is right
+    model.static_decode = True
+    model.setup_cache(48)
+    assert generate()[1] is not new_plan
+
+
 def test_generation_runs_torch_on_one_thread_beside_lut_layers_only(tmp_path):
     """While LUT layers generate, torch runs on one thread (its threads would spin on the kernels' cores), and
     gets its thread count back afterwards, also when generation fails; a float model keeps torch's threads."""

@@ -270,7 +270,8 @@ def _tmac_candidate(path, bits, head_bits, prompt, gen_tokens) -> _Candidate:
         model.cached_ids = []  # prefill the whole prompt
         model.generate(prompt, max_new_tokens=gen_tokens, stop_on_eos=False)
         s = model.last_stats
-        return s["prefill_tokens"] / s["prefill_s"], s["generated_tokens"] / s["decode_s"]
+        # decode steps, not tokens (the first comes from the prefill), and the set-up (the plan's key check) with them
+        return s["prefill_tokens"] / s["prefill_s"], s["decode_steps"] / (s["setup_s"] + s["decode_s"])
 
     head = _head_label(model.output) if bits is not None or head_bits is not None else ""
     label = "tmac " + ("file's own" if bits is None else f"W{bits}") + head

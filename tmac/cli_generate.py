@@ -170,15 +170,16 @@ def _stats(model, load_s: float) -> dict:
     return {"prompt_tokens": s["prompt_tokens"], "prefill_tokens": s["prefill_tokens"],
             "prompt_tokens_per_s": s["prefill_tokens"] / s["prefill_s"] if s["prefill_s"] else 0.0,
             "generated_tokens": s["generated_tokens"],
-            "gen_tokens_per_s": s["generated_tokens"] / s["decode_s"] if s["decode_s"] else 0.0,
-            "load_s": load_s, "peak_rss_mb": peak_rss_mib(),
+            "gen_tokens_per_s": s["decode_steps"] / s["decode_s"] if s["decode_steps"] else 0.0,
+            "load_s": load_s, "setup_s": s["setup_s"], "peak_rss_mb": peak_rss_mib(),
             "stop_reason": s["stop_reason"]}
 
 
 def _stats_line(st: dict) -> str:
     return (f"prompt: {st['prompt_tokens']} tokens ({st['prefill_tokens']} prefilled) at "
             f"{st['prompt_tokens_per_s']:.1f} tok/s | generated: {st['generated_tokens']} tokens at "
-            f"{st['gen_tokens_per_s']:.1f} tok/s | load {st['load_s']:.2f} s | peak RSS {st['peak_rss_mb']:.0f} MB")
+            f"{st['gen_tokens_per_s']:.1f} tok/s | load {st['load_s']:.2f} s, setup {st['setup_s']:.2f} s | "
+            f"peak RSS {st['peak_rss_mb']:.0f} MB")
 
 
 def cmd_run(args) -> int:
