@@ -93,10 +93,10 @@ def glue_spec(cfg, bitnet: bool, act_quant: bool, isa, kv_dtype: str = "float16"
 def plan_key(model) -> tuple:
     """What a ``DecodePlan`` holds handles into and reads at build time: the cache, every module, its tensors' memory
     and a LUT projection's kernels. A plan built under another key is stale (a module swapped, a cache set up again).
-    0.8 ms for the 1B shape, against 2-8 ms to build the plan."""
+    SmolLM2 (335 modules): 1.3-1.5 ms, against 7 ms to build its plan."""
     cache = tuple(None if t is None else (t.data_ptr(), tuple(t.shape), t.dtype)
                   for t in (model.cache_k, model.cache_v, model.cos, model.sin))
-    return cache, tuple((id(m), getattr(m, "spec", None), getattr(m, "kernel_dir", None),
+    return cache, tuple((id(m), *((m.spec, m.kernel_dir) if isinstance(m, Linear) else ()),
                          *(None if t is None else t.data_ptr() for t in (*m._parameters.values(), *m._buffers.values())))
                         for m in model.modules())
 
