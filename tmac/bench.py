@@ -198,9 +198,10 @@ def e2e_bench(source, variants, threads_list, notes: list[str], prompt_tokens=64
     """Prefill and decode tok/s of a model loaded as each ``(bits, head_bits)`` of ``variants`` (``bits=None``:
     the file's own weights; ``head_bits``: requantize the output head too), and of llama.cpp on the same GGUF
     file when llama-cpp-python is installed. Every candidate runs ``rounds`` times, the candidates taking turns
-    (so a slow stretch of a shared machine hits all of them), and reports its medians. With ``profiles``, each
-    variant's decode step at every thread count is broken down by call (``DecodePlan.profile``) into it as
-    ``(label, threads, {call: seconds})``."""
+    (so a slow stretch of a shared machine hits all of them), and reports its medians; ``% DRAM`` is against the
+    read probe timed before every round (its median: ``probe GB/s``), the bandwidth the host lent. With
+    ``profiles``, each variant's decode step at every thread count is broken down by call (``DecodePlan.profile``)
+    into it as ``(label, threads, {call: seconds})``."""
     path = str(source) if source is not None else None
     prompt = [(i * 7919) % 1000 + 100 for i in range(prompt_tokens)]  # fixed ids inside any real vocabulary
     models = [_tmac_candidate(path, bits, head_bits, prompt, gen_tokens) for bits, head_bits in variants]
@@ -210,22 +211,27 @@ def e2e_bench(source, variants, threads_list, notes: list[str], prompt_tokens=64
         notes.append("llama.cpp not measured: it reads GGUF files only")
     elif peer and not with_peer:
         notes.append("llama.cpp not measured: install the optional peer extra (llama-cpp-python; see README)")
-    rows = []
+    rows, probe = [], read_probe()
     for threads in measured_threads(threads_list, notes):
         candidates = models + ([_llama_cpp_candidate(path, threads, prompt, gen_tokens)] if with_peer else [])
         runs: dict[str, list[tuple[float, float]]] = {c.label: [] for c in candidates}
+        probe_gbps = []  # the read probe before every round: the bandwidth the host lent this case's rounds
         try:
             for _ in range(rounds):
+                t0 = time.perf_counter()
+                probe.sum()
+                probe_gbps.append(COLD_BYTES / (time.perf_counter() - t0) / 1e9)
                 for c in candidates:
                     runs[c.label].append(c.run())
         finally:
             for c in candidates:
                 c.close()
+        dram = statistics.median(probe_gbps)
         for c in candidates:
             tok_s = statistics.median(decode for _, decode in runs[c.label])
             gbps = c.streamed * tok_s / 1e9
             rows.append(Row(path, c.label, threads, tok_s, {
-                **c.info, "GB/s": gbps, "% DRAM": 100 * gbps / dram_read_bandwidth(),
+                **c.info, "GB/s": gbps, "% DRAM": 100 * gbps / dram, "probe GB/s": dram,
                 "prefill tok/s": statistics.median(prefill for prefill, _ in runs[c.label])}))
             if profiles is not None and c.model is not None:
                 profiles.append((c.label, threads, decode_profile(c.model, prompt[0], prompt_tokens + gen_tokens,
@@ -332,21 +338,6 @@ def profile_rows(spent: dict[str, float]) -> list[tuple[str, str, str]]:
     rest = max(step - sum(v for _, v in calls), 0.0)
     return [(k, f"{v * 1e3:.2f}", f"{v / step:.0%}") for k, v in [*calls, ("Python loop and the rest", rest)]] + \
         [("step", f"{step * 1e3:.2f}", "100%")]
-
-
-_DRAM_GBPS: dict[int, float] = {}  # thread count → probed read bandwidth, once per process
-
-
-def dram_read_bandwidth() -> float:
-    """GB/s a torch sum over 1 GiB (in huge pages, as a loaded model's weights) reaches at the current thread count:
-    the ceiling a decode step streams at."""
-    import torch
-
-    threads = torch.get_num_threads()
-    if threads not in _DRAM_GBPS:
-        buf = read_probe()
-        _DRAM_GBPS[threads] = COLD_BYTES / median_seconds(lambda: buf.sum(), min_seconds=0.5, min_runs=3) / 1e9
-    return _DRAM_GBPS[threads]
 
 
 def streamed_bytes(model) -> int:
