@@ -109,7 +109,9 @@ class DecodePlan:
     """One token's step as a flat list of ``(function, args)`` calls into compiled code (see the module doc)."""
 
     def __init__(self, model, calls: list, positions: list, buffers: dict, labels: dict, keep: tuple):
-        self.model, self.calls, self.positions, self.buf, self.labels = model, calls, positions, buffers, labels
+        # no reference to the model: the model keeps its plan (``GenerationMixin``), and a cycle would leave a deleted
+        # model's gigabytes to the cyclic garbage collector
+        self.context, self.calls, self.positions, self.buf, self.labels = model.context, calls, positions, buffers, labels
         emb = model.tok_embeddings
         self.vocab = emb.num_embeddings
         x = buffers["x"][0]  # the step's first input: the token's row (a quantized table's dequantized) lands there
@@ -189,8 +191,8 @@ class DecodePlan:
     def step(self, token: int, pos: int) -> torch.Tensor:
         """Logits ``[vocab]`` of ``token`` at position ``pos`` (the cache holds positions ``< pos``). The returned
         tensor is the plan's buffer: the next step overwrites it."""
-        if not 0 <= pos < self.model.context:
-            raise ValueError(f"position {pos} is outside the context of {self.model.context} tokens")
+        if not 0 <= pos < self.context:
+            raise ValueError(f"position {pos} is outside the context of {self.context} tokens")
         if not 0 <= token < self.vocab:
             raise ValueError(f"token id {token} is outside the vocabulary [0, {self.vocab})")
         runtime.apply_threads()

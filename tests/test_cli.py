@@ -159,7 +159,7 @@ def test_bench_end_to_end_on_the_default_model():
     # bytes per token: 30 layers of 3.54 M weights at 2 bits + float16 scale and zero per 64 (33.2 MB; float32
     # parameters would make it 39.8), the fp32 head 49152 × 576 (113.2 MB); the embedding is not streamed
     assert 0.143 < row["extra"]["GB/s"] / row["value"] < 0.150
-    # against the read probe timed before each round
+    # against the read probe timed before each generation
     extra = row["extra"]
     assert extra["probe GB/s"] > 1 and extra["% DRAM"] == pytest.approx(100 * extra["GB/s"] / extra["probe GB/s"])
 

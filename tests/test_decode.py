@@ -1,5 +1,8 @@
 """The static decode path: each glue kernel against a float64 numpy statement of its math, and whole decode steps
 against the eager model (itself checked against transformers and llama.cpp in test_models.py)."""
+import gc
+import weakref
+
 import numpy as np
 import pytest
 import torch
@@ -272,6 +275,22 @@ def test_generation_keeps_its_plan_until_the_model_changes(tmp_path):
     model.static_decode = True
     model.setup_cache(48)
     assert generate()[1] is not new_plan
+
+
+def test_a_deleted_model_is_freed_at_once_with_its_plan(tmp_path):
+    """The model keeps its plan and the plan holds no reference back: a deleted model's memory returns at once,
+    not at the cyclic garbage collector's next run."""
+    _tiny(tmp_path)
+    model = tmac.load_model(tmp_path, bits=4, group_size=64, context=64)
+    model.generate(list(range(5, 25)), max_new_tokens=4, stop_on_eos=False)
+    assert isinstance(model._kept_plan[1], DecodePlan)
+    gc.disable()
+    try:
+        ref = weakref.ref(model)
+        del model
+        assert ref() is None
+    finally:
+        gc.enable()
 
 
 def test_generation_runs_torch_on_one_thread_beside_lut_layers_only(tmp_path):

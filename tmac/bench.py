@@ -199,7 +199,7 @@ def e2e_bench(source, variants, threads_list, notes: list[str], prompt_tokens=64
     the file's own weights; ``head_bits``: requantize the output head too), and of llama.cpp on the same GGUF
     file when llama-cpp-python is installed. Every candidate runs ``rounds`` times, the candidates taking turns
     (so a slow stretch of a shared machine hits all of them), and reports its medians; ``% DRAM`` is against the
-    read probe timed before every round (its median: ``probe GB/s``), the bandwidth the host lent. With
+    read probe timed before every run (its median: ``probe GB/s``), the bandwidth the host lent. With
     ``profiles``, each variant's decode step at every thread count is broken down by call (``DecodePlan.profile``)
     into it as ``(label, threads, {call: seconds})``."""
     path = str(source) if source is not None else None
@@ -215,13 +215,13 @@ def e2e_bench(source, variants, threads_list, notes: list[str], prompt_tokens=64
     for threads in measured_threads(threads_list, notes):
         candidates = models + ([_llama_cpp_candidate(path, threads, prompt, gen_tokens)] if with_peer else [])
         runs: dict[str, list[tuple[float, float]]] = {c.label: [] for c in candidates}
-        probe_gbps = []  # the read probe before every round: the bandwidth the host lent this case's rounds
+        probe_gbps = []  # the read probe before every run: the bandwidth the host lent this case
         try:
             for _ in range(rounds):
-                t0 = time.perf_counter()
-                probe.sum()
-                probe_gbps.append(COLD_BYTES / (time.perf_counter() - t0) / 1e9)
                 for c in candidates:
+                    t0 = time.perf_counter()
+                    probe.sum()
+                    probe_gbps.append(COLD_BYTES / (time.perf_counter() - t0) / 1e9)
                     runs[c.label].append(c.run())
         finally:
             for c in candidates:
