@@ -96,9 +96,12 @@ def plan_key(model) -> tuple:
     SmolLM2 (335 modules): 1.3-1.5 ms, against 7 ms to build its plan."""
     cache = tuple(None if t is None else (t.data_ptr(), tuple(t.shape), t.dtype)
                   for t in (model.cache_k, model.cache_v, model.cos, model.sin))
+
+    def tensors(m):
+        return (*m._parameters.values(), *m._buffers.values())
+
     return cache, tuple((id(m), *((m.spec, m.kernel_dir) if isinstance(m, Linear) else ()),
-                         *(None if t is None else t.data_ptr() for t in (*m._parameters.values(), *m._buffers.values())))
-                        for m in model.modules())
+                         *(None if t is None else t.data_ptr() for t in tensors(m))) for m in model.modules())
 
 
 QUANTIZE = {"xn": "quantize_dim", "att": "quantize_q", "att_n": "quantize_q", "hid": "quantize_ffn",
@@ -111,7 +114,8 @@ class DecodePlan:
     def __init__(self, model, calls: list, positions: list, buffers: dict, labels: dict, keep: tuple):
         # no reference to the model: the model keeps its plan (``GenerationMixin``), and a cycle would leave a deleted
         # model's gigabytes to the cyclic garbage collector
-        self.context, self.calls, self.positions, self.buf, self.labels = model.context, calls, positions, buffers, labels
+        self.context, self.calls, self.positions = model.context, calls, positions
+        self.buf, self.labels = buffers, labels
         emb = model.tok_embeddings
         self.vocab = emb.num_embeddings
         x = buffers["x"][0]  # the step's first input: the token's row (a quantized table's dequantized) lands there
