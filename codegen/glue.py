@@ -9,6 +9,7 @@ run in vector lanes and are folded once at the end.
 from __future__ import annotations
 
 from tmac.embedding import SLOT
+from tmac.formats import code_offset
 from tmac.glue import KV_BLOCK, GlueSpec
 
 from .tir import arg, prim_func
@@ -311,7 +312,7 @@ def embed_func(spec: GlueSpec):
 
     d, bits, groups = spec.dim, spec.embed_bits, spec.embed_groups
     slot = SLOT[bits]
-    per_byte, mask, offset = 8 // slot, (1 << slot) - 1, 1 << (bits - 1)
+    per_byte, mask, offset = 8 // slot, (1 << slot) - 1, code_offset(bits)
     with prim_func("embed") as ib:
         vocab = T.int32()
         C = arg("codes", (vocab, d // per_byte), "uint8")

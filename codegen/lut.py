@@ -15,6 +15,7 @@ tiles are unrolled here); nothing is left for a schedule.
 
 from __future__ import annotations
 
+from tmac.formats import code_offset
 from tmac.packing import KernelSpec, packed_shapes
 from tmac.reference import SIGNS, TRIPLE_COEFFS
 
@@ -170,7 +171,7 @@ def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str):
     # K-quants (super scales): −(½s + z)·Σx = (offset − ½)·d·a·Σx − m·b·Σx, so a super group's terms are summed
     # with the multipliers a, b only, and d, m applied once at its end (per-group d·a and m·b − offset·d·a would
     # cost the epilogue more than the smaller parameters save)
-    sum_coef = tirx.FloatImm(f32, float(1 << (spec.bits - 1)) - 0.5)
+    sum_coef = tirx.FloatImm(f32, float(code_offset(spec.bits)) - 0.5)
 
     with prim_func(name) as ib:
         mb, np_, n, m = T.int32(), T.int32(), T.int32(), T.int32()

@@ -68,5 +68,5 @@ def import_gptq(qweight, qzeros, scales, g_idx, bits: int, group_size: int, vers
     half = scales.dtype == np.float16  # checkpoints store float16 scales; the zeros s·(z − offset) are not
     fmt = WeightFormat(f"gptq_w{bits}g{group}", bits, fmt_group, has_zeros=True,
                        scale_dtype="float16" if half else "float32")
-    z = s * (zero - (1 << (bits - 1)))
+    z = s * (zero - fmt.offset)
     return QuantizedWeight(np.ascontiguousarray(codes.T), np.ascontiguousarray(s.T), np.ascontiguousarray(z.T), fmt)

@@ -31,6 +31,11 @@ PER_TENSOR = "tensor"
 PARAM_DTYPES = ("float16", "float32")  # storage of scales / zeros
 
 
+def code_offset(bits: int) -> int:
+    """The code that means zero at ``bits`` bits, 2^(bits−1), for code that has bits rather than a format (kernels)."""
+    return 1 << (bits - 1)
+
+
 @dataclass(frozen=True)
 class GGUFBlock:
     """How a llama.cpp block type stores its weights: GGUF type name, weights and bytes per block (a block holds
@@ -72,7 +77,7 @@ class WeightFormat:
     @property
     def offset(self) -> int:
         """The code that means zero: w = s·(q − offset) − z."""
-        return 1 << (self.bits - 1)
+        return code_offset(self.bits)
 
     @property
     def groups_per_super(self) -> int:
