@@ -69,13 +69,8 @@ def cold_medians_beside_probe(candidates) -> tuple[list[float], float]:
     """``cold_medians`` with the 1 GiB read probe (``read_probe``) timed before each pass: the candidates' medians,
     and the probe's seconds from the same passes (a share of it does not drift with the shared host)."""
     probe, passes = read_probe(), []
-
-    def read():
-        t0 = time.perf_counter()
-        probe.sum()
-        passes.append(time.perf_counter() - t0)
-
-    return cold_medians(candidates, each_pass=read), statistics.median(passes[1:])
+    medians = cold_medians(candidates, each_pass=lambda: passes.append(read_seconds(probe)))
+    return medians, statistics.median(passes[1:])
 
 
 def read_probe():
@@ -86,6 +81,13 @@ def read_probe():
     from .memory import huge_page_full
 
     return huge_page_full((COLD_BYTES // 4,), 1.0, torch.float32)
+
+
+def read_seconds(probe) -> float:
+    """Seconds of one read of the probe (``read_probe``): ``COLD_BYTES`` streamed from DRAM."""
+    t0 = time.perf_counter()
+    probe.sum()
+    return time.perf_counter() - t0
 
 
 def bench_group(k: int) -> int:
@@ -219,9 +221,7 @@ def e2e_bench(source, variants, threads_list, notes: list[str], prompt_tokens=64
         try:
             for _ in range(rounds):
                 for c in candidates:
-                    t0 = time.perf_counter()
-                    probe.sum()
-                    probe_gbps.append(COLD_BYTES / (time.perf_counter() - t0) / 1e9)
+                    probe_gbps.append(COLD_BYTES / read_seconds(probe) / 1e9)
                     runs[c.label].append(c.run())
         finally:
             for c in candidates:

@@ -80,7 +80,7 @@ class GlueSpec:
     def _embed_suffix(self) -> str:
         if not self.embed_bits:
             return ""
-        half = {"float16": "h", "float32": "f", "": ""}
+        half = {"float16": "h", "float32": "f"}
         return (f"_e{self.embed_bits}g{self.embed_groups}{half[self.embed_scale]}"
                 + (f"z{half[self.embed_zero]}" if self.embed_zero else ""))
 
