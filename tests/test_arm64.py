@@ -52,7 +52,8 @@ def _write(d, name, a):
 @pytest.mark.parametrize("isa", ["neon_dotprod", "neon"])
 @pytest.mark.parametrize("bits, zeros, params", [(1, True, "float16"), (2, True, "float16"), (3, False, "float16"),
                                                  (4, True, "float32"), (4, False, "float16"),
-                                                 ("ternary triples", False, "float32"), ("Q5_K", True, "super")])
+                                                 ("ternary triples", False, "float32"), ("Q5_K", True, "super"),
+                                                 ("Q6_K", False, "super")])
 def test_arm64_kernels_under_qemu(harness, tmp_path, rng, isa, bits, zeros, params):
     from tmac.codegen.build import build_library
     from tmac.models.synthetic import k_quant_blocks
@@ -63,16 +64,16 @@ def test_arm64_kernels_under_qemu(harness, tmp_path, rng, isa, bits, zeros, para
     w = rng.standard_normal((m, k)).astype(np.float32)
     if triples:
         qw = quantize_weight(w, ternary=True, group_size="row")
-    elif bits == "Q5_K":  # 4 + 1 bit planes; byte multipliers of float32 super scales
-        qw = import_gguf(k_quant_blocks(rng, m, k, "Q5_K"), "Q5_K", (m, k))
+    elif params == "super":  # 4 + 1 (4 + 2) bit planes; byte multipliers (Q6_K: signed, groups of 16) of super scales
+        qw = import_gguf(k_quant_blocks(rng, m, k, bits), bits, (m, k))
     else:
         qw = quantize_weight(w, bits=bits, group_size=64, symmetric=not zeros)
         fmt = dataclasses.replace(qw.format, scale_dtype=params, zero_dtype=params)
         qw = QuantizedWeight(qw.codes, qw.scales, qw.zeros, fmt)
-    chunks = {} if bits == "Q5_K" else {"k_chunk": 384 if triples else 128}  # K chunks (triples: a shorter last)
+    chunks = {} if params == "super" else {"k_chunk": 384 if triples else 128}  # K chunks (triples: a shorter last)
     spec = spec_for(qw, ISAS[isa], n_tile=2, **chunks, **({"triples": True} if triples else {}))  # NEON: planes
     assert spec.triples == triples and bool(spec.super_groups) == (params == "super")
-    assert spec.k_chunk < spec.k_padded or bits == "Q5_K"
+    assert spec.k_chunk < spec.k_padded or params == "super"
     lib = str(tmp_path / "kern.so")
     build_library(spec, ISAS[isa], lib)
     pw = pack(qw, spec)

@@ -165,7 +165,7 @@ def test_bench_end_to_end_on_the_default_model():
 
 
 def test_bench_errors_are_one_line():
-    for args, needle in [(["bench", "--threads", "0"], "--threads"), (["bench", "--shape", "8x64", "--bits", "6"],
+    for args, needle in [(["bench", "--threads", "0"], "--threads"), (["bench", "--shape", "8x64", "--bits", "7"],
                                                                        "--bits"),
                          (["bench", "m.gguf", "--shape", "8x64"], "not both"),
                          (["bench", "--e2e", "--shape", "8x64"], "not both"),

@@ -6,9 +6,11 @@ from tmac.formats import GGUF_EXACT
 
 
 def test_gguf_formats_described_once():
-    assert set(GGUF_EXACT) == {"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "TQ1_0", "TQ2_0"}
+    assert set(GGUF_EXACT) == {"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "TQ1_0",
+                               "TQ2_0"}
     assert FORMATS["q4_1"].has_zeros and not FORMATS["q4_0"].has_zeros
     assert FORMATS["q4_k"].group_size == 32 and FORMATS["q4_k"].gguf.block_size == 256  # 8 groups a block
+    assert FORMATS["q6_k"].group_size == 16 and FORMATS["q6_k"].groups_per_super == 16 and not FORMATS["q6_k"].has_zeros
     assert FORMATS["tq2_0"].ternary and FORMATS["tq2_0"].group_size == 256
     assert FORMATS["bitnet"].group_size == "tensor"
 
@@ -22,7 +24,7 @@ def test_convention_w_equals_s_times_q_minus_offset_minus_z():
 
 
 @pytest.mark.parametrize("bad, exc", [
-    (dict(bits=6), ValueError), (dict(bits=0), ValueError), (dict(bits=2.0), TypeError),
+    (dict(bits=7), ValueError), (dict(bits=0), ValueError), (dict(bits=2.0), TypeError),
     (dict(group_size=48), ValueError), (dict(group_size="col"), ValueError), (dict(group_size=None), TypeError),
 ])
 def test_bad_format_arguments(bad, exc):

@@ -19,7 +19,7 @@ FAST = [i for i in RUNNABLE if not i.startswith("generic")]
 
 def _isa_cases(generic_bits=(2, 3)):
     for isa in RUNNABLE:
-        for bits in (1, 2, 3, 4, 5, 8) if isa in FAST else generic_bits:
+        for bits in (1, 2, 3, 4, 5, 6, 8) if isa in FAST else generic_bits:
             yield isa, bits
 
 
@@ -37,6 +37,22 @@ def test_float_output_matches_reference_epilogue(rng, isa, bits, group, zeros):
         y = lw.matmul(torch.from_numpy(x)).numpy()
         assert y.shape == (n, m)
         assert rel_l2(y, ref.lut_matmul(x, qw)) <= 1e-5
+
+
+@pytest.mark.parametrize("isa", FAST)
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 6, 8])
+def test_groups_of_16(rng, isa, bits):
+    """Weight groups (and table scales) of 16 activations, as llama.cpp's Q2_K, Q3_K and Q6_K have, with plain
+    float parameters: a lut group is two table pairs (one 2-bit quad step; 1-, 3- and 5-bit quad steps cover 32
+    activations, so those take bit planes)."""
+    m, k, zeros = 200, 256, bits % 2 == 1
+    qw = quantize_weight(rng.standard_normal((m, k)).astype(np.float32), bits=bits, group_size=16, symmetric=not zeros)
+    lw = LutWeight.from_quantized(qw, isa=isa)
+    assert (lw.spec.group_size, lw.spec.lut_group) == (16, 16)
+    assert lw.spec.quads == (ISAS[isa].wide_lookup and bits == 2)
+    for n in (1, 3):
+        x = rng.standard_normal((n, k)).astype(np.float32)
+        assert rel_l2(lw.matmul(torch.from_numpy(x)).numpy(), ref.lut_matmul(x, qw)) <= 1e-5
 
 
 @pytest.mark.parametrize("isa", RUNNABLE)
@@ -188,33 +204,37 @@ def test_raw_kernel_checks_shapes(rng):
 
 
 @pytest.mark.parametrize("isa", RUNNABLE)
-@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K"])
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q2_K", "Q3_K", "Q6_K"])
 def test_k_quant_super_scales(rng, isa, type_name):
-    """K-quants' scales d·a and zeros dmin·b − offset·d·a stream as byte multipliers of one float32 per 8 groups
-    (Q4_K: 4.75 bits a weight instead of 6): GEMV and GEMM match the reference epilogue, a partial last block, an
-    all-zero super group and a negative dmin included; packing round-trips exactly; parameters that do not factor
-    so get plain float32 storage."""
+    """K-quants' scales d·a and zeros dmin·b − offset·d·a stream as byte multipliers of one float32 per 256 weights
+    (Q4_K: 4.75 bits a weight instead of 6; Q6_K: signed multipliers, no zeros, 6.625 instead of 8): GEMV and GEMM
+    match the reference epilogue, a partial last block, an all-zero super group and a negative dmin included;
+    packing round-trips exactly; parameters that do not factor so get plain float32 storage."""
     from tmac.models.synthetic import k_quant_blocks
     from tmac.quantize import import_gguf
 
     m, k = 200, 512
     qw = import_gguf(k_quant_blocks(rng, m, k, type_name), type_name, (m, k))
-    scales, zeros, offset = qw.scales.copy(), qw.zeros.copy(), qw.format.offset
-    scales[3, :8], zeros[3, :8] = 0, 0
-    zeros[5] = -(zeros[5] + offset * scales[5]) - offset * scales[5]  # dmin·b negated
-    qw = QuantizedWeight(qw.codes, scales, zeros, qw.format)
+    fmt, supers = qw.format, 256 // qw.format.group_size
+    scales, zeros = qw.scales.copy(), None if qw.zeros is None else qw.zeros.copy()
+    scales[3, :supers] = 0
+    if zeros is not None:
+        zeros[3, :supers] = 0
+        zeros[5] = -(zeros[5] + fmt.offset * scales[5]) - fmt.offset * scales[5]  # dmin·b negated
+    qw = QuantizedWeight(qw.codes, scales, zeros, fmt)
     spec = spec_for(qw, ISAS[isa])
-    assert spec.super_groups == 8
+    assert spec.super_groups == supers
     packed = pack(qw, spec)
-    assert packed.scales.dtype == np.uint8 and packed.scales.nbytes == spec.blocks(m) * spec.block_rows * k * 12 // 256
+    assert packed.scales.dtype == (np.uint8 if fmt.has_zeros else np.int8)
+    assert packed.scales.nbytes == spec.blocks(m) * spec.block_rows * k * (supers + 4) // 256
     lw = LutWeight(packed)
     for n in (1, 2, 5):
         x = rng.standard_normal((n, k)).astype(np.float32)
         assert rel_l2(lw.matmul(torch.from_numpy(x)).numpy(), ref.lut_matmul(x, qw)) <= 1e-5
-    back = unpack(packed, qw.format)
+    back = unpack(packed, fmt)
     for got, want in ((back.codes, qw.codes), (back.scales, scales), (back.zeros, zeros)):
         np.testing.assert_array_equal(got, want)
-    odd = QuantizedWeight(qw.codes, rng.uniform(0.01, 0.02, scales.shape).astype(np.float32), zeros, qw.format)
+    odd = QuantizedWeight(qw.codes, rng.uniform(0.01, 0.02, scales.shape).astype(np.float32), zeros, fmt)
     assert spec_for(odd, ISAS[isa]).super_groups == 0
     with pytest.raises(ValueError, match="not multiples of one float32"):
         pack(odd, spec)

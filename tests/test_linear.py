@@ -109,7 +109,7 @@ def test_misuse():
         with pytest.raises(ValueError, match="packed weights"):
             lin(x)
     with pytest.raises(ValueError, match="bits"):
-        Linear(64, 32, bits=6)
+        Linear(64, 32, bits=7)
     with pytest.raises(ValueError, match="group_size"):
         Linear(64, 32, group_size=48)
 
@@ -211,15 +211,17 @@ def test_state_packed_for_a_foreign_isa_is_repacked(bits):
             arm(x)
 
 
-def test_k_quant_state_round_trip(tmp_path):
-    """A Q4_K layer's byte multipliers and super scales survive tmac.save/tmac.load, also packed for NEON
-    (repacked here); a state with plain float32 parameters (an older tmac's) loads as such."""
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
+def test_k_quant_state_round_trip(tmp_path, type_name):
+    """A Q4_K layer's byte multipliers and super scales (Q6_K: signed ones) survive tmac.save/tmac.load, also
+    packed for NEON (repacked here); a state with plain float32 parameters (an older tmac's) loads as such."""
     from tmac.models.synthetic import k_quant_blocks
     from tmac.quantize import import_gguf
 
-    qw = import_gguf(k_quant_blocks(np.random.default_rng(0), 96, 512), "Q4_K", (96, 512))
+    qw = import_gguf(k_quant_blocks(np.random.default_rng(0), 96, 512, type_name), type_name, (96, 512))
     local, plain = Linear.from_quantized(qw), Linear.from_quantized(qw, super_groups=0)
-    assert local.spec.super_groups == 8 and plain.spec.super_groups == 0
+    assert local.spec.super_groups == 256 // qw.format.group_size and plain.spec.super_groups == 0
+    assert local.scales.dtype == (torch.uint8 if qw.format.has_zeros else torch.int8)
     x = torch.randn(3, 512)
     for src, want in ((local, local), (Linear.from_quantized(qw, isa="neon"), local), (plain, plain)):
         tmac.save(nn.Sequential(src), tmp_path / "q4k.safetensors")

@@ -386,12 +386,12 @@ def test_16_bit_float_weights_stay_16_bit(tmp_path):
         [tensors[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"]))
 
 
-@pytest.mark.parametrize("kind", ["Q6_K", "Q4_K", "Q5_K", "Q5_0"])
+@pytest.mark.parametrize("kind", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "MXFP4"])
 def test_gguf_quantized_types_import_exactly_or_at_8_bits(tmp_path, kind):
-    """Q4_K and Q5_K (llama.cpp's usual 4- and 5-bit types) import exactly as W4 / W5 in groups of 32, Q5_0 as
-    W5 (a Q5_1 head with zeros); matrices of a type the kernels cannot take as it is (Q6_K: llama.cpp's usual
-    heads) come at 8 bits in Q8_0's layout, not as float32; a float table stays float. Reference: transformers'
-    own GGUF reader (its dequantization and q/k row order) in its Llama."""
+    """llama.cpp's K-quants import exactly: Q4_K and Q5_K as W4 / W5 in groups of 32, Q2_K, Q3_K and Q6_K (llama.cpp's
+    usual heads) as W2 / W3 / W6 in groups of 16; Q5_0 as W5 (a Q5_1 head with zeros); matrices of a type the
+    kernels cannot take as it is (MXFP4 here) come at 8 bits in Q8_0's layout, not as float32; a float table stays
+    float. Reference: transformers' own GGUF reader (its dequantization and q/k row order) in its Llama."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
@@ -401,7 +401,8 @@ def test_gguf_quantized_types_import_exactly_or_at_8_bits(tmp_path, kind):
 
     path = str(tmp_path / "m.gguf")
     types = {"output": "Q5_1" if kind == "Q5_0" else kind, "token_embd": "F16"}
-    want = {"Q6_K": (8, False), "Q4_K": (4, True), "Q5_K": (5, True), "Q5_0": (5, False)}[kind]  # (bits, zeros)
+    want = {"Q2_K": (2, True, 16), "Q3_K": (3, False, 16), "Q4_K": (4, True, 32), "Q5_K": (5, True, 32),
+            "Q6_K": (6, False, 16), "Q5_0": (5, False, 32), "MXFP4": (8, False, 32)}[kind]  # (bits, zeros, group)
     write_random_gguf(path, LlamaConfig(vocab_size=512, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=512,
                                         context_length=64), lambda name: types.get(name.split(".")[0], kind))
     cfg = transformers.LlamaConfig(**load_gguf_checkpoint(path)["config"])
@@ -413,23 +414,24 @@ def test_gguf_quantized_types_import_exactly_or_at_8_bits(tmp_path, kind):
 
     model = tmac.load_model(path, kv_dtype="float32")
     linears = [m for m in model.modules() if isinstance(m, tmac.Linear)]
-    assert len(linears) == 2 * 4 + 1 and all((m.format.bits, m.format.group_size) == (want[0], 32) for m in linears)
+    assert len(linears) == 2 * 4 + 1 and all((m.format.bits, m.format.group_size) == (want[0], want[2])
+                                             for m in linears)
     assert [m.format.has_zeros for m in linears] == [want[1]] * 8 + [want[1] or kind == "Q5_0"]
     assert not any(type(m) in (torch.nn.Linear, FloatLinear) for m in model.modules())
     assert model.tok_embeddings.weight.dtype == torch.float16  # F16: exact as the file has it
     err = rel_l2(model.logits(ids).numpy(), ref.numpy())
     print(f"{kind} GGUF, logits rel L2 vs transformers on the dequantized file: {err:.5f}")
     # a Q8_0 file of these shapes, imported exactly, is at 1.2 % here: the int8 tables' rounding, which this tiny
-    # random model amplifies; Q6_K at 8 bits adds little
+    # random model amplifies; MXFP4 at 8 bits adds little
     assert err <= 0.02
     requantized = tmac.load_model(path, bits=3, group_size=32)  # the head stays the file's own
     assert requantized.layers[0].attention.wqkv.format.bits == 3
     assert all(torch.equal(getattr(requantized.output, n), getattr(model.output, n)) for n in ("qweight", "scales"))
     if kind == "Q4_K":  # a block whose zero float32 cannot hold: that tensor comes at 8 bits, the others exact
         down = next(t for t in GGUFReader(path).tensors if t.name == "blk.0.ffn_down.weight")
-        with open(path, "r+b") as f:  # the first block's dmin: 4.0, 2^12 times its scales' size
-            f.seek(down.data_offset + 2)
-            f.write(np.float16(4.0).tobytes())
+        with open(path, "r+b") as f:  # the first block's d and dmin: dmin 4.0, 2^15 times d
+            f.seek(down.data_offset)
+            f.write(np.float16([1.2345e-4, 4.0]).tobytes())
         planted = tmac.load_model(path)
         assert {n for n, m in planted.named_modules() if isinstance(m, tmac.Linear) and m.format.bits == 8} == \
             {"layers.0.feed_forward.w2"}

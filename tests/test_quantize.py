@@ -164,18 +164,24 @@ def test_gguf_import_is_exact_on_quantized_blocks(rng, type_name, import_slices)
     assert _same_bits(qw.dequantize(), dequantize(blocks, qtype))
 
 
-@pytest.mark.parametrize("type_name, bits", [("Q4_K", 4), ("Q5_K", 5)])
-def test_gguf_k_quant_import_is_exact(rng, import_slices, type_name, bits):
-    """llama.cpp's 4- and 5-bit K-quants: 8 groups of 32 a block, each with its own 6-bit scale and min
-    multipliers (Q5_K: the fifth bits apart)."""
+@pytest.mark.parametrize("type_name, bits, group", [("Q4_K", 4, 32), ("Q5_K", 5, 32), ("Q2_K", 2, 16), ("Q3_K", 3, 16),
+                                                    ("Q6_K", 6, 16)])
+def test_gguf_k_quant_import_is_exact(rng, import_slices, type_name, bits, group):
+    """llama.cpp's K-quants: 256 weights a block in groups of 32 (Q4_K, Q5_K) or 16, each group with its own scale
+    multiplier (4 to 8 bits; signed in Q3_K and Q6_K) and, in Q2_K, Q4_K and Q5_K, min multiplier; the codes' high
+    bits apart in Q3_K, Q5_K and Q6_K. Random blocks: every bit pattern of the codes and multipliers occurs."""
     from tmac.models.synthetic import k_quant_blocks
 
     blocks = k_quant_blocks(rng, 6, 512, type_name)
     qw = import_gguf(blocks, type_name, (6, 512))
-    assert (qw.format.bits, qw.format.group_size, qw.scales.shape) == (bits, 32, (6, 16))
+    assert (qw.format.bits, qw.format.group_size, qw.scales.shape) == (bits, group, (6, 512 // group))
     assert _same_bits(qw.dequantize(), dequantize(blocks, gguf.GGMLQuantizationType[type_name]))
-    extreme = blocks.copy()  # a min 2^12 times the scale: dmin·b − 8·d·a needs more than float32's 24 bits
-    extreme[5, 2:4] = np.frombuffer(np.float16(4.0).tobytes(), np.uint8)
+    assert set(np.unique(qw.codes)) == set(range(1 << bits))
+    if not qw.format.has_zeros:
+        return
+    d_at = 80 if type_name == "Q2_K" else 0
+    extreme = blocks.copy()  # a min 2^15 times the scale: dmin·b − offset·d·a needs more than float32's 24 bits
+    extreme[5, d_at:d_at + 4] = np.frombuffer(np.float16([1.2345e-4, 4.0]).tobytes(), np.uint8)
     with pytest.raises(InexactImport, match="row 5"):
         import_gguf(extreme, type_name, (6, 512))
 
@@ -203,8 +209,8 @@ def test_ternary_gguf_blocks_sharing_a_scale_import_per_row(rng, type_name, impo
 def test_gguf_import_rejects_bad_blocks():
     with pytest.raises(ValueError, match="needs 36 bytes"):
         import_gguf(b"\0" * 35, "Q4_0", (1, 64))
-    with pytest.raises(ValueError, match="no exact importer for GGUF type Q6_K"):
-        import_gguf(b"", "Q6_K", (1, 32))
+    with pytest.raises(ValueError, match="no exact importer for GGUF type IQ2_XS"):
+        import_gguf(b"", "IQ2_XS", (1, 32))
     nan_block = np.frombuffer(np.float16(np.nan).tobytes() + b"\0" * 16, np.uint8)
     with pytest.raises(ValueError, match="NaN/inf"):
         import_gguf(nan_block, "Q4_0", (1, 32))
@@ -242,7 +248,7 @@ def test_bad_input_names_the_argument(case):
     if case == "k_not_divisible":
         w, match = np.ones((4, 48), np.float32), "group_size"
     elif case == "bits_high":
-        kwargs["bits"], match = 6, "bits"
+        kwargs["bits"], match = 7, "bits"
     elif case == "bits_low":
         kwargs["bits"], match = 0, "bits"
     elif case == "three_d":

@@ -24,8 +24,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-BITS = (1, 2, 3, 4, 5, 8)  # 5: exact Q5_0/Q5_1/Q5_K imports (4 + 1 planes); 8: Q8_0 (two 4-plane chunks)
-GROUP_SIZES = (32, 64, 128, 256)
+# 5: exact Q5_0/Q5_1/Q5_K imports (4 + 1 planes); 6: Q6_K (4 + 2); 8: Q8_0 (two 4-plane chunks)
+BITS = (1, 2, 3, 4, 5, 6, 8)
+GROUP_SIZES = (16, 32, 64, 128, 256)  # 16: llama.cpp's Q2_K, Q3_K and Q6_K
 PER_ROW = "row"
 PER_TENSOR = "tensor"
 PARAM_DTYPES = ("float16", "float32")  # storage of scales / zeros
@@ -56,9 +57,10 @@ class WeightFormat:
     gguf: GGUFBlock | None = None
     scale_dtype: str = "float32"  # one of PARAM_DTYPES: float16 promises every scale is exactly a float16
     zero_dtype: str = "float32"
-    # llama.cpp's K-quants: in each run of super_group weights, the scales are integer multiples d·a (a ≤ 255) of
-    # one float32 d and the zeros m·b − offset·s of one m (b ≤ 255); kernels then stream a byte per scale and zero
-    # plus 8 bytes a run (Q4_K: 4.75 bits a weight instead of 6). None: plain scales and zeros
+    # llama.cpp's K-quants: in each run of super_group weights, the scales are integer multiples d·a of one float32
+    # d and the zeros m·b − offset·s of one m (a, b ≤ 255); without zeros a is signed (−128 ≤ a ≤ 127: Q3_K, Q6_K).
+    # Kernels then stream a byte per scale and zero plus 4 bytes a run per parameter (Q4_K: 4.75 bits a weight
+    # instead of 6; Q6_K 6.625 instead of 8). None: plain scales and zeros
     super_group: int | None = None
 
     def __post_init__(self):
@@ -69,10 +71,10 @@ class WeightFormat:
                              f"{self.scale_dtype!r}/{self.zero_dtype!r}")
         if self.ternary and (self.bits != 2 or self.has_zeros):
             raise ValueError(f"format {self.name}: ternary weights are stored as 2-bit codes without zeros")
-        if self.super_group is not None and not (isinstance(self.group_size, int) and self.has_zeros and
+        if self.super_group is not None and not (isinstance(self.group_size, int) and not self.ternary and
                                                  self.super_group % self.group_size == 0):
-            raise ValueError(f"format {self.name}: super_group {self.super_group} needs zeros and a multiple of an "
-                             f"int group size (got {self.group_size})")
+            raise ValueError(f"format {self.name}: super_group {self.super_group} needs a multiple of an int group "
+                             f"size (got {self.group_size}) and non-ternary codes")
 
     @property
     def offset(self) -> int:
@@ -184,6 +186,13 @@ def check_group_size(group_size) -> None:
 #   Q4_K  {f16 d; f16 dmin; u8 sc[12]; u8 qs[128]}  w = d·a_j·q − dmin·b_j for group j of 32 (8 a block; a_j, b_j:
 #         6 bits, packed in sc); q: low nibbles of 32 bytes (group 2i), then their high nibbles (group 2i + 1)
 #   Q5_K  {f16 d; f16 dmin; u8 sc[12]; u8 qh[32]; u8 qs[128]}  as Q4_K, q | bit j of qh[l] << 4 (weight l of group j)
+#   Q2_K  {u8 sc[16]; u8 qs[64]; f16 d; f16 dmin}  w = d·a_j·q − dmin·b_j for group j of 16 (a_j, b_j: low, high nibble
+#         of sc[j]); q: 2-bit fields, weight 128h + 32i + l at bits 2i of qs[32h + l] (as TQ2_0)
+#   Q3_K  {u8 hmask[32]; u8 qs[64]; u8 sc[12]; f16 d}  w = d·(a_j − 32)·(q − 4) for group j of 16 (a_j: 6 bits, low
+#         nibbles of sc[0..7] then their high nibbles, | 2-bit fields of sc[8..11] << 4); q: Q2_K's 2 bits | bit i of
+#         hmask[l] << 2 for weight 32i + l
+#   Q6_K  {u8 ql[128]; u8 qh[64]; i8 sc[16]; f16 d}  w = d·sc_j·(q − 32) for group j of 16; weight 128h + 32i + l:
+#         nibble i // 2 of ql[64h + 32(i % 2) + l] | bits 2i of qh[32h + l] << 4
 FORMATS: dict[str, WeightFormat] = {
     f.name: f
     for f in (
@@ -200,6 +209,10 @@ FORMATS: dict[str, WeightFormat] = {
         # scale d·a (a float32 value), zero dmin·b − 8·d·a: imported where every zero is a float32 value
         WeightFormat("q4_k", 4, 32, has_zeros=True, gguf=GGUFBlock("Q4_K", 256, 144), super_group=256),
         WeightFormat("q5_k", 5, 32, has_zeros=True, gguf=GGUFBlock("Q5_K", 256, 176), super_group=256),
+        WeightFormat("q2_k", 2, 16, has_zeros=True, gguf=GGUFBlock("Q2_K", 256, 84), super_group=256),
+        # scale d·a with a signed multiplier, no zeros
+        WeightFormat("q3_k", 3, 16, has_zeros=False, gguf=GGUFBlock("Q3_K", 256, 110), super_group=256),
+        WeightFormat("q6_k", 6, 16, has_zeros=False, gguf=GGUFBlock("Q6_K", 256, 210), super_group=256),
         WeightFormat("bitnet", 2, PER_TENSOR, has_zeros=False, ternary=True),
     )
 }

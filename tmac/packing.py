@@ -81,14 +81,21 @@ import numpy as np
 
 from .formats import PARAM_DTYPES, PER_ROW, PER_TENSOR, WeightFormat, check_bits
 from .qweight import QuantizedWeight
-from .reference import TRIPLE_LUT_GROUP, default_lut_group, padded_k, plane_nibbles, triple_indices
+from .reference import LUT_GROUPS, TRIPLE_LUT_GROUP, default_lut_group, padded_k, plane_nibbles, triple_indices
 
 TRIPLES_LAYOUT = 2  # of the packed triple bytes (2: flags as bit masks), stored with saved weights
 CHUNK_BYTES = 16 << 10  # a K chunk's tables + one block's weights of it: half of a 32 KiB L1 (see _default_k_chunk)
 PACK_WEIGHTS = 1 << 21  # codes packed at a time: the layout's temporaries, ~15 bytes a code, stay ~30 MiB
-CHUNKS = {1: ((0, 1),), 2: ((0, 2),), 3: ((0, 2), (2, 1)), 4: ((0, 4),), 5: ((0, 4), (4, 1)), 8: ((0, 4), (4, 4))}  # bits → ((first plane, planes), ...)
+CHUNKS = {1: ((0, 1),), 2: ((0, 2),), 3: ((0, 2), (2, 1)), 4: ((0, 4),), 5: ((0, 4), (4, 1)), 6: ((0, 4), (4, 2)),
+          8: ((0, 4), (4, 4))}  # bits → ((first plane, planes), ...)
 QUAD_CHUNKS = {1: ((0, 1, 0),), 2: ((0, 2, 0),), 3: ((0, 2, 0), (0, 2, 4), (2, 1, 0)),
                5: ((0, 2, 0), (0, 2, 4), (2, 2, 0), (2, 2, 4), (4, 1, 0))}  # bits → ((plane, P, table), ...)
+
+
+def quad_step(bits: int) -> int:
+    """Activations a quad step of ``bits``-bit weights covers (4 per table; a chunk of P planes covers 8/P tables
+    from its first): 16 at 2 bits, else 32."""
+    return 4 * max(t0 + 8 // planes for _, planes, t0 in QUAD_CHUNKS[bits])
 
 
 @dataclass(frozen=True)
@@ -146,8 +153,8 @@ class KernelSpec:
             if (self.bits, self.has_zeros, g, lg) != (2, False, k, TRIPLE_LUT_GROUP):
                 problems.append(f"triples need 2-bit codes without zeros, one scale per row (group_size = K) and "
                                 f"lut_group {TRIPLE_LUT_GROUP}")
-        elif lg not in (32, 64, 128, 256) or k % lg or g % lg:
-            problems.append(f"lut_group={lg} must be 32/64/128/256 and divide K={k} and the group size {g}")
+        elif lg not in LUT_GROUPS or k % lg or g % lg:
+            problems.append(f"lut_group={lg} must be one of {LUT_GROUPS} and divide K={k} and the group size {g}")
         if self.quads and (vl != 64 or not (self.triples or self.bits in QUAD_CHUNKS)):
             problems.append(f"quads need {sorted(QUAD_CHUNKS)}-bit weights or triples and 64-byte vectors")
         if vl not in (16, 32, 64):
@@ -157,10 +164,9 @@ class KernelSpec:
         if self.n_tile < 1 or self.unroll < 1 or not steps or steps % self.unroll:
             problems.append(f"n_tile={self.n_tile}, unroll={self.unroll}: unroll must divide the "
                             f"{steps} steps of a lut group")
-        if self.super_groups and (self.super_groups < 0 or not self.has_zeros or self.triples or lg != g or
-                                  k % (g * self.super_groups)):
-            problems.append(f"super_groups={self.super_groups} needs zeros, lut_group = group_size and must divide "
-                            f"the K/group_size={k // g if g > 0 else '?'} groups")
+        if self.super_groups and (self.super_groups < 0 or self.triples or lg != g or k % (g * self.super_groups)):
+            problems.append(f"super_groups={self.super_groups} needs lut_group = group_size and must divide the "
+                            f"K/group_size={k // g if g > 0 else '?'} groups")
         if steps and (self.k_chunk <= 0 or self.k_chunk % self.chunk_unit or self.k_chunk > self.k_padded):
             problems.append(f"k_chunk={self.k_chunk} must be a positive multiple of {self.chunk_unit} up to "
                             f"{self.k_padded}")
@@ -209,8 +215,11 @@ class KernelSpec:
 
     @property
     def param_dtypes(self) -> tuple[str, str]:
-        """Storage dtypes of S and Z: bytes of multipliers and super scales, or the format's floats."""
-        return ("uint8", "uint8") if self.super_groups else (self.scale_dtype, self.zero_dtype)
+        """Storage dtypes of S and Z: bytes of multipliers and super scales (scale multipliers signed without
+        zeros), or the format's floats."""
+        if self.super_groups:
+            return ("uint8" if self.has_zeros else "int8"), "uint8"
+        return self.scale_dtype, self.zero_dtype
 
     @property
     def quad_chunks(self) -> tuple[tuple[int, int, int], ...]:
@@ -223,8 +232,8 @@ class KernelSpec:
 
     @property
     def step_tables(self) -> int:
-        """Quads: tables a step covers (a chunk of P planes covers 8/P from its first)."""
-        return max(t0 + 8 // planes for _, planes, t0 in self.quad_chunks)
+        """Quads: tables a step covers."""
+        return quad_step(1 if self.triples else self.bits) // 4
 
     @property
     def chunks(self) -> tuple[tuple[int, int], ...]:
@@ -347,14 +356,16 @@ def spec_for_format(fmt: WeightFormat, k: int, isa, **tiling) -> KernelSpec:
     if supers:
         params["super_groups"] = supers
     triples = tiling.pop("triples", uses_triples(fmt, k, isa))
-    if tiling.pop("quads", isa.wide_lookup and (triples or fmt.bits in QUAD_CHUNKS)):
+    lut_group = TRIPLE_LUT_GROUP if triples else default_lut_group(k, fmt.group_size)
+    # (a quad step covers 32 activations but at 2 bits: 3-bit weights in groups of 16, Q3_K's, take bit planes)
+    if tiling.pop("quads", isa.wide_lookup and (triples or fmt.bits in QUAD_CHUNKS and lut_group % quad_step(fmt.bits)
+                                                == 0)):
         params["quads"] = True
     if triples:  # 1.67 instead of 2 bits streamed per weight
         if not tiling:
             tiling = tuned_tiling(isa.name, 2, k, k, TRIPLE_LUT_GROUP, False, triples=True)
         return KernelSpec(isa.name, isa.vector_bytes, 2, k, k, TRIPLE_LUT_GROUP, False, **tiling, **params,
                           triples=True)
-    lut_group = default_lut_group(k, fmt.group_size)
     if not tiling:
         tiling = tuned_tiling(isa.name, fmt.bits, k, group, lut_group, fmt.has_zeros)
     return KernelSpec(isa.name, isa.vector_bytes, fmt.bits, k, group, lut_group, fmt.has_zeros, **tiling, **params)
@@ -409,8 +420,9 @@ def pack(qw: QuantizedWeight, spec: KernelSpec, factors=None) -> PackedWeight:
         if factors is None:
             raise ValueError(f"the scales and zeros of this {fmt.name} weight are not multiples of one float32 per "
                              f"{spec.super_groups} groups, as kernel {spec.name} needs")
-        (a, d), (b, mn) = factors
-        scales, zeros = _pack_super(a, d, qw, spec), _pack_super(b, mn, qw, spec)
+        (a, d), zero_factors = factors
+        scales = _pack_super(a, d, qw, spec)
+        zeros = None if zero_factors is None else _pack_super(*zero_factors, qw, spec)
     else:
         scales = _pack_params(qw.scales, qw, spec, spec.scale_dtype)
         zeros = None if qw.zeros is None else _pack_params(qw.zeros, qw, spec, spec.zero_dtype)
@@ -450,38 +462,46 @@ def block_major(a: np.ndarray, spec: KernelSpec) -> np.ndarray:
 def factor_params(qw: QuantizedWeight, super_groups: int | None = None):
     """K-quant parameters as multipliers and super scales: ``((a, d), (b, m))`` with uint8 ``a, b [M, G]`` and
     float32 ``d, m [M, G/SG]`` such that, in float32, scale = d·a and zero = m·b − offset·scale exactly (the
-    kernels' arithmetic); None where the parameters do not factor so. SG: the format's super group, in groups.
-    Row slices of ``PACK_WEIGHTS`` parameters keep the int64 temporaries small beside a 49152-row head's."""
+    kernels' arithmetic); without zeros ``((a, d), None)`` with int8 ``a``; None where the parameters do not
+    factor so. SG: the format's super group, in groups. Row slices of ``PACK_WEIGHTS`` parameters keep the int64
+    temporaries small beside a 49152-row head's."""
     fmt = qw.format
     sg = super_groups or fmt.groups_per_super
     m, g = qw.scales.shape
-    if qw.zeros is None or g % sg:
+    if g % sg:
         return None
-    a, b = np.empty((m, g), np.uint8), np.empty((m, g), np.uint8)
-    d, mn = np.empty((m, g // sg), np.float32), np.empty((m, g // sg), np.float32)
+    zeros = qw.zeros is not None
+    a, d = np.empty((m, g), np.uint8 if zeros else np.int8), np.empty((m, g // sg), np.float32)
+    b, mn = (np.empty((m, g), np.uint8), np.empty((m, g // sg), np.float32)) if zeros else (None, None)
     rows = max(1, PACK_WEIGHTS // (8 * g))
     for r0 in range(0, m, rows):
         s = qw.scales[r0:r0 + rows].astype(np.float64)
-        z = qw.zeros[r0:r0 + rows].astype(np.float64)
         n = len(s)
+        z = qw.zeros[r0:r0 + rows].astype(np.float64) if zeros else np.zeros_like(s)
         t = z + fmt.offset * s  # m·b, llama.cpp's min
-        if not all(np.array_equal(p.astype(np.float32), p) for p in (s, t)):
+        params = (s, t) if zeros else (s,)
+        if not all(np.array_equal(p.astype(np.float32), p) for p in params):
             return None
-        factors = _common_factor(s.reshape(-1, sg)), _common_factor(t.reshape(-1, sg))
-        if factors[0] is None or factors[1] is None:
+        factors = [_common_factor(p.reshape(-1, sg), signed=not zeros) for p in params]
+        if any(f is None for f in factors):
             return None
-        (a_s, d_s), (b_s, m_s) = ((mult.reshape(n, g), base.reshape(n, g // sg)) for mult, base in factors)
+        (a_s, d_s), *zero_factors = ((mult.reshape(n, g), base.reshape(n, g // sg)) for mult, base in factors)
         s32 = np.repeat(d_s, sg, axis=1) * a_s.astype(np.float32)
-        z32 = np.repeat(m_s, sg, axis=1) * b_s.astype(np.float32) - np.float32(fmt.offset) * s32
-        if not (np.array_equal(s32, s.astype(np.float32)) and np.array_equal(z32, z.astype(np.float32))):
+        if not np.array_equal(s32, s.astype(np.float32)):
             return None
-        a[r0:r0 + n], d[r0:r0 + n], b[r0:r0 + n], mn[r0:r0 + n] = a_s, d_s, b_s, m_s
-    return (a, d), (b, mn)
+        a[r0:r0 + n], d[r0:r0 + n] = a_s, d_s
+        if zeros:
+            (b_s, m_s), = zero_factors
+            z32 = np.repeat(m_s, sg, axis=1) * b_s.astype(np.float32) - np.float32(fmt.offset) * s32
+            if not np.array_equal(z32, z.astype(np.float32)):
+                return None
+            b[r0:r0 + n], mn[r0:r0 + n] = b_s, m_s
+    return (a, d), ((b, mn) if zeros else None)
 
 
-def _common_factor(v: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-    """``v [R, n]`` (float32) as ``mult [R, n]`` uint8 times ``base [R, 1]`` float32, exactly, with the largest
-    base (the gcd of each row's values); None where no such pair exists."""
+def _common_factor(v: np.ndarray, signed: bool = False) -> tuple[np.ndarray, np.ndarray] | None:
+    """``v [R, n]`` (float32) as ``mult [R, n]`` uint8 (``signed``: int8) times ``base [R, 1]`` float32, exactly,
+    with the largest base (the gcd of each row's values); None where no such pair exists."""
     bits = np.ascontiguousarray(v, np.float32).view(np.int32)
     biased = (bits >> 23) & 0xFF
     mant = (bits & 0x7FFFFF) | np.where(biased > 0, 1 << 23, 0)  # v = ±mant·2^(e), e = max(biased, 1) − 150
@@ -494,16 +514,19 @@ def _common_factor(v: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     big = mant.astype(np.int64) << shift
     gcd = np.maximum(np.gcd.reduce(big, axis=1, keepdims=True), 1)
     negative = (bits < 0) & nz
-    if (negative.any(axis=1) & (nz & ~negative).any(axis=1)).any():  # one sign a row: unsigned multipliers
-        return None
     mult = big // gcd
-    if (mult > 255).any():
-        return None
-    base = np.ldexp(np.where(negative.any(axis=1, keepdims=True), -gcd, gcd).astype(np.float64),
-                    np.where(nz.any(axis=1, keepdims=True), e_min, 0))
+    if signed:  # a positive base, multipliers of either sign
+        mult, flip = np.where(negative, -mult, mult), np.zeros_like(gcd, bool)
+        if (mult < -128).any() or (mult > 127).any():
+            return None
+    else:  # one sign a row: the base carries it
+        if (negative.any(axis=1) & (nz & ~negative).any(axis=1)).any() or (mult > 255).any():
+            return None
+        flip = negative.any(axis=1, keepdims=True)
+    base = np.ldexp(np.where(flip, -gcd, gcd).astype(np.float64), np.where(nz.any(axis=1, keepdims=True), e_min, 0))
     if not np.array_equal(base.astype(np.float32).astype(np.float64), base):
         return None
-    return mult.astype(np.uint8), base.astype(np.float32)
+    return mult.astype(np.int8 if signed else np.uint8), base.astype(np.float32)
 
 
 def _pack_blocks(codes: np.ndarray, spec: KernelSpec) -> np.ndarray:
@@ -617,7 +640,7 @@ def unpack(packed: PackedWeight, fmt: WeightFormat) -> QuantizedWeight:
     s, z = (None if p is None else block_major(p, spec) for p in (packed.scales, packed.zeros))
     if spec.super_groups:  # scale d·a, zero m·b − offset·scale
         scales = _unpack_super(s, m, spec, fmt)
-        zeros = _unpack_super(z, m, spec, fmt) - np.float32(fmt.offset) * scales
+        zeros = None if z is None else _unpack_super(z, m, spec, fmt) - np.float32(fmt.offset) * scales
     else:
         scales = _unpack_params(s, m, fmt)
         zeros = None if z is None else _unpack_params(z, m, fmt)
@@ -659,11 +682,11 @@ def _pack_super(mult: np.ndarray, base: np.ndarray, qw: QuantizedWeight, spec: K
     """S or Z of a super-scale spec: per super group, its groups' multipliers ``[SG, BM]``, then its float32 super
     scales' bytes — one sequential stream, as the kernels read them."""
     bm, mb, sg = spec.block_rows, spec.blocks(qw.shape[0]), spec.super_groups
-    head = _pack_params(mult, qw, spec, "uint8")  # [MB, G, BM]
+    head = _pack_params(mult, qw, spec, mult.dtype)  # [MB, G, BM]
     g = head.shape[1]
     full = np.zeros((mb * bm, g // sg), np.float32)
     full[:qw.shape[0]] = base
-    tail = np.ascontiguousarray(full.reshape(mb, bm, -1).transpose(0, 2, 1)).view(np.uint8)  # [MB, G/SG, 4·BM]
+    tail = np.ascontiguousarray(full.reshape(mb, bm, -1).transpose(0, 2, 1)).view(mult.dtype)  # [MB, G/SG, 4·BM]
     return np.concatenate([head.reshape(mb, g // sg, sg * bm), tail], axis=2)
 
 

@@ -164,7 +164,7 @@ def _grouped(w: np.ndarray, fmt: WeightFormat) -> np.ndarray:
 # ---- exact GGUF importers ------------------------------------------------------------------------------
 
 def import_gguf(data, type_name: str, shape: tuple[int, int]) -> QuantizedWeight:
-    """Import a GGUF tensor of type Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, TQ1_0 or TQ2_0 without requantizing.
+    """Import a GGUF tensor of an exactly importable type (``tmac.formats.GGUF_EXACT``) without requantizing.
 
     ``data`` holds the raw blocks (bytes or a uint8 array, as ``gguf.GGUFReader`` gives them); ``shape`` is
     ``(rows, row_length)`` — numpy order, i.e. GGUF's ``ne`` reversed. ``.dequantize()`` of the result equals
@@ -269,9 +269,40 @@ def _decode_q5_1(blocks, offset):
     return _decode_q4_1(blocks, offset, _nibbles(blocks[:, 8:]) | _fifth_bits(blocks[:, 4:8]))
 
 
+def _two_bit_fields(qs: np.ndarray) -> np.ndarray:
+    """``[n, 4·B]`` 2-bit fields of bytes ``qs [n, B]`` in runs of 32 bytes: weight 128h + 32i + l is bits 2i of
+    byte 32h + l (TQ2_0, Q2_K, Q3_K's low bits)."""
+    fields = qs.reshape(len(qs), -1, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
+    return (fields & 3).reshape(len(qs), -1)
+
+
 def _decode_tq2_0(blocks, offset):
-    qs = blocks[:, :64].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
-    return ((qs & 3) + (offset - 1)).reshape(-1, 256), _f16(blocks, 64).astype(np.float32), None  # w = d·(q − 1)
+    return _two_bit_fields(blocks[:, :64]) + (offset - 1), _f16(blocks, 64).astype(np.float32), None  # w = d·(q − 1)
+
+
+def _decode_q2_k(blocks, offset):
+    sc = blocks[:, :16]
+    s = _f16(blocks, 80).astype(np.float64)[:, None] * (sc & 0x0F)  # exact: 11 × 4 significant bits
+    # w = s·q − dmin·b = s·(q − offset) − z with z = dmin·b − offset·s; exact in float64
+    return _two_bit_fields(blocks[:, 16:80]), s.astype(np.float32), \
+        _f16(blocks, 82).astype(np.float64)[:, None] * (sc >> 4) - offset * s
+
+
+def _decode_q3_k(blocks, offset):
+    low, high = blocks[:, 96:104], blocks[:, 104:108]
+    a = np.concatenate([low & 0x0F, low >> 4], axis=1) | \
+        (((high[:, None, :] >> np.array([0, 2, 4, 6], np.uint8)[None, :, None]) & 3) << 4).reshape(-1, 16)
+    s = _f16(blocks, 108).astype(np.float32)[:, None] * (a.astype(np.float32) - 32)  # exact: 11 × 6 bits
+    hbit = (blocks[:, None, :32] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1  # [n, 8, 32]: weight 32i + l
+    # w = s·(q − 4·(1 − hbit)) with q the 2-bit field: code q + 4·hbit, offset 4
+    return _two_bit_fields(blocks[:, 32:96]) | (hbit.reshape(-1, 256) << 2), s, None
+
+
+def _decode_q6_k(blocks, offset):
+    ql = blocks[:, :128].reshape(-1, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)  # [n, h, nibble, 64]
+    q = (ql & 0x0F).reshape(-1, 256) | (_two_bit_fields(blocks[:, 128:192]) << 4)
+    s = _f16(blocks, 208).astype(np.float32)[:, None] * blocks[:, 192:208].view(np.int8).astype(np.float32)
+    return q, s, None  # w = d·sc·(q − 32): exact scales (11 × 8 bits)
 
 
 _POW3 = np.array([1, 3, 9, 27, 81], dtype=np.uint8)
@@ -313,6 +344,6 @@ def _q4_k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 _DECODERS = {"Q8_0": _decode_q8_0, "Q4_0": _decode_q4_0, "Q4_1": _decode_q4_1, "Q5_0": _decode_q5_0,
              "Q5_1": _decode_q5_1, "TQ2_0": _decode_tq2_0, "TQ1_0": _decode_tq1_0, "Q4_K": _decode_q4_k,
-             "Q5_K": _decode_q5_k}
+             "Q5_K": _decode_q5_k, "Q2_K": _decode_q2_k, "Q3_K": _decode_q3_k, "Q6_K": _decode_q6_k}
 assert set(_DECODERS) == set(GGUF_EXACT), "every exact GGUF format in formats.FORMATS needs a decoder"
 assert all(FORMATS[f.name] is f for f in GGUF_EXACT.values())

@@ -46,6 +46,7 @@ SIGNS = np.array([[1.0 if p >> j & 1 else -1.0 for j in range(4)] for p in range
 # ternary triples: coefficient of activation i in entry p (base-3 digit i of p, minus 1; 0 past entry 13)
 TRIPLE_COEFFS = np.array([[(p // 3 ** (2 - i)) % 3 - 1 if p <= 13 else 0 for i in range(3)] for p in range(16)],
                          dtype=np.float32)
+LUT_GROUPS = (16, 32, 64, 128, 256)  # activations per table scale a kernel may have (16: groups of 16, as Q6_K's)
 TRIPLE_LUT_GROUP = 192  # activations per table scale; int16 accumulators hold 8·127 per 24 activations safely
 
 
@@ -56,9 +57,10 @@ def padded_k(k: int) -> int:
 
 def default_lut_group(k: int, group_size) -> int:
     """Activations per table scale: the weight group size up to 128 (finer for per-row/per-tensor weights)."""
-    for lg in (128, 64, 32):
-        if k % lg == 0 and (not isinstance(group_size, int) or group_size % lg == 0):
-            return lg
+    if k % 32 == 0:
+        for lg in (128, 64, 32, 16):
+            if k % lg == 0 and (not isinstance(group_size, int) or group_size % lg == 0):
+                return lg
     raise ValueError(f"in_features K={k} must be a multiple of 32 for the LUT kernels")
 
 
