@@ -19,11 +19,11 @@ nibble = the plane bit of activation j of the run). Padded rows are code 0.
 With ``super_groups`` = SG > 0 (formats with a ``super_group``: llama.cpp's K-quants), scales and zeros are
 integer multiples of one float32 per SG groups of a row, and S and Z hold those, a super group at a time:
 
-    S, Z [MB, K/(WG·SG), (SG + 4)·BM]  uint8
+    S, Z [MB, K/(WG·SG), (SG + 4)·BM]  uint8 (S of a format without zeros: int8)
 
 Byte ``[blk, j, i·BM + r]`` (i < SG) is the multiplier a (of S) or b (of Z) of row r's group ``j·SG + i``; bytes
 ``SG·BM ..`` of ``[blk, j]`` are float32 ``[BM]``: d (of S) or m (of Z) of super group j of each row. The scale is
-d·a and the zero m·b − offset·d·a, both exact in float32.
+d·a and the zero m·b − offset·d·a, both exact in float32; without zeros (Q3_K, Q6_K) a is signed.
 
 Tables are ``LUT [N', K/4, 16]`` int8, their scales ``LS [N', K/LG]`` and activation sums ``XS [N', K/WG]``
 float32, with N' = N rounded up to the kernel's row tile.
@@ -418,7 +418,7 @@ def pack(qw: QuantizedWeight, spec: KernelSpec, factors=None) -> PackedWeight:
         if factors is None:
             factors = factor_params(qw, spec.super_groups)
         if factors is None:
-            raise ValueError(f"the scales and zeros of this {fmt.name} weight are not multiples of one float32 per "
+            raise ValueError(f"the scales (and zeros) of this {fmt.name} weight are not multiples of one float32 per "
                              f"{spec.super_groups} groups, as kernel {spec.name} needs")
         (a, d), zero_factors = factors
         scales = _pack_super(a, d, qw, spec)
