@@ -180,6 +180,11 @@ def test_gguf_k_quant_import_is_exact(rng, import_slices, type_name, bits, group
     if not qw.format.has_zeros:
         return
     d_at = 80 if type_name == "Q2_K" else 0
+    halves = blocks.copy().reshape(6, 2, -1)  # d a power of two, dmin 0: every zero −offset·d·a is a float16 value
+    halves[:, :, d_at:d_at + 4] = np.frombuffer(np.float16([2.0 ** -10, 0.0]).tobytes(), np.uint8)
+    qw = import_gguf(halves.reshape(6, -1), type_name, (6, 512))
+    assert qw.format.super_group == 256  # byte multipliers stream less than float16 zeros would
+    assert _same_bits(qw.dequantize(), dequantize(halves.reshape(6, -1), gguf.GGMLQuantizationType[type_name]))
     extreme = blocks.copy()  # a min 2^15 times the scale: dmin·b − offset·d·a needs more than float32's 24 bits
     extreme[5, d_at:d_at + 4] = np.frombuffer(np.float16([1.2345e-4, 4.0]).tobytes(), np.uint8)
     with pytest.raises(InexactImport, match="row 5"):
