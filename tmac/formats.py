@@ -11,8 +11,8 @@ This one convention covers symmetric round-to-nearest (z = 0), asymmetric min/ma
 Scales and zeros are stored as float16 where the format guarantees every value is exactly one (GGUF's ``d``;
 the round-to-nearest quantizers, which round their parameters before choosing codes): at 2 bits and group 128
 that is 2.25 instead of 2.5 bits streamed per weight. Otherwise float32, unless an imported tensor's values all
-are float16 (``with_half_zeros``). Q4_K's scales and zeros are multiples of one float32 per 256 weights
-(``super_group``): the kernels stream the multipliers as bytes (``tmac.packing``).
+are float16 (``with_half_zeros``). The K-quants' (Q2_K to Q6_K) scales and zeros are multiples of one float32
+per 256 weights (``super_group``): the kernels stream the multipliers as bytes (``tmac.packing``).
 
 ``FORMATS`` is the table of named formats (what importers produce); ``WeightFormat.rtn`` builds the
 parametric ones the float quantizers produce. Everything else — quantizers, importers, packing, kernels,
