@@ -1,4 +1,5 @@
 """Compiled LUT kernels against the numpy reference, on every ISA this machine can run."""
+import dataclasses
 import json
 
 import numpy as np
@@ -224,6 +225,8 @@ def test_k_quant_super_scales(rng, isa, type_name):
     qw = QuantizedWeight(qw.codes, scales, zeros, fmt)
     spec = spec_for(qw, ISAS[isa])
     assert spec.super_groups == supers
+    with pytest.raises(ValueError, match="even count"):  # the kernels take a super group's lut groups two at a time
+        dataclasses.replace(spec, super_groups=1)
     packed = pack(qw, spec)
     assert packed.scales.dtype == (np.uint8 if fmt.has_zeros else np.int8)
     assert packed.scales.nbytes == spec.blocks(m) * spec.block_rows * k * (supers + 4) // 256

@@ -164,9 +164,10 @@ class KernelSpec:
         if self.n_tile < 1 or self.unroll < 1 or not steps or steps % self.unroll:
             problems.append(f"n_tile={self.n_tile}, unroll={self.unroll}: unroll must divide the "
                             f"{steps} steps of a lut group")
-        if self.super_groups and (self.super_groups < 0 or self.triples or lg != g or k % (g * self.super_groups)):
-            problems.append(f"super_groups={self.super_groups} needs lut_group = group_size and must divide the "
-                            f"K/group_size={k // g if g > 0 else '?'} groups")
+        if self.super_groups and (self.super_groups < 2 or self.super_groups % 2 or self.triples or lg != g or
+                                  k % (g * self.super_groups)):
+            problems.append(f"super_groups={self.super_groups} needs lut_group = group_size, an even count and must "
+                            f"divide the K/group_size={k // g if g > 0 else '?'} groups")
         if steps and (self.k_chunk <= 0 or self.k_chunk % self.chunk_unit or self.k_chunk > self.k_padded):
             problems.append(f"k_chunk={self.k_chunk} must be a positive multiple of {self.chunk_unit} up to "
                             f"{self.k_padded}")
