@@ -227,8 +227,7 @@ def kernel_formats(args) -> list[tuple[WeightFormat, int]]:
     # ternary rows whose blocks share one scale import per row (ternary triples), zeros that all are float16
     # values import as float16; which tensors do is in the blocks, not the header, so both kernels are built
     return pairs + [(fmt.per_row(), k) for fmt, k in pairs if fmt.ternary] + \
-        [(fmt.with_half_zeros(), k) for fmt, k in pairs if fmt.has_zeros and fmt.zero_dtype != "float16" and
-         fmt.super_group is None]
+        [(fmt.with_half_zeros(), k) for fmt, k in pairs if fmt.takes_half_zeros]
 
 
 def cmd_compile(args) -> int:

@@ -104,6 +104,13 @@ class WeightFormat:
             return (1, 1)
         return (m, self.groups_per_row(k))
 
+    @property
+    def takes_half_zeros(self) -> bool:
+        """Whether a tensor of this format whose zeros all are float16 values is better stored with float16 zeros
+        (``with_half_zeros``): not where they are float16 already, nor for K-quants, whose byte multipliers stream
+        less."""
+        return self.has_zeros and self.zero_dtype != "float16" and self.super_group is None
+
     def with_half_zeros(self) -> "WeightFormat":
         """This format with float16 zeros, for a tensor whose zeros all happen to be float16 values (Q4_1's
         −(m + 8d) nearly always is: 5.0 instead of 5.5 bits streamed per weight)."""

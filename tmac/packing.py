@@ -478,9 +478,8 @@ def factor_params(qw: QuantizedWeight, super_groups: int | None = None):
     for r0 in range(0, m, rows):
         s = qw.scales[r0:r0 + rows].astype(np.float64)
         n = len(s)
-        z = qw.zeros[r0:r0 + rows].astype(np.float64) if zeros else np.zeros_like(s)
-        t = z + fmt.offset * s  # m·b, llama.cpp's min
-        params = (s, t) if zeros else (s,)
+        z = qw.zeros[r0:r0 + rows].astype(np.float64) if zeros else None
+        params = (s, z + fmt.offset * s) if zeros else (s,)  # the scale, and m·b: llama.cpp's min
         if not all(np.array_equal(p.astype(np.float32), p) for p in params):
             return None
         factors = [_common_factor(p.reshape(-1, sg), signed=not zeros) for p in params]

@@ -203,8 +203,7 @@ def import_gguf(data, type_name: str, shape: tuple[int, int]) -> QuantizedWeight
     bad = ~np.isfinite(scales) | (~np.isfinite(zeros) if zeros is not None else False)
     if bad.any():
         raise ValueError(f"GGUF {type_name} tensor has {int(bad.sum())} blocks with NaN/inf scale or min")
-    # (K-quants keep their super scales: bytes of multipliers stream less than float16 zeros)
-    if zeros is not None and fmt.zero_dtype != "float16" and fmt.super_group is None and all_float16(zeros):
+    if zeros is not None and fmt.takes_half_zeros and all_float16(zeros):
         fmt = fmt.with_half_zeros()
     if fmt.ternary:
         row_scales = _uniform_row_scales(codes, scales, blk.block_size)
