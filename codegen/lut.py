@@ -191,9 +191,10 @@ def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str):
         WF = T.decl_buffer((mb * steps_total * row_bytes,), "uint8", data=W.data, align=1)
         SF, ZF = (None if b is None else T.decl_buffer((mb * s_shape[1] * s_shape[2],), b.dtype, data=b.data, align=1)
                   for b in (S, Z))
-        if sg:  # the super scales, read as float32: after each super group's multipliers
-            SF32, ZF32 = (None if b is None else T.decl_buffer((mb * s_shape[1] * s_shape[2] // 4,), f32, data=b.data,
-                                                              align=1) for b in (S, Z))
+        if sg:  # the super scales, after each super group's multipliers (float16 ones widen in registers)
+            fb = spec.super_bytes
+            SS, ZS = (None if b is None else T.decl_buffer((mb * s_shape[1] * s_shape[2] // fb,), spec.scale_dtype,
+                                                          data=b.data, align=1) for b in (S, Z))
 
         # K chunks (tmac.packing): chunk c of W, S and Z holds every block's rows (steps, weight or super groups) of
         # its lut groups, so row r of block blk in a chunk of rows [r0, r0 + rc) is flat row mb·r0 + blk·rc + (r − r0)
@@ -202,8 +203,8 @@ def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str):
 
         # float16 parameters widen in registers (vcvtph2ps, fcvtl); so do multipliers
         def param(buf, blk, g, row, g0, gc):
-            if sg:  # [super group][multipliers of its SG groups, then 4·BM bytes of d or m]
-                at = chunk_row(blk, g // sg, g0 // sg, gc // sg) * (sg + 4) * bm + g % sg * bm + row
+            if sg:  # [super group][multipliers of its SG groups, then F·BM bytes of d or m]
+                at = chunk_row(blk, g // sg, g0 // sg, gc // sg) * (sg + fb) * bm + g % sg * bm + row
             elif s_shape[1] == 1:  # one scale a row: not chunked
                 at = blk * bm + row
             else:
@@ -318,11 +319,11 @@ def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str):
                                     for r in range(n_tile):
                                         with T.vectorized(0, sb) as i:
                                             at = r * sb + i
-                                            base = (chunk_row(blk, j, g0 // sg, gc // sg) * (sg + 4) + sg) * bm // 4 + \
+                                            base = (chunk_row(blk, j, g0 // sg, gc // sg) * (sg + fb) + sg) * bm // fb + \
                                                 first_row + i
-                                            total = SF32[base] * sums[0][at]
+                                            total = tirx.Cast(f32, SS[base]) * sums[0][at]
                                             if Z is not None:
-                                                total = total - ZF32[base] * sums[1][at]
+                                                total = total - tirx.Cast(f32, ZS[base]) * sums[1][at]
                                             T.buffer_store(out, out[at] + total, [at])
                             else:
                                 with T.serial(0, gc) as gi:

@@ -207,11 +207,13 @@ def test_raw_kernel_checks_shapes(rng):
 @pytest.mark.parametrize("isa", RUNNABLE)
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q2_K", "Q3_K", "Q6_K"])
 def test_k_quant_super_scales(rng, isa, type_name):
-    """K-quants' scales d·a and zeros dmin·b − offset·d·a stream as byte multipliers of one float32 per 256 weights
-    (Q4_K: 4.75 bits a weight instead of 6; Q6_K: signed multipliers, no zeros, 6.625 instead of 8): GEMV and GEMM
-    match the reference epilogue, a partial last block, an all-zero super group and a negative dmin included;
-    packing round-trips exactly; parameters that do not factor so get plain float32 storage."""
+    """K-quants' scales d·a and zeros dmin·b − offset·d·a stream as byte multipliers of one float16 per 256 weights,
+    llama.cpp's d and dmin (Q4_K: 4.625 bits a weight instead of 6; Q6_K: signed multipliers, no zeros, 6.5625 as
+    in the file), or of one float32 where those are not float16 values: GEMV and GEMM match the reference
+    epilogue, a partial last block, an all-zero super group and a negative dmin included; packing round-trips
+    exactly; parameters that do not factor so get plain float32 storage."""
     from tmac.models.synthetic import k_quant_blocks
+    from tmac.packing import factor_params
     from tmac.quantize import import_gguf
 
     m, k = 200, 512
@@ -223,20 +225,30 @@ def test_k_quant_super_scales(rng, isa, type_name):
         zeros[3, :supers] = 0
         zeros[5] = -(zeros[5] + fmt.offset * scales[5]) - fmt.offset * scales[5]  # dmin·b negated
     qw = QuantizedWeight(qw.codes, scales, zeros, fmt)
-    spec = spec_for(qw, ISAS[isa])
-    assert spec.super_groups == supers
-    with pytest.raises(ValueError, match="even count"):  # the kernels take a super group's lut groups two at a time
-        dataclasses.replace(spec, super_groups=1)
-    packed = pack(qw, spec)
-    assert packed.scales.dtype == (np.uint8 if fmt.has_zeros else np.int8)
-    assert packed.scales.nbytes == spec.blocks(m) * spec.block_rows * k * (supers + 4) // 256
-    lw = LutWeight(packed)
-    for n in (1, 2, 5):
-        x = rng.standard_normal((n, k)).astype(np.float32)
-        assert rel_l2(lw.matmul(torch.from_numpy(x)).numpy(), ref.lut_matmul(x, qw)) <= 1e-5
-    back = unpack(packed, fmt)
-    for got, want in ((back.codes, qw.codes), (back.scales, scales), (back.zeros, zeros)):
-        np.testing.assert_array_equal(got, want)
+    (a, d), zero_factors = factor_params(qw)
+    # d of 13 significant bits (a power of two times 4099/4096, 4099 a prime): no float16 base, float32 d·a
+    d13 = (np.exp2(np.round(np.log2(np.where(d == 0, 1, np.abs(d))))) * np.sign(d) * (4099 / 4096)).astype(np.float32)
+    s13 = np.repeat(d13, supers, axis=1) * a.astype(np.float32)
+    z13 = None if zeros is None else \
+        np.repeat(zero_factors[1], supers, axis=1) * zero_factors[0].astype(np.float32) - np.float32(fmt.offset) * s13
+    for qw, halves in ((qw, True), (QuantizedWeight(qw.codes, s13, z13, fmt), False)):
+        spec = spec_for(qw, ISAS[isa])
+        assert spec.super_groups == supers and spec.super_bytes == (2 if halves else 4)
+        with pytest.raises(ValueError, match="even count"):  # the kernels take a super group's lut groups in pairs
+            dataclasses.replace(spec, super_groups=1)
+        packed = pack(qw, spec)
+        assert packed.scales.dtype == (np.uint8 if fmt.has_zeros else np.int8)
+        assert packed.scales.nbytes == spec.blocks(m) * spec.block_rows * k * (supers + spec.super_bytes) // 256
+        lw = LutWeight(packed)
+        for n in (1, 2, 5):
+            x = rng.standard_normal((n, k)).astype(np.float32)
+            assert rel_l2(lw.matmul(torch.from_numpy(x)).numpy(), ref.lut_matmul(x, qw)) <= 1e-5
+        back = unpack(packed, fmt)
+        for got, want in ((back.codes, qw.codes), (back.scales, qw.scales), (back.zeros, qw.zeros)):
+            np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match="not all float16"):
+        pack(qw, dataclasses.replace(spec, scale_dtype="float16", zero_dtype="float16"))
+    qw = QuantizedWeight(qw.codes, scales, zeros, fmt)
     odd = QuantizedWeight(qw.codes, rng.uniform(0.01, 0.02, scales.shape).astype(np.float32), zeros, fmt)
     assert spec_for(odd, ISAS[isa]).super_groups == 0
     with pytest.raises(ValueError, match="not multiples of one float32"):

@@ -59,8 +59,9 @@ class WeightFormat:
     zero_dtype: str = "float32"
     # llama.cpp's K-quants: in each run of super_group weights, the scales are integer multiples d·a of one float32
     # d and the zeros m·b − offset·s of one m (a, b ≤ 255); without zeros a is signed (−128 ≤ a ≤ 127: Q3_K, Q6_K).
-    # Kernels then stream a byte per scale and zero plus 4 bytes a run per parameter (Q4_K: 4.75 bits a weight
-    # instead of 6; Q6_K 6.625 instead of 8). None: plain scales and zeros
+    # Kernels then stream a byte per scale and zero plus, a run, d and m in float16 where they are float16 values
+    # (llama.cpp's are), else float32 (Q4_K: 4.625 bits a weight instead of 6; Q6_K 6.5625, the file's, instead of
+    # 8). None: plain scales and zeros
     super_group: int | None = None
 
     def __post_init__(self):

@@ -116,8 +116,8 @@ class Linear(nn.Module):
         nn.Module.__init__(self)
         self.format, self.kernel_dir = fmt, kernel_dir
         # what this machine runs (loading repacks if it differs), with the saved parameter storage: super scales
-        # only where the weight's parameters factored
-        local = spec_for_format(fmt, spec.k, best_isa(), super_groups=spec.super_groups)
+        # only where the weight's parameters factored, in the saved dtype
+        local = spec_for_format(fmt, spec.k, best_isa(), super_groups=spec.super_groups, super_dtype=spec.scale_dtype)
         w_shape, s_shape = packed_shapes(local, m)
         self._set_packed(PackedWeight(local, m, np.zeros(w_shape, np.uint8), np.zeros(s_shape, local.param_dtypes[0]),
                                       np.zeros(s_shape, local.param_dtypes[1]) if fmt.has_zeros else None),

@@ -17,13 +17,15 @@ nibble = the plane bit of activation j of the run). Padded rows are code 0.
                          group g; per-row: WG = K)
 
 With ``super_groups`` = SG > 0 (formats with a ``super_group``: llama.cpp's K-quants), scales and zeros are
-integer multiples of one float32 per SG groups of a row, and S and Z hold those, a super group at a time:
+integer multiples of one *super scale* per SG groups of a row, and S and Z hold those, a super group at a time:
 
-    S, Z [MB, K/(WG·SG), (SG + 4)·BM]  uint8 (S of a format without zeros: int8)
+    S, Z [MB, K/(WG·SG), (SG + F)·BM]  uint8 (S of a format without zeros: int8)
 
 Byte ``[blk, j, i·BM + r]`` (i < SG) is the multiplier a (of S) or b (of Z) of row r's group ``j·SG + i``; bytes
-``SG·BM ..`` of ``[blk, j]`` are float32 ``[BM]``: d (of S) or m (of Z) of super group j of each row. The scale is
-d·a and the zero m·b − offset·d·a, both exact in float32; without zeros (Q3_K, Q6_K) a is signed.
+``SG·BM ..`` of ``[blk, j]`` are the super scales ``[BM]`` in the spec's ``scale_dtype`` (F bytes each: float16,
+as llama.cpp stores d and dmin, where every one is a float16 value, else float32): d (of S) or m (of Z) of super
+group j of each row. The scale is d·a and the zero m·b − offset·d·a, both exact in float32; without zeros (Q3_K,
+Q6_K) a is signed.
 
 Tables are ``LUT [N', K/4, 16]`` int8, their scales ``LS [N', K/LG]`` and activation sums ``XS [N', K/WG]``
 float32, with N' = N rounded up to the kernel's row tile.
@@ -80,7 +82,7 @@ from dataclasses import asdict, dataclass, fields
 import numpy as np
 
 from .formats import PARAM_DTYPES, PER_ROW, PER_TENSOR, WeightFormat, check_bits
-from .qweight import QuantizedWeight
+from .qweight import QuantizedWeight, all_float16
 from .reference import LUT_GROUPS, TRIPLE_LUT_GROUP, default_lut_group, padded_k, plane_nibbles, triple_indices
 
 TRIPLES_LAYOUT = 2  # of the packed triple bytes (2: flags as bit masks), stored with saved weights
@@ -115,8 +117,8 @@ class KernelSpec:
     # W4 2.57 / 3.58 / 2.96 (1B Q4_0 prefill 63 -> 83 tok/s)
     n_tile: int = 2
     unroll: int = 0  # table pairs unrolled in the inner loop; 0: the default (the most of 8, 4, 2, 1 that fits)
-    scale_dtype: str = "float32"  # storage of S and Z: the format's (tmac.formats.PARAM_DTYPES)
-    zero_dtype: str = "float32"
+    scale_dtype: str = "float32"  # storage of S and Z: the format's (tmac.formats.PARAM_DTYPES); super scales'
+    zero_dtype: str = "float32"  # with super_groups (one dtype for both)
     triples: bool = False  # ternary weights three to an index + sign (1.67 bits), instead of 2 bit planes
     quads: bool = False  # a row's 4 bytes look into four tables at once (64-entry lookups): 1-3, 5 bits, triples
     super_groups: int = 0  # weight groups sharing one float32 of the scales and zeros (K-quants); 0: plain S, Z
@@ -168,6 +170,8 @@ class KernelSpec:
                                   k % (g * self.super_groups)):
             problems.append(f"super_groups={self.super_groups} needs lut_group = group_size, an even count and must "
                             f"divide the K/group_size={k // g if g > 0 else '?'} groups")
+        if self.super_groups and self.has_zeros and self.scale_dtype != self.zero_dtype:
+            problems.append(f"super scales take one dtype, got {self.scale_dtype!r}/{self.zero_dtype!r}")
         if steps and (self.k_chunk <= 0 or self.k_chunk % self.chunk_unit or self.k_chunk > self.k_padded):
             problems.append(f"k_chunk={self.k_chunk} must be a positive multiple of {self.chunk_unit} up to "
                             f"{self.k_padded}")
@@ -221,6 +225,11 @@ class KernelSpec:
         if self.super_groups:
             return ("uint8" if self.has_zeros else "int8"), "uint8"
         return self.scale_dtype, self.zero_dtype
+
+    @property
+    def super_bytes(self) -> int:
+        """Bytes of one row's super scale in S and Z (``super_groups``)."""
+        return np.dtype(self.scale_dtype).itemsize
 
     @property
     def quad_chunks(self) -> tuple[tuple[int, int, int], ...]:
@@ -343,7 +352,16 @@ def _spec_and_factors(qw: QuantizedWeight, isa, tiling: dict):
     factors = factor_params(qw, tiling.get("super_groups"))
     if factors is None:  # plain float32 parameters
         tiling = {**tiling, "super_groups": 0}
+    elif "super_dtype" not in tiling:
+        tiling = {**tiling, "super_dtype": super_dtype(factors)}
     return spec_for_format(fmt, qw.shape[1], isa, **tiling), factors
+
+
+def super_dtype(factors) -> str:
+    """Storage of the super scales of ``factor_params``' factors: float16 where every one is a float16 value (a
+    K-quant import's always are: llama.cpp's d and dmin), else float32."""
+    bases = [f[1] for f in factors if f is not None]
+    return "float16" if all(all_float16(b) for b in bases) else "float32"
 
 
 def spec_for_format(fmt: WeightFormat, k: int, isa, **tiling) -> KernelSpec:
@@ -354,8 +372,9 @@ def spec_for_format(fmt: WeightFormat, k: int, isa, **tiling) -> KernelSpec:
     group = k if fmt.group_size in (PER_ROW, PER_TENSOR) else fmt.group_size
     params = dict(scale_dtype=fmt.scale_dtype, zero_dtype=fmt.zero_dtype if fmt.has_zeros else "float32")
     supers = tiling.pop("super_groups", fmt.groups_per_super)
+    halves = tiling.pop("super_dtype", "float16")  # (a K-quant file's own)
     if supers:
-        params["super_groups"] = supers
+        params.update(super_groups=supers, scale_dtype=halves, zero_dtype=halves if fmt.has_zeros else "float32")
     triples = tiling.pop("triples", uses_triples(fmt, k, isa))
     lut_group = TRIPLE_LUT_GROUP if triples else default_lut_group(k, fmt.group_size)
     # (a quad step covers 32 activations but at 2 bits: 3-bit weights in groups of 16, Q3_K's, take bit planes)
@@ -388,7 +407,7 @@ class PackedWeight:
     spec: KernelSpec
     m: int
     weights: np.ndarray  # uint8 [MB, K/8, BM·bits]; triples [MB, Kp/24, 5·BM]; quads [MB, K/4T, 4·chunks·BM]
-    scales: np.ndarray  # spec.param_dtypes[0] [MB, K/WG, BM] (super scales: [MB, K/(WG·SG), (SG + 4)·BM])
+    scales: np.ndarray  # spec.param_dtypes[0] [MB, K/WG, BM] (super scales: [MB, K/(WG·SG), (SG + F)·BM])
     zeros: np.ndarray | None  # spec.param_dtypes[1]
 
 
@@ -398,9 +417,9 @@ def pack(qw: QuantizedWeight, spec: KernelSpec, factors=None) -> PackedWeight:
     m, k = qw.shape
     fmt = qw.format
     if (k, fmt.bits, fmt.has_zeros) != (spec.k, spec.bits, spec.has_zeros) or \
-            (spec.triples and not (fmt.ternary and qw.scales.shape[1] == 1)) or \
-            (spec.scale_dtype == "float16" and fmt.scale_dtype != "float16") or \
-            (spec.has_zeros and spec.zero_dtype == "float16" and fmt.zero_dtype != "float16"):
+            (spec.triples and not (fmt.ternary and qw.scales.shape[1] == 1)) or not spec.super_groups and (
+            (spec.scale_dtype == "float16" and fmt.scale_dtype != "float16") or
+            (spec.has_zeros and spec.zero_dtype == "float16" and fmt.zero_dtype != "float16")):
         raise ValueError(f"weight (K={k}, bits={fmt.bits}, zeros={fmt.has_zeros}, parameters "
                          f"{fmt.scale_dtype}/{fmt.zero_dtype}) does not match kernel {spec.name}")
     bm, mb = spec.block_rows, spec.blocks(m)
@@ -421,6 +440,9 @@ def pack(qw: QuantizedWeight, spec: KernelSpec, factors=None) -> PackedWeight:
         if factors is None:
             raise ValueError(f"the scales (and zeros) of this {fmt.name} weight are not multiples of one float32 per "
                              f"{spec.super_groups} groups, as kernel {spec.name} needs")
+        if spec.scale_dtype == "float16" and super_dtype(factors) != "float16":
+            raise ValueError(f"the super scales of this {fmt.name} weight are not all float16 values, as kernel "
+                             f"{spec.name} stores them")
         (a, d), zero_factors = factors
         scales = _pack_super(a, d, qw, spec)
         zeros = None if zero_factors is None else _pack_super(*zero_factors, qw, spec)
@@ -462,9 +484,9 @@ def block_major(a: np.ndarray, spec: KernelSpec) -> np.ndarray:
 
 def factor_params(qw: QuantizedWeight, super_groups: int | None = None):
     """K-quant parameters as multipliers and super scales: ``((a, d), (b, m))`` with uint8 ``a, b [M, G]`` and
-    float32 ``d, m [M, G/SG]`` such that, in float32, scale = d·a and zero = m·b − offset·scale exactly (the
-    kernels' arithmetic); without zeros ``((a, d), None)`` with int8 ``a``; None where the parameters do not
-    factor so. SG: the format's super group, in groups. Row slices of ``PACK_WEIGHTS`` parameters keep the int64
+    float32 ``d, m [M, G/SG]`` (float16 values where any are: ``super_dtype``) such that, in float32, scale = d·a
+    and zero = m·b − offset·scale exactly (the kernels' arithmetic); without zeros ``((a, d), None)`` with int8
+    ``a``; None where the parameters do not factor so. SG: the format's super group, in groups. Row slices of ``PACK_WEIGHTS`` parameters keep the int64
     temporaries small beside a 49152-row head's."""
     fmt = qw.format
     sg = super_groups or fmt.groups_per_super
@@ -501,7 +523,9 @@ def factor_params(qw: QuantizedWeight, super_groups: int | None = None):
 
 def _common_factor(v: np.ndarray, signed: bool = False) -> tuple[np.ndarray, np.ndarray] | None:
     """``v [R, n]`` (float32) as ``mult [R, n]`` uint8 (``signed``: int8) times ``base [R, 1]`` float32, exactly,
-    with the largest base (the gcd of each row's values); None where no such pair exists."""
+    with the largest base that is a float16 value (the gcd of each row's values over the least odd divisor that
+    shortens it to float16's 11 bits, as far as the multipliers allow), else the largest (the gcd); None where no
+    such pair exists."""
     bits = np.ascontiguousarray(v, np.float32).view(np.int32)
     biased = (bits >> 23) & 0xFF
     mant = (bits & 0x7FFFFF) | np.where(biased > 0, 1 << 23, 0)  # v = ±mant·2^(e), e = max(biased, 1) − 150
@@ -523,10 +547,28 @@ def _common_factor(v: np.ndarray, signed: bool = False) -> tuple[np.ndarray, np.
         if (negative.any(axis=1) & (nz & ~negative).any(axis=1)).any() or (mult > 255).any():
             return None
         flip = negative.any(axis=1, keepdims=True)
+    j = _half_divisor(gcd, np.abs(mult).max(axis=1, keepdims=True), 127 if signed else 255)
+    gcd, mult = gcd // j, mult * j
     base = np.ldexp(np.where(flip, -gcd, gcd).astype(np.float64), np.where(nz.any(axis=1, keepdims=True), e_min, 0))
     if not np.array_equal(base.astype(np.float32).astype(np.float64), base):
         return None
     return mult.astype(np.int8 if signed else np.uint8), base.astype(np.float32)
+
+
+def _half_divisor(gcd: np.ndarray, most: np.ndarray, limit: int) -> np.ndarray:
+    """Per row, the least odd j dividing ``gcd`` with an odd part of gcd / j below 2^11 (float16's significand)
+    and ``most``·j ≤ ``limit`` (the multipliers, times j, stay bytes); 1 where there is none. A K-quant import's
+    gcd is d·gcd(a) and j the odd part of gcd(a): the base is llama.cpp's float16 d again, up to a power of two."""
+    odd = gcd // (gcd & -gcd)
+    j = np.ones_like(gcd)
+    room = limit // np.maximum(most, 1)
+    todo = (odd >= 1 << 11) & (room >= 3)
+    for c in range(3, int(room[todo].max()) + 1 if todo.any() else 0, 2):
+        hit = todo & (odd % c == 0) & (odd // c < 1 << 11) & (c <= room)
+        j[hit], todo = c, todo & ~hit
+        if not todo.any():
+            break
+    return j
 
 
 def _pack_blocks(codes: np.ndarray, spec: KernelSpec) -> np.ndarray:
@@ -622,7 +664,7 @@ def _unpack_quads(w: np.ndarray, spec: KernelSpec) -> np.ndarray:
 def packed_shapes(spec: KernelSpec, m: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Shapes of W and of S (= Z) for ``m`` rows."""
     mb, g, sg = spec.blocks(m), spec.k // spec.group_size, spec.super_groups
-    s_shape = (mb, g // sg, (sg + 4) * spec.block_rows) if sg else (mb, g, spec.block_rows)
+    s_shape = (mb, g // sg, (sg + spec.super_bytes) * spec.block_rows) if sg else (mb, g, spec.block_rows)
     if spec.triples:
         return (mb, spec.k_padded // 24, 5 * spec.block_rows), s_shape
     if spec.quads:
@@ -679,14 +721,14 @@ def _unpack_params(p: np.ndarray, m: int, fmt: WeightFormat) -> np.ndarray:
 
 
 def _pack_super(mult: np.ndarray, base: np.ndarray, qw: QuantizedWeight, spec: KernelSpec) -> np.ndarray:
-    """S or Z of a super-scale spec: per super group, its groups' multipliers ``[SG, BM]``, then its float32 super
-    scales' bytes — one sequential stream, as the kernels read them."""
+    """S or Z of a super-scale spec: per super group, its groups' multipliers ``[SG, BM]``, then its super scales'
+    bytes — one sequential stream, as the kernels read them."""
     bm, mb, sg = spec.block_rows, spec.blocks(qw.shape[0]), spec.super_groups
     head = _pack_params(mult, qw, spec, mult.dtype)  # [MB, G, BM]
     g = head.shape[1]
-    full = np.zeros((mb * bm, g // sg), np.float32)
+    full = np.zeros((mb * bm, g // sg), spec.scale_dtype)
     full[:qw.shape[0]] = base
-    tail = np.ascontiguousarray(full.reshape(mb, bm, -1).transpose(0, 2, 1)).view(mult.dtype)  # [MB, G/SG, 4·BM]
+    tail = np.ascontiguousarray(full.reshape(mb, bm, -1).transpose(0, 2, 1)).view(mult.dtype)  # [MB, G/SG, F·BM]
     return np.concatenate([head.reshape(mb, g // sg, sg * bm), tail], axis=2)
 
 
@@ -695,7 +737,7 @@ def _unpack_super(p: np.ndarray, m: int, spec: KernelSpec, fmt: WeightFormat) ->
     bm, sg = spec.block_rows, spec.super_groups
     mb, supers = p.shape[:2]
     mult = _unpack_params(np.ascontiguousarray(p[:, :, :sg * bm]).reshape(mb, supers * sg, bm), m, fmt)
-    tail = np.ascontiguousarray(p[:, :, sg * bm:]).view(np.float32)  # [MB, G/SG, BM]
+    tail = np.ascontiguousarray(p[:, :, sg * bm:]).view(spec.scale_dtype)  # [MB, G/SG, BM]
     return np.repeat(_unpack_params(tail, m, fmt), sg, axis=1) * mult
 
 
