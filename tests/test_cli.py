@@ -125,11 +125,11 @@ def test_ctrl_c_in_run_keeps_the_partial_output():
 
 def test_bench_kernels_table_json_and_plot(tmp_path):
     png = tmp_path / "kernels.png"
-    r = tmac("bench", "--shape", "256x512", "--bits", "2,4", "--threads", "1", "--json", "--plot", str(png))
+    r = tmac("bench", "--shape", "256x512", "--bits", "2,4,6", "--threads", "1", "--json", "--plot", str(png))
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     got = {row["candidate"]: row for row in out["rows"]}
-    assert {"torch fp32", "torch bf16", "torch int4wo", "tmac W2", "tmac W4"} <= set(got)
+    assert {"torch fp32", "torch bf16", "torch int4wo", "tmac W2", "tmac W4", "tmac W6"} <= set(got)
     assert all(row["value"] > 0 and row["extra"]["GB/s"] > 0 and row["what"] == "256x512" for row in got.values())
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
     r = tmac("bench", "--shape", "256x512", "--bits", "2", "--threads", "1")
@@ -144,11 +144,12 @@ def test_bench_kernels_table_json_and_plot(tmp_path):
 
 
 def test_bench_end_to_end_on_the_default_model():
-    r = tmac("bench", "--e2e", "--profile", "--bits", "2", "--head-bits", "float", "--threads", "1", "--prompt-tokens",
-             "8", "--gen-tokens", "8", "--no-peer", "--json")
+    r = tmac("bench", "--e2e", "--profile", "--bits", "2,own", "--head-bits", "float", "--threads", "1",
+             "--prompt-tokens", "8", "--gen-tokens", "8", "--no-peer", "--json")
     assert r.returncode == 0, r.stderr
-    (row,) = json.loads(r.stdout)["rows"]
-    (profile,) = json.loads(r.stdout)["profiles"]
+    own, row = sorted(json.loads(r.stdout)["rows"], key=lambda row: row["candidate"] != "tmac file's own")
+    assert own["candidate"] == "tmac file's own" and own["value"] > 0  # the Q4_1 file as imported
+    profile = next(p for p in json.loads(r.stdout)["profiles"] if p["candidate"] == row["candidate"])
     spent = profile["seconds"]  # every kind of call of the static decode step, the float head included
     assert {"lut_gemv", "build_tables", "attend", "norm_in", "gated_act", "float projection (torch.mm)"} <= set(spent)
     assert all(v > 0 for v in spent.values())
@@ -167,6 +168,7 @@ def test_bench_end_to_end_on_the_default_model():
 def test_bench_errors_are_one_line():
     for args, needle in [(["bench", "--threads", "0"], "--threads"), (["bench", "--shape", "8x64", "--bits", "7"],
                                                                        "--bits"),
+                         (["bench", "--shape", "8x64", "--bits", "own"], "--bits"), (["bench", "--bits", "2,x"], "--bits"),
                          (["bench", "m.gguf", "--shape", "8x64"], "not both"),
                          (["bench", "--e2e", "--shape", "8x64"], "not both"),
                          (["bench", "--cold"], "give --shape"),

@@ -76,8 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--shape", nargs="+", action="extend", metavar="MxK", help="benchmark GEMV kernels at these shapes")
     b.add_argument("--cold", action="store_true", help="kernels: stream the weights from DRAM (1 GiB of copies, as in "
                                                        "a model) instead of one cache-resident matrix")
-    b.add_argument("--bits", default=None, help="comma-separated bit widths (default: kernels 1,2,3,4; models: the "
-                                                "file's own quantization and 2)")
+    b.add_argument("--bits", default=None, help="comma-separated bit widths, for models also 'own': the file's own "
+                                                "quantization (default: kernels 1,2,3,4; models own,2)")
     b.add_argument("--head-bits", type=cli_generate.head_bits_arg, help="with --bits: " + cli_generate.HEAD_BITS_HELP)
     b.add_argument("--threads", default="1,2", help="comma-separated thread counts (default 1,2)")
     b.add_argument("--prompt-tokens", type=int, default=64)
@@ -287,7 +287,7 @@ def cmd_tune(args) -> int:
     else:
         group = parse_group_size(args.group_size)
         formats = [WeightFormat.ternary_format(group)] if args.ternary else \
-            [WeightFormat.rtn(b, group, args.symmetric) for b in _int_list(args.bits, "--bits", (1, 2, 3, 4))]
+            [WeightFormat.rtn(b, group, args.symmetric) for b in _int_list(args.bits, "--bits", BITS)]
         work = [(fmt, k) for fmt in formats for k in _int_list(args.k, "--k")]
     rows = []
     for i, (fmt, k) in enumerate(work, 1):
@@ -330,7 +330,7 @@ def cmd_bench(args) -> int:
         if args.model or args.e2e or args.profile:
             raise ValueError("give either MODEL/--e2e/--profile (end-to-end) or --shape (kernels), not both")
         shapes = [parse_shape(s) for s in args.shape]
-        bits = _int_list(args.bits or "1,2,3,4", "--bits", (1, 2, 3, 4))
+        bits = _int_list(args.bits or "1,2,3,4", "--bits", BITS)
         total = len(shapes) * len(threads) * (len(bits) + 3)
         with Progress("benchmarking kernels", total, None) as bar:
             rows = bench.kernel_bench(shapes, bits, threads, notes, bar, args.cold)
@@ -338,7 +338,8 @@ def cmd_bench(args) -> int:
     else:
         if args.cold:
             raise ValueError("--cold is for kernel benchmarks: give --shape")
-        bits = [None, 2] if args.bits is None else _int_list(args.bits, "--bits", (1, 2, 3, 4))
+        bits = list(dict.fromkeys(None if b == "own" else _int_list(b, "--bits", BITS)[0]
+                                  for b in (args.bits or "own,2").split(",")))
         for n, name, least in ((args.prompt_tokens, "--prompt-tokens", 8), (args.gen_tokens, "--gen-tokens", 8),
                                (args.rounds, "--rounds", 1)):
             if n < least:
