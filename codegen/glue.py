@@ -22,9 +22,17 @@ F32 = "float32"
 STACK_BYTES = 1024
 
 
-def _heads_per_pass(group: int, floats_per_head: int) -> int:
-    """The most heads of a kv head's group (a divisor of it) whose float32 accumulators stay on the stack."""
-    return max(d for d in range(1, group + 1) if group % d == 0 and (d == 1 or d * floats_per_head * 4 < STACK_BYTES))
+def _sum_vectors(widest: int) -> int:
+    """Running sums a loop may keep in vector registers: half of them (AVX2 has 16, AVX-512 and NEON 32); more
+    spill to the stack on every iteration."""
+    return 8 if widest == 8 else 16
+
+
+def _heads_per_pass(group: int, vectors_per_head: int, widest: int, floats_per_buffer: int = 0) -> int:
+    """The most heads of a kv head's group (a divisor of it) whose running sums, ``vectors_per_head`` vectors a
+    head, fit the registers (``_sum_vectors``), and a buffer of ``floats_per_buffer`` floats a head the stack."""
+    return max(d for d in range(1, group + 1) if group % d == 0 and (d == 1 or d * vectors_per_head <= _sum_vectors(
+        widest) and d * floats_per_buffer * 4 < STACK_BYTES))
 
 
 def _lanes(n: int, widest: int) -> int:
@@ -184,7 +192,12 @@ def attend_func(spec: GlueSpec, widest: int):
         # in more than one vector width segfault TVM 0.27's storage rewrite (argument buffers are fine)
         q = OUT
         keys_flat = T.decl_buffer((kv * nb * hd * blk,), kvd, data=CK.data)  # the new key's lanes are blk apart
-        hq, hv = _heads_per_pass(group, blk), _heads_per_pass(group, hd)  # heads sharing a pass over keys, values
+        # heads sharing a pass over the keys, and over the values: a cached key or value is widened once per pass,
+        # so as many as their sums fit the registers, and no more (1B shape, one layer at position 2048, warm: AVX-512
+        # 204 -> 180 µs with 4 heads a value pass instead of 2; AVX2, whose 16 sums of each phase had spilled, 456 ->
+        # 216 µs with half as many)
+        hq = _heads_per_pass(group, max(blk // widest, 1), widest, blk)
+        hv = _heads_per_pass(group, len(spans), widest)  # (a head's value sums: buffers of their own)
 
         def rotated(head, c):
             """The two rotated halves of vector ``c`` of ``head`` (q heads first, then k heads)."""
@@ -212,27 +225,30 @@ def attend_func(spec: GlueSpec, widest: int):
             # the three phases below run in parallel over passes / heads, each task with its own scratch: one layer of
             # the 1B shape at position 1000 takes 106 µs on one thread, 60 µs on two (a single parallel loop over kv
             # heads doing all three phases ran at half that speed from the exported library, reason not found)
-            # a head's dimensions go round ``sets`` partial sums: 8 independent FMA chains hide the FMA latency (one
-            # chain per head left 1B's four heads a pass latency-bound: a layer at position 1000 103 -> 100 µs warm)
-            sets = next(n for n in (8, 4, 2, 1) if n * hq <= max(8, hq) and hd % n == 0)
+            # a head's dimensions go round ``sets`` partial sums, as many as the registers hold: independent FMA
+            # chains hide the FMA latency (one chain per head left 1B's four heads a pass latency-bound: a layer at
+            # position 1000 103 -> 100 µs warm with 8 chains; 16 gain nothing more on AVX-512)
+            per_set = hq * max(blk // widest, 1)  # vectors of one set of the pass's partial scores
+            sets = next(n for n in (8, 4, 2, 1) if hd % n == 0 and (n == 1 or n * per_set <= _sum_vectors(widest)))
             with T.parallel(0, kv * (group // hq)) as kp:  # scores, a block of positions at a time, a key read once
                 kh = kp // (group // hq)                   # per pass (for all the heads sharing it, in most models)
-                acc = T.alloc_buffer((sets * hq * blk,), F32, scope="global")  # one block's partial scores
-                with T.serial(0, pos // blk + 1) as b:
-                    for a in range(sets * hq):
-                        T.buffer_store(acc, _bcast(_f(0.0), blk), [_vec(a * blk, blk)])
+                accs = [T.alloc_buffer((hq * blk,), F32, scope="global") for _ in range(sets)]  # a block's partial
+                with T.serial(0, pos // blk + 1) as b:                                                # scores
+                    for acc in accs:
+                        for g in range(hq):
+                            T.buffer_store(acc, _bcast(_f(0.0), blk), [_vec(g * blk, blk)])
                     with T.serial(0, hd // sets) as dd:
-                        for j in range(sets):
+                        for j, acc in enumerate(accs):
                             d = dd * sets + j
                             k_d = widen(CK[kh, b, d, _vec(0, blk)], blk)
                             for g in range(hq):
                                 qd = _bcast(q[0, (kp * hq + g) * hd + d], blk)
-                                a = _vec((j * hq + g) * blk, blk)
+                                a = _vec(g * blk, blk)
                                 T.buffer_store(acc, acc[a] + qd * k_d, [a])
                     for g in range(hq):  # the block's positions past ``pos`` get scores nobody reads
-                        total = acc[_vec(g * blk, blk)]
-                        for j in range(1, sets):
-                            total = total + acc[_vec((j * hq + g) * blk, blk)]
+                        total = accs[0][_vec(g * blk, blk)]
+                        for acc in accs[1:]:
+                            total = total + acc[_vec(g * blk, blk)]
                         T.buffer_store(SC, total, [kp * hq + g, _vec(b * blk, blk)])
             sl = widest  # softmax: whole vectors of the positions, then the rest one by one
             with T.parallel(0, h) as head:
@@ -259,13 +275,16 @@ def attend_func(spec: GlueSpec, widest: int):
             # values: a cached value is read once per pass, summed in scratch vectors for the pass's heads (stores
             # to ``out`` inside the loop would stay there: LLVM cannot tell ``out`` from the caches)
             slots = {at: (n, [m for _, m in spans[:i]].count(n)) for i, (at, n) in enumerate(spans)}  # width, index
+            widths = {n: [m for _, m in spans].count(n) for _, n in spans}  # vectors of each width in a head
             with T.parallel(0, kv * (group // hv)) as vp:
                 kh = vp // (group // hv)
-                sums = {n: T.alloc_buffer((hv * len(spans) * n,), F32, scope="global") for n in {n for _, n in spans}}
+                # a head's sums of each width in a buffer of their own: each stays below STACK_BYTES
+                sums = {(g, n): T.alloc_buffer((count * n,), F32, scope="global")
+                        for g in range(hv) for n, count in widths.items()}
 
                 def summed(g, at):
                     n, j = slots[at]
-                    return sums[n], _vec((g * len(spans) + j) * n, n)
+                    return sums[g, n], _vec(j * n, n)
 
                 for g in range(hv):
                     for at, n in spans:
