@@ -223,7 +223,7 @@ def attend_func(spec: GlueSpec, widest: int):
                 for at, n in spans:
                     T.buffer_store(CV, narrow(QKV[0, _vec((h + kv + kh) * hd + at, n)], n), [kh, pos, _vec(at, n)])
             # the three phases below run in parallel over passes / heads, each task with its own scratch: one layer of
-            # the 1B shape at position 1000 takes 106 µs on one thread, 60 µs on two (a single parallel loop over kv
+            # the 1B shape at position 1000 takes 90 µs on one thread, 60 µs on two (a single parallel loop over kv
             # heads doing all three phases ran at half that speed from the exported library, reason not found)
             # a head's dimensions go round ``sets`` partial sums, as many as the registers hold: independent FMA
             # chains hide the FMA latency (one chain per head left 1B's four heads a pass latency-bound: a layer at
