@@ -31,8 +31,9 @@ def _sum_vectors(widest: int) -> int:
 def _heads_per_pass(group: int, vectors_per_head: int, widest: int, floats_per_buffer: int = 0) -> int:
     """The most heads of a kv head's group (a divisor of it) whose running sums, ``vectors_per_head`` vectors a
     head, fit the registers (``_sum_vectors``), and a buffer of ``floats_per_buffer`` floats a head the stack."""
-    return max(d for d in range(1, group + 1) if group % d == 0 and (d == 1 or d * vectors_per_head <= _sum_vectors(
-        widest) and d * floats_per_buffer * 4 < STACK_BYTES))
+    fits = [d for d in range(2, group + 1) if group % d == 0 and d * vectors_per_head <= _sum_vectors(widest)
+            and d * floats_per_buffer * 4 < STACK_BYTES]
+    return max(fits, default=1)
 
 
 def _lanes(n: int, widest: int) -> int:
@@ -195,7 +196,7 @@ def attend_func(spec: GlueSpec, widest: int):
         # heads sharing a pass over the keys, and over the values: a cached key or value is widened once per pass,
         # so as many as their sums fit the registers, and no more (1B shape, one layer at position 2048, warm: AVX-512
         # 204 -> 180 µs with 4 heads a value pass instead of 2; AVX2, whose 16 sums of each phase had spilled, 456 ->
-        # 216 µs with half as many)
+        # 206 µs with half as many)
         hq = _heads_per_pass(group, max(blk // widest, 1), widest, blk)
         hv = _heads_per_pass(group, len(spans), widest)  # (a head's value sums: buffers of their own)
 
@@ -232,8 +233,9 @@ def attend_func(spec: GlueSpec, widest: int):
             sets = next(n for n in (8, 4, 2, 1) if hd % n == 0 and (n == 1 or n * per_set <= _sum_vectors(widest)))
             with T.parallel(0, kv * (group // hq)) as kp:  # scores, a block of positions at a time, a key read once
                 kh = kp // (group // hq)                   # per pass (for all the heads sharing it, in most models)
-                accs = [T.alloc_buffer((hq * blk,), F32, scope="global") for _ in range(sets)]  # a block's partial
-                with T.serial(0, pos // blk + 1) as b:                                                # scores
+                # a block's partial scores, a buffer a set (a buffer of all would outgrow the stack)
+                accs = [T.alloc_buffer((hq * blk,), F32, scope="global") for _ in range(sets)]
+                with T.serial(0, pos // blk + 1) as b:
                     for acc in accs:
                         for g in range(hq):
                             T.buffer_store(acc, _bcast(_f(0.0), blk), [_vec(g * blk, blk)])
@@ -278,7 +280,7 @@ def attend_func(spec: GlueSpec, widest: int):
             widths = {n: [m for _, m in spans].count(n) for _, n in spans}  # vectors of each width in a head
             with T.parallel(0, kv * (group // hv)) as vp:
                 kh = vp // (group // hv)
-                # a head's sums of each width in a buffer of their own: each stays below STACK_BYTES
+                # a head's sums of each width in a buffer of their own, on the stack (``STACK_BYTES``)
                 sums = {(g, n): T.alloc_buffer((count * n,), F32, scope="global")
                         for g in range(hv) for n, count in widths.items()}
 

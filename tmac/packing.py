@@ -121,7 +121,7 @@ class KernelSpec:
     zero_dtype: str = "float32"  # with super_groups (one dtype for both)
     triples: bool = False  # ternary weights three to an index + sign (1.67 bits), instead of 2 bit planes
     quads: bool = False  # a row's 4 bytes look into four tables at once (64-entry lookups): 1-3, 5 bits, triples
-    super_groups: int = 0  # weight groups sharing one float32 of the scales and zeros (K-quants); 0: plain S, Z
+    super_groups: int = 0  # weight groups sharing one super scale of the scales and zeros (K-quants); 0: plain S, Z
     k_chunk: int = 0  # activations per K chunk (see the module doc); 0: the default for the tables' L1 budget
 
     def __post_init__(self):
@@ -416,10 +416,12 @@ def pack(qw: QuantizedWeight, spec: KernelSpec, factors=None) -> PackedWeight:
     ``factors``: ``factor_params(qw)`` where the caller has it."""
     m, k = qw.shape
     fmt = qw.format
-    if (k, fmt.bits, fmt.has_zeros) != (spec.k, spec.bits, spec.has_zeros) or \
-            (spec.triples and not (fmt.ternary and qw.scales.shape[1] == 1)) or not spec.super_groups and (
-            (spec.scale_dtype == "float16" and fmt.scale_dtype != "float16") or
-            (spec.has_zeros and spec.zero_dtype == "float16" and fmt.zero_dtype != "float16")):
+    # float16 storage of plain parameters needs the format's promise; super scales are checked below
+    halves_unpromised = not spec.super_groups and (
+        (spec.scale_dtype == "float16" and fmt.scale_dtype != "float16") or
+        (spec.has_zeros and spec.zero_dtype == "float16" and fmt.zero_dtype != "float16"))
+    if (k, fmt.bits, fmt.has_zeros) != (spec.k, spec.bits, spec.has_zeros) or halves_unpromised or \
+            (spec.triples and not (fmt.ternary and qw.scales.shape[1] == 1)):
         raise ValueError(f"weight (K={k}, bits={fmt.bits}, zeros={fmt.has_zeros}, parameters "
                          f"{fmt.scale_dtype}/{fmt.zero_dtype}) does not match kernel {spec.name}")
     bm, mb = spec.block_rows, spec.blocks(m)
@@ -486,8 +488,8 @@ def factor_params(qw: QuantizedWeight, super_groups: int | None = None):
     """K-quant parameters as multipliers and super scales: ``((a, d), (b, m))`` with uint8 ``a, b [M, G]`` and
     float32 ``d, m [M, G/SG]`` (float16 values where any are: ``super_dtype``) such that, in float32, scale = d·a
     and zero = m·b − offset·scale exactly (the kernels' arithmetic); without zeros ``((a, d), None)`` with int8
-    ``a``; None where the parameters do not factor so. SG: the format's super group, in groups. Row slices of ``PACK_WEIGHTS`` parameters keep the int64
-    temporaries small beside a 49152-row head's."""
+    ``a``; None where the parameters do not factor so. SG: the format's super group, in groups. Row slices of
+    ``PACK_WEIGHTS`` parameters keep the int64 temporaries small beside a 49152-row head's."""
     fmt = qw.format
     sg = super_groups or fmt.groups_per_super
     m, g = qw.scales.shape
