@@ -2,12 +2,13 @@
 the very same GGUF file when the optional `peer` extra is installed:
 
 - SmolLM2-135M-Instruct Q4_1 (imported exactly) and requantized W2 (with the default 8-bit head, and a W4 one);
-- a synthetic Llama-1B-shape model: Q4_0 (exact) and W2 g128 with a W2 head; Q4_K, llama.cpp's usual 4-bit type
-  (exact: 4.75 bits a weight, its 6-bit multipliers as bytes, against the file's 4.5), Q4_K_M (Q4_K with a Q6_K
-  head and some Q6_K attn_v/ffn_down, as llama.cpp mixes them; Q6_K exact at 6.625 bits against 6.5625) and Q5_K
-  (exact, 5.75 against 5.5); ternary TQ2_0 and TQ1_0 (exact, head too: both as triples, 1.67 bits a weight,
-  against the files' 2.06 and 1.69);
-  Q2_K made by llama.cpp's own quantizer with `--pure` semantics: exact (3.25 bits against 2.625), and tmac W2 g128
+- a synthetic Llama-1B-shape model: Q4_0 (exact) and W2 g128 with a W2 head, and Q4_0 again after a 1024-token
+  prompt (long context: the KV cache read by attention grows with it); Q4_K, llama.cpp's usual 4-bit type (exact:
+  4.625 bits a weight, its 6-bit multipliers as bytes, against the file's 4.5), Q4_K_M (Q4_K with a Q6_K head and
+  some Q6_K attn_v/ffn_down, as llama.cpp mixes them; Q6_K exact at the file's 6.5625 bits) and Q5_K (exact, 5.625
+  against 5.5); ternary TQ2_0 and TQ1_0 (exact, head too: both as triples, 1.67 bits a weight, against the files'
+  2.06 and 1.69);
+  Q2_K made by llama.cpp's own quantizer with `--pure` semantics: exact (3.125 bits against 2.625), and tmac W2 g128
   of the same weights;
 - the BitNet-3B projection shapes rounded to llama.cpp's 256-blocks (3328/8704, 26 layers), ternary TQ2_0;
   and at its real shape (3200/8640, 32 heads of 100) as a packed-ternary Hugging Face directory with a W4 head,
@@ -69,9 +70,10 @@ def _llama_cpp_q2_k(shape: str) -> str:
     return path
 
 
-CASES = {  # name → (file, tmac variants (bits, head bits); bits None = the file's own weights)
+CASES = {  # name → (file, tmac variants (bits, head bits); bits None = the file's own weights[, prompt tokens])
     "smollm2": (lambda: None, [(None, None), (2, None), (2, 4)]),
     "llama-1b-q4_0": (lambda: _synthetic("llama-1b", "Q4_0"), [(None, None), (2, 2)]),
+    "llama-1b-q4_0-long": (lambda: _synthetic("llama-1b", "Q4_0"), [(None, None)], 1024),
     "llama-1b-q4_k": (lambda: _synthetic("llama-1b", "Q4_K"), [(None, None)]),
     "llama-1b-q4_k_m": (lambda: _synthetic("llama-1b", "Q4_K_M"), [(None, None)]),
     "llama-1b-q5_k": (lambda: _synthetic("llama-1b", "Q5_K"), [(None, None)]),
@@ -87,8 +89,8 @@ CASES = {  # name → (file, tmac variants (bits, head bits); bits None = the fi
 def test_generation_speed(request, case):
     threads = [int(t) for t in request.config.getoption("threads").split(",")]
     notes: list[str] = []
-    make, variants = CASES[case]
-    rows = e2e_bench(make(), variants, threads, notes, prompt_tokens=64, gen_tokens=64)
+    make, variants, *prompt = CASES[case]
+    rows = e2e_bench(make(), variants, threads, notes, prompt_tokens=prompt[0] if prompt else 64, gen_tokens=64)
     print("\n" + table(rows, "tok/s", rows[0].candidate))
     for note in dict.fromkeys(notes):
         print("note:", note)
