@@ -29,7 +29,9 @@ def _tiny_llama(tmp_path, **extra):
 @pytest.mark.parametrize("rope", [{}, {"rope_theta": 500000.0, "rope_scaling": {
     "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
     "original_max_position_embeddings": 32}}], ids=["rope-default", "rope-llama3"])
-def test_float_llama_matches_transformers(tmp_path, rope):
+def test_float_llama_matches_transformers(tmp_path, rope, monkeypatch):
+    from tmac.models import generate as generation
+
     hf = _tiny_llama(tmp_path, **rope)
     ids = torch.randint(0, 256, (60,), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -44,6 +46,10 @@ def test_float_llama_matches_transformers(tmp_path, rope):
     # prefill + decode through the KV cache gives the same greedy continuation as transformers
     with torch.no_grad():
         hf_ids = hf.generate(ids[None, :12], max_new_tokens=12, do_sample=False)[0, 12:].tolist()
+    assert model.generate(ids[:12].tolist(), max_new_tokens=12, stop_on_eos=False) == hf_ids
+    # and so does a prompt prefilled in chunks (5 + 5 + 2 tokens: the later ones attend to the cached ones)
+    monkeypatch.setattr(generation, "PREFILL_CHUNK", 5)
+    model.cached_ids = []
     assert model.generate(ids[:12].tolist(), max_new_tokens=12, stop_on_eos=False) == hf_ids
 
 
