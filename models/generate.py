@@ -9,6 +9,7 @@ prefills what is new. Sampling follows llama.cpp's order: repetition penalty ove
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from typing import Callable
 
@@ -75,7 +76,7 @@ class GenerationMixin:
             return torch.empty((0, self.config.vocab_size))
         self._check_room(len(ids), 0)
         self.cached_ids = []
-        with torch.inference_mode(), self._torch_threads():
+        with torch.inference_mode(), self._torch_threads(prefill=True):
             out = self(torch.tensor(ids), 0)
         self.cached_ids = ids
         return out
@@ -107,7 +108,7 @@ class GenerationMixin:
         stats = self.last_stats = {"prompt_tokens": len(prompt), "prefill_tokens": len(prompt) - reuse,
                                    "setup_s": 0.0, "prefill_s": 0.0, "generated_tokens": 0, "decode_steps": 0,
                                    "decode_s": 0.0, "stop_reason": "length"}
-        with torch.inference_mode(), self._torch_threads():
+        with torch.inference_mode(), self._torch_threads(prefill=True):
             t0 = time.perf_counter()
             plan = self._decode_plan() if self.static_decode and max_new_tokens > 1 else None
             stats["setup_s"] = time.perf_counter() - t0
@@ -117,6 +118,7 @@ class GenerationMixin:
                 logits = self(torch.tensor(prompt[start:start + PREFILL_CHUNK]), start, last_only=True)[-1]
                 self.cached_ids = prompt[:start + PREFILL_CHUNK]  # (an interrupted prefill keeps what it cached)
             stats["prefill_s"] = time.perf_counter() - t0
+        with torch.inference_mode(), self._torch_threads():
             t0 = time.perf_counter()
             history = list(prompt)
             try:
@@ -140,11 +142,15 @@ class GenerationMixin:
             self._kept_plan = kept = (key, DecodePlan.build(self))
         return kept[1]
 
-    def _torch_threads(self):
+    def _torch_threads(self, prefill: bool = False):
         """torch on one thread while LUT layers run: the torch ops beside them are small or (a float head) slower
         sharing the cores with the kernels' pool than alone (SmolLM2 W2 with its float head, 2 threads, torch imported
-        first: 48 tok/s, 72 with its head on one thread); a float model keeps torch's threads."""
-        if not any(isinstance(m, Linear) for m in self.modules()):
+        first: 48 tok/s, 72 with its head on one thread); a float model keeps torch's threads. So does a ``prefill``
+        where torch's idle OpenMP workers sleep (``OMP_WAIT_POLICY=PASSIVE``, set by tmac when imported before
+        torch): attention over a long prompt is its largest torch op (1B Q4_0, 1024 tokens in chunks, 2 threads:
+        6.9-7.4 s with torch on one thread, 6.6-6.9 on both)."""
+        passive = os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"
+        if not any(isinstance(m, Linear) for m in self.modules()) or prefill and passive:
             return contextlib.nullcontext()
         return runtime.torch_single_threaded()
 
