@@ -70,14 +70,16 @@ class GenerationMixin:
     static_decode = True  # decode through a ``DecodePlan`` (compiled glue, no torch ops) when the model allows it
 
     def logits(self, ids: list[int]) -> torch.Tensor:
-        """Float32 logits ``[len(ids), vocab]`` of a fresh sequence (for scoring and perplexity)."""
+        """Float32 logits ``[len(ids), vocab]`` of a fresh sequence (for scoring and perplexity), run in chunks as
+        a prefill is."""
         ids = check_ids(ids, self.config.vocab_size, "ids")
         if not ids:
             return torch.empty((0, self.config.vocab_size))
         self._check_room(len(ids), 0)
         self.cached_ids = []
         with torch.inference_mode(), self._torch_threads(prefill=True):
-            out = self(torch.tensor(ids), 0)
+            out = torch.cat([self(torch.tensor(ids[start:start + PREFILL_CHUNK]), start)
+                             for start in range(0, len(ids), PREFILL_CHUNK)])
         self.cached_ids = ids
         return out
 

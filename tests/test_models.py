@@ -47,10 +47,12 @@ def test_float_llama_matches_transformers(tmp_path, rope, monkeypatch):
     with torch.no_grad():
         hf_ids = hf.generate(ids[None, :12], max_new_tokens=12, do_sample=False)[0, 12:].tolist()
     assert model.generate(ids[:12].tolist(), max_new_tokens=12, stop_on_eos=False) == hf_ids
-    # and so does a prompt prefilled in chunks (5 + 5 + 2 tokens: the later ones attend to the cached ones)
+    # and so does a prompt prefilled in chunks (5 + 5 + 2 tokens: the later ones attend to the cached ones), whose
+    # logits are transformers' too
     monkeypatch.setattr(generation, "PREFILL_CHUNK", 5)
     model.cached_ids = []
     assert model.generate(ids[:12].tolist(), max_new_tokens=12, stop_on_eos=False) == hf_ids
+    assert (model.logits(ids.tolist()) - ref).abs().max().item() <= 1e-4
 
 
 def test_sharded_checkpoint_and_tokenizer_json(tmp_path, smollm2):
