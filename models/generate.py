@@ -78,10 +78,16 @@ class GenerationMixin:
         self._check_room(len(ids), 0)
         self.cached_ids = []
         with torch.inference_mode(), self._torch_threads(prefill=True):
-            out = torch.cat([self(torch.tensor(ids[start:start + PREFILL_CHUNK]), start)
-                             for start in range(0, len(ids), PREFILL_CHUNK)])
+            out = torch.cat([logits for _, logits in self._prefill(ids, 0)])
         self.cached_ids = ids
         return out
+
+    def _prefill(self, ids: list[int], first: int, last_only: bool = False):
+        """Feed ``ids[first:]`` (``ids[:first]`` cached) ``PREFILL_CHUNK`` tokens at a time: yields each chunk's
+        end and its logits."""
+        for start in range(first, len(ids), PREFILL_CHUNK):
+            end = min(start + PREFILL_CHUNK, len(ids))
+            yield end, self(torch.tensor(ids[start:end]), start, last_only=last_only)
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, repetition_penalty: float = 1.0, repeat_last_n: int = 64,
@@ -116,9 +122,9 @@ class GenerationMixin:
             stats["setup_s"] = time.perf_counter() - t0
             t0 = time.perf_counter()
             self.cached_ids = prompt[:reuse]
-            for start in range(reuse, len(prompt), PREFILL_CHUNK):
-                logits = self(torch.tensor(prompt[start:start + PREFILL_CHUNK]), start, last_only=True)[-1]
-                self.cached_ids = prompt[:start + PREFILL_CHUNK]  # (an interrupted prefill keeps what it cached)
+            for end, chunk_logits in self._prefill(prompt, reuse, last_only=True):
+                logits = chunk_logits[-1]
+                self.cached_ids = prompt[:end]  # (an interrupted prefill keeps what it cached)
             stats["prefill_s"] = time.perf_counter() - t0
         with torch.inference_mode(), self._torch_threads():
             t0 = time.perf_counter()

@@ -11,8 +11,9 @@ This one convention covers symmetric round-to-nearest (z = 0), asymmetric min/ma
 Scales and zeros are stored as float16 where the format guarantees every value is exactly one (GGUF's ``d``;
 the round-to-nearest quantizers, which round their parameters before choosing codes): at 2 bits and group 128
 that is 2.25 instead of 2.5 bits streamed per weight. Otherwise float32, unless an imported tensor's values all
-are float16 (``with_half_zeros``). The K-quants' (Q2_K to Q6_K) scales and zeros are multiples of one float32
-per 256 weights (``super_group``): the kernels stream the multipliers as bytes (``tmac.packing``).
+are float16 (``with_half_zeros``). The K-quants' (Q2_K to Q6_K) scales and zeros are multiples of one super scale
+per 256 weights (``super_group``; float16 in llama.cpp's files): the kernels stream the multipliers as bytes and the
+super scales in float16 where they are float16 values (``tmac.packing``).
 
 ``FORMATS`` is the table of named formats (what importers produce); ``WeightFormat.rtn`` builds the
 parametric ones the float quantizers produce. Everything else — quantizers, importers, packing, kernels,
@@ -57,11 +58,11 @@ class WeightFormat:
     gguf: GGUFBlock | None = None
     scale_dtype: str = "float32"  # one of PARAM_DTYPES: float16 promises every scale is exactly a float16
     zero_dtype: str = "float32"
-    # llama.cpp's K-quants: in each run of super_group weights, the scales are integer multiples d·a of one float32
-    # d and the zeros m·b − offset·s of one m (a, b ≤ 255); without zeros a is signed (−128 ≤ a ≤ 127: Q3_K, Q6_K).
-    # Kernels then stream a byte per scale and zero plus, a run, d and m in float16 where they are float16 values
-    # (llama.cpp's are), else float32 (Q4_K: 4.625 bits a weight instead of 6; Q6_K 6.5625, the file's, instead of
-    # 8). None: plain scales and zeros
+    # llama.cpp's K-quants: in each run of super_group weights, the scales are integer multiples d·a of one super
+    # scale d and the zeros m·b − offset·s of one m (a, b ≤ 255); without zeros a is signed (−128 ≤ a ≤ 127:
+    # Q3_K, Q6_K). Kernels then stream a byte per scale and zero plus, a run, d and m in float16 where they are
+    # float16 values (llama.cpp's are), else float32 (Q4_K: 4.625 bits a weight instead of 6; Q6_K 6.5625, the
+    # file's, instead of 8). None: plain scales and zeros
     super_group: int | None = None
 
     def __post_init__(self):
