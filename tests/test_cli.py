@@ -163,6 +163,8 @@ def test_bench_end_to_end_on_the_default_model():
     # against the read probe timed before each generation
     extra = row["extra"]
     assert extra["probe GB/s"] > 1 and extra["% DRAM"] == pytest.approx(100 * extra["GB/s"] / extra["probe GB/s"])
+    # the probe's bound: its bandwidth over the bytes a token reads
+    assert extra["ceiling tok/s"] == pytest.approx(extra["probe GB/s"] / (extra["GB/s"] / row["value"]))
 
 
 def test_bench_errors_are_one_line():

@@ -201,7 +201,9 @@ def e2e_bench(source, variants, threads_list, notes: list[str], prompt_tokens=64
     the file's own weights; ``head_bits``: requantize the output head too), and of llama.cpp on the same GGUF
     file when llama-cpp-python is installed. Every candidate runs ``rounds`` times, the candidates taking turns
     (so a slow stretch of a shared machine hits all of them), and reports its medians; ``% DRAM`` is against the
-    read probe timed before every run (its median: ``probe GB/s``), the bandwidth the host lent. With
+    read probe timed before every run (its median: ``probe GB/s``), the bandwidth the host lent, and ``ceiling
+    tok/s`` what that bandwidth allows (probe / weight bytes a token reads): a ratio to llama.cpp above tmac's
+    ceiling over llama.cpp's tok/s cannot be reached in that run. With
     ``profiles``, each variant's decode step at every thread count is broken down by call (``DecodePlan.profile``)
     into it as ``(label, threads, {call: seconds})``."""
     path = str(source) if source is not None else None
@@ -232,6 +234,7 @@ def e2e_bench(source, variants, threads_list, notes: list[str], prompt_tokens=64
             gbps = c.streamed * tok_s / 1e9
             rows.append(Row(path, c.label, threads, tok_s, {
                 **c.info, "GB/s": gbps, "% DRAM": 100 * gbps / dram, "probe GB/s": dram,
+                "ceiling tok/s": dram * 1e9 / c.streamed,
                 "prefill tok/s": statistics.median(prefill for prefill, _ in runs[c.label])}))
             if profiles is not None and c.model is not None:
                 profiles.append((c.label, threads, decode_profile(c.model, prompt[0], prompt_tokens + gen_tokens,
