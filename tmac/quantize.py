@@ -155,10 +155,9 @@ def _least_squares_levels(groups: np.ndarray, lo: np.ndarray, hi: np.ndarray, to
 def _search_block(groups: np.ndarray, lo: np.ndarray, hi: np.ndarray, top: int):
     """``_least_squares_levels`` of float32 groups: the passes over weights in float32 (a third faster than
     float64), the fits per group in float64."""
-    wt = np.sqrt(np.mean(np.square(groups), axis=1, keepdims=True)) + np.abs(groups)
-    w_sum = wt.sum(axis=1, dtype=np.float64)
-    wg = wt * groups
-    wg_sum = wg.sum(axis=1, dtype=np.float64)
+    importance = np.sqrt(np.mean(np.square(groups), axis=1, keepdims=True)) + np.abs(groups)  # (module doc)
+    i_sum = importance.sum(axis=1, dtype=np.float64)
+    ig_sum = (importance * groups).sum(axis=1, dtype=np.float64)
     best = None
     for f in SHRINK:
         span = (hi - lo) * f
@@ -166,17 +165,18 @@ def _search_block(groups: np.ndarray, lo: np.ndarray, hi: np.ndarray, top: int):
         first = lo + 0.5 * (hi - lo - span)
         q = _nearest_codes(groups, first.astype(np.float32), s.astype(np.float32), top)
         # the weighted least-squares line w ≈ first + s·q through the codes, where they are not all one code
-        wq = wt * q
-        q_sum = wq.sum(axis=1, dtype=np.float64)
-        qq, qw = (np.einsum("ij,ij->i", wq, b).astype(np.float64) for b in (q, groups))
-        det = w_sum * qq - q_sum * q_sum
-        fit_s = (w_sum * qw - q_sum * wg_sum) / np.where(det > 0, det, 1.0)
-        ok = (det > 1e-9 * w_sum * qq) & (fit_s > 0)
+        iq = importance * q
+        q_sum = iq.sum(axis=1, dtype=np.float64)
+        qq, qg = (np.einsum("ij,ij->i", iq, b).astype(np.float64) for b in (q, groups))
+        det = i_sum * qq - q_sum * q_sum
+        fit_s = (i_sum * qg - q_sum * ig_sum) / np.where(det > 0, det, 1.0)
+        ok = (det > 1e-9 * i_sum * qq) & (fit_s > 0)
         s = np.where(ok, fit_s, s)
-        first = np.where(ok, (wg_sum - fit_s * q_sum) / w_sum, first)
+        first = np.where(ok, (ig_sum - fit_s * q_sum) / i_sum, first)
         first32, s32 = first.astype(np.float32), s.astype(np.float32)
         q = _nearest_codes(groups, first32, s32, top)
-        err = np.einsum("ij,ij->i", wt, np.square(first32[:, None] + s32[:, None] * q - groups)).astype(np.float64)
+        miss = np.square(first32[:, None] + s32[:, None] * q - groups)
+        err = np.einsum("ij,ij->i", importance, miss).astype(np.float64)
         if best is None:
             best = [err, first, s]
         else:
