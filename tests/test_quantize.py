@@ -283,7 +283,7 @@ def test_round_trip_property(bits, group, sym, m, kg, seed):
 
 @settings(max_examples=40, deadline=None)
 @given(case=st.sampled_from(["k_not_divisible", "bits_high", "bits_low", "three_d", "nan", "inf", "int_dtype",
-                             "list", "sym1", "empty"]))
+                             "list", "sym1", "empty", "search_not_bool"]))
 def test_bad_input_names_the_argument(case):
     w = np.ones((4, 64), np.float32)
     kwargs = dict(bits=2, group_size=32)
@@ -309,5 +309,7 @@ def test_bad_input_names_the_argument(case):
         match = "symmetric"
     elif case == "empty":
         w, match = np.ones((0, 64), np.float32), "empty"
+    elif case == "search_not_bool":
+        kwargs["search"], exc, match = "no", TypeError, "search"
     with pytest.raises(exc, match=match):
         quantize_weight(w, **kwargs)

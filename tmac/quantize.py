@@ -38,6 +38,8 @@ def quantize_weight(w, bits: int = 2, group_size: int | str = 128, symmetric: bo
     ternary weights (``bits`` and ``symmetric`` are then ignored; BitNet itself uses ``group_size="tensor"``).
     ``search``: asymmetric levels of least weighted squared error (the module doc); False: each group's min and max.
     """
+    if not isinstance(search, (bool, np.bool_)):
+        raise TypeError(f"search must be True or False, got {search!r}")
     w = _as_float_matrix(w)
     if ternary:
         fmt = WeightFormat.ternary_format(group_size)
