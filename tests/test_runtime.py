@@ -208,14 +208,18 @@ def test_tune_persists_and_later_kernels_use_it(tmp_path):
     assert again.stdout == defaults.stdout
 
 
-def test_tune_covers_ternary_triples(tmp_path):
-    """`tmac tune --ternary` times the triple kernels (not 2-bit planes) and later triple specs use the result."""
+def test_tune_covers_ternary_weights(tmp_path):
+    """`tmac tune --ternary` times the kernels ternary weights take on this CPU (triples where it has 64-entry
+    lookups, 2-bit planes elsewhere: ``uses_triples``) and later ternary specs use the result."""
+    from tmac.kernels import best_isa
+
+    triples = best_isa().wide_lookup
     env, r, _, key, tiling = _tune(tmp_path, "--ternary", "--group-size", "tensor", "--k", "384")
-    assert "ternary_gtensor" in r.stdout and "_t3" in r.stderr  # the triple kernels were compiled and timed
-    assert key.endswith("|b2|k384|g384|lg192|s|t3")
+    assert "ternary_gtensor" in r.stdout and ("_t3" in r.stderr) == triples  # which kernels were compiled and timed
+    assert key.endswith("|b2|k384|g384|lg192|s|t3" if triples else "|b2|k384|g384|lg128|s")
     check = ("import numpy as np, tmac; from tmac.lut_ops import LutWeight; "
              "qw = tmac.quantize_weight(np.ones((64, 384), np.float32), ternary=True, group_size='tensor'); "
              "s = LutWeight.from_quantized(qw).spec; print(s.triples, s.block_rows, s.unroll, s.n_tile, s.k_chunk)")
     used = _run(check, env)
     assert used.returncode == 0, used.stderr
-    assert used.stdout.split() == ["True"] + [str(tiling[f]) for f in ("block_rows", "unroll", "n_tile", "k_chunk")]
+    assert used.stdout.split() == [str(triples)] + [str(tiling[f]) for f in ("block_rows", "unroll", "n_tile", "k_chunk")]

@@ -174,7 +174,7 @@ def _search_block(groups: np.ndarray, lo: np.ndarray, hi: np.ndarray, top: int):
         fit_s = (i_sum * qg - q_sum * ig_sum) / np.where(det > 0, det, 1.0)
         ok = (det > 1e-9 * i_sum * qq) & (fit_s > 0)
         s = np.where(ok, fit_s, s)
-        first = np.where(ok, (ig_sum - fit_s * q_sum) / i_sum, first)
+        first = np.where(ok, (ig_sum - fit_s * q_sum) / np.where(i_sum > 0, i_sum, 1.0), first)  # (all-zero groups)
         first32, s32 = first.astype(np.float32), s.astype(np.float32)
         q = _nearest_codes(groups, first32, s32, top)
         miss = np.square(first32[:, None] + s32[:, None] * q - groups)
