@@ -141,8 +141,14 @@ class KernelSpec:
             # up to 8 table pairs and 32 weight vectors per unrolled body: 8 pairs beat 4 by 5-17 % on cold 2-bit
             # GEMVs here (16384x2048, 2048x8192) and never lose; with 8 vectors a pair (W4 at 128 rows) 4 pairs beat 8
             # (4096x11008 976 vs 1153 us, 8640x3200 608 vs 658)
+            # On 32-byte vectors (AVX2: 16 registers) a lut group of 8 steps is not unrolled whole: the body and the
+            # epilogue then share one basic block, whose schedule spills (W2 g64: 78 stack moves a lut group, none
+            # in the loop of 4); cold 3200x8640 on a Zen 3, 1 thread: W2 g64 680-717 -> 468-471 us, W1 g64 380 ->
+            # 306; W3, W4 g64 within 2 %, groups of 32 and 128 (loops of 4 steps, or of 8 twice) unchanged
             vectors = self.step_vectors(self.block_rows)
-            object.__setattr__(self, "unroll", next((u for u in self.unrolls() if u * vectors <= 32), 1))
+            fits = [u for u in self.unrolls() if u * vectors <= 32
+                    and not (self.vector_bytes == 32 and u == steps and steps >= 8)]
+            object.__setattr__(self, "unroll", fits[0] if fits else 1)
         if self.k_chunk == 0 and steps:
             object.__setattr__(self, "k_chunk", self._default_k_chunk())
         k, g, lg, bm, vl = self.k, self.group_size, self.lut_group, self.block_rows, self.vector_bytes
