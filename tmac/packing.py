@@ -126,6 +126,7 @@ class KernelSpec:
 
     def __post_init__(self):
         check_bits(self.bits)
+        sixteen_registers = self.vector_bytes == 32  # AVX2 (AVX-512 and NEON have 32)
         if self.block_rows == 0:
             # blocks of 4 weight vectors a step (W4, 1- and 2-bit quads) on 64-byte vectors take 8, not 4 (cold on
             # an AMD EPYC, 11008x4096 W1 248 vs 277 us; W2 3200x8640 327 vs 362, 4096x4096 194 vs 203; W4
@@ -135,10 +136,11 @@ class KernelSpec:
             rows = default_block_rows(self.vector_bytes, self.row_bytes)
             wider = 2 if self.vector_bytes == 64 and self.row_bytes == 4 and not self.triples and \
                 (self.step_vectors(rows) == 4 or self.quads and self.bits == 5) else 1
-            # AVX2's 16 registers: a one-plane vector's sums are int16 of 32 rows, two registers, so W1 takes blocks
-            # of 2 vectors, not 4 (whose loop spilled: 46 stack moves per 8 steps, none at 64 rows); cold, Zen 3,
-            # 1 thread: 4096x4096 g128 195 -> 171 us, 3200x8640 g64 290 -> 261
-            narrower = 2 if self.vector_bytes == 32 and self.chunks == ((0, 1),) and not self.quads else 1
+            # AVX2's 16 registers: a one-plane vector's sums (W1; triples, where asked for without quads) are int16
+            # of 32 rows, two registers, so such blocks take 2 vectors, not 4 (whose W1 loop spilled: 46 stack moves
+            # per 8 steps, none at 64 rows); cold, Zen 3, 1 thread: W1 4096x4096 g128 195 -> 171 us, 3200x8640 g64
+            # 290 -> 261
+            narrower = 2 if sixteen_registers and self.chunks == ((0, 1),) else 1
             object.__setattr__(self, "block_rows", wider * rows // narrower)
         steps = self.steps_per_lut_group
         if self.unroll == 0 and steps:
@@ -151,7 +153,7 @@ class KernelSpec:
             # 306; W3, W4 g64 within 2 %, groups of 32 and 128 (loops of 4 steps, or of 8 twice) unchanged
             vectors = self.step_vectors(self.block_rows)
             fits = [u for u in self.unrolls() if u * vectors <= 32
-                    and not (self.vector_bytes == 32 and u == steps and steps >= 8)]
+                    and not (sixteen_registers and u == steps and steps >= 8)]
             object.__setattr__(self, "unroll", fits[0] if fits else 1)
         if self.k_chunk == 0 and steps:
             object.__setattr__(self, "k_chunk", self._default_k_chunk())
