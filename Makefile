@@ -20,15 +20,16 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/tmac run --prompt "Explain in two sentences why the sky is blue." --max-new-tokens 96
 
+# one pytest worker a core (pytest-xdist): most of the suite's time is compiling kernels, one at a time in a process
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto
 
 bench: $(STAMP)
 	$(BIN)/python -m pytest -q bench --benchmark-columns=median,ops --benchmark-sort=name
 
 # a longer fuzz campaign: 2,600 fresh cases for each of the 4 model-file targets (>= 10,000) and the 2 misuse targets
 fuzz: $(STAMP)
-	TMAC_FUZZ_EXAMPLES=2600 $(BIN)/python -m pytest -q tests/test_fuzz.py
+	TMAC_FUZZ_EXAMPLES=2600 $(BIN)/python -m pytest -q -n auto tests/test_fuzz.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,7 +1,6 @@
 import importlib.util
 import os
 import re
-import sys
 
 import numpy as np
 import pytest
@@ -40,8 +39,14 @@ def rel_l2(a, b) -> float:
 
 @pytest.fixture(scope="session", autouse=True)
 def _kernel_cache(tmp_path_factory):
-    """Tests compile into their own cache, so a stale user cache can neither hide nor cause a failure."""
-    os.environ["TMAC_CACHE_DIR"] = str(tmp_path_factory.mktemp("tmac-cache"))
+    """Tests compile into their own cache, so a stale user cache can neither hide nor cause a failure. The workers
+    of one parallel run (pytest-xdist) share it: each kernel is compiled once, under the cache's file lock."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = tmp_path_factory.getbasetemp().parent / "tmac-cache"
+        shared.mkdir(exist_ok=True)
+        os.environ["TMAC_CACHE_DIR"] = str(shared)
+    else:
+        os.environ["TMAC_CACHE_DIR"] = str(tmp_path_factory.mktemp("tmac-cache"))
     os.environ.pop("TMAC_KERNEL_DIR", None)
     yield
 
@@ -54,10 +59,11 @@ def runnable_isas():
 
 
 def pytest_terminal_summary(terminalreporter):
-    fuzz = sys.modules.get("test_fuzz")
-    if fuzz is not None and fuzz.RESULTS:
-        total = sum(c["accepted"] + c["rejected"] for c in fuzz.RESULTS.values())
+    results = dict(value for report in terminalreporter.stats.get("passed", [])
+                   for name, value in report.user_properties if name == "fuzz")
+    if results:
+        total = sum(c["accepted"] + c["rejected"] for c in results.values())
         terminalreporter.write_line(f"\nfuzz cases run: {total} in the targets that passed")
-        for target, c in sorted(fuzz.RESULTS.items()):
+        for target, c in sorted(results.items()):
             terminalreporter.write_line(f"  {target:<16} {c['accepted']:>6} accepted and correct, {c['rejected']:>6} "
                                         f"rejected with a clear Python exception")

@@ -16,18 +16,17 @@ from fuzz_targets import TARGETS
 
 EXAMPLES = int(os.environ.get("TMAC_FUZZ_EXAMPLES", "40"))
 CAMPAIGN = "TMAC_FUZZ_EXAMPLES" in os.environ
-RESULTS: dict[str, dict] = {}
 
 
 @pytest.mark.parametrize("target", TARGETS)
-def test_fuzzed_model_files(tmp_path, target):
+def test_fuzzed_model_files(tmp_path, target, record_property):
     script = os.path.join(os.path.dirname(__file__), "fuzz_targets.py")
     cmd = [sys.executable, script, target, str(EXAMPLES), str(tmp_path)] + (["--random"] if CAMPAIGN else [])
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60 + 30 * EXAMPLES)
     assert proc.returncode >= 0, f"killed by signal {-proc.returncode}:\n{proc.stderr[-3000:]}"
     assert proc.returncode == 0, proc.stderr[:200] + "\n...\n" + proc.stderr[proc.stderr.find("Traceback"):][:6000]
     counts = json.loads(proc.stdout.strip().splitlines()[-1])
-    RESULTS[target] = counts
+    record_property("fuzz", (target, counts))  # for the run's summary (conftest), from any xdist worker
     assert counts["accepted"] + counts["rejected"] >= EXAMPLES, counts
     assert counts["rejected"] > 0, counts  # the mutations do break files
 
