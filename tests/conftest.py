@@ -1,6 +1,9 @@
+import contextlib
+import fcntl
 import importlib.util
 import os
 import re
+import tempfile
 
 import numpy as np
 import pytest
@@ -49,6 +52,15 @@ def _kernel_cache(tmp_path_factory):
         os.environ["TMAC_CACHE_DIR"] = str(tmp_path_factory.mktemp("tmac-cache"))
     os.environ.pop("TMAC_KERNEL_DIR", None)
     yield
+
+
+@contextlib.contextmanager
+def cross_tools_lock():
+    """Held while a test checks for, installs or relies on the absence of the arm64 cross tools: the workers of a
+    parallel run must neither run apt-get together nor see the tools half installed."""
+    with open(os.path.join(tempfile.gettempdir(), "tmac-tests-cross-tools.lock"), "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
 
 
 def runnable_isas():

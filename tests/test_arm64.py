@@ -7,7 +7,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from conftest import rel_l2
+from conftest import cross_tools_lock, rel_l2
 from tmac import QuantizedWeight, quantize_weight
 from tmac import reference as ref
 from tmac.kernels import ISAS
@@ -19,17 +19,18 @@ PACKAGES = ["gcc-aarch64-linux-gnu", "libc6-dev-arm64-cross", "qemu-user"]
 
 
 def _ensure_cross_tools():
-    missing = [t for t in TOOLS if shutil.which(t) is None] + \
-        ([] if os.path.isdir("/usr/aarch64-linux-gnu/include") else ["libc6-dev-arm64-cross"])
-    if not missing:
-        return
-    if shutil.which("apt-get") is None or os.geteuid() != 0:
-        pytest.skip(f"missing {missing} and apt-get is unavailable (not root / not Debian): "
-                    f"install {' '.join(PACKAGES)}")
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    subprocess.run(["apt-get", "update", "-qq"], check=True, env=env, capture_output=True)
-    subprocess.run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", *PACKAGES], check=True, env=env,
-                   capture_output=True)
+    with cross_tools_lock():
+        missing = [t for t in TOOLS if shutil.which(t) is None] + \
+            ([] if os.path.isdir("/usr/aarch64-linux-gnu/include") else ["libc6-dev-arm64-cross"])
+        if not missing:
+            return
+        if shutil.which("apt-get") is None or os.geteuid() != 0:
+            pytest.skip(f"missing {missing} and apt-get is unavailable (not root / not Debian): "
+                        f"install {' '.join(PACKAGES)}")
+        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+        subprocess.run(["apt-get", "update", "-qq"], check=True, env=env, capture_output=True)
+        subprocess.run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", *PACKAGES], check=True,
+                       env=env, capture_output=True)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from conftest import smollm2_path
+from conftest import cross_tools_lock, smollm2_path
 
 
 def tmac(*args, **kw):
@@ -40,11 +40,11 @@ def test_compile_errors_are_one_line():
 def test_compile_arm64_needs_no_arm_machine(tmp_path):
     import shutil
 
-    if shutil.which("aarch64-linux-gnu-gcc") is None:  # test_arm64 installs it; order-independent message check
+    with cross_tools_lock():  # test_arm64 installs the linker, maybe in another worker right now
         r = tmac("compile", "--arch", "arm64", "--bits", "2", "--shape", "64x256", "-o", str(tmp_path))
-        assert r.returncode == 1 and "gcc-aarch64-linux-gnu" in r.stderr
-        return
-    r = tmac("compile", "--arch", "arm64", "--bits", "2", "--shape", "64x256", "-o", str(tmp_path))
+        if shutil.which("aarch64-linux-gnu-gcc") is None:  # order-independent: the message names the package
+            assert r.returncode == 1 and "gcc-aarch64-linux-gnu" in r.stderr
+            return
     assert r.returncode == 0, r.stderr
     assert "neon_dotprod" in r.stdout
     lib = next(tmp_path.glob("*.so")).read_bytes()
