@@ -223,3 +223,43 @@ def test_tune_covers_ternary_weights(tmp_path):
     used = _run(check, env)
     assert used.returncode == 0, used.stderr
     assert used.stdout.split() == [str(triples)] + [str(tiling[f]) for f in ("block_rows", "unroll", "n_tile", "k_chunk")]
+
+
+@pytest.mark.parametrize("confirmed", [True, False])
+def test_tune_keeps_the_default_unless_it_loses_in_the_same_pass(tmp_path, monkeypatch, confirmed):
+    """The stages time their candidates in separate passes; a winner other than the default is timed against it
+    once more, together, and kept only when faster by the margin there. Scripted timings (no kernel runs): the
+    first stage makes 64-row blocks 20 % faster; the final pass makes them 10 % faster or 10 % slower."""
+    from tmac import tuning
+    from tmac.formats import WeightFormat
+
+    class Timed:  # stands in for LutWeight: only the spec matters to the scripted timings
+        def __init__(self, packed):
+            self.spec = packed.spec
+
+        def matmul(self, x):
+            pass
+
+    isa = best_isa()
+    fmt = WeightFormat.rtn(2, 128, False)
+    default = spec_for_format(fmt, 256, isa, unroll=0)
+    other = default.block_rows * 2
+    passes = []
+
+    def scripted(weights, x):
+        passes.append([w.spec for w in weights])
+        final = len(passes) == 3  # blocks × unrolls, K chunks, then the default against the winner
+        faster = 0.9 if confirmed or not final else 1.1
+        return [(0.8 if not final else faster) if w.spec.block_rows == other and w.spec.unroll == default.unroll
+                else 1.0 for w in weights]
+
+    monkeypatch.setenv("TMAC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr("tmac.lut_ops.LutWeight", Timed)
+    monkeypatch.setattr(tuning, "cold_seconds", scripted)
+    best, measured = tuning.tune(fmt, 256, isa, m=64)
+    assert [s.block_rows for s in passes[2]] == [default.block_rows, other]  # the final pass: default, winner
+    kept = passes[2][1] if confirmed else default
+    assert (best["block_rows"], best["unroll"], best["k_chunk"]) == (kept.block_rows, kept.unroll, kept.k_chunk)
+    assert best["block_rows"] == (other if confirmed else default.block_rows)
+    saved = tuning.tuned_tiling(isa.name, 2, 256, 128, default.lut_group, True)
+    assert saved == best

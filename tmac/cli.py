@@ -292,10 +292,11 @@ def cmd_tune(args) -> int:
     rows = []
     for i, (fmt, k) in enumerate(work, 1):
         defaults = spec_for_format(fmt, k, isa, unroll=0)  # a tiling argument: the defaults, not earlier tuning
-        # one off where the best block's default K chunk is not among the defaults' candidates
-        n = len(tuning.candidates(defaults)) + len(tuning.chunk_candidates(defaults)) + 3
+        # one off where the best block's default K chunk is not among the defaults' candidates; 2: the final pass
+        n = len(tuning.candidates(defaults)) + len(tuning.chunk_candidates(defaults)) + 2 + 3
         with Progress(f"[{i}/{len(work)}] tuning {fmt.name} K={k}", n, None) as bar:
             best, measured = tuning.tune(fmt, k, isa, progress=bar)
+        # the last time of each tiling: the default's and the winner's then come from the same pass
         gemv = {(t["block_rows"], t["unroll"], t["k_chunk"]): sec for t, sec in measured["gemv"]}
         rows.append((fmt.name, k, best["block_rows"], best["unroll"], best["k_chunk"], best["n_tile"],
                      f"{gemv[(defaults.block_rows, defaults.unroll, defaults.k_chunk)] * 1e3:.3f}",
