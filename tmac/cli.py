@@ -292,9 +292,7 @@ def cmd_tune(args) -> int:
     rows = []
     for i, (fmt, k) in enumerate(work, 1):
         defaults = spec_for_format(fmt, k, isa, unroll=0)  # a tiling argument: the defaults, not earlier tuning
-        # one off where the best block's default K chunk is not among the defaults' candidates; 2: the final pass
-        n = len(tuning.candidates(defaults)) + len(tuning.chunk_candidates(defaults)) + 2 + 3
-        with Progress(f"[{i}/{len(work)}] tuning {fmt.name} K={k}", n, None) as bar:
+        with Progress(f"[{i}/{len(work)}] tuning {fmt.name} K={k}", tuning.kernels_timed(defaults), None) as bar:
             best, measured = tuning.tune(fmt, k, isa, progress=bar)
         # the last time of each tiling: the default's and the winner's then come from the same pass
         gemv = {(t["block_rows"], t["unroll"], t["k_chunk"]): sec for t, sec in measured["gemv"]}

@@ -66,6 +66,12 @@ def chunk_candidates(spec) -> list[int]:
     return sorted({spec.k_chunk} | {-(-units // n) * unit for n in (1, 2, 4, 8, 16) if n <= units})
 
 
+def kernels_timed(defaults) -> int:
+    """How many tilings ``tune`` times for these default specs (its progress total): block rows × unroll, K chunks
+    (one off where the best block's default chunk is not among the defaults'), the final pass of two, GEMM tiles."""
+    return len(candidates(defaults)) + len(chunk_candidates(defaults)) + 2 + 3
+
+
 def tune(fmt, k: int, isa, m: int = 4096, progress=None) -> tuple[dict, dict[str, list[tuple[dict, float]]]]:
     """Best tiling for weights of format ``fmt`` with ``k`` inputs on ``isa`` (this machine's), persisted; returns
     it and every (tiling, seconds) measured, by kernel (``"gemv"``, ``"gemm"``)."""
