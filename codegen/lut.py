@@ -115,6 +115,9 @@ def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str):
 
     k, lg, wg, bm, vl = spec.k, spec.lut_group, spec.group_size, spec.block_rows, isa.vector_bytes
     u, steps = spec.unroll, spec.steps_per_lut_group
+    # the GEMV streams its weights from DRAM once: reading them a little ahead (``Isa.prefetch_bytes``) keeps the
+    # stream going while the lookups compute; the GEMM reads a block from cache once per activation-row tile
+    ahead = isa.prefetch_bytes if n_tile == 1 else 0
     f32 = "float32"
     lut_groups_per_wg = wg // lg
     # a tile's accumulators (vectors × activation rows) must stay in registers: with more than 8 the block's rows
@@ -238,6 +241,12 @@ def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str):
                                 row = chunk_row(blk, step, g0 * steps, gc * steps)
                                 return WF[vec(row * row_bytes + start, lanes)]
 
+                            def prefetch(step, start):  # a hint, never a fault: past the end of W is harmless
+                                row = chunk_row(blk, step, g0 * steps, gc * steps)
+                                T.evaluate(tirx.call_llvm_intrin("void", "llvm.prefetch.p0",
+                                                                 tirx.address_of(WF[row * row_bytes + start]),
+                                                                 *(tirx.IntImm("int32", a) for a in (0, 3, 1))))
+
                             def lut_group(g):  # the weights of lut group g: integer sums, then the float epilogue
                                 for (_, p, nv, _, _), acc in zip(chunks, accs):
                                     elem, lanes = isa.acc_dtype(p, steps).split("x")
@@ -252,7 +261,10 @@ def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str):
                                             for (_, p, nv, off, _), acc in zip(chunks, accs):
                                                 for v in range(nv):
                                                     vb = part * nv + v  # the vector in the block
-                                                    idx = nibbles(weights(step, base + off + vb * vl, vl), qp)
+                                                    start = base + off + vb * vl
+                                                    if ahead and (base + off + v * vl) % 64 == 0:  # a line's first
+                                                        prefetch(step, start + ahead)
+                                                    idx = nibbles(weights(step, start, vl), qp)
                                                     masks = [isa.lane_mask(weights(step, mask_start(j, vb, h), vl // 8))
                                                              for h in (0, 1)] if spec.triples else None
                                                     for r, t_pair in enumerate(tables):

@@ -14,6 +14,7 @@ class Isa:
     target: dict = field(hash=False, compare=False)  # LLVM target, always with explicit triple and cpu/attrs
     description: str = ""
     wide_lookup: bool = False  # has ``lookup64`` (1- to 3-bit weights and triples then use quads)
+    prefetch_bytes: int = 0  # the GEMV prefetches its weight stream this far ahead (0: the hardware's prefetch only)
 
     def acc_dtype(self, planes: int, steps: int) -> str:
         """The accumulator vector type of ``accumulate`` over a lut group of ``steps`` steps."""
