@@ -70,8 +70,8 @@ the kernels take K a chunk at a time across all blocks, so that the chunk's tabl
 stream. W, and S and Z where they span K, keep the shapes above, but their ``[MB, R, X]`` rows (R: steps, groups or
 super groups) are stored chunk by chunk: chunk c of rows ``[r0, r0 + n)`` (the last chunk may be shorter) is an
 ``[MB, n, X]`` array after the chunks before it, so row r of block b is flat row ``MB·r0 + b·n + (r − r0)``. With
-one chunk (``k_chunk`` = Kp, the default on 64-byte vectors but for triples and W1) that is the plain ``[MB, R, X]``
-order.
+one chunk (``k_chunk`` = Kp, the default on 32-byte vectors and on 64-byte ones but for triples and W1) that is
+the plain ``[MB, R, X]`` order.
 """
 
 from __future__ import annotations
@@ -206,17 +206,21 @@ class KernelSpec:
         return self.group_size if self.group_size < self.k else self.lut_group
 
     def _default_k_chunk(self) -> int:
-        """Triples, 1-bit weights and vectors of up to 32 bytes: the most activations whose tables and one block's
+        """Triples, 1-bit weights and 16-byte vectors: the most activations whose tables and one block's
         weights of them fit ``CHUNK_BYTES``, in chunks of near-equal size. Streaming a block's weights through L1
         evicted its tables before the next block reused them; with the tables staying, cold GEMVs read faster (AMD
         EPYC, 1 thread: triples 16384x2048 266 -> 227 us, 2048x8192 149 -> 120; W1 16384x2048 218 -> 190,
         4096x4096 101 -> 93, 2048x8192 101 -> 91; AVX2 4096x4096 W2 212 -> 168, W4 416 -> 355, ternary planes
         16384x2048 389 -> 297). On 64-byte vectors, 2-5 bits (fewer table bytes per weight byte than W1, whose
         every nibble has a table of its own) gain nothing or lose (4096x4096 cold: W2 quads 144 -> 150 us, W3 210
-        -> 223, W4 286 -> 299, AVX-512 VNNI ternary planes 170 -> 188): one chunk. (The GEMM loses 1-3 % with
-        chunks: W1 16 rows 4096x4096 0.714 -> 0.727 ms.)"""
+        -> 223, W4 286 -> 299, AVX-512 VNNI ternary planes 170 -> 188): one chunk. So does AVX2 (32-byte vectors),
+        whose GEMV prefetches its weights (``Isa.prefetch_bytes``): then one chunk was faster in each of 18 paired
+        cold timings on a Zen 3, by 1-5 % (1 thread: W1 4096x4096 258 -> 247 us, W2 11008x4096 851 -> 828, W4 g32
+        4096x4096 981 -> 958, ternary 3200x8640 660 -> 629, 8-bit 49152x576 3381 -> 3245; 2 threads: W2 4096x4096
+        317 -> 308). (The GEMM loses 1-3 % with chunks: W1 16 rows 4096x4096 0.714 -> 0.727 ms.)"""
         unit, kp = self.chunk_unit, self.k_padded
-        if not (self.triples or self.bits == 1 or self.vector_bytes < 64) or unit <= 0 or kp % unit:
+        if self.vector_bytes == 32 or not (self.triples or self.bits == 1 or self.vector_bytes < 64) or unit <= 0 \
+                or kp % unit:
             return kp  # (invalid specs: the checks that follow say why)
         w_shape, s_shape = packed_shapes(self, self.block_rows)
         per_activation = (np.prod(w_shape) + 2 * np.prod(s_shape)) / kp + (16 / 3 if self.triples else 4)
