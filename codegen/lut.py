@@ -19,7 +19,7 @@ from tmac.formats import code_offset
 from tmac.packing import KernelSpec, packed_shapes
 from tmac.reference import SIGNS, TRIPLE_COEFFS
 
-from .tir import arg, prim_func
+from .tir import arg, prefetch, prim_func
 
 
 def build_tables_func(spec: KernelSpec):
@@ -241,12 +241,6 @@ def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str):
                                 row = chunk_row(blk, step, g0 * steps, gc * steps)
                                 return WF[vec(row * row_bytes + start, lanes)]
 
-                            def prefetch(step, start):  # a hint, never a fault: past the end of W is harmless
-                                row = chunk_row(blk, step, g0 * steps, gc * steps)
-                                T.evaluate(tirx.call_llvm_intrin("void", "llvm.prefetch.p0",
-                                                                 tirx.address_of(WF[row * row_bytes + start]),
-                                                                 *(tirx.IntImm("int32", a) for a in (0, 3, 1))))
-
                             def lut_group(g):  # the weights of lut group g: integer sums, then the float epilogue
                                 for (_, p, nv, _, _), acc in zip(chunks, accs):
                                     elem, lanes = isa.acc_dtype(p, steps).split("x")
@@ -263,7 +257,8 @@ def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str):
                                                     vb = part * nv + v  # the vector in the block
                                                     start = base + off + vb * vl
                                                     if ahead and (base + off + v * vl) % 64 == 0:  # a line's first
-                                                        prefetch(step, start + ahead)
+                                                        prefetch(WF, chunk_row(blk, step, g0 * steps, gc * steps) *
+                                                                 row_bytes + start + ahead)
                                                     idx = nibbles(weights(step, start, vl), qp)
                                                     masks = [isa.lane_mask(weights(step, mask_start(j, vb, h), vl // 8))
                                                              for h in (0, 1)] if spec.triples else None
