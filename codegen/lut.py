@@ -1,13 +1,15 @@
 """Generate the LUT kernels of one ``KernelSpec`` as TIR, composing an ISA's primitives.
 
-Two functions per spec (layouts: ``tmac.packing``):
+The functions of a spec (layouts: ``tmac.packing``):
 
 - ``build_tables(X[N, K], LUT[N', K/4, 16], LS[N', K/LG], XS[N', K/WG])``: the int8 tables, their scales and
   the activation sums, in exactly the float operations of ``tmac.reference``;
-- ``lut_gemm(W, S[, Z], LUT, LS, XS, Y[N, M])``: parallel over row blocks (the GEMV a K chunk at a time); per
-  activation-row tile, per lut group, the unrolled inner loop loads each weight vector once and looks it up in
-  the tables of every row of the tile (``n_tile`` rows; the GEMV variant ``lut_gemv`` has a tile of 1), then a
-  float epilogue applies table scale × weight scale and the ``(½s + z)·Σx`` term.
+- ``lut_gemm(W, S[, Z], LUT, LS, XS, Y[N, M])``: parallel over row blocks; per activation-row tile, per lut
+  group, the unrolled inner loop loads each weight vector once and looks it up in the tables of every row of the
+  tile (``n_tile`` rows), then a float epilogue applies table scale × weight scale and the ``(½s + z)·Σx`` term;
+- ``lut_gemv(X[1, K], W, S[, Z], LUT, LS, XS, Y[1, M])``: one row, its tables built first in the same call (one
+  call a projection: in a decode step whose weights stream from DRAM, each call into compiled code costs a few µs
+  of Python state evicted from the caches), then the GEMM's loop with a tile of 1, a K chunk at a time.
 
 Kernels are built with TVM's IR builder so that Python decides the shape of the code (chunks, vectors,
 tiles are unrolled here); nothing is left for a schedule.
@@ -23,6 +25,18 @@ from .tir import arg, prefetch, prim_func
 
 
 def build_tables_func(spec: KernelSpec):
+    from tvm.script.ir_builder import tirx as T
+
+    with prim_func("build_tables") as ib:
+        n, np_ = T.int32(), T.int32()
+        lut_shape, ls_shape, xs_shape = spec.table_shapes(np_)
+        X = arg("x", (n, spec.k))
+        emit_tables(spec, X, arg("lut", lut_shape, "int8"), arg("ls", ls_shape), arg("xs", xs_shape), n, np_)
+    return ib.get()
+
+
+def emit_tables(spec: KernelSpec, X, LUT, LS, XS, n, np_) -> None:
+    """The body of ``build_tables``, into the function being built."""
     from tvm import tirx
     from tvm.script.ir_builder import tirx as T
 
@@ -30,86 +44,80 @@ def build_tables_func(spec: KernelSpec):
     per = 3 if spec.triples else 4  # activations per table
     f32 = "float32"
     zero, half = tirx.FloatImm(f32, 0.0), tirx.FloatImm(f32, 0.5)
-    with prim_func("build_tables") as ib:
-        n, np_ = T.int32(), T.int32()
-        lut_shape, ls_shape, xs_shape = spec.table_shapes(np_)
-        X = arg("x", (n, k))
-        LUT = arg("lut", lut_shape, "int8")
-        LS = arg("ls", ls_shape)
-        XS = arg("xs", xs_shape)
-        # scratch buffers are "global" scope: TVM puts small global-scope buffers on the stack (registers, once
-        # LLVM promotes them), but services "local" ones with a workspace allocation per use
-        amax = T.alloc_buffer((1,), f32, scope="global")
-        tv = min(16, lg // per)  # tables whose scale candidates are taken at once
-        amaxv = T.alloc_buffer((tv,), f32, scope="global")
-        lanes = T.alloc_buffer((16,), f32, scope="global")
+    # scratch buffers are "global" scope: TVM puts small global-scope buffers on the stack (registers, once
+    # LLVM promotes them), but services "local" ones with a workspace allocation per use
+    amax = T.alloc_buffer((1,), f32, scope="global")
+    tv = min(16, lg // per)  # tables whose scale candidates are taken at once
+    amaxv = T.alloc_buffer((tv,), f32, scope="global")
+    lanes = T.alloc_buffer((16,), f32, scope="global")
 
-        def constant(values):  # a float32 vector of these lanes (LLVM folds the shuffle of broadcasts)
-            distinct = sorted(set(values))
-            sources = [tirx.Broadcast(tirx.FloatImm(f32, v), len(values)) for v in distinct]
-            return tirx.Shuffle(sources, [distinct.index(v) * len(values) + i for i, v in enumerate(values)])
+    def constant(values):  # a float32 vector of these lanes (LLVM folds the shuffle of broadcasts)
+        distinct = sorted(set(values))
+        sources = [tirx.Broadcast(tirx.FloatImm(f32, v), len(values)) for v in distinct]
+        return tirx.Shuffle(sources, [distinct.index(v) * len(values) + i for i, v in enumerate(values)])
 
-        # coefficient vectors of the reference: entry p of a table is Σ_j coefs[j][p]·x_j (exact products)
-        coefs = [constant([float(c) for c in column]) for column in (TRIPLE_COEFFS if spec.triples else SIGNS).T]
+    # coefficient vectors of the reference: entry p of a table is Σ_j coefs[j][p]·x_j (exact products)
+    coefs = [constant([float(c) for c in column]) for column in (TRIPLE_COEFFS if spec.triples else SIGNS).T]
 
-        def entries(xs):  # the 16 entries of the table of activations xs, in the reference's fp32 order
-            t = [c * tirx.Broadcast(x, 16) for c, x in zip(coefs, xs)]
-            return (t[0] + t[1]) + t[2] if spec.triples else \
-                tirx.Broadcast(half, 16) * ((t[0] + t[1]) + (t[2] + t[3]))
+    def entries(xs):  # the 16 entries of the table of activations xs, in the reference's fp32 order
+        t = [c * tirx.Broadcast(x, 16) for c, x in zip(coefs, xs)]
+        return (t[0] + t[1]) + t[2] if spec.triples else \
+            tirx.Broadcast(half, 16) * ((t[0] + t[1]) + (t[2] + t[3]))
 
-        def largest(xa, lanes=1):  # |entry| of the all-signs-agree entry, the largest of a table (of `lanes` tables)
-            h = half if lanes == 1 else tirx.Broadcast(half, lanes)
-            return (xa[0] + xa[1]) + xa[2] if spec.triples else h * ((xa[0] + xa[1]) + (xa[2] + xa[3]))
+    def largest(xa, lanes=1):  # |entry| of the all-signs-agree entry, the largest of a table (of `lanes` tables)
+        h = half if lanes == 1 else tirx.Broadcast(half, lanes)
+        return (xa[0] + xa[1]) + xa[2] if spec.triples else h * ((xa[0] + xa[1]) + (xa[2] + xa[3]))
 
-        def lut_group(row, g, padded: bool):
-            def x_at(i):  # past K, a zero activation; the load itself stays in bounds
-                return tirx.if_then_else(i < k, X[row, i], zero) if padded else X[row, i]
+    def lut_group(row, g, padded: bool):
+        def x_at(i):  # past K, a zero activation; the load itself stays in bounds
+            return tirx.if_then_else(i < k, X[row, i], zero) if padded else X[row, i]
 
-            # the scale first, from one candidate per table, not 16: rounded addition is monotonic, so the
-            # all-signs-agree entry is the largest in fp32 too; then each table computed and rounded in registers
-            # (a float copy of the lut group's tables would outgrow TVM's stack scratch)
-            T.buffer_store(amax, zero, [0])
-            if padded:
-                with T.serial(0, lg // per) as t:
-                    xa = [tirx.abs(x_at(g * lg + t * per + j)) for j in range(per)]
-                    T.buffer_store(amax, tirx.max(amax[0], largest(xa)), [0])
-            else:  # the candidates of `tv` tables at a time: one load, de-interleaved by shuffles
-                at = tirx.Ramp(0, 1, tv)
-                T.buffer_store(amaxv, tirx.Broadcast(zero, tv), [at])
-                with T.serial(0, lg // per // tv) as t:
-                    run = X[row, tirx.Ramp(g * lg + t * tv * per, 1, tv * per)]
-                    xa = [tirx.abs(tirx.Shuffle([run], [j + per * i for i in range(tv)])) for j in range(per)]
-                    T.buffer_store(amaxv, tirx.max(amaxv[at], largest(xa, tv)), [at])
-                with T.serial(0, tv) as i:
-                    T.buffer_store(amax, tirx.max(amax[0], amaxv[i]), [0])
-            inv = tirx.Select(amax[0] > zero, tirx.FloatImm(f32, 127.0) / amax[0], zero)
+        # the scale first, from one candidate per table, not 16: rounded addition is monotonic, so the
+        # all-signs-agree entry is the largest in fp32 too; then each table computed and rounded in registers
+        # (a float copy of the lut group's tables would outgrow TVM's stack scratch)
+        T.buffer_store(amax, zero, [0])
+        if padded:
             with T.serial(0, lg // per) as t:
-                xs = [x_at(g * lg + t * per + j) for j in range(per)]
-                T.buffer_store(LUT, tirx.Cast("int8x16", tirx.nearbyint(entries(xs) * tirx.Broadcast(inv, 16))),
-                               [row, g * (lg // per) + t, tirx.Ramp(0, 1, 16)])
-            T.buffer_store(LS, amax[0] / tirx.FloatImm(f32, 127.0), [row, g])
+                xa = [tirx.abs(x_at(g * lg + t * per + j)) for j in range(per)]
+                T.buffer_store(amax, tirx.max(amax[0], largest(xa)), [0])
+        else:  # the candidates of `tv` tables at a time: one load, de-interleaved by shuffles
+            at = tirx.Ramp(0, 1, tv)
+            T.buffer_store(amaxv, tirx.Broadcast(zero, tv), [at])
+            with T.serial(0, lg // per // tv) as t:
+                run = X[row, tirx.Ramp(g * lg + t * tv * per, 1, tv * per)]
+                xa = [tirx.abs(tirx.Shuffle([run], [j + per * i for i in range(tv)])) for j in range(per)]
+                T.buffer_store(amaxv, tirx.max(amaxv[at], largest(xa, tv)), [at])
+            with T.serial(0, tv) as i:
+                T.buffer_store(amax, tirx.max(amax[0], amaxv[i]), [0])
+        inv = tirx.Select(amax[0] > zero, tirx.FloatImm(f32, 127.0) / amax[0], zero)
+        with T.serial(0, lg // per) as t:
+            xs = [x_at(g * lg + t * per + j) for j in range(per)]
+            T.buffer_store(LUT, tirx.Cast("int8x16", tirx.nearbyint(entries(xs) * tirx.Broadcast(inv, 16))),
+                           [row, g * (lg // per) + t, tirx.Ramp(0, 1, 16)])
+        T.buffer_store(LS, amax[0] / tirx.FloatImm(f32, 127.0), [row, g])
 
-        # the Python wrappers check this too; a raw call must still not write past the tables
-        with T.Assert(n <= np_, "build_tables: the table buffers have fewer rows than the activations",
-                      "ValueError"):
-            with T.serial(0, n) as row:
-                with T.serial(0, k // lg) as g:
-                    lut_group(row, g, padded=False)
-                if kp != k:  # triples pad K with zero activations, in the last lut group only
-                    lut_group(row, k // lg, padded=True)
-                with T.serial(0, k // wg) as g:  # activation sums: 16 running lanes, then their total
+    # the Python wrappers check this too; a raw call must still not write past the tables
+    with T.Assert(n <= np_, "build_tables: the table buffers have fewer rows than the activations",
+                  "ValueError"):
+        with T.serial(0, n) as row:
+            with T.serial(0, k // lg) as g:
+                lut_group(row, g, padded=False)
+            if kp != k:  # triples pad K with zero activations, in the last lut group only
+                lut_group(row, k // lg, padded=True)
+            with T.serial(0, k // wg) as g:  # activation sums: 16 running lanes, then their total
+                with T.vectorized(0, 16) as p:
+                    T.buffer_store(lanes, X[row, g * wg + p], [p])
+                with T.serial(1, wg // 16) as i:
                     with T.vectorized(0, 16) as p:
-                        T.buffer_store(lanes, X[row, g * wg + p], [p])
-                    with T.serial(1, wg // 16) as i:
-                        with T.vectorized(0, 16) as p:
-                            T.buffer_store(lanes, lanes[p] + X[row, g * wg + i * 16 + p], [p])
-                    T.buffer_store(XS, tirx.FloatImm(f32, 0.0), [row, g])
-                    with T.serial(0, 16) as p:
-                        T.buffer_store(XS, XS[row, g] + lanes[p], [row, g])
-    return ib.get()
+                        T.buffer_store(lanes, lanes[p] + X[row, g * wg + i * 16 + p], [p])
+                T.buffer_store(XS, tirx.FloatImm(f32, 0.0), [row, g])
+                with T.serial(0, 16) as p:
+                    T.buffer_store(XS, XS[row, g] + lanes[p], [row, g])
 
 
-def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str):
+def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str, tables: bool = False):
+    """``lut_gemm``, or with ``tables`` (``lut_gemv``) taking the activations ``x`` first and building the tables
+    itself, as ``build_tables`` would."""
     from tvm import tirx
     from tvm.script.ir_builder import tirx as T
 
@@ -178,6 +186,7 @@ def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str):
 
     with prim_func(name) as ib:
         mb, np_, n, m = T.int32(), T.int32(), T.int32(), T.int32()
+        X = arg("x", (n, k)) if tables else None
         w_shape, s_shape = packed_shapes(spec, 1)
         W = arg("w", (mb, *w_shape[1:]), "uint8")
         s_dtype, z_dtype = spec.param_dtypes
@@ -188,6 +197,8 @@ def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str):
         LS = arg("ls", ls_shape)
         XS = arg("xs", xs_shape)
         Y = arg("y", (n, m))
+        if tables:
+            emit_tables(spec, X, LUT, LS, XS, n, np_)
         tw, lookup = (64, isa.lookup64) if spec.quads else (16, isa.lookup)  # quads look into 4 adjacent tables
         tables_flat = T.decl_buffer((np_, lut_shape[1] * 16), "int8", data=LUT.data, align=1)
         steps_total, row_bytes = w_shape[1], w_shape[2]
@@ -379,6 +390,6 @@ def module(spec: KernelSpec, isa):
     import tvm
 
     funcs = {"build_tables": build_tables_func(spec),
-             "lut_gemv": lut_gemm_func(spec, isa, 1, "lut_gemv"),
+             "lut_gemv": lut_gemm_func(spec, isa, 1, "lut_gemv", tables=True),
              "lut_gemm": lut_gemm_func(spec, isa, spec.n_tile, "lut_gemm")}
     return tvm.IRModule({name: f.with_attr("global_symbol", name) for name, f in funcs.items()})

@@ -2,7 +2,7 @@
 
 ``DecodePlan.build(model)`` resolves, once per generation, every tensor a step touches into a handle the
 compiled code takes directly: the packed weights of each LUT projection, the preallocated activations, table
-buffers and KV cache. A layer is then three or four glue-kernel calls (``tmac.glue``) and two kernel calls per
+buffers and KV cache. A layer is then three or four glue-kernel calls (``tmac.glue``) and one kernel call per
 projection, straight from Python. What the plan cannot run (a float projection, a module it does not know)
 makes ``build`` return ``None`` and generation stays on the eager ``forward``; a float part of a projection
 (e.g. an unquantized head) runs as one ``torch.mm`` into its slice of the output.
@@ -40,8 +40,8 @@ def _handle(t: torch.Tensor):
 
 
 def _projection(module: nn.Module, x: torch.Tensor, out: torch.Tensor, tables: dict, labels: dict) -> list:
-    """The calls computing ``out = x @ Wᵀ`` for one fused projection: LUT parts run their two kernels, float parts
-    one ``torch.mm``, each into its column slice of ``out`` (contiguous: one row)."""
+    """The calls computing ``out = x @ Wᵀ`` for one fused projection: LUT parts one ``lut_gemv`` (tables and
+    GEMV in one call), float parts one ``torch.mm``, each into its column slice of ``out`` (contiguous: one row)."""
     parts = list(module.parts) if isinstance(module, Concat) else [module]
     calls, start = [], 0
     for part in parts:
@@ -58,8 +58,8 @@ def _projection(module: nn.Module, x: torch.Tensor, out: torch.Tensor, tables: d
                 tables[key] = table_buffers(spec, 1)
             lut = [_handle(t) for t in tables[key]]
             params = [_handle(t) for t in (part.qweight, part.scales, part.zeros) if t is not None]
-            calls += [(kernels.build_tables, [_handle(x), *lut]), (kernels.lut_gemv, [*params, *lut, _handle(dest)])]
-            labels.update({id(kernels.build_tables): "build_tables", id(kernels.lut_gemv): "lut_gemv"})
+            calls.append((kernels.lut_gemv, [_handle(x), *params, *lut, _handle(dest)]))
+            labels[id(kernels.lut_gemv)] = "lut_gemv (tables included)"
         elif type(part) in FLOAT_LINEARS and part.bias is None and part.weight.dtype == torch.float32:
             calls.append((functools.partial(torch.mm, out=dest), [x, part.weight.detach().t()]))
             labels[id(calls[-1][0])] = "float projection (torch.mm)"

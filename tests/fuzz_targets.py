@@ -351,6 +351,8 @@ def kernel_misuse_cases():
                     draw(st.sampled_from([m, m - 1, m + 1, 0, -3, 10**9])))
         elif which == "build_tables":
             args = (draw(tensor_like((n, k), "float32")), *tables)
+        elif which == "lut_gemv":
+            args = (draw(tensor_like((n, k), "float32")), *packed, *tables, draw(tensor_like((n, m), "float32")))
         else:
             args = (*packed, *tables, draw(tensor_like((n, m), "float32")))
         if draw(st.integers(0, 9)) == 0:  # a wrong argument count

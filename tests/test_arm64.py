@@ -83,12 +83,16 @@ def test_arm64_kernels_under_qemu(harness, tmp_path, rng, isa, bits, zeros, para
     d = str(tmp_path)
     x_line = _write(d, "x", np.vstack([x, np.zeros((rows - n, k), np.float32)]))
     shapes = spec.table_shapes(rows)
-    tables = [f"{name} {dt} {len(shape)} {' '.join(map(str, shape))}"
-              for name, dt, shape in zip(("lut", "ls", "xs"), ("int8", "float32", "float32"), shapes)]
+
+    def tables_of(names, shapes):
+        return [f"{name} {dt} {len(shape)} {' '.join(map(str, shape))}"
+                for name, dt, shape in zip(names, ("int8", "float32", "float32"), shapes)]
+
+    tables, tables1 = tables_of(("lut", "ls", "xs"), shapes), tables_of(("lut1", "ls1", "xs1"), spec.table_shapes(1))
     weights = [_write(d, "w", pw.weights), _write(d, "s", pw.scales)] + ([_write(d, "z", pw.zeros)] if zeros else [])
     calls = ["build_tables 4", x_line, *tables,
              f"lut_gemm {len(weights) + 4}", *weights, *tables, f"y float32 2 {n} {m}",
-             f"lut_gemv {len(weights) + 4}", *weights, *tables, f"y1 float32 2 1 {m}"]
+             f"lut_gemv {len(weights) + 5}", _write(d, "x1", x[:1]), *weights, *tables1, f"y1 float32 2 1 {m}"]
     (tmp_path / "calls.txt").write_text("\n".join(calls) + "\n")
     r = subprocess.run(["qemu-aarch64", "-L", "/usr/aarch64-linux-gnu", harness, lib, d], capture_output=True,
                        text=True, timeout=120)

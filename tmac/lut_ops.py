@@ -52,8 +52,11 @@ def lut_linear(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, zer
     runtime.apply_threads()
     gemv = n == 1
     _, tables = _workspace(spec, 1 if gemv else spec.padded_rows(n))
-    kernels.build_tables(x, *tables)
-    (kernels.lut_gemv if gemv else kernels.lut_gemm)(*params, *tables, out)
+    if gemv:
+        kernels.lut_gemv(x, *params, *tables, out)
+    else:
+        kernels.build_tables(x, *tables)
+        kernels.lut_gemm(*params, *tables, out)
     if bias is not None:
         out.add_(bias)
     return out
