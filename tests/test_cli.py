@@ -212,8 +212,8 @@ def test_compile_for_a_model_gives_every_kernel_it_runs(tmp_path):
 
 def test_compile_for_a_ternary_model_covers_rows_sharing_a_scale(tmp_path):
     """A TQ2_0 file of a converted BitNet model (one scale repeated in every block) loads per row, as ternary
-    triples where the CPU has 64-entry lookups or a prefetching GEMV (2-bit planes elsewhere: ``uses_triples``):
-    `tmac compile --model` builds those kernels too, so running from its directory compiles nothing."""
+    triples where the CPU has 64-entry lookups (2-bit planes elsewhere: ``uses_triples``): `tmac compile --model`
+    builds those kernels too, so running from its directory compiles nothing."""
     from tmac.kernels import best_isa
     from tmac.models.llama import LlamaConfig
     from tmac.models.synthetic import write_random_gguf
@@ -225,7 +225,7 @@ def test_compile_for_a_ternary_model_covers_rows_sharing_a_scale(tmp_path):
     r = tmac("compile", "--model", model, "-o", str(tmp_path / "k"))
     assert r.returncode == 0, r.stderr
     specs = [e["spec"] for e in json.load(open(tmp_path / "k" / "manifest.json"))["kernels"]]
-    triples = best_isa().wide_lookup or best_isa().prefetch_bytes > 0
+    triples = best_isa().wide_lookup
     assert {(s["k"], s["group_size"], s["triples"]) for s in specs if "bits" in s and s["bits"] == 2} == {
         (768, 256, False), (1536, 256, False), (768, 768, triples), (1536, 1536, triples)}
     env = dict(os.environ, TMAC_KERNEL_DIR=str(tmp_path / "k"), TMAC_CACHE_DIR=str(tmp_path / "empty-cache"))

@@ -120,9 +120,8 @@ def test_tables_are_bit_exact(rng, isa):
 def test_triples_match_reference(rng, isa, m, k, group):
     """Ternary weights three to an index + sign: K = 3200 and 320 are padded to whole lut groups (3264, 384)."""
     qw = quantize_weight(rng.standard_normal((m, k)).astype(np.float32), ternary=True, group_size=group)
-    # the default for per-row/per-tensor ternary weights where there are quads or the GEMV prefetches (elsewhere
-    # 2-bit planes were faster)
-    assert spec_for(qw, ISAS[isa]).triples == (k != 320 and (ISAS[isa].wide_lookup or ISAS[isa].prefetch_bytes > 0))
+    # the default for per-row/per-tensor ternary weights where there are quads (elsewhere 2-bit planes are faster)
+    assert spec_for(qw, ISAS[isa]).triples == (k != 320 and ISAS[isa].wide_lookup)
     lw = LutWeight.from_quantized(qw, isa=isa, n_tile=2, triples=True)
     assert lw.spec.triples and lw.weights.shape[1:] == (ref.padded_k(k) // 24, 5 * lw.spec.block_rows)
     for n in (1, 3):

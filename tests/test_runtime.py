@@ -210,10 +210,10 @@ def test_tune_persists_and_later_kernels_use_it(tmp_path):
 
 def test_tune_covers_ternary_weights(tmp_path):
     """`tmac tune --ternary` times the kernels ternary weights take on this CPU (triples where it has 64-entry
-    lookups or a prefetching GEMV, 2-bit planes elsewhere: ``uses_triples``) and later ternary specs use the result."""
+    lookups, 2-bit planes elsewhere: ``uses_triples``) and later ternary specs use the result."""
     from tmac.kernels import best_isa
 
-    triples = best_isa().wide_lookup or best_isa().prefetch_bytes > 0
+    triples = best_isa().wide_lookup
     env, r, _, key, tiling = _tune(tmp_path, "--ternary", "--group-size", "tensor", "--k", "384")
     assert "ternary_gtensor" in r.stdout and ("_t3" in r.stderr) == triples  # which kernels were compiled and timed
     assert key.endswith("|b2|k384|g384|lg192|s|t3" if triples else "|b2|k384|g384|lg128|s")

@@ -31,7 +31,7 @@ Tables are ``LUT [N', K/4, 16]`` int8, their scales ``LS [N', K/LG]`` and activa
 float32, with N' = N rounded up to the kernel's row tile.
 
 *Triples* (``triples=True``; ternary weights with one scale per row, see ``tmac.reference``; the default on ISAs
-with quads or a prefetching GEMV, ``uses_triples``): K is padded to
+with quads, ``uses_triples``): K is padded to
 Kp (whole lut groups), and a *step* is 24 activations = 8 triples = 4 table pairs:
 
     W [MB, Kp/24, 5·BM]  uint8
@@ -409,15 +409,11 @@ def spec_for_format(fmt: WeightFormat, k: int, isa, **tiling) -> KernelSpec:
 
 def uses_triples(fmt: WeightFormat, k: int, isa) -> bool:
     """Ternary weights with one scale per row or tensor are packed as triples by default on ISAs with 64-entry
-    lookups (quads) and on those whose GEMV prefetches its weights (AVX2), unless padding K to whole lut groups
-    costs more than the triples save (small K). Without prefetch the triples' negation (a mask spread over the
-    lanes, or a k-register load and a masked subtract, per lookup) cost more than their 17 % fewer bytes saved:
-    2-bit planes decoded a 1B TQ2_0 model faster on AVX2 (55 -> 70 tok/s, 1 thread, Zen 4) and AVX-512 VNNI
-    without VBMI (69 -> 81), at par with VBMI quads (96 vs 95). With it, on a Zen 3 (1 thread, the two layouts in
-    turns in one process): cold GEMVs 2-20 % faster at 3200x8640, 8640x3200, 4096x11008, 11008x4096, at par at
-    4096x4096 (14 of 15 pairs faster); decode 1B TQ2_0 22.60 -> 20.71 ms a token, BitNet real shape 86.4 -> 82.5."""
-    return fmt.ternary and fmt.group_size in (PER_ROW, PER_TENSOR) and (isa.wide_lookup or isa.prefetch_bytes > 0) \
-        and padded_k(k) * 5 < k * 6
+    lookups (quads), unless padding K to whole lut groups costs more than the triples save (small K). Elsewhere
+    the triples' negation (a mask spread over the lanes, or a k-register load and a masked subtract, per lookup)
+    costs more than their 17 % fewer bytes save: 2-bit planes decode a 1B TQ2_0 model faster on AVX2 (55 -> 70
+    tok/s, 1 thread, Zen 4) and AVX-512 VNNI without VBMI (69 -> 81), at par with VBMI quads (96 vs 95)."""
+    return fmt.ternary and fmt.group_size in (PER_ROW, PER_TENSOR) and isa.wide_lookup and padded_k(k) * 5 < k * 6
 
 
 @dataclass(frozen=True)
