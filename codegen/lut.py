@@ -248,9 +248,11 @@ def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str, tables: bool = 
                                 T.buffer_store(out, y, [r * sb + i])
 
                         def groups(g0, gc):  # lut groups [g0, g0 + gc) of one K chunk
-                            def weights(step, start, lanes):  # bytes of the block's ``step`` (a global step index)
-                                row = chunk_row(blk, step, g0 * steps, gc * steps)
-                                return WF[vec(row * row_bytes + start, lanes)]
+                            def byte_at(step, start):  # flat index in W of the block's ``step`` (a global index)
+                                return chunk_row(blk, step, g0 * steps, gc * steps) * row_bytes + start
+
+                            def weights(step, start, lanes):
+                                return WF[vec(byte_at(step, start), lanes)]
 
                             def lut_group(g):  # the weights of lut group g: integer sums, then the float epilogue
                                 for (_, p, nv, _, _), acc in zip(chunks, accs):
@@ -268,8 +270,7 @@ def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str, tables: bool = 
                                                     vb = part * nv + v  # the vector in the block
                                                     start = base + off + vb * vl
                                                     if ahead and (base + off + v * vl) % 64 == 0:  # a line's first
-                                                        prefetch(WF, chunk_row(blk, step, g0 * steps, gc * steps) *
-                                                                 row_bytes + start + ahead)
+                                                        prefetch(WF, byte_at(step, start + ahead))
                                                     idx = nibbles(weights(step, start, vl), qp)
                                                     masks = [isa.lane_mask(weights(step, mask_start(j, vb, h), vl // 8))
                                                              for h in (0, 1)] if spec.triples else None
