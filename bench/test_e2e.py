@@ -6,8 +6,8 @@ the very same GGUF file when the optional `peer` extra is installed:
   prompt (long context: the KV cache read by attention grows with it); Q4_K, llama.cpp's usual 4-bit type (exact:
   4.625 bits a weight, its 6-bit multipliers as bytes, against the file's 4.5), Q4_K_M (Q4_K with a Q6_K head and
   some Q6_K attn_v/ffn_down, as llama.cpp mixes them; Q6_K exact at the file's 6.5625 bits) and Q5_K (exact, 5.625
-  against 5.5); ternary TQ2_0 and TQ1_0 (exact, head too: both as triples, 1.67 bits a weight, against the files'
-  2.06 and 1.69);
+  against 5.5); ternary TQ2_0 and TQ1_0 (exact, head too: both as triples, 1.67 bits a weight, where 64-entry
+  lookups make them pay — AVX-512 VBMI —, else as 2-bit planes; against the files' 2.06 and 1.69);
   Q2_K made by llama.cpp's own quantizer with `--pure` semantics: exact (3.125 bits against 2.625), and tmac W2 g128
   of the same weights;
 - the BitNet-3B projection shapes rounded to llama.cpp's 256-blocks (3328/8704, 26 layers), ternary TQ2_0;

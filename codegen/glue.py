@@ -20,6 +20,9 @@ F32 = "float32"
 # TVM keeps a scratch buffer smaller than this on the stack; a larger one comes from its workspace allocator, memory
 # LLVM cannot tell from the arguments, so an accumulator kept there is stored back on every loop iteration
 STACK_BYTES = 1024
+# query-key products (positions × heads × head_dim) from which attention's phases run in parallel: from position
+# 170 for SmolLM2's 9 heads of 64, 47 for the 1B shape's 32
+PARALLEL_ATTENTION_WORK = 96 * 1024
 
 
 def _sum_vectors(widest: int) -> int:
@@ -223,85 +226,96 @@ def attend_func(spec: GlueSpec, widest: int):
                                        [tirx.Ramp(key + d0 * blk, blk, lr) if lr > 1 else key + d0 * blk])
                 for at, n in spans:
                     T.buffer_store(CV, narrow(QKV[0, _vec((h + kv + kh) * hd + at, n)], n), [kh, pos, _vec(at, n)])
-            # the three phases below run in parallel over passes / heads, each task with its own scratch: one layer of
-            # the 1B shape at position 1000 takes 90 µs on one thread, 60 µs on two (a single parallel loop over kv
-            # heads doing all three phases ran at half that speed from the exported library, reason not found)
-            # a head's dimensions go round ``sets`` partial sums, as many as the registers hold: independent FMA
-            # chains hide the FMA latency (one chain per head left 1B's four heads a pass latency-bound: a layer at
-            # position 1000 103 -> 100 µs warm with 8 chains; 16 gain nothing more on AVX-512)
-            per_set = hq * max(blk // widest, 1)  # vectors of one set of the pass's partial scores
-            sets = next(n for n in (8, 4, 2, 1) if hd % n == 0 and (n == 1 or n * per_set <= _sum_vectors(widest)))
-            with T.parallel(0, kv * (group // hq)) as kp:  # scores, a block of positions at a time, a key read once
-                kh = kp // (group // hq)                   # per pass (for all the heads sharing it, in most models)
-                # a block's partial scores, a buffer a set (a buffer of all would outgrow the stack)
-                accs = [T.alloc_buffer((hq * blk,), F32, scope="global") for _ in range(sets)]
-                with T.serial(0, pos // blk + 1) as b:
-                    for acc in accs:
-                        for g in range(hq):
-                            T.buffer_store(acc, _bcast(_f(0.0), blk), [_vec(g * blk, blk)])
-                    with T.serial(0, hd // sets) as dd:
-                        for j, acc in enumerate(accs):
-                            d = dd * sets + j
-                            k_d = widen(CK[kh, b, d, _vec(0, blk)], blk)
+            def phases(loop):
+                # three phases over passes / heads (``loop``: in parallel or not), each task with its own scratch: one
+                # layer of the 1B shape at position 1000 takes 90 µs on one thread, 60 µs on two (a single parallel
+                # loop over kv heads doing all three phases ran at half that speed from the exported library, reason
+                # not found)
+                # a head's dimensions go round ``sets`` partial sums, as many as the registers hold: independent FMA
+                # chains hide the FMA latency (one chain per head left 1B's four heads a pass latency-bound: a layer at
+                # position 1000 103 -> 100 µs warm with 8 chains; 16 gain nothing more on AVX-512)
+                per_set = hq * max(blk // widest, 1)  # vectors of one set of the pass's partial scores
+                sets = next(n for n in (8, 4, 2, 1) if hd % n == 0 and (n == 1 or n * per_set <= _sum_vectors(widest)))
+                with loop(0, kv * (group // hq)) as kp:  # scores, a block of positions at a time, a key read once
+                    kh = kp // (group // hq)               # per pass (for all the heads sharing it, in most models)
+                    # a block's partial scores, a buffer a set (a buffer of all would outgrow the stack)
+                    accs = [T.alloc_buffer((hq * blk,), F32, scope="global") for _ in range(sets)]
+                    with T.serial(0, pos // blk + 1) as b:
+                        for acc in accs:
                             for g in range(hq):
-                                qd = _bcast(q[0, (kp * hq + g) * hd + d], blk)
-                                a = _vec(g * blk, blk)
-                                T.buffer_store(acc, acc[a] + qd * k_d, [a])
-                    for g in range(hq):  # the block's positions past ``pos`` get scores nobody reads
-                        total = accs[0][_vec(g * blk, blk)]
-                        for acc in accs[1:]:
-                            total = total + acc[_vec(g * blk, blk)]
-                        T.buffer_store(SC, total, [kp * hq + g, _vec(b * blk, blk)])
-            sl = widest  # softmax: whole vectors of the positions, then the rest one by one
-            with T.parallel(0, h) as head:
-                stat = T.alloc_buffer((2,), F32, scope="global")  # running max, then the sum of exponentials
-                n_t = pos + 1
-                whole = n_t // sl * sl
+                                T.buffer_store(acc, _bcast(_f(0.0), blk), [_vec(g * blk, blk)])
+                        with T.serial(0, hd // sets) as dd:
+                            for j, acc in enumerate(accs):
+                                d = dd * sets + j
+                                k_d = widen(CK[kh, b, d, _vec(0, blk)], blk)
+                                for g in range(hq):
+                                    qd = _bcast(q[0, (kp * hq + g) * hd + d], blk)
+                                    a = _vec(g * blk, blk)
+                                    T.buffer_store(acc, acc[a] + qd * k_d, [a])
+                        for g in range(hq):  # the block's positions past ``pos`` get scores nobody reads
+                            total = accs[0][_vec(g * blk, blk)]
+                            for acc in accs[1:]:
+                                total = total + acc[_vec(g * blk, blk)]
+                            T.buffer_store(SC, total, [kp * hq + g, _vec(b * blk, blk)])
+                sl = widest  # softmax: whole vectors of the positions, then the rest one by one
+                with loop(0, h) as head:
+                    stat = T.alloc_buffer((2,), F32, scope="global")  # running max, then the sum of exponentials
+                    n_t = pos + 1
+                    whole = n_t // sl * sl
 
-                def exponentiated(at):  # e^(s − max) stored in place, and read back for the sum
-                    T.buffer_store(SC, _exp(SC[head, at] - _bcast(stat[0], sl), sl), [head, at])
-                    return SC[head, at]
+                    def exponentiated(at):  # e^(s − max) stored in place, and read back for the sum
+                        T.buffer_store(SC, _exp(SC[head, at] - _bcast(stat[0], sl), sl), [head, at])
+                        return SC[head, at]
 
-                T.buffer_store(stat, _lane_fold(T, n_t, sl, tirx.max, lambda at: SC[head, at], -3.0e38), [0])
-                with T.serial(whole, n_t) as t:
-                    T.buffer_store(stat, tirx.max(stat[0], SC[head, t]), [0])
-                T.buffer_store(stat, _lane_fold(T, n_t, sl, lambda a, b: a + b, exponentiated), [1])
-                with T.serial(whole, n_t) as t:
-                    T.buffer_store(SC, _exp(SC[head, t] - stat[0], 1), [head, t])
-                    T.buffer_store(stat, stat[1] + SC[head, t], [1])
-                with T.serial(0, n_t // sl) as c:
-                    at = _vec(c * sl, sl)
-                    T.buffer_store(SC, SC[head, at] / _bcast(stat[1], sl), [head, at])
-                with T.serial(whole, n_t) as t:
-                    T.buffer_store(SC, SC[head, t] / stat[1], [head, t])
-            # values: a cached value is read once per pass, summed in scratch vectors for the pass's heads (stores
-            # to ``out`` inside the loop would stay there: LLVM cannot tell ``out`` from the caches)
-            slots = {at: (n, [m for _, m in spans[:i]].count(n)) for i, (at, n) in enumerate(spans)}  # width, index
-            widths = {n: [m for _, m in spans].count(n) for _, n in spans}  # vectors of each width in a head
-            with T.parallel(0, kv * (group // hv)) as vp:
-                kh = vp // (group // hv)
-                # a head's sums of each width in a buffer of their own, on the stack (``STACK_BYTES``)
-                sums = {(g, n): T.alloc_buffer((count * n,), F32, scope="global")
-                        for g in range(hv) for n, count in widths.items()}
+                    T.buffer_store(stat, _lane_fold(T, n_t, sl, tirx.max, lambda at: SC[head, at], -3.0e38), [0])
+                    with T.serial(whole, n_t) as t:
+                        T.buffer_store(stat, tirx.max(stat[0], SC[head, t]), [0])
+                    T.buffer_store(stat, _lane_fold(T, n_t, sl, lambda a, b: a + b, exponentiated), [1])
+                    with T.serial(whole, n_t) as t:
+                        T.buffer_store(SC, _exp(SC[head, t] - stat[0], 1), [head, t])
+                        T.buffer_store(stat, stat[1] + SC[head, t], [1])
+                    with T.serial(0, n_t // sl) as c:
+                        at = _vec(c * sl, sl)
+                        T.buffer_store(SC, SC[head, at] / _bcast(stat[1], sl), [head, at])
+                    with T.serial(whole, n_t) as t:
+                        T.buffer_store(SC, SC[head, t] / stat[1], [head, t])
+                # values: a cached value is read once per pass, summed in scratch vectors for the pass's heads (stores
+                # to ``out`` inside the loop would stay there: LLVM cannot tell ``out`` from the caches)
+                slots = {at: (n, [m for _, m in spans[:i]].count(n)) for i, (at, n) in enumerate(spans)}  # width, index
+                widths = {n: [m for _, m in spans].count(n) for _, n in spans}  # vectors of each width in a head
+                with loop(0, kv * (group // hv)) as vp:
+                    kh = vp // (group // hv)
+                    # a head's sums of each width in a buffer of their own, on the stack (``STACK_BYTES``)
+                    sums = {(g, n): T.alloc_buffer((count * n,), F32, scope="global")
+                            for g in range(hv) for n, count in widths.items()}
 
-                def summed(g, at):
-                    n, j = slots[at]
-                    return sums[g, n], _vec(j * n, n)
+                    def summed(g, at):
+                        n, j = slots[at]
+                        return sums[g, n], _vec(j * n, n)
 
-                for g in range(hv):
-                    for at, n in spans:
-                        buf, i = summed(g, at)
-                        T.buffer_store(buf, _bcast(_f(0.0), n), [i])
-                with T.serial(0, pos + 1) as t:
-                    for at, n in spans:
-                        v = widen(CV[kh, t, _vec(at, n)], n)
-                        for g in range(hv):
+                    for g in range(hv):
+                        for at, n in spans:
                             buf, i = summed(g, at)
-                            T.buffer_store(buf, buf[i] + _bcast(SC[vp * hv + g, t], n) * v, [i])
-                for g in range(hv):
-                    for at, n in spans:
-                        buf, i = summed(g, at)
-                        T.buffer_store(OUT, buf[i], [0, _vec((vp * hv + g) * hd + at, n)])
+                            T.buffer_store(buf, _bcast(_f(0.0), n), [i])
+                    with T.serial(0, pos + 1) as t:
+                        for at, n in spans:
+                            v = widen(CV[kh, t, _vec(at, n)], n)
+                            for g in range(hv):
+                                buf, i = summed(g, at)
+                                T.buffer_store(buf, buf[i] + _bcast(SC[vp * hv + g, t], n) * v, [i])
+                    for g in range(hv):
+                        for at, n in spans:
+                            buf, i = summed(g, at)
+                            T.buffer_store(OUT, buf[i], [0, _vec((vp * hv + g) * hd + at, n)])
+
+            # a parallel launch costs more than it saves over a short context (SmolLM2, 3 kv heads, warm, 2 threads
+            # against 1: 4.5 against 2.3 µs at position 8, par at 128, 1.12x from 512; 1B, 8 kv heads: 0.66x at 8,
+            # 1.2x at 64, 1.4x at 1000): the phases run serially until the scores cover PARALLEL_ATTENTION_WORK
+            with T.If((pos + 1) * (h * hd) >= PARALLEL_ATTENTION_WORK):
+                with T.Then():
+                    phases(T.parallel)
+                with T.Else():
+                    phases(T.serial)
     return ib.get()
 
 

@@ -11,6 +11,7 @@ import transformers
 import tmac
 from conftest import rel_l2, runnable_isas
 from tmac import runtime
+from tmac.codegen.glue import PARALLEL_ATTENTION_WORK
 from tmac.glue import GlueSpec
 from tmac.kernels import isa_by_name
 from tmac.models.decode import DecodePlan
@@ -129,20 +130,22 @@ def _keys_of_blocks(blocks, n):
 def test_attend_matches_its_math(isa, heads, kv_dtype, rng):
     h, kv, hd = heads
     _, g = _glue(isa, n_heads=h, n_kv_heads=kv, head_dim=hd, kv_dtype=kv_dtype)
-    ctx = 40  # keys score in blocks of 16 positions; the softmax runs over whole vectors (4, 8 or 16 lanes)
+    parallel = -(-PARALLEL_ATTENTION_WORK // (h * hd)) - 1  # the first position attended in parallel
+    ctx = parallel + 9  # keys score in blocks of 16 positions; the softmax runs over whole vectors (4, 8 or 16 lanes)
+    cached = -(-ctx // 16) * 16  # the positions of whole key blocks
     angles = rng.uniform(0, 6, (ctx, 1, hd // 2))
     cos = np.cos(np.concatenate([angles, angles], -1)).astype(np.float32)
     sin = np.sin(np.concatenate([angles, angles], -1)).astype(np.float32)
-    for pos in (0, 5, 15, 16, 31, 32, ctx - 1):
+    for pos in (0, 5, 15, 16, 31, 32, 39, parallel - 1, parallel, ctx - 1):  # serially, then in parallel
         qkv = rng.standard_normal((1, (h + 2 * kv) * hd)).astype(np.float32)
-        ck, cv = rng.standard_normal((2, kv, 48, hd)).astype(kv_dtype)  # 40 positions in 3 blocks
+        ck, cv = rng.standard_normal((2, kv, cached, hd)).astype(kv_dtype)
         ref, ref_k, ref_v = _attend_ref(qkv, cos, sin, ck, cv, pos, h, kv, hd)
         tk, tv, out = torch.from_numpy(_key_blocks(ck)), torch.from_numpy(cv.copy()), torch.zeros(1, h * hd)
-        g.attend(torch.from_numpy(qkv), torch.from_numpy(cos), torch.from_numpy(sin), tk, tv, torch.zeros(h, 48),
-                 pos, out)
+        g.attend(torch.from_numpy(qkv), torch.from_numpy(cos), torch.from_numpy(sin), tk, tv,
+                 torch.zeros(h, cached), pos, out)
         # float16: the kernel rounds its float32 rotation, the reference its float64 one: one unit apart at most
-        np.testing.assert_allclose(_keys_of_blocks(tk.numpy(), 48), ref_k, rtol=1e-3 if kv_dtype == "float16" else
-                                   1e-5, atol=1e-6)
+        np.testing.assert_allclose(_keys_of_blocks(tk.numpy(), cached), ref_k,
+                                   rtol=1e-3 if kv_dtype == "float16" else 1e-5, atol=1e-6)
         np.testing.assert_array_equal(tv.numpy(), ref_v)
         np.testing.assert_allclose(out.numpy(), ref, rtol=1e-4, atol=1e-5)
 
