@@ -147,13 +147,17 @@ class KernelSpec:
             # up to 8 table pairs and 32 weight vectors per unrolled body: 8 pairs beat 4 by 5-17 % on cold 2-bit
             # GEMVs here (16384x2048, 2048x8192) and never lose; with 8 vectors a pair (W4 at 128 rows) 4 pairs beat 8
             # (4096x11008 976 vs 1153 us, 8640x3200 608 vs 658)
-            # On 32-byte vectors (AVX2: 16 registers) a lut group of 8 steps is not unrolled whole: the body and the
-            # epilogue then share one basic block, whose schedule spills (W2 g64: 78 stack moves a lut group, none
-            # in the loop of 4); cold 3200x8640 on a Zen 3, 1 thread: W2 g64 680-717 -> 468-471 us, W1 g64 380 ->
-            # 306; W3, W4 g64 within 2 %, groups of 32 and 128 (loops of 4 steps, or of 8 twice) unchanged
+            # On 32-byte vectors (AVX2: 16 registers) a lut group of 4 or more steps is not unrolled whole: the body
+            # and the epilogue then share one basic block, whose schedule spills (W2 g64: 78 stack moves a lut group,
+            # none in the loop of 4; the W4 g32 GEMM's loop 156 vector stack moves against 71 in a loop of 2 steps);
+            # on a Zen 3, 1 thread: cold GEMVs 3200x8640 W2 g64 680-717 -> 468-471 us, W1 g64 380 -> 306 (W3, W4 g64
+            # within 2 %); 64-row GEMMs of lut groups of 32 (4 steps) 10-32 % faster in a loop of 2 (W4 g32 2048x8192
+            # 33.6 -> 23.2 ms, 16384x2048 54.6 -> 37.2, Q4_0's symmetric W4 8192x2048 21.3 -> 17.9, 8-bit 8192x576
+            # 11.9 -> 10.1, W3 g32 22.0 -> 19.8) with their cold GEMVs at par (W4 g32 3072x576 and 16384x2048, W3
+            # 4096x4096) or 2-3 % faster (8-bit 49152x576)
             vectors = self.step_vectors(self.block_rows)
             fits = [u for u in self.unrolls() if u * vectors <= 32
-                    and not (sixteen_registers and u == steps and steps >= 8)]
+                    and not (sixteen_registers and u == steps and steps >= 4)]
             object.__setattr__(self, "unroll", fits[0] if fits else 1)
         if self.k_chunk == 0 and steps:
             object.__setattr__(self, "k_chunk", self._default_k_chunk())
