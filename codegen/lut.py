@@ -128,13 +128,14 @@ def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str, tables: bool = 
     ahead = isa.prefetch_bytes if n_tile == 1 else 0
     f32 = "float32"
     lut_groups_per_wg = wg // lg
-    # a tile's accumulators (vectors × activation rows) must stay in registers: with more than a quarter of them (8
-    # of 32; 4 of AVX2's 16) the block's rows are done in parts (4096x4096 W2 quads at 128 rows, 16 rows of
-    # activations: 1.80 -> 1.17 ms in two parts), each with its own float sums (a block's would outgrow TVM's stack
-    # scratch: W4 GEMM 20 % slower)
-    accumulators = 4 if vl == 32 else 8
+    # a tile's accumulators (vectors × activation rows) must stay in registers: with more than
+    # ``isa.gemm_accumulators`` the block's rows are done in parts (4096x4096 W2 quads at 128 rows, 16 rows of
+    # activations: 1.80 -> 1.17 ms in two parts; AVX2 W2 g64 3200x8640, 64 rows: 24.7 ms in one part of 64 rows,
+    # 20.7 in blocks of 32), each with its own float sums (a block's would outgrow TVM's stack scratch: W4 GEMM
+    # 20 % slower)
     parts = 1
-    while sum(bm * p // vl for _, p in spec.chunks) * n_tile > accumulators * parts and bm // (2 * parts) % vl == 0:
+    while sum(bm * p // vl for _, p in spec.chunks) * n_tile > isa.gemm_accumulators * parts \
+            and bm // (2 * parts) % vl == 0:
         parts *= 2
     sb = bm // parts  # rows of a part
     # (first plane, planes, vectors in a part, byte offset of the chunk, rows per vector)

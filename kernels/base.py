@@ -15,6 +15,9 @@ class Isa:
     description: str = ""
     wide_lookup: bool = False  # has ``lookup64`` (1- to 3-bit weights and triples then use quads)
     prefetch_bytes: int = 0  # the GEMV prefetches its weight stream this far ahead (0: the hardware's prefetch only)
+    # accumulator vectors a GEMM tile keeps before a block's rows are done in parts: a quarter of the registers
+    # (AVX2's 16: 4)
+    gemm_accumulators: int = 8
 
     def acc_dtype(self, planes: int, steps: int) -> str:
         """The accumulator vector type of ``accumulate`` over a lut group of ``steps`` steps."""

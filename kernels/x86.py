@@ -129,6 +129,8 @@ AVX512 = X86Isa("avx512", "x86_64", 64, frozenset({"avx2", "avx512bw"}),
 # 1536x576 60 -> 50-54, 11008x4096 2830-3235 -> 2664-3087; 2 threads W2 -8 %, ternary -15 %, W4 at par; 2 and
 # 8 KiB alike). Without it the hardware prefetcher kept 60-85 % of the read probe's bandwidth.
 AVX2_VNNI = X86Isa("avx2_vnni", "x86_64", 32, frozenset({"avx2", "avxvnni"}),
-                   _target("alderlake"), "AVX2 + AVX-VNNI: vpshufb ymm, vpdpbusd ymm", prefetch_bytes=4096, vnni=True)
+                   _target("alderlake"), "AVX2 + AVX-VNNI: vpshufb ymm, vpdpbusd ymm", prefetch_bytes=4096,
+                   gemm_accumulators=4, vnni=True)
 AVX2 = X86Isa("avx2", "x86_64", 32, frozenset({"avx2"}),
-              _target("haswell"), "AVX2: vpshufb ymm, vpmaddubsw/vpmaddwd", prefetch_bytes=4096)
+              _target("haswell"), "AVX2: vpshufb ymm, vpmaddubsw/vpmaddwd", prefetch_bytes=4096,
+              gemm_accumulators=4)

@@ -223,8 +223,8 @@ class KernelSpec:
         4096x4096 981 -> 958, ternary 3200x8640 660 -> 629, 8-bit 49152x576 3381 -> 3245; 2 threads: W2 4096x4096
         317 -> 308). (The GEMM loses 1-3 % with chunks: W1 16 rows 4096x4096 0.714 -> 0.727 ms.)"""
         unit, kp = self.chunk_unit, self.k_padded
-        if self.vector_bytes == 32 or not (self.triples or self.bits == 1 or self.vector_bytes < 64) or unit <= 0 \
-                or kp % unit:
+        chunked = self.vector_bytes == 16 or self.vector_bytes == 64 and (self.triples or self.bits == 1)
+        if not chunked or unit <= 0 or kp % unit:
             return kp  # (invalid specs: the checks that follow say why)
         w_shape, s_shape = packed_shapes(self, self.block_rows)
         per_activation = (np.prod(w_shape) + 2 * np.prod(s_shape)) / kp + (16 / 3 if self.triples else 4)
