@@ -112,10 +112,11 @@ class KernelSpec:
     lut_group: int  # activations per table scale; divides group_size
     has_zeros: bool
     block_rows: int = 0  # 0: the default for this ISA and bit width
-    # activation rows sharing each weight load in the GEMM kernel: at 4 the accumulators and tables of a tile outgrow
-    # the 32 vector registers; 16 rows at 4096x4096 on an AMD EPYC: W2 1.78 ms at 2, 2.26 at 4, looped GEMV 2.37;
-    # W4 2.57 / 3.58 / 2.96 (1B Q4_0 prefill 63 -> 83 tok/s)
-    n_tile: int = 2
+    # activation rows sharing each weight load in the GEMM kernel; 0: the default, 2 (at 4 the accumulators and tables
+    # of a tile outgrow the 32 vector registers; 16 rows at 4096x4096 on an AMD EPYC: W2 1.78 ms at 2, 2.26 at 4,
+    # looped GEMV 2.37; W4 2.57 / 3.58 / 2.96: 1B Q4_0 prefill 63 -> 83 tok/s), but 4 for W1 on 32-byte vectors
+    # (below)
+    n_tile: int = 0
     unroll: int = 0  # table pairs unrolled in the inner loop; 0: the default (the most of 8, 4, 2, 1 that fits)
     scale_dtype: str = "float32"  # storage of S and Z: the format's (tmac.formats.PARAM_DTYPES); super scales'
     zero_dtype: str = "float32"  # with super_groups (one dtype for both)
@@ -142,6 +143,13 @@ class KernelSpec:
             # 290 -> 261
             narrower = 2 if sixteen_registers and self.chunks == ((0, 1),) else 1
             object.__setattr__(self, "block_rows", wider * rows // narrower)
+        if self.n_tile == 0:
+            # AVX2's W1 GEMM splits a tile's block into parts of one accumulator vector a row (gemm_accumulators), so
+            # a part's weight vector serves 4 activation rows where 2 left it half used; 64 rows on a Zen 3, 1 thread:
+            # 3200x8640 g64 14.6 -> 12.3 ms, 2048x8192 g128 9.3 -> 8.8, 4096x4096 9.3 -> 8.8 (256 rows of 8192x2048
+            # 31.6 -> 25.6)
+            one_bit = self.bits == 1 and not self.triples
+            object.__setattr__(self, "n_tile", 4 if sixteen_registers and one_bit else 2)
         steps = self.steps_per_lut_group
         if self.unroll == 0 and steps:
             # up to 8 table pairs and 32 weight vectors per unrolled body: 8 pairs beat 4 by 5-17 % on cold 2-bit
