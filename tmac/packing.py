@@ -148,8 +148,7 @@ class KernelSpec:
             # a part's weight vector serves 4 activation rows where 2 left it half used; 64 rows on a Zen 3, 1 thread:
             # 3200x8640 g64 14.6 -> 12.3 ms, 2048x8192 g128 9.3 -> 8.8, 4096x4096 9.3 -> 8.8 (256 rows of 8192x2048
             # 31.6 -> 25.6)
-            one_bit = self.bits == 1 and not self.triples
-            object.__setattr__(self, "n_tile", 4 if sixteen_registers and one_bit else 2)
+            object.__setattr__(self, "n_tile", 4 if sixteen_registers and self.bits == 1 else 2)
         steps = self.steps_per_lut_group
         if self.unroll == 0 and steps:
             # up to 8 table pairs and 32 weight vectors per unrolled body: 8 pairs beat 4 by 5-17 % on cold 2-bit
