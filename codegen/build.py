@@ -1,30 +1,11 @@
-"""Compile a ``KernelSpec`` for an ISA into a shared library (cross-linking for arm64 on an x86 host)."""
+"""Compile a ``KernelSpec`` for an ISA into a shared library (linked by ``link.find_linker``)."""
 
 from __future__ import annotations
 
-import shutil
-
-from tmac.cpu import machine_arch
 from tmac.glue import GlueSpec
 from tmac.packing import KernelSpec
 
-# the glue calls libm (expf); TVM puts options before the objects, where --as-needed would drop a plain -lm
-LINK_LIBM = ["-Wl,--no-as-needed", "-lm"]
-CROSS_LINKERS = {"arm64": ("aarch64-linux-gnu-gcc", "gcc-aarch64-linux-gnu"),
-                 "x86_64": ("x86_64-linux-gnu-gcc", "gcc-x86-64-linux-gnu")}
-
-
-def linker_for(arch: str) -> str | None:
-    """The C compiler that links a library for ``arch`` (None: the host's default)."""
-    if arch == machine_arch():
-        return None
-    if arch not in CROSS_LINKERS:
-        raise ValueError(f"unsupported target architecture {arch!r}; supported: {sorted(CROSS_LINKERS)}")
-    cc, package = CROSS_LINKERS[arch]
-    if shutil.which(cc) is None:
-        raise RuntimeError(f"cross-compiling for {arch} needs {cc}: install the Debian package {package} "
-                           f"(apt-get install {package})")
-    return cc
+from .link import LINK_OPTIONS, find_linker
 
 
 def compile_kernel(spec: KernelSpec | GlueSpec, isa):
@@ -41,9 +22,5 @@ def compile_kernel(spec: KernelSpec | GlueSpec, isa):
 
 def build_library(spec: KernelSpec, isa, path: str) -> None:
     """Write the shared library of ``spec`` to ``path``."""
-    cc = linker_for(isa.arch)
-    executable = compile_kernel(spec, isa)
-    if cc is None:
-        executable.export_library(path, options=LINK_LIBM)
-    else:
-        executable.export_library(path, cc=cc, options=LINK_LIBM)
+    linker = find_linker(isa.arch)  # before compiling: a missing linker fails at once
+    compile_kernel(spec, isa).export_library(path, fcompile=linker.fcompile(), options=LINK_OPTIONS)

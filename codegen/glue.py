@@ -8,8 +8,7 @@ run in vector lanes and are folded once at the end.
 
 from __future__ import annotations
 
-from tmac.embedding import SLOT
-from tmac.formats import code_offset
+from tmac.formats import STORAGE_BITS, code_offset
 from tmac.glue import KV_BLOCK, GlueSpec
 
 from .tir import arg, prim_func
@@ -346,7 +345,7 @@ def embed_func(spec: GlueSpec):
     from tvm.script.ir_builder import tirx as T
 
     d, bits, groups = spec.dim, spec.embed_bits, spec.embed_groups
-    slot = SLOT[bits]
+    slot = STORAGE_BITS[bits]
     per_byte, mask, offset = 8 // slot, (1 << slot) - 1, code_offset(bits)
     with prim_func("embed") as ib:
         vocab = T.int32()

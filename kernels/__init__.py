@@ -27,16 +27,20 @@ from .x86 import AVX2, AVX2_VNNI, AVX512, AVX512_VBMI, AVX512_VNNI
 ISAS: dict[str, Isa] = {i.name: i for i in (AVX512_VBMI, AVX512_VNNI, AVX512, AVX2_VNNI, AVX2, GENERIC_X86,
                                             NEON_DOTPROD, NEON, GENERIC_ARM64)}
 
-# the names `tmac compile --isa` accepts → the best variant of that family a machine could have
-ISA_CHOICES = {"avx512": "avx512_vnni", "avx512-vbmi": "avx512_vbmi", "avx2": "avx2", "avx2-vnni": "avx2_vnni",
-               "neon": "neon", "neon-dotprod": "neon_dotprod", "generic": None}
+# what kernels for another architecture target when no ISA is named: a Raspberry Pi 5 (Cortex-A76) has dotprod;
+# AVX2 runs on every x86-64 CPU of the last decade
+DEFAULT_ISA = {"arm64": "neon_dotprod", "x86_64": "avx2"}
 
 
-def isa_by_name(name: str) -> Isa:
+def isa_by_name(name: str, arch: str | None = None) -> Isa:
+    """The ISA named ``name`` as ``tmac info`` prints it (``-`` for ``_`` accepted); ``generic``: ``arch``'s."""
+    key = name.strip().lower().replace("-", "_")
+    if key == "generic":
+        key = {i.arch: n for n, i in ISAS.items() if n.startswith("generic")}[arch or machine_arch()]
     try:
-        return ISAS[name]
+        return ISAS[key]
     except KeyError:
-        raise ValueError(f"unknown ISA {name!r}; known: {sorted(ISAS)}") from None
+        raise ValueError(f"unknown ISA {name!r}; known: {', '.join(ISAS)}, generic") from None
 
 
 def best_isa(arch: str | None = None, features: frozenset[str] | None = None) -> Isa:

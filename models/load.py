@@ -17,7 +17,7 @@ from torch import nn
 from tmac.embedding import Embedding
 from tmac.errors import ModelFormatError
 from tmac.float_linear import FloatLinear, exact_16bit, exactly_in
-from tmac.formats import Q8_0_LAYOUT, check_bits, check_group_size, default_group_size
+from tmac.formats import BITS, Q8_0_LAYOUT, check_bits, check_group_size, default_group_size
 from tmac.glue import check_kv_dtype
 from tmac.linear import Linear
 from tmac.memory import gather_packed, release_freed_memory
@@ -58,7 +58,7 @@ def load_model(source: str | os.PathLike | None = None, *, bits: int | None = No
     stays float in a float model and goes to 8 bits in Q8_0's layout in a quantized one (requantized, or a BitNet
     checkpoint's ternary layers beside a bfloat16 head): near-lossless, where a float32 head would be most of a
     low-bit model's bytes per token.
-    ``head_bits`` says otherwise: 1-4 or 8 bits as the projections, ``"float"`` unquantized (float32, or 16-bit
+    ``head_bits`` says otherwise: bits as the projections (``formats.BITS``), ``"float"`` unquantized (float32, or 16-bit
     as a 16-bit file stores it).
     ``context``: KV cache positions (default: the model's, at most 4096); ``kv_dtype``: the cache's,
     ``"float16"`` (as llama.cpp; half the bytes attention reads per token) or ``"float32"``.
@@ -67,7 +67,8 @@ def load_model(source: str | os.PathLike | None = None, *, bits: int | None = No
         check_bits(bits)
     if head_bits not in (None, "float"):
         if isinstance(head_bits, str):
-            raise ValueError(f"head_bits must be bits (1-4, 8), 'float' or None, got {head_bits!r}")
+            raise ValueError(f"head_bits must be bits ({', '.join(map(str, BITS))}), 'float' or None, got "
+                             f"{head_bits!r}")
         check_bits(head_bits)
     if group_size is not None:
         check_group_size(group_size)

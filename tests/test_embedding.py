@@ -30,6 +30,24 @@ def test_rows_are_the_dequantized_table(rng, bits, group, symmetric):
     assert emb.codes.numel() == expected_bytes
 
 
+@pytest.mark.parametrize("type_name", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "Q8_0"])
+def test_k_quant_tables_are_gguf_rows(rng, type_name):
+    """llama.cpp's mixes (Q4_K_M and the like) store the token table as Q6_K or another K-quant: its rows, looked up
+    from the exact import, are the GGUF spec's dequantized rows (the gguf package's reference)."""
+    from tmac.models.synthetic import k_quant_blocks
+
+    shape = (40, 256)
+    if type_name.endswith("_K"):
+        blocks = k_quant_blocks(rng, *shape, type_name)
+    else:
+        blocks = gguf.quants.quantize(rng.standard_normal(shape).astype(np.float32),
+                                      gguf.GGMLQuantizationType[type_name])
+    emb = tmac.Embedding(import_gguf(blocks, type_name, shape))
+    want = dequantize(blocks, gguf.GGMLQuantizationType[type_name]).reshape(shape)
+    got = emb(torch.arange(shape[0])).numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+
+
 def test_smollm2_q8_0_table_is_bit_exact():
     reader = gguf.GGUFReader(smollm2_path())
     (t,) = [t for t in reader.tensors if t.name == "token_embd.weight"]

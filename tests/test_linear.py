@@ -285,11 +285,10 @@ def test_quantize_model_swaps_exactly_the_eligible_layers():
     m2 = tmac.quantize_model(_Tiny(), bits=2, group_size="row", skip=["up", "lm_*"])
     assert {name: type(getattr(m2, name)) for name in kinds} == kinds
     m3 = tmac.quantize_model(_Tiny(), bits=2, group_size=32, skip=lambda name, mod: mod.out_features == 64)
-    # a given skip replaces the default one, so lm_head is quantized here
-    assert {name: type(getattr(m3, name)) for name in kinds} == {**kinds, "up": Linear, "down": nn.Linear,
-                                                                 "lm_head": Linear}
-    m4 = tmac.quantize_model(_Tiny(), bits=2, group_size=32, skip=None)
-    assert type(m4.lm_head) is Linear
+    # a given skip adds to the head's: lm_head stays float unless quantize_head says otherwise
+    assert {name: type(getattr(m3, name)) for name in kinds} == {**kinds, "up": Linear, "down": nn.Linear}
+    m4 = tmac.quantize_model(_Tiny(), bits=2, group_size=32, skip=["odd"], quantize_head=True)
+    assert type(m4.lm_head) is Linear and type(m4.up) is Linear
 
 
 def test_save_and_load_without_pickle(tmp_path):

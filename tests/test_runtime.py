@@ -134,13 +134,54 @@ def test_kernel_dir_with_tampered_library_is_refused(tmp_path):
     subprocess.run([sys.executable, "-m", "tmac.cli", "compile", "--bits", "2", "--group-size", "64", "--shape",
                     "8x128", "-o", str(out)], check=True, capture_output=True, timeout=600)
     (lib,) = out.glob("*.so")
-    lib.write_bytes(lib.read_bytes()[:-10])
+    good = lib.read_bytes()
     qw = quantize_weight(np.ones((8, 128), np.float32), bits=2, group_size=64)
+    lib.write_bytes(good[:-10])
+    with pytest.raises(tmac.KernelUnavailableError, match="manifest says"):  # its size, before reading it whole
+        LutWeight.from_quantized(qw, kernel_dir=str(out)).matmul(torch.ones(1, 128))
+    lib.write_bytes(good[:-10] + b"tampered!!")
     with pytest.raises(tmac.KernelUnavailableError, match="sha256"):
+        LutWeight.from_quantized(qw, kernel_dir=str(out)).matmul(torch.ones(1, 128))
+    # a library for another machine, listed with its true hash and size, is refused before loading
+    manifest = json.load(open(out / "manifest.json"))
+    (entry,) = manifest["kernels"]
+    lib.write_bytes(good[:18] + (183).to_bytes(2, "little") + good[20:])  # EM_AARCH64
+    entry.update(sha256=runtime.sha256(str(lib)), bytes=len(good))
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(tmac.KernelUnavailableError, match=f"not a shared object for {best_isa().arch}"):
         LutWeight.from_quantized(qw, kernel_dir=str(out)).matmul(torch.ones(1, 128))
     (out / "manifest.json").write_text('{"kernels": [{"name": ')  # a damaged manifest is refused, not guessed at
     with pytest.raises(tmac.KernelUnavailableError, match="manifest.json"):
         LutWeight.from_quantized(qw, kernel_dir=str(out)).matmul(torch.ones(1, 128))
+
+
+def test_kernel_dir_for_another_arch_warns_once_naming_both(tmp_path, recwarn):
+    out = tmp_path / "arm64-kernels"
+    subprocess.run([sys.executable, "-m", "tmac.cli", "compile", "--arch", "arm64", "--bits", "2", "--group-size",
+                    "64", "--shape", "8x128", "-o", str(out)], check=True, capture_output=True, timeout=600)
+    qw = quantize_weight(np.ones((8, 128), np.float32), bits=2, group_size=64)
+    for _ in range(2):
+        LutWeight.from_quantized(qw, kernel_dir=str(out)).matmul(torch.ones(1, 128))  # compiled for this machine
+    isa = best_isa()
+    (warning,) = [w for w in recwarn if str(out) in str(w.message)]
+    assert f"arm64/neon_dotprod" in str(warning.message) and f"{isa.arch}/{isa.name}" in str(warning.message)
+
+
+def test_no_linker_is_one_clear_message(tmp_path, monkeypatch):
+    import importlib.util
+
+    from tmac.codegen import link
+
+    monkeypatch.delenv("TMAC_CC", raising=False)
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(link.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "ziglang" else real_find_spec(name, *a))
+    for arch, package in (("arm64", "gcc-aarch64-linux-gnu"), (best_isa().arch, "a C compiler")):
+        with pytest.raises(link.LinkerUnavailableError, match=f"pip install ziglang.*{package}"):
+            link.find_linker(arch, path=str(tmp_path))
+    monkeypatch.setenv("TMAC_CC", "no-such-cc -target x")
+    with pytest.raises(link.LinkerUnavailableError, match="TMAC_CC"):
+        link.find_linker("arm64", path=str(tmp_path))
 
 
 def test_threads():

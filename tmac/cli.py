@@ -12,7 +12,8 @@ import time
 
 from . import cli_generate
 from .formats import BITS, GROUP_SIZES, PER_ROW, PER_TENSOR, WeightFormat
-from .kernels import ISA_CHOICES
+from .cpu import ARCH_ALIASES, ARCHES, normalize_arch
+from .kernels import DEFAULT_ISA, ISAS
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,8 +27,19 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # one clear line for a person; the traceback only on request
         if args.debug:
             raise
-        print(f"tmac {args.command}: error: {e}", file=sys.stderr)
+        print(f"tmac {args.command}: error: {describe(e)}", file=sys.stderr)
         return 1
+
+
+def describe(e: Exception) -> str:
+    """An error as one line: the message of the errors tmac raises for bad input or a missing part; any other
+    exception (a bug, or a case nobody foresaw) with its type, so ``KeyError: 6`` never prints as a bare ``6``."""
+    from .errors import KernelUnavailableError, ModelFormatError
+
+    if isinstance(e, (ValueError, OSError, ModelFormatError, KernelUnavailableError)) and \
+            type(e).__module__.startswith(("builtins", "tmac")) and str(e):
+        return str(e)
+    return f"{type(e).__name__}: {e} (unexpected; run with --debug for the traceback)"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,23 +49,32 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     sub = p.add_subparsers(dest="command", required=True)
 
-    info = sub.add_parser("info", help="CPU features, kernel ISA, threads, versions, kernel cache")
+    info = sub.add_parser("info", parents=[common], help="CPU features, kernel ISA, threads, versions, kernel cache")
+    info.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     info.set_defaults(func=cmd_info)
 
-    c = sub.add_parser("compile", help="compile LUT kernels into a directory (cross-compiles for arm64)")
-    c.add_argument("--arch", choices=["x86_64", "arm64"], default=None, help="target architecture (default: this)")
-    c.add_argument("--isa", choices=list(ISA_CHOICES),
-                   help="instruction set (default: this CPU's best, or the common one of --arch)")
+    c = sub.add_parser("compile", parents=[common],
+                       help="compile the kernels a model runs into a directory, for this machine or another arch")
+    c.add_argument("--arch", default=None,
+                   help=f"target architecture: {', '.join(ARCHES)} (aliases: {', '.join(ARCH_ALIASES)}; "
+                        "default: this machine's)")
+    c.add_argument("--isa", help="instruction set, as `tmac info` names it: " + ", ".join(ISAS) +
+                                 " or generic (default: this CPU's best; for another arch its common one: "
+                                 + ", ".join(f"{a} {n}" for a, n in DEFAULT_ISA.items()) + ")")
     c.add_argument("--bits", type=int, choices=BITS,
-                   help="weights requantized to this many bits (with --model, default: the kernels the file's own "
-                        "weights load with, e.g. Q4_1 layers and a Q8_0 head; other quantized types at 8 bits)")
+                   help="weights requantized to this many bits, as `tmac run --bits` (default: the kernels the "
+                        "model's own weights load with, e.g. Q4_1 layers and a Q8_0 head)")
     c.add_argument("--group-size", help=f"one of {GROUP_SIZES}, '{PER_ROW}' or '{PER_TENSOR}' (default: as load_model, "
                                         "the largest of 128/64/32 dividing K)")
+    c.add_argument("--head-bits", type=cli_generate.head_bits_arg, help="with --model: " + cli_generate.HEAD_BITS_HELP)
     c.add_argument("--symmetric", action="store_true", help="weights without zeros")
-    src = c.add_mutually_exclusive_group(required=True)
-    src.add_argument("--shape", nargs="+", action="extend", metavar="MxK", help="weight shapes (out x in features)")
-    src.add_argument("--model", metavar="PATH", help="a GGUF model: compile for every linear layer's K")
-    c.add_argument("-o", "--output", required=True, metavar="DIR")
+    src = c.add_mutually_exclusive_group()
+    src.add_argument("--shape", nargs="+", action="extend", metavar="MxK",
+                     help="only the projection kernels of these weight shapes (out x in features; needs --bits)")
+    src.add_argument("--model", metavar="PATH", help="a model as `tmac run` takes it (GGUF file, Hugging Face, GPTQ "
+                                                     "or BitNet directory, .tmac file; default: SmolLM2-135M-Instruct)")
+    c.add_argument("-o", "--output", metavar="DIR",
+                   help="output directory (default: ./tmac-kernels-<isa>; kernels already there are kept)")
     c.set_defaults(func=cmd_compile)
     cli_generate.add_parsers(sub, common)
 
@@ -119,6 +140,11 @@ def cmd_info(args) -> int:
         ("kernel dir", os.environ.get("TMAC_KERNEL_DIR") or "(none; set TMAC_KERNEL_DIR)"),
         ("huge pages", _huge_pages_line()),
     ]
+    if args.json:
+        info = {key.replace(" ", "_").replace("-", "_"): value for key, value in rows}
+        info.update(simd_features=sorted(feats), kernel_isa=isa_line.split()[0], threads=runtime.get_num_threads())
+        print(json.dumps(info))
+        return 0
     _print_table(rows)
     return 0
 
@@ -172,19 +198,17 @@ def parse_shape(text: str) -> tuple[int, int]:
     return m, k
 
 
-def resolve_isa(arch: str | None, isa_choice: str | None):
+def resolve_isa(arch: str | None, isa_name: str | None):
+    """The ISA ``tmac compile`` targets: named, else this CPU's best, else ``arch``'s common one."""
     from .cpu import machine_arch
-    from .kernels import ISA_CHOICES, best_isa, isa_by_name
+    from .kernels import best_isa, isa_by_name
 
-    arch = arch or machine_arch()
-    if isa_choice is None:
-        if arch == machine_arch():
-            return best_isa()
-        return isa_by_name({"arm64": "neon_dotprod", "x86_64": "avx2"}[arch])
-    name = ISA_CHOICES[isa_choice] or f"generic_{arch}"
-    isa = isa_by_name(name)
+    arch = normalize_arch(arch) if arch else (isa_by_name(isa_name).arch if isa_name and isa_name != "generic" else machine_arch())
+    if isa_name is None:
+        return best_isa() if arch == machine_arch() else isa_by_name(DEFAULT_ISA[arch])
+    isa = isa_by_name(isa_name, arch)
     if isa.arch != arch:
-        raise ValueError(f"--isa {isa_choice} is for {isa.arch}, not --arch {arch}")
+        raise ValueError(f"--isa {isa.name} is for {isa.arch}, not --arch {arch}")
     return isa
 
 
@@ -232,45 +256,55 @@ def kernel_formats(args) -> list[tuple[WeightFormat, int]]:
 
 def cmd_compile(args) -> int:
     from . import runtime
-    from .codegen.build import build_library, linker_for
-    from .packing import spec_for_format
+    from .codegen.build import build_library
+    from .codegen.link import find_linker
 
     isa = resolve_isa(args.arch, args.isa)
-    linker_for(isa.arch)  # fail early, naming the Debian package, when the cross linker is missing
-    # raises naming K when the group size does not divide it
-    formats = kernel_formats(args)
-    specs = list(dict.fromkeys(spec_for_format(fmt, k, isa) for fmt, k in formats))
-    if args.model:  # and the decode glue of its shape; ternary layers load with int8 activations in front
-        from .glue import KV_DTYPES
-        from .models.decode import glue_spec
-        from .models.gguf_loader import GGUFModel
-        from .models.load import token_embedding
+    linker = find_linker(isa.arch)  # fail at once, saying how to get one, when nothing can link for the target
+    if args.shape:
+        if args.head_bits is not None:
+            raise ValueError("--head-bits is for models (--model), not --shape")
+        specs = list(dict.fromkeys(_shape_specs(args, isa)))
+    else:
+        from .models.kernel_specs import model_kernel_specs
+        from .models.load import default_model_path
 
-        source = GGUFModel(args.model)
-        ternary = any(fmt.ternary for fmt, _ in formats)
-        # the token table as load_model keeps it: its lookup is compiled into the glue when quantized
-        table = token_embedding(source.weight("tok_embeddings.weight", True), requantized=args.bits is not None)
-        specs.extend(glue_spec(source.config, source.family == "bitnet", ternary, isa, kv, table) for kv in KV_DTYPES)
-    os.makedirs(args.output, exist_ok=True)
-    entries, rows = [], []
+        path = args.model or default_model_path()
+        group = parse_group_size(args.group_size) if args.group_size else None
+        specs = model_kernel_specs(path, isa, bits=args.bits, group_size=group, symmetric=args.symmetric,
+                                   head_bits=args.head_bits)
+        if not specs:
+            raise ValueError(f"{path}: every projection is float; nothing to compile (give --bits to quantize)")
+    output = args.output or f"tmac-kernels-{isa.name}"
+    entries = runtime.read_manifest_for_update(output, isa)
+    rows = []
     for i, spec in enumerate(specs, 1):
-        print(f"[{i}/{len(specs)}] compiling {spec.name} ...", file=sys.stderr, flush=True)
+        print(f"[{i}/{len(specs)}] compiling {spec.name} ({linker.name}) ...", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
-        path = os.path.join(args.output, spec.name + ".so")
-        tmp = path + ".tmp"
-        build_library(spec, isa, tmp)
-        os.replace(tmp, path)
-        entries.append(runtime.kernel_entry(spec, isa, os.path.basename(path), runtime.sha256(path)))
+        path = os.path.join(output, spec.name + ".so")
+        build_library(spec, isa, path + ".tmp")
+        os.replace(path + ".tmp", path)
+        entries[spec.name] = runtime.kernel_entry(spec, isa, os.path.basename(path), runtime.sha256(path),
+                                                  os.path.getsize(path))
         rows.append((spec.name, getattr(spec, "k", "-"), getattr(spec, "bits", "-"), getattr(spec, "group_size", "-"),
                      f"{time.perf_counter() - t0:.2f}", os.path.getsize(path)))
-    manifest = {"format": 1, "arch": isa.arch, "isa": isa.name, "tvm_version": runtime.tvm_version(),
-                "kernels": entries}
-    with open(os.path.join(args.output, "manifest.json.tmp"), "w") as f:
-        json.dump(manifest, f, indent=1)
-    os.replace(os.path.join(args.output, "manifest.json.tmp"), os.path.join(args.output, "manifest.json"))
+    runtime.write_manifest(output, isa, list(entries.values()))
     _print_table(rows, header=("kernel", "K", "bits", "group", "seconds", "bytes"))
-    print(f"wrote {len(entries)} kernel(s) and manifest.json to {args.output} ({isa.arch}, {isa.name})")
+    print(f"wrote {len(rows)} kernel(s) to {os.path.abspath(output)} ({isa.arch}, {isa.name}; manifest.json lists "
+          f"{len(entries)}); on the target: TMAC_KERNEL_DIR={os.path.abspath(output)} tmac run ...")
     return 0
+
+
+def _shape_specs(args, isa):
+    from .formats import default_group_size
+    from .packing import spec_for_format
+
+    if args.bits is None:
+        raise ValueError("--shape needs --bits (only a model has weights of its own to take the formats from)")
+    group = parse_group_size(args.group_size) if args.group_size else None
+    for k in sorted({parse_shape(s)[1] for s in args.shape}):
+        # (where no group size divides K, 32 makes the spec's own check name K)
+        yield spec_for_format(WeightFormat.rtn(args.bits, group or default_group_size(k) or 32, args.symmetric), k, isa)
 
 
 # ---- tune ----------------------------------------------------------------------------------------------------------

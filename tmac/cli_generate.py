@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import time
@@ -35,8 +36,8 @@ def add_parsers(sub, common) -> None:
     c.set_defaults(func=cmd_chat, chat=True)
 
 
-HEAD_BITS_HELP = ("the output head: 1, 2, 3, 4 or 8 bits, or float (default: the file's own; with --bits, 8 bits "
-                  "in Q8_0's layout)")
+HEAD_BITS_HELP = (f"the output head: {', '.join(map(str, BITS))} bits, or float (default: the file's own; with --bits, "
+                  "8 bits in Q8_0's layout)")
 
 
 def head_bits_arg(text: str) -> int | str:
@@ -62,6 +63,8 @@ def _model_args(p) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--repeat-penalty", type=float, default=1.0)
     p.add_argument("--seed", type=int)
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="generate all --max-new-tokens tokens, past the end-of-text token (for benchmarks)")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop when TEXT appears (repeatable)")
     p.add_argument("--system", help="system message for the chat template")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
@@ -92,7 +95,8 @@ def _load(args):
 
 def _sampling(args) -> dict:
     return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                repetition_penalty=args.repeat_penalty, seed=args.seed, stop=tuple(args.stop))
+                repetition_penalty=args.repeat_penalty, seed=args.seed, stop=tuple(args.stop),
+                stop_on_eos=not args.ignore_eos)
 
 
 def _prompt_ids(model, args, messages: list[dict]) -> list[int]:
@@ -103,6 +107,22 @@ def _prompt_ids(model, args, messages: list[dict]) -> list[int]:
     if args.system and messages[0]["role"] != "system":
         messages.insert(0, {"role": "system", "content": args.system})
     return tok.encode(tok.render_chat(messages))
+
+
+def fit_context(model, args, messages: list[dict]) -> tuple[list[int], int]:
+    """The prompt ids of ``messages`` with room for ``--max-new-tokens`` in the model's context, dropping the
+    oldest exchanges (a user message and its answer; the system message is kept) until they fit, as llama.cpp and
+    ollama do; and how many were dropped. ``messages`` loses them too."""
+    dropped = 0
+    while True:
+        ids = _prompt_ids(model, args, list(messages))
+        if len(ids) + args.max_new_tokens <= model.context:
+            return ids, dropped
+        if len(messages) <= 1:
+            raise ValueError(f"this message ({len(ids)} tokens with the template) + --max-new-tokens "
+                             f"({args.max_new_tokens}) exceed the context of {model.context} tokens")
+        del messages[:2]
+        dropped += 1
 
 
 class Interrupted(Exception):
@@ -204,13 +224,14 @@ def cmd_run(args) -> int:
 
 
 def cmd_convert(args) -> int:
-    import os
-
     import tmac
     from tmac.models.tmac_file import save_model
 
     if args.group_size is not None and args.bits is None:
         raise ValueError("--group-size needs --bits")
+    out_dir = os.path.dirname(os.path.abspath(args.output))
+    if not os.path.isdir(out_dir) or not os.access(out_dir, os.W_OK):  # before the conversion, not after it
+        raise ValueError(f"-o {args.output}: the directory {out_dir} does not exist or is not writable")
     t0 = time.perf_counter()
     model = tmac.load_model(args.model, bits=args.bits, group_size=args.group_size, head_bits=args.head_bits,
                             context=1, progress=True)
@@ -247,7 +268,14 @@ def cmd_chat(args) -> int:
         if not line.strip():
             continue
         messages.append({"role": "user", "content": line})
-        ids = _prompt_ids(model, args, list(messages))
+        try:
+            ids, dropped = fit_context(model, args, messages)
+        except ValueError as e:
+            messages.pop()
+            print(f"error: {e}", file=sys.stderr)
+            continue
+        if dropped:
+            print(f"(context full: dropped the {dropped} oldest exchange{'s' if dropped > 1 else ''})", file=sys.stderr)
         with CtrlCStops() as ctrl_c:
             streamer = Streamer(model.tokenizer, tuple(args.stop), sys.stdout, ctrl_c)
             try:

@@ -13,11 +13,27 @@ FEATURES = ("avx2", "avx512bw", "avx512vnni", "avx512vbmi", "avxvnni", "neon", "
 _X86_FLAGS = {"avx2": "avx2", "avx512bw": "avx512bw", "avx512_vnni": "avx512vnni", "avx512vbmi": "avx512vbmi",
               "avx_vnni": "avxvnni"}
 _ARM_FLAGS = {"asimd": "neon", "asimddp": "dotprod"}
+# arm64 Linux: the kernel's hardware capability bits (asm/hwcap.h) — what /proc/cpuinfo prints, but also right
+# under qemu-user, whose /proc/cpuinfo is the host's
+_AT_HWCAP = 16
+_ARM_HWCAPS = {"neon": 1 << 1, "dotprod": 1 << 20}
+
+
+ARCHES = ("x86_64", "arm64")  # the names tmac uses; other spellings are aliases
+ARCH_ALIASES = {"x86-64": "x86_64", "amd64": "x86_64", "aarch64": "arm64"}
+
+
+def normalize_arch(name: str) -> str:
+    """tmac's name of an architecture given by any usual spelling (``aarch64`` → ``arm64``)."""
+    arch = ARCH_ALIASES.get(name.lower(), name.lower())
+    if arch not in ARCHES:
+        raise ValueError(f"unknown architecture {name!r}; known: {', '.join(ARCHES)} (or {', '.join(ARCH_ALIASES)})")
+    return arch
 
 
 def machine_arch() -> str:
     m = platform.machine().lower()
-    return {"amd64": "x86_64", "x86_64": "x86_64", "arm64": "arm64", "aarch64": "arm64"}.get(m, m)
+    return ARCH_ALIASES.get(m, m)
 
 
 @functools.lru_cache(maxsize=1)
@@ -33,9 +49,23 @@ def cpu_features() -> frozenset[str]:
         pass
     table = _X86_FLAGS if arch == "x86_64" else _ARM_FLAGS
     found = {ours for theirs, ours in table.items() if theirs in flags}
+    if arch == "arm64" and platform.system() == "Linux":
+        found = _arm_hwcaps()
     if arch == "arm64" and platform.system() == "Darwin":  # Apple silicon: NEON and dotprod always
         found |= {"neon", "dotprod"}
     return frozenset(found)
+
+
+def _arm_hwcaps() -> set[str]:
+    import ctypes
+
+    try:
+        getauxval = ctypes.CDLL(None).getauxval
+    except (OSError, AttributeError):
+        return set()
+    getauxval.restype, getauxval.argtypes = ctypes.c_ulong, [ctypes.c_ulong]
+    hwcap = getauxval(_AT_HWCAP)
+    return {name for name, bit in _ARM_HWCAPS.items() if hwcap & bit}
 
 
 @functools.lru_cache(maxsize=1)

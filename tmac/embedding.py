@@ -1,7 +1,7 @@
 """``tmac.Embedding``: a drop-in, inference-only ``nn.Embedding`` whose table stays quantized.
 
 A token table is read one row per token, so it needs no kernel: the rows asked for are dequantized on lookup
-(``s·(q − offset) − z``, float32 out). Stored as a ``QuantizedWeight``'s codes, bit-packed row-major (``SLOT``
+(``s·(q − offset) − z``, float32 out). Stored as a ``QuantizedWeight``'s codes, bit-packed row-major (``STORAGE_BITS``
 bits per code: 3-bit codes take a nibble), and its scales/zeros in the format's dtypes — SmolLM2's Q8_0 table
 is 30 MB this way instead of 113 MB of float32, and its rows are bit-exact ``gguf.quants.dequantize`` rows.
 """
@@ -12,11 +12,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from .formats import PER_TENSOR, WeightFormat
+from .formats import PER_TENSOR, STORAGE_BITS, WeightFormat
 from .qweight import QuantizedWeight
 
 STATE_VERSION = 1
-SLOT = {1: 1, 2: 2, 3: 4, 4: 4, 8: 8}  # bits → storage bits per code
 
 
 class Embedding(nn.Module):
@@ -24,7 +23,7 @@ class Embedding(nn.Module):
         super().__init__()
         if not isinstance(qw, QuantizedWeight):
             raise TypeError(f"tmac.Embedding takes a QuantizedWeight, got {type(qw).__name__}")
-        if qw.shape[1] * SLOT[qw.format.bits] % 8:
+        if qw.shape[1] * STORAGE_BITS[qw.format.bits] % 8:
             raise ValueError(f"embedding_dim {qw.shape[1]} does not fill whole bytes at {qw.format.bits} bits")
         self._set(qw.format, qw.shape, _pack_codes(qw.codes, qw.format.bits),
                   torch.from_numpy(qw.scales.astype(qw.format.scale_dtype)),
@@ -69,8 +68,8 @@ class Embedding(nn.Module):
         return w.reshape(len(rows), d)
 
     def _codes(self, packed: torch.Tensor) -> torch.Tensor:
-        """uint8 codes ``[n, embedding_dim]`` of packed rows ``[n, embedding_dim·SLOT/8]``."""
-        slot = SLOT[self.format.bits]
+        """uint8 codes ``[n, embedding_dim]`` of packed rows ``[n, embedding_dim·STORAGE_BITS/8]``."""
+        slot = STORAGE_BITS[self.format.bits]
         shifts = torch.arange(0, 8, slot, dtype=torch.uint8)
         return ((packed.unsqueeze(-1) >> shifts) & ((1 << slot) - 1)).reshape(len(packed), self.embedding_dim)
 
@@ -133,7 +132,7 @@ class Embedding(nn.Module):
 
 
 def _pack_codes(codes: np.ndarray, bits: int) -> torch.Tensor:
-    slot = SLOT[bits]
+    slot = STORAGE_BITS[bits]
     per = 8 // slot
     if per == 1:  # 8-bit codes are their own packing: shared, not copied (a 49152-row Q8_0 table's are 100 MB)
         out = np.ascontiguousarray(codes, dtype=np.uint8)
@@ -147,7 +146,8 @@ def _pack_codes(codes: np.ndarray, bits: int) -> torch.Tensor:
 
 def _shapes(fmt: WeightFormat, v: int, d: int) -> dict:
     s_shape = fmt.scale_shape(v, d)
-    shapes = {"codes": ((v, d * SLOT[fmt.bits] // 8), torch.uint8), "scales": (s_shape, getattr(torch, fmt.scale_dtype))}
+    shapes = {"codes": ((v, d * STORAGE_BITS[fmt.bits] // 8), torch.uint8),
+              "scales": (s_shape, getattr(torch, fmt.scale_dtype))}
     if fmt.has_zeros:
         shapes["zeros"] = (s_shape, getattr(torch, fmt.zero_dtype))
     return shapes
@@ -161,6 +161,6 @@ def _parse_extra(extra) -> tuple[WeightFormat, int, int]:
         raise ValueError(f"malformed tmac.Embedding state: num_embeddings={v!r:.50}, embedding_dim={d!r:.50}")
     fmt = WeightFormat.from_dict(extra.get("format"))
     fmt.groups_per_row(d)  # raises when the group size does not divide the row
-    if d * SLOT[fmt.bits] % 8:
+    if d * STORAGE_BITS[fmt.bits] % 8:
         raise ValueError(f"embedding_dim {d} does not fill whole bytes at {fmt.bits} bits")
     return fmt, v, d

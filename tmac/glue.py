@@ -22,8 +22,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from .embedding import SLOT
-from .formats import PARAM_DTYPES
+from .formats import PARAM_DTYPES, STORAGE_BITS
 
 ACTIVATIONS = ("silu", "relu2")
 KV_DTYPES = ("float16", "float32")
@@ -64,7 +63,7 @@ class GlueSpec:
         if self.act not in ACTIVATIONS:
             raise ValueError(f"activation {self.act!r} has no glue kernel; known: {ACTIVATIONS}")
         check_kv_dtype(self.kv_dtype)
-        if self.embed_bits and (self.embed_bits not in SLOT or self.embed_groups < 0 or
+        if self.embed_bits and (self.embed_bits not in STORAGE_BITS or self.embed_groups < 0 or
                                 self.embed_groups and self.dim % self.embed_groups or
                                 self.embed_scale not in PARAM_DTYPES or self.embed_zero not in ("", *PARAM_DTYPES)):
             raise ValueError(f"invalid token table for the glue: bits {self.embed_bits}, {self.embed_groups} groups "

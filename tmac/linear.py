@@ -47,6 +47,13 @@ def _(x, qweight, scales, zeros, bias, spec, out_features, kernel_dir):
     return x.new_empty((x.shape[0], out_features), dtype=torch.float32)
 
 
+def respec(fmt: WeightFormat, spec: KernelSpec, isa) -> KernelSpec:
+    """The spec weights packed as ``spec`` take on ``isa`` (what loading them there repacks to): the same format
+    and K, that ISA's tiling, and the saved parameter storage (super scales only where the weight's parameters
+    factored, in the saved dtype)."""
+    return spec_for_format(fmt, spec.k, isa, super_groups=spec.super_groups, super_dtype=spec.scale_dtype)
+
+
 class Linear(nn.Module):
     """``y = x Wᵀ + b`` with ``W`` quantized to ``bits`` (1-4) in groups of ``group_size`` inputs.
 
@@ -115,9 +122,7 @@ class Linear(nn.Module):
         self = cls.__new__(cls)
         nn.Module.__init__(self)
         self.format, self.kernel_dir = fmt, kernel_dir
-        # what this machine runs (loading repacks if it differs), with the saved parameter storage: super scales
-        # only where the weight's parameters factored, in the saved dtype
-        local = spec_for_format(fmt, spec.k, best_isa(), super_groups=spec.super_groups, super_dtype=spec.scale_dtype)
+        local = respec(fmt, spec, best_isa())
         w_shape, s_shape = packed_shapes(local, m)
         self._set_packed(PackedWeight(local, m, np.zeros(w_shape, np.uint8), np.zeros(s_shape, local.param_dtypes[0]),
                                       np.zeros(s_shape, local.param_dtypes[1]) if fmt.has_zeros else None),

@@ -165,11 +165,54 @@ def sha256(path: str) -> str:
     return h.hexdigest()
 
 
-def kernel_entry(spec: KernelSpec, isa, file: str, digest: str) -> dict:
+def kernel_entry(spec: KernelSpec, isa, file: str, digest: str, size: int) -> dict:
     """What a manifest records about one compiled kernel."""
     return {"name": spec.name, "file": file, "isa": isa.name, "arch": isa.arch, "target": isa.target,
-            "tvm_version": tvm_version(), "generator": generator_digest(), "sha256": digest,
+            "tvm_version": tvm_version(), "generator": generator_digest(), "sha256": digest, "bytes": size,
             "spec": dataclasses.asdict(spec)}
+
+
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = 1
+
+
+def read_manifest_for_update(directory: str, isa) -> dict[str, dict]:
+    """The kernel entries (by name) of ``directory``'s manifest that ``tmac compile`` keeps when it adds kernels
+    for ``isa``: all of them when the directory holds kernels of that ISA, none when it holds none. A directory
+    of another ISA is refused: one directory, one ISA, as the runtime reads it."""
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, MANIFEST)
+    if not os.path.exists(path):
+        return {}
+    try:
+        manifest, kernels = read_manifest(path)
+    except ValueError as e:
+        raise ValueError(f"{e}; choose another --output") from None
+    if (manifest.get("arch"), manifest.get("isa")) != (isa.arch, isa.name):
+        raise ValueError(f"{directory} holds kernels for {manifest.get('arch')}/{manifest.get('isa')}, not "
+                         f"{isa.arch}/{isa.name}: choose another --output")
+    return {e["name"]: e for e in kernels if isinstance(e, dict) and isinstance(e.get("name"), str)
+            and e.get("generator") == generator_digest()}
+
+
+def read_manifest(path: str) -> tuple[dict, list]:
+    """A manifest and its kernel entries; ``ValueError`` naming the file when it is not one."""
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+        kernels = manifest["kernels"]
+        if not isinstance(kernels, list):
+            raise TypeError("'kernels' is not a list")
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
+        raise ValueError(f"cannot read {os.path.basename(path)} ({type(e).__name__}: {e})") from None
+    return manifest, kernels
+
+
+def write_manifest(directory: str, isa, entries: list[dict]) -> None:
+    manifest = {"format": MANIFEST_FORMAT, "arch": isa.arch, "isa": isa.name, "tvm_version": tvm_version(),
+                "kernels": entries}
+    _atomic_write_text(os.path.join(directory, MANIFEST + ".tmp"), json.dumps(manifest, indent=1))
+    os.replace(os.path.join(directory, MANIFEST + ".tmp"), os.path.join(directory, MANIFEST))
 
 
 class KernelLibrary:
@@ -196,26 +239,61 @@ def load_kernels(spec, isa, kernel_dir: str | None = None, progress: bool = True
     with _lock:
         lib = _loaded.get(key)
         if lib is None:
-            path = _from_kernel_dir(spec, kernel_dir) if kernel_dir else None
+            path = _from_kernel_dir(spec, isa, kernel_dir) if kernel_dir else None
             lib = KernelLibrary(spec, path or _from_cache(spec, isa, progress))
             _loaded[key] = lib
     return lib
 
 
-def _from_kernel_dir(spec: KernelSpec, kernel_dir: str) -> str | None:
-    manifest = os.path.join(kernel_dir, "manifest.json")
+_warned_dirs: set[str] = set()
+ELF_MACHINES = {"x86_64": 62, "arm64": 183}  # e_machine: EM_X86_64, EM_AARCH64
+
+
+def check_library(path: str, arch: str, size: int | None = None) -> None:
+    """Raise ``KernelUnavailableError`` unless ``path`` is a regular file holding a little-endian 64-bit ELF shared
+    object for ``arch`` (of ``size`` bytes when given): what is loaded into the process is at least that."""
+    import stat
+    import struct
+
     try:
-        with open(manifest) as f:
-            entries = json.load(f)["kernels"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise KernelUnavailableError(f"kernel directory {kernel_dir}: cannot read manifest.json ({e})") from None
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):
+            raise KernelUnavailableError(f"{path}: not a regular file")
+        with open(path, "rb") as f:
+            header = f.read(64)
+    except OSError as e:
+        raise KernelUnavailableError(f"{path}: cannot read ({e.strerror})") from None
+    if size is not None and st.st_size != size:
+        raise KernelUnavailableError(f"{path}: {st.st_size} bytes, its manifest says {size}")
+    if len(header) < 64 or header[:4] != b"\x7fELF" or header[4] != 2 or header[5] != 1:
+        raise KernelUnavailableError(f"{path}: not a 64-bit little-endian ELF file")
+    e_type, e_machine = struct.unpack_from("<HH", header, 16)
+    if e_type != 3 or e_machine != ELF_MACHINES[arch]:
+        raise KernelUnavailableError(f"{path}: ELF type {e_type} for machine {e_machine}, not a shared object for "
+                                     f"{arch} (type 3, machine {ELF_MACHINES[arch]})")
+
+
+def _from_kernel_dir(spec: KernelSpec, isa, kernel_dir: str) -> str | None:
+    try:
+        info, entries = read_manifest(os.path.join(kernel_dir, MANIFEST))
+    except ValueError as e:
+        raise KernelUnavailableError(f"kernel directory {kernel_dir}: {e}") from None
+    if (info.get("arch"), info.get("isa")) != (isa.arch, isa.name):
+        if kernel_dir not in _warned_dirs:
+            _warned_dirs.add(kernel_dir)
+            warnings.warn(f"kernel directory {kernel_dir} holds kernels for {info.get('arch')}/{info.get('isa')}, but "
+                          f"this machine runs {isa.arch}/{isa.name}: none of them is used (compile for this machine "
+                          f"with tmac compile --isa {isa.name})", stacklevel=4)
+        return None
     for entry in entries:
         if isinstance(entry, dict) and entry.get("name") == spec.name \
                 and entry.get("generator") == generator_digest():
             path = os.path.join(kernel_dir, os.path.basename(str(entry.get("file", ""))))
-            if not os.path.exists(path) or sha256(path) != entry.get("sha256"):
-                raise KernelUnavailableError(f"kernel directory {kernel_dir}: {entry.get('file')} is missing or "
-                                             f"does not match its sha256 in manifest.json")
+            size = entry.get("bytes")
+            check_library(path, isa.arch, size if isinstance(size, int) else None)
+            if sha256(path) != entry.get("sha256"):
+                raise KernelUnavailableError(f"kernel directory {kernel_dir}: {entry.get('file')} does not match "
+                                             f"its sha256 in manifest.json")
             return path
     return None
 
@@ -261,7 +339,7 @@ def _from_cache(spec: KernelSpec, isa, progress: bool) -> str:
         os.close(fd)
         try:
             build_library(spec, isa, tmp)
-            entry = kernel_entry(spec, isa, os.path.basename(so), sha256(tmp))
+            entry = kernel_entry(spec, isa, os.path.basename(so), sha256(tmp), os.path.getsize(tmp))
             _atomic_write_text(meta + ".tmp", json.dumps(entry, indent=1))
             os.replace(tmp, so)
             os.replace(meta + ".tmp", meta)

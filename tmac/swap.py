@@ -15,15 +15,17 @@ from .memory import gather_packed
 from .progress import Progress
 
 Skip = Callable[[str, nn.Module], bool] | Iterable[str] | str | None
+HEAD = "lm_head"  # the output head of Hugging Face models: kept float unless asked for (most sensitive to rounding)
 
 
 def quantize_model(model: nn.Module, bits: int = 2, group_size: int | str = 128, symmetric: bool = False, *,
-                   skip: Skip = ("lm_head",), ternary: bool = False, isa: str | None = None,
+                   skip: Skip = None, quantize_head: bool = False, ternary: bool = False, isa: str | None = None,
                    kernel_dir: str | None = None, progress: bool | None = None) -> nn.Module:
     """Replace every eligible ``nn.Linear`` of ``model`` by a ``tmac.Linear`` and return ``model``.
 
     ``skip``: names or fnmatch patterns, matched against a layer's full name (``model.layers.0.mlp.up_proj``)
-    and its last component (``lm_head``), or a callable ``(name, module) -> bool``. Layers whose
+    and its last component, or a callable ``(name, module) -> bool``: layers to keep float besides the head
+    (``lm_head``), which stays float unless ``quantize_head=True``. Layers whose
     ``in_features`` the group size (and the kernels' multiple of 32) does not divide stay float, with one
     warning naming them. The packed tensors of all of ``model``'s ``tmac.Linear`` layers end in one huge-page arena
     (``tmac.memory.gather_packed``).
@@ -33,7 +35,11 @@ def quantize_model(model: nn.Module, bits: int = 2, group_size: int | str = 128,
     if not ternary:
         check_bits(bits)
     check_group_size(group_size)
-    skipped = _skip_predicate(skip)
+    user_skip, head_skip = _skip_predicate(skip), _skip_predicate(None if quantize_head else HEAD)
+
+    def skipped(name, module):
+        return head_skip(name, module) or user_skip(name, module)
+
     targets, ineligible = [], []
     for name, module in model.named_modules():
         if type(module) not in FLOAT_LINEARS or skipped(name, module):

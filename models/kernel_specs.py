@@ -1,0 +1,37 @@
+"""Every kernel a model runs on a given ISA: what ``tmac compile --model`` builds ahead of time for a device."""
+
+from __future__ import annotations
+
+import os
+
+from tmac.glue import KV_BLOCK, KV_DTYPES
+from tmac.linear import Linear, respec
+
+from .bitnet import ActivationQuantized, BitNetTransformer
+from .decode import glue_spec
+
+from .load import load_model
+from .tmac_file import is_tmac_file, load_model_file
+
+
+def model_kernel_specs(path: str, isa, *, bits: int | None = None, group_size: int | None = None,
+                       symmetric: bool = False, head_bits: int | str | None = None) -> list:
+    """The ``KernelSpec``s of every LUT projection (head included) and the decode glue (both KV cache dtypes) that
+    ``load_model(path, bits=..., ...)`` runs on a machine whose kernels are ``isa``'s — any source ``load_model``
+    takes. The model is loaded here (packed for ``isa``; nothing runs), so this costs what a load does."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no such model file or directory: {path}")
+    if os.path.isfile(path) and is_tmac_file(path):
+        if bits is not None or group_size is not None or head_bits is not None:
+            raise ValueError(f"{path} is already converted (pre-packed); bits/group_size/head_bits do not apply")
+        model = load_model_file(path)
+        specs = [respec(m.format, m.spec, isa) for m in model.modules() if isinstance(m, Linear)]
+    else:
+        model = load_model(path, bits=bits, group_size=group_size, symmetric=symmetric, head_bits=head_bits,
+                           isa=isa.name, context=KV_BLOCK)
+        specs = [m.spec for m in model.modules() if isinstance(m, Linear)]
+    if specs:  # the decode plan runs the glue once projections are LUT layers
+        bitnet = isinstance(model, BitNetTransformer)
+        act_quant = any(isinstance(m, ActivationQuantized) for m in model.modules())
+        specs += [glue_spec(model.config, bitnet, act_quant, isa, kv, model.tok_embeddings) for kv in KV_DTYPES]
+    return list(dict.fromkeys(specs))

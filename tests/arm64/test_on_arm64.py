@@ -1,0 +1,113 @@
+"""The whole runtime on arm64: Python, torch, tvm-ffi, the kernel loader, the decode plan and the CLI, run as
+aarch64 code under ``qemu-aarch64`` for a Raspberry Pi 5's CPU (Cortex-A76: NEON + dotprod) and a Pi 4's
+(Cortex-A72: NEON only). ``make test-arm64`` builds the environment (``environment.py``) and runs these.
+
+qemu-user cannot start an aarch64 child process (that would need binfmt), so where the device itself compiles
+kernels, TVM's aarch64 wheel generates the code inside the emulated process and only the final link runs on the
+host, through ``TMAC_CC`` (the ziglang wheel, linking for aarch64).
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import environment
+
+CPUS = {"cortex-a76": "neon_dotprod", "cortex-a72": "neon"}
+PROMPT = "The capital of France is"
+RUN = ["run", "--ignore-eos", "-n", "16", "-p", PROMPT, "--json"]
+HOST_LINKER = f"{sys.executable} -m ziglang cc -target aarch64-linux-gnu"
+NO_COMPILERS = {"PATH": os.path.join(environment.ROOT, "usr", "bin")}  # aarch64 programs: none can run here
+
+
+def arm64(cpu: str, args: list[str], env: dict | None = None, timeout: int = 1800) -> subprocess.CompletedProcess:
+    cmd = environment.qemu_python(cpu) + args
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                       env={**os.environ, **NO_COMPILERS, **(env or {})})
+    assert r.returncode == 0, f"{' '.join(args)} on {cpu} exited {r.returncode}:\n{r.stderr[-4000:]}"
+    return r
+
+
+@pytest.fixture(scope="session")
+def x86_run(tmp_path_factory):
+    r = subprocess.run([sys.executable, "-m", "tmac.cli", *RUN], capture_output=True, text=True, timeout=900,
+                       env={**os.environ, "TMAC_CACHE_DIR": str(tmp_path_factory.mktemp("x86-cache"))})
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def _same_as_x86(cpu: str, how: str, got: dict, x86: dict) -> None:
+    print(f"\n{cpu} ({CPUS[cpu]}), {how}: {got['text']!r}\n  arm64  ids {got['generated_ids']}\n"
+          f"  x86-64 ids {x86['generated_ids']}\n  {got['gen_tokens_per_s']:.2f} tok/s under emulation "
+          f"({1 / got['gen_tokens_per_s']:.2f} s a token), setup {got['setup_s']:.1f} s")
+    assert got["prompt_ids"] == x86["prompt_ids"]
+    assert got["generated_ids"] == x86["generated_ids"]
+
+
+@pytest.mark.parametrize("cpu", CPUS)
+def test_info_names_the_arm64_isa(cpu):
+    out = arm64(cpu, ["-m", "tmac.cli", "info"]).stdout
+    rows = {line[:16].strip(): line[16:].strip() for line in out.splitlines()}  # `tmac info`'s two columns
+    print(f"\n{cpu}: architecture {rows['architecture']}, kernel ISA {rows['kernel ISA']}")
+    assert rows["architecture"] == "arm64"
+    assert rows["kernel ISA"].split()[0] == CPUS[cpu]
+
+
+@pytest.mark.parametrize("cpu", CPUS)
+def test_run_with_kernels_cross_compiled_on_x86(cpu, tmp_path, x86_run):
+    kernels = tmp_path / "kernels"
+    compiled = subprocess.run([sys.executable, "-m", "tmac.cli", "compile", "--arch", "aarch64", "--isa", CPUS[cpu],
+                               "-o", str(kernels)], capture_output=True, text=True, timeout=900)
+    assert compiled.returncode == 0, compiled.stderr
+    r = arm64(cpu, ["-m", "tmac.cli", *RUN],
+              {"TMAC_KERNEL_DIR": str(kernels), "TMAC_CACHE_DIR": str(tmp_path / "cache")})
+    assert "compiling kernel" not in r.stderr  # every kernel came from the directory
+    _same_as_x86(cpu, "kernels cross-compiled on x86-64", json.loads(r.stdout), x86_run)
+
+
+@pytest.mark.parametrize("cpu", CPUS)
+def test_run_compiling_kernels_on_the_device(cpu, tmp_path, x86_run):
+    r = arm64(cpu, ["-m", "tmac.cli", *RUN], {"TMAC_CACHE_DIR": str(tmp_path / "cache"), "TMAC_CC": HOST_LINKER})
+    assert f"for {CPUS[cpu]} ..." in r.stderr  # compiled here, by apache-tvm's aarch64 wheel
+    _same_as_x86(cpu, "kernels compiled on the device", json.loads(r.stdout), x86_run)
+
+
+LINEAR_CHECK = """
+import json, sys
+import numpy as np, torch, tmac
+from tmac import reference as ref
+rng = np.random.default_rng(0)
+x = rng.standard_normal((3, 256)).astype(np.float32)
+w = rng.standard_normal((96, 256)).astype(np.float32)
+out = {}
+for name, kw in (("W1", dict(bits=1, group_size=64)), ("W2", dict(bits=2, group_size=64)),
+                 ("W4", dict(bits=4, group_size=32)), ("ternary", dict(ternary=True, group_size=64))):
+    qw = tmac.quantize_weight(w, **kw)
+    lin = tmac.Linear.from_quantized(qw)
+    with torch.inference_mode():
+        y = lin(torch.from_numpy(x)).numpy()        # GEMM: 3 rows
+        y1 = lin(torch.from_numpy(x[:1])).numpy()   # GEMV: 1 row
+    out[name] = dict(isa=lin.spec.isa, y=y.tolist(), y1=y1.tolist(), lut=ref.lut_matmul(x, qw).tolist(),
+                     dequantized=qw.dequantize().tolist())
+json.dump(out, sys.stdout)
+"""
+
+
+@pytest.mark.parametrize("cpu", CPUS)
+def test_linear_against_the_numpy_reference(cpu, tmp_path):
+    r = arm64(cpu, ["-c", LINEAR_CHECK], {"TMAC_CACHE_DIR": str(tmp_path / "cache"), "TMAC_CC": HOST_LINKER})
+    x = np.random.default_rng(0).standard_normal((3, 256)).astype(np.float32)
+    for name, got in json.loads(r.stdout).items():
+        assert got["isa"] == CPUS[cpu]
+        y, y1, lut = (np.array(got[k]) for k in ("y", "y1", "lut"))
+        exact = x.astype(np.float64) @ np.array(got["dequantized"]).T  # fp64, the quantized weights themselves
+        lut_err = np.linalg.norm(y - lut) / np.linalg.norm(lut)
+        exact_err = np.linalg.norm(y - exact) / np.linalg.norm(exact)
+        print(f"\n{cpu} {name}: rel. L2 vs the LUT reference {lut_err:.1e}, vs fp64 of the quantized weights "
+              f"{exact_err:.1e}")
+        assert lut_err <= 1e-5 and np.linalg.norm(y1[0] - lut[0]) / np.linalg.norm(lut[0]) <= 1e-5
+        assert exact_err <= 0.02  # int8 activation tables: about 1 % (the reference's own error)
