@@ -30,7 +30,7 @@ test: $(STAMP)
 # and PyPI's aarch64 wheels, kept in .arm64/ (about 1.3 GB; built once, then reused)
 test-arm64: $(STAMP)
 	$(BIN)/python tests/arm64/environment.py
-	TMAC_TEST_ARM64=1 $(BIN)/python -m pytest -q -s -n 2 tests/arm64
+	TMAC_TEST_ARM64=1 $(BIN)/python -m pytest -q -n 2 tests/arm64
 
 bench: $(STAMP)
 	$(BIN)/python -m pytest -q bench --benchmark-columns=median,ops --benchmark-sort=name

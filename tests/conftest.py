@@ -74,6 +74,12 @@ def runnable_isas():
 
 
 def pytest_terminal_summary(terminalreporter):
+    lines = [value for kind in ("passed", "failed") for report in terminalreporter.stats.get(kind, [])
+             for name, value in report.user_properties if name == "arm64"]  # from any xdist worker
+    if lines:
+        terminalreporter.write_line("\nwhat ran on arm64 (under qemu-aarch64):")
+        for line in sorted(lines):
+            terminalreporter.write_line(line)
     results = dict(value for report in terminalreporter.stats.get("passed", [])
                    for name, value in report.user_properties if name == "fuzz")
     if results:
