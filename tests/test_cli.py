@@ -296,3 +296,36 @@ def test_run_ignore_eos_generates_every_token():
     assert len(out["generated_ids"]) == 40 and out["stop_reason"] == "length"
     help_text = tmac("run", "--help").stdout
     assert "1, 2, 3, 4, 5, 6, 8 bits" in " ".join(help_text.split())
+
+
+def test_run_compiles_its_kernels_without_a_system_compiler(tmp_path):
+    """A first run on a machine with no C compiler on PATH links its kernels with zig cc (the ziglang wheel)."""
+    env = dict(os.environ, PATH=str(tmp_path), TMAC_CACHE_DIR=str(tmp_path / "cache"))
+    env.pop("TMAC_CC", None)
+    r = tmac("run", "-p", "Hi", "-n", "2", "--json", env=env)
+    assert r.returncode == 0, r.stderr
+    assert "compiling kernel" in r.stderr and len(json.loads(r.stdout)["generated_ids"]) == 2
+
+
+def test_compile_takes_every_source_load_model_takes(tmp_path):
+    """--model reads a Hugging Face directory and a .tmac file as `tmac run` would: their kernels, then running from
+    the directory compiles nothing."""
+    import torch
+    import transformers
+
+    hf_dir = tmp_path / "hf"
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64)).save_pretrained(hf_dir)
+    r = tmac("compile", "--model", str(hf_dir), "--bits", "2", "-o", str(tmp_path / "k-hf"))
+    assert r.returncode == 0, r.stderr
+    specs = [e["spec"] for e in json.load(open(tmp_path / "k-hf" / "manifest.json"))["kernels"]]
+    assert sorted((s["bits"], s["k"]) for s in specs if "bits" in s) == [(2, 128), (2, 256), (8, 128)]
+    converted = tmp_path / "m.tmac"
+    assert tmac("convert", smollm2_path(), "--bits", "3", "-o", str(converted)).returncode == 0
+    r = tmac("compile", "--model", str(converted), "-o", str(tmp_path / "k-tmac"))
+    assert r.returncode == 0, r.stderr
+    env = dict(os.environ, TMAC_KERNEL_DIR=str(tmp_path / "k-tmac"), TMAC_CACHE_DIR=str(tmp_path / "empty-cache"))
+    r = tmac("run", str(converted), "-p", "Hi", "-n", "3", "--json", env=env)
+    assert r.returncode == 0 and "compiling" not in r.stderr, r.stderr
