@@ -10,6 +10,7 @@ decode glue reads (``tmac.glue.KV_BLOCK``); ``forward(ids, start)`` appends to i
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +19,7 @@ from torch import nn
 
 from tmac.float_linear import FloatLinear
 from tmac.glue import KV_BLOCK, check_kv_dtype
-from tmac.memory import huge_page_full
+from tmac.memory import available_bytes, huge_page_full
 
 from .generate import GenerationMixin
 
@@ -229,6 +230,14 @@ class Transformer(GenerationMixin, nn.Module):
         if (self.context, self.kv_dtype) == (context, kv_dtype) and self.cache_k is not None:
             return
         blocks, dtype = -(-context // KV_BLOCK), getattr(torch, kv_dtype)
+        need = 2 * cfg.n_layers * cfg.n_kv_heads * blocks * KV_BLOCK * cfg.head_dim * dtype.itemsize
+        free = available_bytes()
+        if free is not None and need > free + self.cache_bytes():  # the old cache's memory comes back first
+            raise ValueError(f"a KV cache of {context} positions ({kv_dtype}) needs {need / 2**30:.1f} GiB, more "
+                             f"than the {free / 2**30:.1f} GiB of memory available: give a smaller context")
+        if context > cfg.context_length:
+            warnings.warn(f"context {context} is longer than the {cfg.context_length} positions the model was "
+                          f"trained for: text past them is likely to degrade", stacklevel=3)
         self.cache_k = self.cache_v = None  # the old cache's memory back before the new one is taken
         self.cache_k = huge_page_full((cfg.n_layers, cfg.n_kv_heads, blocks, cfg.head_dim, KV_BLOCK), 0, dtype)
         self.cache_v = huge_page_full((cfg.n_layers, cfg.n_kv_heads, blocks * KV_BLOCK, cfg.head_dim), 0, dtype)
@@ -238,6 +247,9 @@ class Transformer(GenerationMixin, nn.Module):
         angles = torch.cat((angles, angles), dim=-1)[:, None, :]  # [context, 1, head_dim]
         self.cos, self.sin = angles.cos().float(), angles.sin().float()
         self.context = context
+
+    def cache_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.cache_k, self.cache_v) if t is not None)
 
     def forward(self, ids: torch.Tensor, start: int = 0, last_only: bool = False) -> torch.Tensor:
         """Logits ``[T, vocab]`` (or ``[1, vocab]`` with ``last_only``) for tokens ``ids [T]`` at positions

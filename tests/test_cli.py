@@ -207,9 +207,20 @@ def test_bench_errors_are_one_line():
                          (["bench", "--e2e", "--shape", "8x64"], "not both"),
                          (["bench", "--cold"], "give --shape"),
                          (["bench", "--profile", "--shape", "8x64"], "not both"),
-                         (["bench", "--gen-tokens", "2"], "--gen-tokens"), (["bench", "--rounds", "0"], "--rounds")]:
+                         (["bench", "--gen-tokens", "2"], "--gen-tokens"), (["bench", "--rounds", "0"], "--rounds"),
+                         (["bench", "--shape", "128x100"], "K=100 must be a multiple of 32")]:
         r = tmac(*args)
         assert r.returncode == 1 and needle in r.stderr.strip().splitlines()[-1] and "Traceback" not in r.stderr, args
+
+
+def test_bench_shows_a_shape_a_peer_cannot_run_as_a_dash():
+    """torch's int4 kernel needs out features in multiples of 16: 100x128 is timed for the others, and its row is a
+    dash with a note, not the end of the benchmark."""
+    r = tmac("bench", "--shape", "100x128", "--bits", "2", "--threads", "1")
+    assert r.returncode == 0, r.stderr
+    rows = {line.split()[1] + " " + line.split()[2]: line for line in r.stdout.splitlines() if line.startswith("100x128")}
+    assert "—" in rows["torch int4wo"] and "—" not in rows["tmac W2"] and "—" not in rows["torch fp32"]
+    assert "note: torch int4wo cannot run 100x128" in r.stdout
 
 
 def test_compile_for_a_model_gives_every_kernel_it_runs(tmp_path):
@@ -329,3 +340,23 @@ def test_compile_takes_every_source_load_model_takes(tmp_path):
     env = dict(os.environ, TMAC_KERNEL_DIR=str(tmp_path / "k-tmac"), TMAC_CACHE_DIR=str(tmp_path / "empty-cache"))
     r = tmac("run", str(converted), "-p", "Hi", "-n", "3", "--json", env=env)
     assert r.returncode == 0 and "compiling" not in r.stderr, r.stderr
+
+
+def test_context_beyond_the_model_warns_and_beyond_memory_is_refused():
+    r = tmac("run", "-p", "Hi", "-n", "2", "--context", "9000", "--json")  # SmolLM2 was trained on 8192
+    assert r.returncode == 0, r.stderr
+    assert "longer than the 8192 positions the model was trained for" in r.stderr
+    r = tmac("run", "-p", "Hi", "-n", "2", "--context", "100000000")
+    assert r.returncode == 1 and "GiB of memory available" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("after", [0.3, 2.0])  # (earlier, Python itself is still starting)
+def test_ctrl_c_during_start_up_is_one_line(after):
+    """Whether Ctrl-C comes while the command imports, loads or compiles: "interrupted" and exit 130."""
+    tmac_command = os.path.join(os.path.dirname(sys.executable), "tmac")
+    proc = subprocess.Popen([tmac_command, "run", "-p", "Hi", "-n", "50"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    time.sleep(after)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "Traceback" not in err and err.strip().splitlines()[-1] == "interrupted", err

@@ -165,9 +165,14 @@ def kernel_bench(shapes, bits_list, threads_list, notes: list[str], progress=Non
             return tensors, call, lambda n: huge_page_copies(tensors, n), nbytes
 
         torch_cands = {"torch fp32": floats((w,), lambda c: F.linear(x, c[0]), m * k * 4),
-                       "torch bf16": floats((w.to(torch.bfloat16),), lambda c: F.linear(xb, c[0]), m * k * 2),
-                       "torch int4wo": floats(int4pack(w, group), lambda c: int4_linear(xb, c, group),
-                                              m * k // 2 + m * k // group * 4)}
+                       "torch bf16": floats((w.to(torch.bfloat16),), lambda c: F.linear(xb, c[0]), m * k * 2)}
+        unable = []  # candidates that cannot run this shape: a row of "—", not an aborted benchmark
+        try:
+            torch_cands["torch int4wo"] = floats(int4pack(w, group), lambda c: int4_linear(xb, c, group),
+                                                 m * k // 2 + m * k // group * 4)
+        except RuntimeError as e:
+            unable.append("torch int4wo")
+            notes.append(f"torch int4wo cannot run {m}x{k}: {str(e).splitlines()[0]}")
         lut = {f"tmac W{bits}": LutWeight.from_quantized(quantize_weight(w.numpy(), bits=bits, group_size=group))
                for bits in bits_list}
         for threads in measured_threads(threads_list, notes):
@@ -190,6 +195,10 @@ def kernel_bench(shapes, bits_list, threads_list, notes: list[str], progress=Non
             for name, sec in seconds.items():
                 rows.append(Row(f"{m}x{k}", name, threads, sec * 1e3,
                                 {"GB/s": nbytes[name] / sec / 1e9, **extra.get(name, {})}))
+                if progress:
+                    progress.advance(f"{m}x{k} {name} {threads}t")
+            for name in unable:
+                rows.append(Row(f"{m}x{k}", name, threads, float("nan"), {}))
                 if progress:
                     progress.advance(f"{m}x{k} {name} {threads}t")
     return rows
@@ -404,8 +413,10 @@ def table(rows: list[Row], unit: str, baseline: str) -> str:
     for r in rows:
         b = base.get((r.what, r.threads))
         ratio = (b / r.value if unit == "ms" else r.value / b) if b else float("nan")
+        missing = r.value != r.value  # NaN: the candidate cannot run this case
         lines.append([r.what if len(r.what) < 40 else "…" + r.what[-39:], r.candidate, str(r.threads),
-                      f"{r.value:.3f}" if unit == "ms" else f"{r.value:.1f}", f"{ratio:.2f}x",
+                      "—" if missing else f"{r.value:.3f}" if unit == "ms" else f"{r.value:.1f}",
+                      "—" if missing or ratio != ratio else f"{ratio:.2f}x",
                       *(_figure(r.extra[k]) if k in r.extra else "" for k in keys)])
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     out = ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines]

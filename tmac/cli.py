@@ -11,7 +11,7 @@ import sys
 import time
 
 from . import cli_generate
-from .formats import BITS, GROUP_SIZES, PER_ROW, PER_TENSOR, WeightFormat
+from .formats import BITS, GROUP_SIZES, K_MULTIPLE, PER_ROW, PER_TENSOR, WeightFormat
 from .cpu import ARCH_ALIASES, ARCHES, normalize_arch
 from .kernels import DEFAULT_ISA, ISAS
 
@@ -363,6 +363,9 @@ def cmd_bench(args) -> int:
         if args.model or args.e2e or args.profile:
             raise ValueError("give either MODEL/--e2e/--profile (end-to-end) or --shape (kernels), not both")
         shapes = [parse_shape(s) for s in args.shape]
+        for (m, k), text in zip(shapes, args.shape):
+            if k % K_MULTIPLE:
+                raise ValueError(f"--shape {text}: K={k} must be a multiple of {K_MULTIPLE}")
         bits = _int_list(args.bits or "1,2,3,4", "--bits", BITS)
         total = len(shapes) * len(threads) * (len(bits) + 3)
         with Progress("benchmarking kernels", total, None) as bar:

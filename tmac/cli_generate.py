@@ -11,7 +11,6 @@ import time
 
 from .formats import BITS, GROUP_SIZES
 from .glue import KV_DTYPES
-from .memory import peak_rss_mib
 
 
 def add_parsers(sub, common) -> None:
@@ -186,6 +185,8 @@ class Streamer:
 
 
 def _stats(model, load_s: float) -> dict:
+    from .memory import peak_rss_mib
+
     s = model.last_stats
     return {"prompt_tokens": s["prompt_tokens"], "prefill_tokens": s["prefill_tokens"],
             "prompt_tokens_per_s": s["prefill_tokens"] / s["prefill_s"] if s["prefill_s"] else 0.0,

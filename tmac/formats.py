@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 # 5: exact Q5_0/Q5_1/Q5_K imports (4 + 1 planes); 6: Q6_K (4 + 2); 8: Q8_0 (two 4-plane chunks)
 BITS = (1, 2, 3, 4, 5, 6, 8)
+K_MULTIPLE = 32  # every kernel's K is a multiple of this: its smallest lut group (eight 4-activation tables)
 # bits a code takes where codes are bit-packed row-major (token tables): the smallest of 1, 2, 4, 8 holding it
 STORAGE_BITS = {b: next(s for s in (1, 2, 4, 8) if s >= b) for b in BITS}
 GROUP_SIZES = (16, 32, 64, 128, 256)  # 16: llama.cpp's Q2_K, Q3_K and Q6_K

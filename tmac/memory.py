@@ -58,6 +58,18 @@ def peak_rss_mib(pid: int | str = "self") -> float | None:
 
 
 @functools.cache
+def available_bytes() -> int | None:
+    """Memory the kernel says a new allocation can take without swapping (``MemAvailable``), None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def _libc() -> ctypes.CDLL | None:
     """The C library this process runs on, opened once (None where it cannot be)."""
     try:

@@ -81,7 +81,7 @@ from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
-from .formats import PARAM_DTYPES, PER_ROW, PER_TENSOR, WeightFormat, check_bits
+from .formats import K_MULTIPLE, PARAM_DTYPES, PER_ROW, PER_TENSOR, WeightFormat, check_bits
 from .qweight import QuantizedWeight, all_float16
 from .reference import LUT_GROUPS, TRIPLE_LUT_GROUP, default_lut_group, padded_k, plane_nibbles, triple_indices
 
@@ -170,8 +170,8 @@ class KernelSpec:
             object.__setattr__(self, "k_chunk", self._default_k_chunk())
         k, g, lg, bm, vl = self.k, self.group_size, self.lut_group, self.block_rows, self.vector_bytes
         problems = []
-        if k <= 0 or k % 32:
-            problems.append(f"K={k} must be a positive multiple of 32")
+        if k <= 0 or k % K_MULTIPLE:
+            problems.append(f"K={k} must be a positive multiple of {K_MULTIPLE}")
         if g <= 0 or k % g:
             problems.append(f"group_size={g} does not divide K={k}")
         if self.triples:

@@ -1,0 +1,5 @@
+import sys
+
+from .console import main
+
+sys.exit(main())
