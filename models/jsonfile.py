@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import json
 import os
 
+from tmac import files
 from tmac.errors import ModelFormatError
 
 MAX_JSON_BYTES = 64 << 20  # configs and tokenizer configs are small; a huge one is hostile
@@ -14,10 +14,7 @@ def read_json(path: str, missing_ok: bool = False) -> dict:
     if missing_ok and not os.path.exists(path):
         return {}
     try:
-        if os.path.getsize(path) > MAX_JSON_BYTES:
-            raise ModelFormatError(f"{path}: {os.path.getsize(path)} bytes is too large for a JSON config")
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+        data = files.read_json(path, MAX_JSON_BYTES)
     except (OSError, ValueError) as e:
         raise ModelFormatError(f"{path}: cannot read JSON ({e})") from None
     if not isinstance(data, dict):

@@ -312,6 +312,10 @@ def test_save_and_load_without_pickle(tmp_path):
     (tmp_path / "junk.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}......")
     with pytest.raises(tmac.ModelFormatError, match="junk.safetensors"):
         tmac.load(tmp_path / "junk.safetensors", _Tiny())
+    other = _Tiny()  # a skeleton of other shapes: refused, naming the layer, not silently replaced
+    other.up = nn.Linear(64, 128)
+    with pytest.raises(ValueError, match=r"layer up is out_features x in_features = 256 x 64 in the file but 128 x 64"):
+        tmac.load(path, other)
 
 
 def test_tiny_transformers_llama():

@@ -41,27 +41,111 @@ def test_cached_kernels_run_without_importing_tvm(tmp_path):
     assert second.stdout.split()[1] == first.stdout.split()[1]
 
 
-@pytest.mark.parametrize("damage", ["truncated library", "flipped byte", "garbage sidecar", "no sidecar"])
-def test_corrupted_cached_library_is_rebuilt_not_loaded(tmp_path, damage):
+def _resign(lib: str) -> None:
+    """Update a cached library's sidecar to its current bytes, as someone tampering with the cache would."""
+    meta = json.load(open(lib[:-3] + ".json"))
+    meta.update(sha256=tmac.runtime.sha256(lib), bytes=os.path.getsize(lib))
+    open(lib[:-3] + ".json", "w").write(json.dumps(meta))
+
+
+DAMAGE = ["truncated library", "flipped byte", "garbage sidecar", "no sidecar", "truncated, sidecar updated",
+          "wrong ELF machine, sidecar updated", "sidecar is a directory", "library is a directory",
+          "lock is a directory", "sidecar is a FIFO", "sidecar links to /dev/zero", "sidecar nested 100000 deep"]
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_damaged_cache_entries_are_moved_aside_and_rebuilt(tmp_path, damage):
+    """Whatever state a cache entry is found in, the kernel is rebuilt (one warning) and the next run is clean:
+    never a signal, a hang or an error on every run."""
     env = dict(os.environ, TMAC_CACHE_DIR=str(tmp_path))
     assert _run(RUN_CACHED.format(bits=2), env).returncode == 0
     (lib,) = [os.path.join(r, f) for r, _, fs in os.walk(tmp_path) for f in fs if f.endswith(".so")]
-    if damage == "truncated library":
-        with open(lib, "r+b") as f:
-            f.truncate(1000)
+    meta, lock = lib[:-3] + ".json", lib[:-3] + ".lock"
+    data = open(lib, "rb").read()
+    if damage.startswith("truncated"):
+        open(lib, "wb").write(data[:len(data) // 2])
     elif damage == "flipped byte":
-        data = bytearray(open(lib, "rb").read())
-        data[len(data) // 2] ^= 0xFF
-        open(lib, "wb").write(bytes(data))
+        open(lib, "wb").write(data[:len(data) // 2] + bytes([data[len(data) // 2] ^ 0xFF]) + data[len(data) // 2 + 1:])
+    elif damage.startswith("wrong ELF machine"):
+        open(lib, "wb").write(data[:18] + (183 if data[18] == 62 else 62).to_bytes(2, "little") + data[20:])
     elif damage == "garbage sidecar":
-        open(lib[:-3] + ".json", "w").write('{"spec": [1, 2')
+        open(meta, "w").write('{"spec": [1, 2')
+    elif damage == "no sidecar":
+        os.unlink(meta)
+    elif damage.endswith("is a directory"):
+        path = {"sidecar": meta, "library": lib, "lock": lock}[damage.split()[0]]
+        os.unlink(path)
+        os.mkdir(path)
+    elif damage == "sidecar is a FIFO":
+        os.unlink(meta)
+        os.mkfifo(meta)
+    elif damage == "sidecar links to /dev/zero":
+        os.unlink(meta)
+        os.symlink("/dev/zero", meta)
     else:
-        os.unlink(lib[:-3] + ".json")
-    again = _run(RUN_CACHED.format(bits=2), env)
+        open(meta, "w").write("[" * 100000 + "]" * 100000)
+    if "sidecar updated" in damage:
+        _resign(lib)
+    again = _run("import warnings; warnings.simplefilter('always')\n" + RUN_CACHED.format(bits=2), env)
     assert again.returncode == 0, again.stderr
-    assert "compiling kernel" in again.stderr
-    meta = json.load(open(lib[:-3] + ".json"))
-    assert meta["sha256"] == tmac.runtime.sha256(lib)
+    if damage != "lock is a directory":  # (the entry itself was sound)
+        assert "compiling kernel" in again.stderr and "moved to" in again.stderr
+    assert json.load(open(meta))["sha256"] == tmac.runtime.sha256(lib)
+    third = _run(RUN_CACHED.format(bits=2), env)
+    assert third.returncode == 0 and "compiling" not in third.stderr and "damaged" not in third.stderr, third.stderr
+
+
+@pytest.mark.parametrize("unsafe", ["owned by another user", "world-writable"])
+def test_a_cache_others_can_write_is_never_loaded_from(tmp_path, unsafe):
+    """A library planted in a cache another user owns or can write (its sidecar matching) is not loaded: kernels go
+    to a private directory of this process's, with a warning naming the reason."""
+    cache = tmp_path / "cache"
+    env = dict(os.environ, TMAC_CACHE_DIR=str(cache))
+    assert _run(RUN_CACHED.format(bits=2), env).returncode == 0
+    (lib,) = [os.path.join(r, f) for r, _, fs in os.walk(cache) for f in fs if f.endswith(".so")]
+    if unsafe == "world-writable":
+        os.chmod(os.path.dirname(lib), 0o777)
+    else:
+        if os.geteuid() != 0:
+            pytest.skip("only root can give a directory to another user")  # CI and this machine run as root
+        os.chown(os.path.dirname(lib), 12345, 12345)
+    r = _run("import warnings; warnings.simplefilter('always')\n" + RUN_CACHED.format(bits=2), env)
+    assert r.returncode == 0, r.stderr
+    reason = "writable by others" if unsafe == "world-writable" else "owned by uid 12345"
+    assert reason in r.stderr and "tmac-kernels-" in r.stderr and "compiling kernel" in r.stderr
+
+
+def test_a_read_only_cache_is_still_read(tmp_path, monkeypatch, rng):
+    """Kernels already in a cache this process cannot write are used, not compiled again."""
+    cache = tmp_path / "cache"
+    env = dict(os.environ, TMAC_CACHE_DIR=str(cache))
+    assert _run(RUN_CACHED.format(bits=2), env).returncode == 0
+    monkeypatch.setenv("TMAC_CACHE_DIR", str(cache))
+    real_access = os.access
+    monkeypatch.setattr(runtime.os, "access", lambda p, mode: False if str(p).startswith(str(cache)) and
+                        mode == os.W_OK else real_access(p, mode))  # root can write anywhere: pretend it cannot
+    qw = quantize_weight(np.random.default_rng(0).standard_normal((64, 256)).astype(np.float32), bits=2,
+                         group_size=64)
+    lib = runtime.load_kernels(LutWeight.from_quantized(qw).spec, best_isa(), progress=True)
+    assert lib.path.startswith(str(cache))
+
+
+def test_invalid_tiling_in_tuning_json_falls_back_to_the_defaults(tmp_path, monkeypatch):
+    from tmac import tuning
+    from tmac.formats import WeightFormat
+
+    monkeypatch.setattr(tuning, "tuning_file", lambda: str(tmp_path / "tuning.json"))
+    isa = best_isa()
+    fmt = WeightFormat.rtn(2, 64, False)
+    default = spec_for_format(fmt, 256, isa)
+    key = tuning.key(isa.name, 2, 256, 64, default.lut_group, True)
+    (tmp_path / "tuning.json").write_text(json.dumps({key: {"block_rows": 7, "unroll": 3, "n_tile": 2, "k_chunk": 5}}))
+    tuning._table.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="tuning.json: ignoring the tiling"):
+            assert spec_for_format(fmt, 256, isa) == default
+    finally:
+        tuning._table.cache_clear()
 
 
 def test_concurrent_processes_compiling_the_same_kernel_both_succeed(tmp_path):
@@ -72,19 +156,6 @@ def test_concurrent_processes_compiling_the_same_kernel_both_succeed(tmp_path):
     assert all(p.returncode == 0 for p in procs), [o[1] for o in outs]
     assert outs[0][0].split()[1] == outs[1][0].split()[1]
     assert sum("compiling kernel" in o[1] for o in outs) == 1  # the lock let exactly one compile
-
-
-def test_read_only_cache_falls_back_with_a_warning(tmp_path):
-    if os.geteuid() == 0:
-        ro = "/proc/tmac-not-writable"  # root ignores permission bits; /proc is never writable
-    else:
-        ro = str(tmp_path / "ro")
-        os.makedirs(ro)
-        os.chmod(ro, 0o500)
-    env = dict(os.environ, TMAC_CACHE_DIR=ro, TMPDIR=str(tmp_path))
-    r = _run("import warnings; warnings.simplefilter('always')\n" + RUN_CACHED.format(bits=2), env)
-    assert r.returncode == 0, r.stderr
-    assert "not writable" in r.stderr
 
 
 def test_tmac_compile_directory_is_used_by_linear_kernels(tmp_path, rng):
@@ -110,23 +181,30 @@ def test_tmac_compile_directory_is_used_by_linear_kernels(tmp_path, rng):
     assert lw.kernels.path.startswith(runtime.cache_dir())
 
 
-def test_kernel_cache_key_follows_the_generator_source(tmp_path, monkeypatch):
-    """The cache directory is keyed by a hash of the code generator's source: editing it (here a copy of
-    tmac/glue.py) moves the key, so kernels compiled by older code are never loaded."""
-    here = os.path.dirname(runtime.__file__)
-    for name in ("packing.py", "glue.py"):
-        shutil.copy(os.path.join(here, name), tmp_path / name)
-    base = runtime.generator_digest()
-    monkeypatch.setattr(runtime, "__file__", str(tmp_path / "runtime.py"))
-    runtime.generator_digest.cache_clear()
-    try:
-        assert runtime.generator_digest() == base
-        (tmp_path / "glue.py").write_text((tmp_path / "glue.py").read_text() + "\n# changed\n")
-        runtime.generator_digest.cache_clear()
-        changed = runtime.generator_digest()
-        assert changed != base and runtime.cache_dir().endswith(changed)
-    finally:
-        runtime.generator_digest.cache_clear()
+def test_kernel_cache_key_follows_the_generator_source(tmp_path):
+    """The cache key hashes every module codegen imports, found from its import statements: among them the ones a
+    hand-written list had left out (the reference, the format table, the token table); changing any of them moves
+    the key, so kernels compiled by older code are never loaded."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(runtime.__file__)))
+    sources = runtime.generator_sources()
+    names = {os.path.relpath(p, repo) for p in sources}
+    assert {"codegen/lut.py", "codegen/glue.py", "kernels/x86.py", "kernels/arm.py", "tmac/packing.py", "tmac/glue.py",
+            "tmac/reference.py", "tmac/formats.py"} <= names
+    assert runtime.generator_digest() == runtime.source_digest(sources) and runtime.cache_dir().endswith(
+        runtime.generator_digest())
+    copies = []
+    for i, path in enumerate(sources):  # the same file names, in folders of their own
+        (tmp_path / str(i)).mkdir()
+        copies.append(shutil.copy(path, tmp_path / str(i) / os.path.basename(path)))
+    base = runtime.source_digest(copies)
+    assert base == runtime.generator_digest()
+    for copy in copies:
+        original = open(copy, "rb").read()
+        with open(copy, "ab") as f:
+            f.write(b"\n# changed\n")
+        assert runtime.source_digest(copies) != base, copy
+        with open(copy, "wb") as f:
+            f.write(original)
 
 
 def test_kernel_dir_with_tampered_library_is_refused(tmp_path):

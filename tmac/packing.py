@@ -77,6 +77,7 @@ the plain ``[MB, R, X]`` order.
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import asdict, dataclass, fields
 
 import numpy as np
@@ -409,13 +410,20 @@ def spec_for_format(fmt: WeightFormat, k: int, isa, **tiling) -> KernelSpec:
                                                 == 0)):
         params["quads"] = True
     if triples:  # 1.67 instead of 2 bits streamed per weight
-        if not tiling:
-            tiling = tuned_tiling(isa.name, 2, k, k, TRIPLE_LUT_GROUP, False, triples=True)
-        return KernelSpec(isa.name, isa.vector_bytes, 2, k, k, TRIPLE_LUT_GROUP, False, **tiling, **params,
-                          triples=True)
-    if not tiling:
-        tiling = tuned_tiling(isa.name, fmt.bits, k, group, lut_group, fmt.has_zeros)
-    return KernelSpec(isa.name, isa.vector_bytes, fmt.bits, k, group, lut_group, fmt.has_zeros, **tiling, **params)
+        fixed, params = (2, k, k, TRIPLE_LUT_GROUP, False), {**params, "triples": True}
+    else:
+        fixed = (fmt.bits, k, group, lut_group, fmt.has_zeros)
+    if tiling:
+        return KernelSpec(isa.name, isa.vector_bytes, *fixed, **tiling, **params)
+    tuned = tuned_tiling(isa.name, *fixed, triples=triples)
+    try:
+        return KernelSpec(isa.name, isa.vector_bytes, *fixed, **tuned, **params)
+    except ValueError as e:  # a tuning table edited or damaged by hand: the defaults, not an error on every layer
+        if tuned:
+            warnings.warn(f"tuning.json: ignoring the tiling {tuned} for {isa.name} W{fixed[0]} K={k} ({e})",
+                          stacklevel=2)
+            return KernelSpec(isa.name, isa.vector_bytes, *fixed, **params)
+        raise
 
 
 def uses_triples(fmt: WeightFormat, k: int, isa) -> bool:

@@ -23,6 +23,7 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import stat
 import sys
 import tempfile
 import threading
@@ -31,6 +32,7 @@ import warnings
 
 from .cpu import physical_cores
 from .errors import KernelUnavailableError
+from .files import read_json
 from .packing import KernelSpec
 
 _lock = threading.Lock()
@@ -137,19 +139,59 @@ def tvm_version() -> str:
         raise KernelUnavailableError("apache-tvm is not installed") from None
 
 
-@functools.cache
-def generator_digest() -> str:
-    """A hash of the source that decides what a spec compiles to (codegen, the ISA primitives, the layouts and
-    spec definitions): part of every cache key and manifest entry, so kernels built by other code are never used."""
+def generator_sources() -> list[str]:
+    """The files whose code decides what a spec compiles to: every module of ``tmac.codegen`` and ``tmac.kernels``
+    and every tmac module they import, transitively, as their import statements say (so a module codegen starts to
+    import joins the key by itself). Found by path, importing nothing."""
+    import ast
+
+    packages = {name: importlib.util.find_spec(name).submodule_search_locations[0]
+                for name in ("tmac", "tmac.codegen", "tmac.kernels", "tmac.models")}
+
+    def module_file(name: str) -> str | None:
+        if name in packages:
+            return os.path.join(packages[name], "__init__.py")
+        package, _, leaf = name.rpartition(".")
+        path = os.path.join(packages[package], leaf + ".py") if package in packages else None
+        return path if path and os.path.isfile(path) else None
+
+    todo = ["tmac.codegen", "tmac.kernels"] + [f"{pkg}.{f[:-3]}" for pkg in ("tmac.codegen", "tmac.kernels")
+                                               for f in os.listdir(packages[pkg]) if f.endswith(".py")]
+    files: dict[str, str] = {}
+    while todo:
+        name = todo.pop()
+        path = None if name in files else module_file(name)
+        if path is None:  # not a tmac module (or a name imported from one)
+            continue
+        files[name] = path
+        package = name if name in packages else name.rpartition(".")[0]
+        with open(path, "rb") as f:
+            tree = ast.parse(f.read(), path)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                todo += [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join(parts + ([base] if base else []))
+                todo += [base] + [f"{base}.{a.name}" for a in node.names]  # `from . import glue`: submodules
+    return sorted(set(files.values()))
+
+
+def source_digest(paths: list[str]) -> str:
     h = hashlib.sha256()
-    here = os.path.dirname(os.path.abspath(__file__))
-    packages = [importlib.util.find_spec(f"{__package__}.{name}").submodule_search_locations[0]
-                for name in ("codegen", "kernels")]
-    files = [os.path.join(d, f) for d in packages for f in os.listdir(d) if f.endswith(".py")]
-    for path in sorted(files) + [os.path.join(here, "packing.py"), os.path.join(here, "glue.py")]:
+    for path in paths:
         with open(path, "rb") as f:
             h.update(os.path.basename(path).encode() + b"\0" + f.read())
     return h.hexdigest()[:16]
+
+
+@functools.cache
+def generator_digest() -> str:
+    """A hash of the source that decides what a spec compiles to (``generator_sources``): part of every cache key
+    and manifest entry, so kernels built by other code are never used."""
+    return source_digest(generator_sources())
 
 
 def cache_dir() -> str:
@@ -198,12 +240,11 @@ def read_manifest_for_update(directory: str, isa) -> dict[str, dict]:
 def read_manifest(path: str) -> tuple[dict, list]:
     """A manifest and its kernel entries; ``ValueError`` naming the file when it is not one."""
     try:
-        with open(path) as f:
-            manifest = json.load(f)
+        manifest = read_json(path, 16 << 20)
         kernels = manifest["kernels"]
         if not isinstance(kernels, list):
             raise TypeError("'kernels' is not a list")
-    except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
+    except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"cannot read {os.path.basename(path)} ({type(e).__name__}: {e})") from None
     return manifest, kernels
 
@@ -271,6 +312,20 @@ def check_library(path: str, arch: str, size: int | None = None) -> None:
     if e_type != 3 or e_machine != ELF_MACHINES[arch]:
         raise KernelUnavailableError(f"{path}: ELF type {e_type} for machine {e_machine}, not a shared object for "
                                      f"{arch} (type 3, machine {ELF_MACHINES[arch]})")
+    # every segment the loader maps must lie inside the file: a truncated library would be mapped past its end
+    # and die by SIGBUS on first touch
+    phoff, = struct.unpack_from("<Q", header, 32)
+    phentsize, phnum = struct.unpack_from("<HH", header, 54)
+    if phentsize != 56 or phoff + phnum * 56 > st.st_size:
+        raise KernelUnavailableError(f"{path}: its ELF program headers lie outside the file")
+    with open(path, "rb") as f:
+        f.seek(phoff)
+        table = f.read(phnum * 56)
+    for i in range(phnum):
+        p_type, _, p_offset, _, _, p_filesz = struct.unpack_from("<IIQQQQ", table, i * 56)
+        if p_type in (1, 2) and p_offset + p_filesz > st.st_size:  # PT_LOAD, PT_DYNAMIC
+            raise KernelUnavailableError(f"{path}: segment {i} ends at byte {p_offset + p_filesz}, past the "
+                                         f"file's {st.st_size} (truncated)")
 
 
 def _from_kernel_dir(spec: KernelSpec, isa, kernel_dir: str) -> str | None:
@@ -285,9 +340,13 @@ def _from_kernel_dir(spec: KernelSpec, isa, kernel_dir: str) -> str | None:
                           f"this machine runs {isa.arch}/{isa.name}: none of them is used (compile for this machine "
                           f"with tmac compile --isa {isa.name})", stacklevel=4)
         return None
-    for entry in entries:
-        if isinstance(entry, dict) and entry.get("name") == spec.name \
-                and entry.get("generator") == generator_digest():
+    named = [e for e in entries if isinstance(e, dict) and e.get("name") == spec.name]
+    if named and not any(e.get("generator") == generator_digest() for e in named) and kernel_dir not in _warned_dirs:
+        _warned_dirs.add(kernel_dir)
+        warnings.warn(f"kernel directory {kernel_dir} was compiled by another version of tmac's code generator: its "
+                      f"kernels are not used (compile it again with this tmac)", stacklevel=4)
+    for entry in named:
+        if entry.get("generator") == generator_digest():
             path = os.path.join(kernel_dir, os.path.basename(str(entry.get("file", ""))))
             size = entry.get("bytes")
             check_library(path, isa.arch, size if isinstance(size, int) else None)
@@ -298,47 +357,130 @@ def _from_kernel_dir(spec: KernelSpec, isa, kernel_dir: str) -> str | None:
     return None
 
 
-def _writable_cache() -> str:
-    d = cache_dir()
+_private: list[str] = []  # this process's own cache directory, when the shared one cannot be used
+
+
+def unsafe_dir_reason(path: str) -> str | None:
+    """Why libraries in directory ``path`` must not be loaded (None: they may): it must be a real directory owned
+    by this user and writable by no one else, as ssh requires of its keys' — else another user could plant code."""
     try:
-        os.makedirs(d, exist_ok=True)
-        probe = tempfile.NamedTemporaryFile(dir=d, prefix=".probe-")
-        probe.close()
-        return d
+        st = os.lstat(path)
     except OSError as e:
-        fallback = os.path.join(tempfile.gettempdir(), f"tmac-cache-{os.getuid()}", os.path.basename(d))
-        warnings.warn(f"kernel cache {d} is not writable ({e.strerror}); using {fallback}", stacklevel=3)
-        os.makedirs(fallback, exist_ok=True)
-        return fallback
+        return f"cannot be read ({e.strerror})"
+    if not stat.S_ISDIR(st.st_mode):
+        return "is not a directory"
+    if st.st_uid != os.getuid():
+        return f"is owned by uid {st.st_uid}, not this user ({os.getuid()})"
+    if st.st_mode & 0o022:
+        return f"is writable by others (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
 
 
-def _valid_cached(so: str, meta: str, spec: KernelSpec) -> bool:
+def _private_cache() -> str:
+    """A directory of this process's own (``mkdtemp``: random name, mode 700), removed at exit."""
+    if not _private:
+        import atexit
+        import shutil
+
+        _private.append(tempfile.mkdtemp(prefix="tmac-kernels-"))
+        atexit.register(shutil.rmtree, _private[0], True)
+    return _private[0]
+
+
+def _cache_for_writing(d: str) -> str:
+    """``d`` when this process may compile into it, else a private directory (saying why, once)."""
+    problem = unsafe_dir_reason(d)
+    if problem is None and os.access(d, os.W_OK):
+        return d
+    private = _private_cache()
+    if d not in _warned_dirs:
+        _warned_dirs.add(d)
+        warnings.warn(f"kernel cache {d} {problem or 'is read-only'}: kernels compiled now go to {private} for this "
+                      f"process only (set TMAC_CACHE_DIR to a directory of your own)", stacklevel=4)
+    return private
+
+
+def _cached(d: str, spec: KernelSpec, isa) -> str | None:
+    """The library of ``spec`` in cache directory ``d`` if a sound one is there; a damaged entry (unreadable, not a
+    regular file, not this user's, not matching its sidecar, not an ELF library for ``isa``) is moved aside with a
+    warning, so that it is rebuilt, and None returned."""
+    so, meta = os.path.join(d, spec.name + ".so"), os.path.join(d, spec.name + ".json")
+    if not os.path.lexists(so) and not os.path.lexists(meta):
+        return None
     try:
-        with open(meta) as f:
-            entry = json.load(f)
-        return entry.get("spec") == dataclasses.asdict(spec) and sha256(so) == entry.get("sha256")
-    except (OSError, ValueError, AttributeError):
-        return False
+        entry = read_json(meta, 1 << 20)
+        if not isinstance(entry, dict) or entry.get("spec") != dataclasses.asdict(spec):
+            raise KernelUnavailableError(f"{meta}: its spec is not {spec.name}'s")
+        st = os.lstat(so)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+            raise KernelUnavailableError(f"{so}: not a regular file of this user's, writable by no one else")
+        size = entry.get("bytes")
+        check_library(so, isa.arch, size if type(size) is int else None)
+        if sha256(so) != entry.get("sha256"):
+            raise KernelUnavailableError(f"{so}: does not match the sha256 in its sidecar")
+        return so
+    except (OSError, ValueError, KernelUnavailableError) as e:
+        if unsafe_dir_reason(d) is None and os.access(d, os.W_OK):
+            _quarantine(d, [so, meta], e)
+        return None
+
+
+def _quarantine(d: str, paths: list[str], why: Exception) -> None:
+    """Move damaged cache files aside (``.damaged/``, kept for a look) so the entry is rebuilt."""
+    aside = os.path.join(d, ".damaged")
+    os.makedirs(aside, mode=0o700, exist_ok=True)
+    stamp = f"{time.time_ns()}"
+    moved = []
+    for path in paths:
+        if os.path.lexists(path):
+            os.replace(path, os.path.join(aside, f"{os.path.basename(path)}.{stamp}"))
+            moved.append(os.path.basename(path))
+    warnings.warn(f"kernel cache: damaged entry {', '.join(moved)} moved to {aside} and rebuilt ({why})",
+                  stacklevel=5)
+
+
+def _lock_file(path: str) -> int:
+    """A file descriptor locked exclusively on ``path`` (a lock file; anything else there is moved aside first)."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, 0o600)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise OSError(f"{path} is not a regular file")
+    except OSError as e:
+        _quarantine(os.path.dirname(path), [path], e)
+        fd = os.open(path, flags, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
 
 
 def _from_cache(spec: KernelSpec, isa, progress: bool) -> str:
-    d = _writable_cache()
-    so, meta = os.path.join(d, spec.name + ".so"), os.path.join(d, spec.name + ".json")
-    if _valid_cached(so, meta, spec):
-        return so
-    with open(os.path.join(d, spec.name + ".lock"), "w") as lockfile:
-        fcntl.flock(lockfile, fcntl.LOCK_EX)  # another process may be compiling the same kernel
-        if _valid_cached(so, meta, spec):
-            return so
+    d = cache_dir()
+    try:
+        os.makedirs(d, mode=0o700, exist_ok=True)
+    except OSError:
+        pass
+    if unsafe_dir_reason(d) is None:  # read even when read-only
+        found = _cached(d, spec, isa)
+        if found:
+            return found
+    d = _cache_for_writing(d)
+    fd = _lock_file(os.path.join(d, spec.name + ".lock"))  # another process may be compiling the same kernel
+    try:
+        found = _cached(d, spec, isa)
+        if found:
+            return found
         from .codegen.build import build_library  # imports TVM: only on a cache miss
 
+        so, meta = os.path.join(d, spec.name + ".so"), os.path.join(d, spec.name + ".json")
         t0 = time.perf_counter()
         if progress:
             print(f"tmac: compiling kernel {spec.name} for {isa.name} ...", end="", file=sys.stderr, flush=True)
-        fd, tmp = tempfile.mkstemp(dir=d, prefix=".build-", suffix=".so")
-        os.close(fd)
+        fd_tmp, tmp = tempfile.mkstemp(dir=d, prefix=".build-", suffix=".so")
+        os.close(fd_tmp)
         try:
             build_library(spec, isa, tmp)
+            os.chmod(tmp, 0o644)
             entry = kernel_entry(spec, isa, os.path.basename(so), sha256(tmp), os.path.getsize(tmp))
             _atomic_write_text(meta + ".tmp", json.dumps(entry, indent=1))
             os.replace(tmp, so)
@@ -348,7 +490,9 @@ def _from_cache(spec: KernelSpec, isa, progress: bool) -> str:
                 os.unlink(tmp)
         if progress:
             print(f" {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
-    return so
+        return so
+    finally:
+        os.close(fd)
 
 
 def _atomic_write_text(path: str, text: str) -> None:

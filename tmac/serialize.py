@@ -81,11 +81,19 @@ def load(path: str | os.PathLike, model: nn.Module | None = None, *, strict: boo
             continue  # load_state_dict reports the unexpected key
         try:
             if type(current) in FLOAT_LINEARS and "spec" in extra:
-                setattr(parent, child, Linear._empty(extra, state.get(prefix + ".qweight" if prefix else "qweight")))
+                new = Linear._empty(extra, state.get(prefix + ".qweight" if prefix else "qweight"))
+                dims = ("out_features", "in_features")
             elif type(current) is nn.Embedding and extra.get("kind") == "embedding":
-                setattr(parent, child, Embedding._empty(extra))
+                new, dims = Embedding._empty(extra), ("num_embeddings", "embedding_dim")
+            else:
+                continue
         except (ValueError, TypeError) as e:
             raise ModelFormatError(f"{path}: layer {prefix}: {e}") from None
+        saved, wanted = (tuple(getattr(m, d) for d in dims) for m in (new, current))
+        if saved != wanted:
+            raise ValueError(f"{path}: layer {prefix} is {dims[0]} x {dims[1]} = {saved[0]} x {saved[1]} in the file "
+                             f"but {wanted[0]} x {wanted[1]} in the model it is loaded into")
+        setattr(parent, child, new)
     meta_params = any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers())
     try:
         model.load_state_dict(state, strict=strict, assign=meta_params)

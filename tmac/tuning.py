@@ -16,6 +16,8 @@ import functools
 import json
 import os
 
+from .files import read_json
+
 GEMM_ROWS = 16
 MARGIN = 0.03  # a tiling replaces the default only when it is this much faster: timings of one tiling vary ~1-3 %
 TILE_FIELDS = ("block_rows", "unroll", "n_tile", "k_chunk")  # k_chunk may be missing: tuned before K chunks
@@ -34,9 +36,8 @@ def key(isa: str, bits: int, k: int, group: int, lut_group: int, has_zeros: bool
 @functools.lru_cache(maxsize=1)
 def _table(path: str) -> dict:
     try:
-        with open(path) as f:
-            table = json.load(f)
-    except (OSError, ValueError):
+        table = read_json(path, 16 << 20)
+    except (OSError, ValueError):  # missing, or not a tuning table (a FIFO, a device, malformed): never tuned
         return {}
     if not isinstance(table, dict):
         return {}

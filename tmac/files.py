@@ -1,0 +1,44 @@
+"""Reading files tmac does not control (model files, caches, kernel directories) without being hung or flooded.
+
+Only regular files are read — a FIFO would block forever, ``/dev/zero`` never ends — and never more than a cap;
+JSON nested deeper than the parser's recursion is refused as malformed, not raised as ``RecursionError``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+
+
+def read_regular(path: str, max_bytes: int) -> bytes:
+    """The bytes of ``path``, a regular file (through links) of at most ``max_bytes``; ``ValueError`` otherwise,
+    ``OSError`` when it cannot be opened."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO opens without waiting for a writer
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{path}: not a regular file")
+        if st.st_size > max_bytes:
+            raise ValueError(f"{path}: {st.st_size} bytes, more than the {max_bytes} such a file may have")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(max_bytes + 1)
+    finally:
+        os.close(fd)
+    if len(data) > max_bytes:  # grew while read
+        raise ValueError(f"{path}: more than the {max_bytes} bytes such a file may have")
+    return data
+
+
+def parse_json(text: str | bytes, what: str):
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError(f"{what}: JSON nested too deeply") from None
+    except ValueError as e:
+        raise ValueError(f"{what}: not valid JSON ({e})") from None
+
+
+def read_json(path: str, max_bytes: int):
+    """The JSON value in ``path`` (a regular file of at most ``max_bytes``); ``ValueError`` naming the file."""
+    return parse_json(read_regular(path, max_bytes), path)
