@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tmac import files
 from tmac.errors import ModelFormatError
 
 MAGIC = b"GGUF"
@@ -40,7 +41,7 @@ class GGUFTensor:
 class GGUFFile:
     def __init__(self, path: str):
         self.path = path
-        with open(path, "rb") as f:
+        with open(files.require_regular(path), "rb") as f:
             size = os.fstat(f.fileno()).st_size
             if size < 24:
                 raise self._error("header", f"file is {size} bytes, shorter than a GGUF header")

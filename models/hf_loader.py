@@ -15,6 +15,7 @@ import os
 import numpy as np
 import torch
 
+from tmac import files as untrusted
 from tmac.errors import ModelFormatError
 from tmac.float_linear import all_finite
 from tmac.formats import PER_TENSOR, WeightFormat
@@ -85,7 +86,7 @@ class HFModel:
         from safetensors import safe_open
 
         try:
-            with safe_open(single, framework="pt") as f:
+            with safe_open(untrusted.require_regular(single), framework="pt") as f:
                 return {name: single for name in f.keys()}
         except Exception as e:
             raise ModelFormatError(f"{single}: not a readable safetensors file ({e})") from None
@@ -179,7 +180,7 @@ class HFModel:
         from safetensors import safe_open
 
         try:
-            with safe_open(file, framework="pt") as f:
+            with safe_open(untrusted.require_regular(file), framework="pt") as f:
                 return what(f)
         except Exception as e:
             raise ModelFormatError(f"{file}: tensor {hf}: {e}") from None

@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from torch import nn
 
+from tmac import files
 from tmac.embedding import Embedding
 from tmac.errors import ModelFormatError
 from tmac.float_linear import FloatLinear, exact_16bit, exactly_in
@@ -254,6 +255,6 @@ def _param(t) -> nn.Parameter:
 
 
 def _is_gguf(path: str) -> bool:
-    with open(path, "rb") as f:
+    with open(files.require_regular(path), "rb") as f:
         return f.read(4) == b"GGUF"
 

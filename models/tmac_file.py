@@ -10,6 +10,7 @@ import dataclasses
 import torch
 from torch import nn
 
+from tmac import files
 from tmac.errors import ModelFormatError
 from tmac.float_linear import FloatLinear
 from tmac.serialize import load, read_model_info, save
@@ -50,7 +51,7 @@ def save_model(model: Transformer, path: str) -> None:
 
 
 def is_tmac_file(path: str) -> bool:
-    with open(path, "rb") as f:
+    with open(files.require_regular(path), "rb") as f:
         head = f.read(9)
     return len(head) == 9 and head[8:9] == b"{" and read_model_info(path) is not None
 
@@ -136,11 +137,8 @@ def check_structure(model: Transformer) -> None:
 
 
 def _tokenizer(tok: dict) -> Tokenizer:
-    from tokenizers import Tokenizer as HFTokenizer
+    from .tokenizer import hf_backend
 
-    try:
-        backend = HFTokenizer.from_str(tok["json"])
-    except Exception as e:  # tokenizers raises a bare Exception for malformed JSON
-        raise ValueError(f"tokenizer: {e}") from None
+    backend = hf_backend(tok["json"], "tokenizer")
     return Tokenizer(backend, tok["bos_id"], tok["eos_id"], bool(tok["add_bos"]),
                      tok["chat_template"], frozenset(int(i) for i in tok["stop_ids"]))

@@ -13,6 +13,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
+from tmac import files
 from tmac.errors import ModelFormatError
 
 from .jsonfile import read_json
@@ -63,7 +64,7 @@ class Tokenizer:
         """The prompt text of a conversation, rendered with the model's chat template in a jinja2 sandbox."""
         if not self.chat_template:
             raise ValueError("this model has no chat template; use raw prompts (--no-chat)")
-        return _compile_template(self.chat_template).render(
+        return _compile_template(self.chat_template)(
             messages=messages, add_generation_prompt=add_generation_prompt,
             bos_token=self._text(self.bos_id), eos_token=self._text(self.eos_id))
 
@@ -119,13 +120,12 @@ class Tokenizer:
     @classmethod
     def from_hf_dir(cls, path: str) -> "Tokenizer":
         """From ``tokenizer.json`` (+ ``tokenizer_config.json`` for BOS/EOS flags and the chat template)."""
-        from tokenizers import Tokenizer as HFTokenizer
-
         file = os.path.join(path, "tokenizer.json")
         try:
-            backend = HFTokenizer.from_file(file)
-        except Exception as e:  # tokenizers raises a bare Exception for malformed files
+            text = files.read_regular(file, MAX_TOKENIZER_BYTES)
+        except (OSError, ValueError) as e:
             raise ModelFormatError(f"{file}: cannot read tokenizer ({e})") from None
+        backend = hf_backend(text, file)
         config = read_json(os.path.join(path, "tokenizer_config.json"), missing_ok=True)
 
         def special(name):
@@ -139,6 +139,49 @@ class Tokenizer:
                    template if isinstance(template, str) else None, frozenset({eos} - {None}))
 
 
+MAX_TOKENIZER_BYTES = 256 << 20
+MAX_REPLACEMENT = 256  # characters a normalizer may put in (a Replace's content, a Prepend)
+
+
+def hf_backend(text: str | bytes, where: str):
+    """A ``tokenizers.Tokenizer`` from a ``tokenizer.json`` text, made safe to run on any prompt: padding and
+    truncation (which tmac never uses; a fixed padding of 10^8 tokens would take gigabytes) are dropped, and
+    normalizers that could grow a text without bound (an empty pattern replaced, long replacements) refused."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    try:
+        spec = files.parse_json(text, where)
+        if not isinstance(spec, dict):
+            raise ValueError(f"{where}: not a JSON object")
+        spec.update(padding=None, truncation=None)
+        _check_normalizer(spec.get("normalizer"), where)
+        return HFTokenizer.from_str(json.dumps(spec))
+    except ModelFormatError:
+        raise
+    except Exception as e:  # tokenizers raises a bare Exception for malformed files
+        raise ModelFormatError(f"{where}: cannot read tokenizer ({e})") from None
+
+
+def _check_normalizer(node, where: str) -> None:
+    if isinstance(node, list):
+        for n in node:
+            _check_normalizer(n, where)
+    elif isinstance(node, dict):
+        kind = node.get("type")
+        if kind == "Replace":
+            pattern = node.get("pattern")
+            found = next(iter(pattern.values()), None) if isinstance(pattern, dict) else None
+            content = node.get("content")
+            if not isinstance(found, str) or not found or not isinstance(content, str) or \
+                    len(content) > MAX_REPLACEMENT:
+                raise ModelFormatError(f"{where}: normalizer Replace({found!r:.40} -> {len(str(content))} chars) "
+                                       f"could grow a text without bound")
+        elif kind == "Prepend" and len(str(node.get("prepend", ""))) > MAX_REPLACEMENT:
+            raise ModelFormatError(f"{where}: normalizer Prepend of {len(str(node.get('prepend')))} characters")
+        for key in ("normalizers", "normalizer"):
+            _check_normalizer(node.get(key), where)
+
+
 def _token_id(meta: dict, name: str, vocab: int, source: str) -> int | None:
     value = meta.get(f"tokenizer.ggml.{name}_token_id")
     if value is None:
@@ -148,17 +191,99 @@ def _token_id(meta: dict, name: str, vocab: int, source: str) -> int | None:
     return value
 
 
+# a chat template is a model file's data: it renders in a sandbox that also bounds its work and its output
+TEMPLATE_SECONDS = 2.0  # wall time of one render (enforced in the main thread: SIGALRM)
+TEMPLATE_OUTPUT = 1 << 20  # characters of one render
+TEMPLATE_ITEMS = 100_000  # range() items of one render, and the longest string or list an operator may build
+
+
+class TemplateLimit(Exception):
+    """A chat template exceeded its time, output or size bounds."""
+
+
+def _bounded_environment():
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Bounded(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset(["*", "**", "+"])
+
+        def call_binop(self, context, operator, left, right):
+            if operator == "**" and isinstance(right, (int, float)) and isinstance(left, (int, float)) and \
+                    (abs(right) > 64 or abs(left) > 2 ** 64):
+                raise TemplateLimit(f"{left!r:.20} ** {right!r:.20} is too large")
+            if operator == "*":
+                seq, times = (left, right) if isinstance(right, int) else (right, left)
+                if isinstance(seq, (str, list, tuple)) and isinstance(times, int) and len(seq) * times > TEMPLATE_ITEMS:
+                    raise TemplateLimit(f"a repetition of {len(seq) * times} items")
+            if operator == "+" and isinstance(left, (str, list, tuple)) and isinstance(right, (str, list, tuple)) \
+                    and len(left) + len(right) > TEMPLATE_OUTPUT:
+                raise TemplateLimit(f"a concatenation of {len(left) + len(right)} items")
+            return super().call_binop(context, operator, left, right)
+
+    return Bounded(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+
+
 def _compile_template(source: str):
     from jinja2 import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message):
         raise TemplateError(message)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    env.globals["raise_exception"] = raise_exception
-    env.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
+    budget = [TEMPLATE_ITEMS]
+
+    def bounded_range(*args):
+        r = range(*args)
+        budget[0] -= len(r)
+        if budget[0] < 0:
+            raise TemplateLimit(f"range() calls over {TEMPLATE_ITEMS} items in all")
+        return r
+
+    def tojson(value, indent=None):
+        if indent is not None and (not isinstance(indent, int) or not 0 <= indent <= 16):
+            raise TemplateLimit(f"tojson(indent={indent!r:.20})")
+        return json.dumps(value, ensure_ascii=False, indent=indent)
+
+    env = _bounded_environment()
+    env.globals.update(raise_exception=raise_exception, range=bounded_range)
+    env.filters["tojson"] = tojson
     try:
-        return env.from_string(source)
-    except TemplateError as e:
-        raise ModelFormatError(f"chat template does not compile: {e}") from None
+        template = env.from_string(source)
+    except (TemplateError, RecursionError, MemoryError) as e:
+        raise ModelFormatError(f"chat template does not compile: {type(e).__name__}: {e}") from None
+
+    def render(**context) -> str:
+        budget[0] = TEMPLATE_ITEMS
+        return _render_bounded(template, context)
+    return render
+
+
+def _render_bounded(template, context: dict) -> str:
+    import signal
+    import threading
+
+    from jinja2 import TemplateError
+
+    def out_of_time(signum, frame):
+        raise TemplateLimit(f"rendering took more than {TEMPLATE_SECONDS} s")
+
+    timed = threading.current_thread() is threading.main_thread()
+    if timed:
+        previous = signal.signal(signal.SIGALRM, out_of_time)
+        signal.setitimer(signal.ITIMER_REAL, TEMPLATE_SECONDS)
+    try:
+        parts, size = [], 0
+        for chunk in template.generate(**context):
+            size += len(chunk)
+            if size > TEMPLATE_OUTPUT:
+                raise TemplateLimit(f"output over {TEMPLATE_OUTPUT} characters")
+            parts.append(chunk)
+        return "".join(parts)
+    except TemplateError:
+        raise  # the template's own raise_exception: its message is for the user
+    except (TemplateLimit, RecursionError, MemoryError, OverflowError, TypeError, ValueError, ArithmeticError,
+            AttributeError, LookupError) as e:
+        raise ModelFormatError(f"chat template: {type(e).__name__}: {e}") from None
+    finally:
+        if timed:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)

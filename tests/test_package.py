@@ -68,9 +68,34 @@ def test_chat_templates_render_in_a_sandbox():
 
     hostile = "{{ ''.__class__.__mro__[1].__subclasses__() }}"
     with pytest.raises(SecurityError):
-        _compile_template(hostile).render(messages=[])
+        _compile_template(hostile)(messages=[])
     mutate = "{% set m = messages %}{{ m.append(1) }}"
     with pytest.raises(SecurityError):
-        _compile_template(mutate).render(messages=[])
-    assert _compile_template("{% for m in messages %}{{ m.content }}{% endfor %}").render(
+        _compile_template(mutate)(messages=[])
+    assert _compile_template("{% for m in messages %}{{ m.content }}{% endfor %}")(
         messages=[{"content": "hi"}]) == "hi"
+
+
+BOMBS = {"nested loops": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+         "a huge string": "{{ 'x' * 10**10 }}", "a huge list": "{{ ([0] * 10**9) | length }}",
+         "tojson indent": "{{ messages | tojson(indent=10**9) }}", "a power": "{{ 7 ** 100000000 }}",
+         "recursion": "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",
+         "doubling": "{% set ns = namespace(s='x') %}{% for i in range(60) %}{% set ns.s = ns.s + ns.s %}{% endfor %}"
+                     "{{ ns.s | length }}",
+         "output": "{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}",
+         "busy loop": "{% for m in ([messages] * 90000) %}{% for n in ([messages] * 90000) %}{% endfor %}{% endfor %}"}
+
+
+def test_chat_templates_are_bounded_in_time_memory_and_output():
+    """A template is a model file's data: whatever it asks, rendering ends within seconds with ModelFormatError."""
+    import pytest
+
+    import tmac
+    from tmac.models.tokenizer import TEMPLATE_SECONDS, _compile_template
+
+    for name, source in BOMBS.items():
+        with pytest.raises(tmac.ModelFormatError, match="chat template") as e:
+            _compile_template(source)(messages=[{"role": "user", "content": "hi"}])
+        assert "TemplateLimit" in str(e.value) or "RecursionError" in str(e.value), (name, e.value)
+    with pytest.raises(tmac.ModelFormatError, match=f"took more than {TEMPLATE_SECONDS} s"):
+        _compile_template(BOMBS["busy loop"])(messages=[])

@@ -11,6 +11,20 @@ import os
 import stat
 
 
+def require_regular(path: str) -> str:
+    """``path`` if it is a regular file (through links); ``ModelFormatError`` otherwise — before anything opens it,
+    since opening a FIFO blocks and a device never ends."""
+    from .errors import ModelFormatError
+
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        raise ModelFormatError(f"{path}: cannot read ({e.strerror})") from None
+    if not stat.S_ISREG(mode):
+        raise ModelFormatError(f"{path}: not a regular file")
+    return path
+
+
 def read_regular(path: str, max_bytes: int) -> bytes:
     """The bytes of ``path``, a regular file (through links) of at most ``max_bytes``; ``ValueError`` otherwise,
     ``OSError`` when it cannot be opened."""

@@ -16,6 +16,7 @@ import tempfile
 import torch
 from torch import nn
 
+from . import files
 from .errors import ModelFormatError
 from .embedding import Embedding
 from .float_linear import FLOAT_LINEARS
@@ -107,7 +108,7 @@ def read_model_info(path: str | os.PathLike) -> dict | None:
     from safetensors import safe_open
 
     try:
-        with safe_open(os.fspath(path), framework="pt") as f:
+        with safe_open(files.require_regular(os.fspath(path)), framework="pt") as f:
             info = (f.metadata() or {}).get("tmac_model")
         return None if info is None else json.loads(info)
     except Exception as e:  # safetensors and json raise their own error types for malformed files
@@ -122,7 +123,7 @@ def read_state(path: str | os.PathLike) -> dict:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no such model file: {path}")
     try:
-        with safe_open(path, framework="pt") as f:
+        with safe_open(files.require_regular(path), framework="pt") as f:
             meta = f.metadata() or {}
             state = {key: f.get_tensor(key) for key in f.keys()}
     except Exception as e:  # safetensors raises its own error types for malformed headers
