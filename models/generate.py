@@ -104,6 +104,8 @@ class GenerationMixin:
         _check_sampling(max_new_tokens, temperature, top_k, top_p, repetition_penalty, repeat_last_n)
         if isinstance(stop, str):
             stop = (stop,)
+        if seed is not None and (type(seed) is not int or not 0 <= seed < 2 ** 63):
+            raise ValueError(f"seed must be None or an int in [0, 2**63), got {seed!r:.40}")
         self._check_room(len(prompt), max_new_tokens)
         generator = torch.Generator().manual_seed(seed) if seed is not None else None
         if stop and self.tokenizer is None:

@@ -104,6 +104,8 @@ class GGUFModel:
         if t is None:
             raise ModelFormatError(f"{self.path}: tensor {gname} is missing")
         shape, type_name = t.shape, t.type_name
+        if type_name in INTEGER_TYPES:
+            raise ModelFormatError(f"{self.path}: tensor {gname} has the integer type {type_name}, not a weight type")
         matrix, value = len(shape) == 2, None
         if exact and matrix and type_name in GGUF_EXACT:
             # a rare block the format cannot hold exactly (InexactImport): the tensor comes at 8 bits below
@@ -183,6 +185,9 @@ def _gguf_name(name: str) -> str:
     return f"blk.{i}.{LAYER_TENSORS[rest]}"
 
 
+INTEGER_TYPES = ("I8", "I16", "I32", "I64")  # GGML types of indices and counts, never of a model's weights
+
+
 def _as_torch(data: np.ndarray, type_name: str, shape: tuple[int, ...]) -> torch.Tensor:
     """A tensor's values as torch: F16 and BF16 in their own dtype (16-bit weights stay 16-bit), others as
     float32 (``_dequantize``)."""
@@ -201,6 +206,8 @@ def _dequantize(data: np.ndarray, type_name: str, shape: tuple[int, ...]) -> np.
 
     if type_name == "F32":
         a = data.view(np.float32).copy()
+    elif type_name == "F64":
+        a = data.view(np.float64).astype(np.float32)
     elif type_name == "F16":
         a = data.view(np.float16).astype(np.float32)
     elif type_name == "BF16":

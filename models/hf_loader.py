@@ -18,9 +18,10 @@ import torch
 from tmac import files as untrusted
 from tmac.errors import ModelFormatError
 from tmac.float_linear import all_finite
-from tmac.formats import PER_TENSOR, WeightFormat
+from tmac.formats import BITS, PER_TENSOR, WeightFormat
 from tmac.qweight import QuantizedWeight
 
+from .gptq import VERSIONS as GPTQ_VERSIONS
 from .jsonfile import read_json
 from .llama import LlamaConfig
 from .tokenizer import Tokenizer
@@ -50,7 +51,10 @@ class SafetensorsRows:
         self.model, self.hf, self.shape = model, hf, shape
 
     def rows(self, start: int, stop: int) -> np.ndarray:
-        return self.model._read(self.hf, lambda f: f.get_slice(self.hf)[start:stop]).float().numpy()
+        a = self.model._read(self.hf, lambda f: f.get_slice(self.hf)[start:stop]).float().numpy()
+        if not np.isfinite(a).all():
+            raise ModelFormatError(f"{self.model.path}: tensor {self.hf} contains NaN or inf")
+        return a
 
     def tensor(self) -> torch.Tensor:
         return self.model._float(self.hf, self.model._tensor(self.hf))
@@ -120,6 +124,13 @@ class HFModel:
                                        f"supported; re-quantize with desc_act=False")
             self.gptq = {"bits": quant.get("bits"), "group_size": quant.get("group_size", 128),
                          "version": quant.get("checkpoint_format", "gptq")}
+            for field, ok in (("bits", lambda v: type(v) is int and v in BITS),
+                              ("group_size", lambda v: type(v) is int and (v == -1 or 0 < v <= 1 << 20)),
+                              ("version", lambda v: v in GPTQ_VERSIONS)):
+                if not ok(self.gptq[field]):
+                    name = "checkpoint_format" if field == "version" else field
+                    raise ModelFormatError(f"{self.path}/config.json: quantization_config.{name}="
+                                           f"{self.gptq[field]!r:.40} is not supported")
         elif quant is not None and not self.packed_ternary:
             raise ModelFormatError(f"{self.path}/config.json: quantization_config {quant!r:.120} is not supported; "
                                    f"supported: none (float), GPTQ, BitNet offline bitlinear (packed ternary)")

@@ -58,10 +58,12 @@ class LlamaConfig:
         if not problems and self.head_dim == 0 and self.n_heads:
             self.head_dim = self.dim // self.n_heads
         problems += [f"{name}={getattr(self, name)!r}" for name in LIMITS if getattr(self, name) == 0]
-        for name in ("norm_eps", "rope_theta"):
+        for name, most in (("norm_eps", 1.0), ("rope_theta", 1e12)):  # (real models: 1e-6..1e-5, 1e4..1e8)
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1e30:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= most:
                 problems.append(f"{name}={value!r:.40}")
+            else:
+                setattr(self, name, float(value))
         if self.rope_scaling is not None and not _valid_llama3_scaling(self.rope_scaling):
             problems.append(f"rope_scaling={self.rope_scaling!r:.200} (llama3 needs numbers factor, "
                             f"low_freq_factor < high_freq_factor, original_max_position_embeddings)")

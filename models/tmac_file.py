@@ -139,6 +139,20 @@ def check_structure(model: Transformer) -> None:
 def _tokenizer(tok: dict) -> Tokenizer:
     from .tokenizer import hf_backend
 
+    if not isinstance(tok, dict) or not isinstance(tok.get("json"), str):
+        raise ValueError("tokenizer: not an object with the tokenizer.json text")
     backend = hf_backend(tok["json"], "tokenizer")
-    return Tokenizer(backend, tok["bos_id"], tok["eos_id"], bool(tok["add_bos"]),
-                     tok["chat_template"], frozenset(int(i) for i in tok["stop_ids"]))
+    vocab = backend.get_vocab_size(with_added_tokens=True)
+
+    def token(name, value):
+        if value is not None and (type(value) is not int or not 0 <= value < vocab):
+            raise ValueError(f"tokenizer {name}={value!r:.40} is not a token id below {vocab}")
+        return value
+
+    stop, template = tok["stop_ids"], tok["chat_template"]
+    if not isinstance(stop, list) or len(stop) > vocab:
+        raise ValueError(f"tokenizer stop_ids={stop!r:.40} is not a list of token ids")
+    if template is not None and not isinstance(template, str) or type(tok["add_bos"]) is not bool:
+        raise ValueError("tokenizer chat_template must be a string or null, add_bos a boolean")
+    return Tokenizer(backend, token("bos_id", tok["bos_id"]), token("eos_id", tok["eos_id"]), tok["add_bos"],
+                     template, frozenset(token("stop_ids", i) for i in stop))

@@ -83,14 +83,18 @@ class Tokenizer:
             raise ModelFormatError(f"{source}: tokenizer.ggml.model={model!r} is not supported; supported: "
                                    f"'gpt2' (byte-level BPE)")
         pre = meta.get("tokenizer.ggml.pre", "gpt2")
-        if pre not in PRE_TOKENIZERS:
+        if not isinstance(pre, str) or pre not in PRE_TOKENIZERS:
             raise ModelFormatError(f"{source}: tokenizer.ggml.pre={pre!r} is not supported; supported: "
                                    f"{sorted(PRE_TOKENIZERS)}")
         tokens = meta.get("tokenizer.ggml.tokens")
         merges = meta.get("tokenizer.ggml.merges")
-        if not isinstance(tokens, list) or not tokens or not isinstance(merges, list):
-            raise ModelFormatError(f"{source}: tokenizer.ggml.tokens / tokenizer.ggml.merges missing or malformed")
-        types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+        if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+            raise ModelFormatError(f"{source}: tokenizer.ggml.tokens missing or not an array of strings")
+        if not isinstance(merges, list) or not all(isinstance(m, str) for m in merges):
+            raise ModelFormatError(f"{source}: tokenizer.ggml.merges missing or not an array of strings")
+        types = meta.get("tokenizer.ggml.token_type", [1] * len(tokens))
+        if not isinstance(types, list) or not all(type(t) is int for t in types):
+            raise ModelFormatError(f"{source}: tokenizer.ggml.token_type is not an array of integers")
         if len(types) != len(tokens):
             raise ModelFormatError(f"{source}: {len(types)} token types for {len(tokens)} tokens")
         vocab = {t: i for i, t in enumerate(tokens)}

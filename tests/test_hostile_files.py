@@ -78,3 +78,59 @@ def test_deeply_nested_json_is_malformed_not_a_recursion_error(hf_dir, tmp_path,
     (d / name).write_text("[" * 100_000 + "]" * 100_000)
     with pytest.raises(tmac.ModelFormatError, match=name):
         tmac.load_model(d, context=16)
+
+
+@pytest.fixture(scope="module")
+def tmac_file(tmp_path_factory):
+    from tmac.models.llama import LlamaConfig
+    from tmac.models.synthetic import write_random_gguf
+    from tmac.models.tmac_file import save_model
+
+    d = tmp_path_factory.mktemp("tmacfile")
+    write_random_gguf(str(d / "m.gguf"), LlamaConfig(vocab_size=512, dim=256, n_layers=1, n_heads=4, n_kv_heads=2,
+                                                      ffn_dim=512, context_length=64), "Q4_0")
+    save_model(tmac.load_model(str(d / "m.gguf"), context=16), str(d / "m.tmac"))
+    return d / "m.tmac"
+
+
+def _rewrite(src, dst, edit_info=None, edit_extra=None):
+    """A copy of a .tmac file with its model metadata or every layer's extra state edited."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(src), framework="pt") as f:
+        meta = f.metadata()
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    if edit_info:
+        info = json.loads(meta["tmac_model"])
+        edit_info(info)
+        meta["tmac_model"] = json.dumps(info)
+    if edit_extra:
+        state = json.loads(meta["tmac"])
+        for extra in state["extra_state"].values():
+            if isinstance(extra, dict) and "spec" in extra:
+                edit_extra(extra)
+        meta["tmac"] = json.dumps(state)
+    save_file(tensors, str(dst), metadata=meta)
+    return dst
+
+
+LIES = {"spec.quads": (None, lambda e: e["spec"].update(quads=True)),
+        "spec.group_size 0": (None, lambda e: e["spec"].update(group_size=0)),
+        "spec.k_chunk": (None, lambda e: e["spec"].update(k_chunk=e["spec"]["k_chunk"] // 2)),
+        "bos_id -1": (lambda i: i["tokenizer"].update(bos_id=-1), None),
+        "bos_id 2**64": (lambda i: i["tokenizer"].update(bos_id=2 ** 64), None),
+        "chat_template 5": (lambda i: i["tokenizer"].update(chat_template=5), None),
+        "rope_theta 1e29": (lambda i: i["config"].update(rope_theta=10 ** 29), None),
+        "stop_ids scalar": (lambda i: i["tokenizer"].update(stop_ids=7), None)}
+
+
+@pytest.mark.parametrize("lie", LIES)
+def test_tmac_file_metadata_lies_are_caught(tmac_file, tmp_path, lie):
+    """Fields of the wrong type or range, and a packed layout its spec no longer describes (a K chunk changed
+    without repacking: it loaded and computed garbage), fail the load naming the file."""
+    edit_info, edit_extra = LIES[lie]
+    bad = _rewrite(tmac_file, tmp_path / "bad.tmac", edit_info, edit_extra)
+    with pytest.raises(tmac.ModelFormatError, match="bad.tmac"):
+        tmac.load_model(str(bad))
+    assert tmac.load_model(str(_rewrite(tmac_file, tmp_path / "same.tmac"))) is not None  # the copy itself loads

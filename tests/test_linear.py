@@ -349,3 +349,30 @@ def test_tiny_transformers_llama():
           f"{quant_err:.4f} vs float")
     assert kernel_err <= 0.015
     assert quant_err < 0.2  # random N(0, 0.02) weights: ~8 % weight error at 4 bits, compounded over 2 layers
+
+
+def test_lazy_views_sparse_nested_and_meta_outputs(rng):
+    """A lazily negated view is computed with its sign (it was computed as +x); sparse and nested inputs and an
+    output on the meta device are refused with TypeError before any kernel runs."""
+    from tmac import quantize_weight
+    from tmac.lut_ops import LutWeight
+
+    lin = Linear.from_float(torch.from_numpy(rng.standard_normal((64, 256)).astype(np.float32)), bits=2,
+                            group_size=64)
+    x = torch.from_numpy(rng.standard_normal((2, 256)).astype(np.float32))
+    with torch.inference_mode():
+        assert torch.equal(lin(x._neg_view()), lin(-x))
+        for bad in (x.to_sparse(), x.to_sparse_csr()):
+            with pytest.raises(TypeError, match="dense"):
+                lin(bad)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch: nested tensors are a prototype
+            nested = torch.nested.nested_tensor([x[0], x[1]])
+        with pytest.raises(TypeError, match="nested"):
+            lin(nested)
+        lw = LutWeight.from_quantized(quantize_weight(rng.standard_normal((64, 256)).astype(np.float32), bits=2,
+                                                      group_size=64))
+        with pytest.raises(TypeError, match="dense CPU tensor"):
+            lw.matmul(x, out=torch.empty(2, 64, device="meta"))
+        with pytest.raises(ValueError, match="negated"):
+            lw.matmul(x._neg_view())

@@ -124,6 +124,9 @@ def test_generation_controls(tmp_path):
         model.generate([1, 256])
     with pytest.raises(ValueError, match="top_p"):
         model.generate(prompt, top_p=0.0)
+    for seed in (1.5, "x", -1, True):
+        with pytest.raises(ValueError, match="seed must be"):
+            model.generate(prompt, temperature=0.7, seed=seed)
     streamed = []
     assert model.generate(prompt, max_new_tokens=4, callback=streamed.append, stop_on_eos=False) == streamed
 

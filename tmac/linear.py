@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
+import zlib
 
 import numpy as np
 import torch
@@ -45,6 +46,16 @@ def lut_linear_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
 @lut_linear_op.register_fake
 def _(x, qweight, scales, zeros, bias, spec, out_features, kernel_dir):
     return x.new_empty((x.shape[0], out_features), dtype=torch.float32)
+
+
+def layout_checksum(spec: KernelSpec, *tensors) -> int:
+    """CRC-32 of a spec and the packed tensors laid out as it says: a saved layer whose spec (a K chunk, a tiling)
+    was changed without repacking would otherwise load silently and compute garbage."""
+    crc = zlib.crc32(spec.to_json().encode())
+    for t in tensors:
+        if t is not None:
+            crc = zlib.crc32(t.detach().contiguous().view(torch.uint8).numpy(), crc)
+    return crc
 
 
 def respec(fmt: WeightFormat, spec: KernelSpec, isa) -> KernelSpec:
@@ -133,6 +144,9 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"tmac.Linear input must be a torch.Tensor, got {type(x).__name__}")
+        if x.layout != torch.strided or x.is_nested:
+            raise TypeError(f"tmac.Linear takes dense (strided) input, got layout {x.layout}"
+                            + (" (nested)" if x.is_nested else ""))
         if x.dtype not in _INPUT_DTYPES:
             raise TypeError(f"tmac.Linear takes float32/bfloat16/float16 input, got {x.dtype}")
         if x.dim() == 0 or x.shape[-1] != self.in_features:
@@ -141,7 +155,7 @@ class Linear(nn.Module):
             raise RuntimeError("tmac.Linear is inference-only and has no backward; run under torch.no_grad() or "
                                "torch.inference_mode(), or detach the input")
         lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)
+        x2 = x.resolve_neg().resolve_conj().reshape(-1, self.in_features)  # lazy views made real
         if x2.dtype != torch.float32 or not x2.is_contiguous():
             x2 = x2.to(torch.float32).contiguous()
         if type(x2) is torch.Tensor and not torch.compiler.is_compiling():
@@ -181,7 +195,8 @@ class Linear(nn.Module):
     # ---- state dict ------------------------------------------------------------------------------------------
     def get_extra_state(self) -> dict:
         state = {"version": STATE_VERSION, "format": self.format.to_dict(), "spec": json.loads(self._spec_json),
-                 "out_features": self.out_features, "bias": self.bias is not None}
+                 "out_features": self.out_features, "bias": self.bias is not None,
+                 "checksum": layout_checksum(self.spec, self.qweight, self.scales, self.zeros)}
         if self.spec.triples:
             state["triples_layout"] = TRIPLES_LAYOUT
         return state
@@ -216,6 +231,10 @@ class Linear(nn.Module):
                 tensors[name] = state_dict[prefix + name].detach().cpu().contiguous()
             zeros, bias = tensors.get("zeros"), tensors.get("bias")
             check_packed(spec, m, tensors["qweight"], tensors["scales"], zeros, bias)
+            saved = state_dict[prefix + "_extra_state"].get("checksum")
+            if saved is not None and saved != layout_checksum(spec, tensors["qweight"], tensors["scales"], zeros):
+                raise ValueError("the packed weights do not match their kernel spec and checksum (the spec or the "
+                                 "tensors were changed after saving): the file is damaged")
             incoming = PackedWeight(spec, m, tensors["qweight"].numpy(), tensors["scales"].numpy(),
                                     None if zeros is None else zeros.numpy())
             if spec != self.spec:  # packed for another ISA or tiling: repack for the one this layer runs

@@ -44,6 +44,10 @@ def lut_linear(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, zer
     n = x.shape[0]
     if out is None:
         out = torch.empty((n, m), dtype=torch.float32)
+    elif not isinstance(out, torch.Tensor) or out.layout != torch.strided or out.device.type != "cpu" or \
+            out.is_neg() or out.is_conj():
+        raise TypeError(f"out must be a dense CPU tensor, got {getattr(out, 'layout', type(out).__name__)} on "
+                        f"{getattr(out, 'device', '-')}")
     elif out.dtype != torch.float32 or tuple(out.shape) != (n, m) or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous float32 tensor of shape {(n, m)}, got "
                          f"{out.dtype} {tuple(out.shape)}")
@@ -65,6 +69,11 @@ def lut_linear(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, zer
 def check_activations(x, k: int) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"activations must be a torch.Tensor, got {type(x).__name__}")
+    if x.layout != torch.strided or x.is_nested:
+        raise TypeError(f"activations must be a dense (strided) tensor, got layout {x.layout}"
+                        + (" (nested)" if x.is_nested else ""))
+    if x.is_neg() or x.is_conj():  # a lazy negation or conjugation the kernel's raw pointer would not see
+        raise ValueError("activations are a lazily negated/conjugated view: call .resolve_neg()/.resolve_conj()")
     if x.dtype != torch.float32:
         raise TypeError(f"activations must be float32, got {x.dtype}")
     if x.device.type != "cpu":

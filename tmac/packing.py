@@ -342,7 +342,10 @@ class KernelSpec:
         for name in strings:
             if not isinstance(d[name], str):
                 raise ValueError(f"kernel spec field {name!r} must be a string, got {d[name]!r:.50}")
-        return cls(**d)
+        try:
+            return cls(**d)
+        except (KeyError, IndexError, ZeroDivisionError, OverflowError, TypeError) as e:  # a combination no
+            raise ValueError(f"invalid kernel spec {d!r:.200} ({type(e).__name__}: {e})") from None  # check foresaw
 
     def blocks(self, m: int) -> int:
         return -(-m // self.block_rows)
