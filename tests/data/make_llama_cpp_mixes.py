@@ -1,0 +1,59 @@
+"""Writes tests/data/mixes/: a seeded tiny Llama (F32) quantized by llama.cpp's own quantizer into every ftype people
+download (its mixes: Q4_K_M and the like pick a type per tensor), and llama.cpp's logits on a fixed prompt for each
+(mixes.json) — the reference tests/test_mixes.py compares tmac against. llama.cpp stays out of the test path.
+
+Needs the optional peer (llama-cpp-python, built for this CPU: see the README). Run once:
+    .venv/bin/python tests/data/make_llama_cpp_mixes.py
+"""
+import ctypes
+import json
+import os
+import sys
+import tempfile
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", ".."))
+
+from models.llama import LlamaConfig  # noqa: E402
+from models.synthetic import write_random_gguf  # noqa: E402
+
+# ftype → tied embeddings (the head is then the token table, and llama.cpp picks its type as the output's)
+FTYPES = {"Q2_K": False, "Q3_K_S": False, "Q3_K_M": True, "Q3_K_L": False, "Q4_K_S": False, "Q4_K_M": True,
+          "Q5_K_S": True, "Q5_K_M": False, "Q6_K": True, "Q8_0": False, "Q4_0": True, "Q5_1": False,
+          "IQ4_NL": False, "TQ1_0": True, "TQ2_0": False}
+CONFIG = dict(vocab_size=300, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=512, context_length=64)
+PROMPT = [5, 77, 260, 261, 262, 13, 100, 200, 299, 42, 7, 150]
+
+
+def main():
+    import llama_cpp
+
+    out = os.path.join(HERE, "mixes")
+    os.makedirs(out, exist_ok=True)
+    reference = {"prompt": PROMPT, "config": CONFIG, "files": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, tied in FTYPES.items():
+            source = os.path.join(tmp, f"f32-{tied}.gguf")
+            if not os.path.exists(source):
+                write_random_gguf(source, LlamaConfig(**CONFIG, tie_embeddings=tied), "F32", seed=7)
+            target = os.path.join(out, f"{name}.gguf")
+            params = llama_cpp.llama_model_quantize_default_params()
+            params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{name}")
+            params.nthread = 1
+            if llama_cpp.llama_model_quantize(source.encode(), target.encode(), ctypes.byref(params)) != 0:
+                raise SystemExit(f"llama.cpp could not quantize to {name}")
+            llm = llama_cpp.Llama(target, n_ctx=64, n_threads=1, logits_all=True, verbose=False)
+            llm.eval(PROMPT)
+            logits = np.array(llm.scores[:len(PROMPT)], dtype=np.float32)
+            reference["files"][name] = {"tied": tied, "logits": [[round(float(v), 5) for v in row] for row in logits],
+                                        "bytes": os.path.getsize(target)}
+            print(f"{name}: {os.path.getsize(target)} bytes", file=sys.stderr)
+            del llm
+    with open(os.path.join(HERE, "mixes.json"), "w") as f:
+        json.dump(reference, f)
+
+
+if __name__ == "__main__":
+    main()
