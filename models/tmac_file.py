@@ -12,7 +12,9 @@ from torch import nn
 
 from tmac import files
 from tmac.errors import ModelFormatError
+from tmac.embedding import Embedding
 from tmac.float_linear import FloatLinear
+from tmac.linear import Linear
 from tmac.serialize import load, read_model_info, save
 
 from .bitnet import ActivationQuantized, BitNetTransformer
@@ -42,12 +44,31 @@ def save_model(model: Transformer, path: str) -> None:
         elif isinstance(module, Concat):
             wrappers[name] = f"concat:{len(module.parts)}"
     tok = model.tokenizer
+    shared = shares_table(model)
     info = {"version": FORMAT_VERSION, "family": "bitnet" if isinstance(model, BitNetTransformer) else "llama",
-            "config": dataclasses.asdict(model.config), "wrappers": wrappers,
+            "config": dataclasses.asdict(model.config), "wrappers": wrappers, "table_from_head": shared,
             "tokenizer": None if tok is None else {
                 "json": tok.backend.to_str(), "bos_id": tok.bos_id, "eos_id": tok.eos_id, "add_bos": tok.add_bos,
                 "chat_template": tok.chat_template, "stop_ids": sorted(tok.stop_ids)}}
-    save(model, path, info)
+    table = model.tok_embeddings
+    if shared:  # a tied table is the head's weights again: stored once, as the head (rebuilt from it on load)
+        model.tok_embeddings = nn.Identity()
+    try:
+        save(model, path, info)
+    finally:
+        model.tok_embeddings = table
+
+
+def shares_table(model: Transformer) -> bool:
+    """Whether the token table holds exactly the head's quantized weights (a tied quantized table)."""
+    emb, head = model.tok_embeddings, model.output
+    if not (model.config.tie_embeddings and isinstance(emb, Embedding) and isinstance(head, Linear) and
+            emb.format == head.format and (emb.num_embeddings, emb.embedding_dim) == (head.out_features,
+                                                                                     head.in_features)):
+        return False
+    again = Embedding(head.quantized_weight())  # (at conversion only: the load rebuilds the table the same way)
+    return all(torch.equal(getattr(emb, n), getattr(again, n)) if getattr(emb, n) is not None else
+               getattr(again, n) is None for n in ("codes", "scales", "zeros"))
 
 
 def is_tmac_file(path: str) -> bool:
@@ -80,9 +101,18 @@ def load_model_file(path: str) -> Transformer:
                 setattr(model.get_submodule(parent), child, layer)
         tok = info["tokenizer"]
         tokenizer = None if tok is None else _tokenizer(tok)
+        table_from_head = info.get("table_from_head", False)
+        if type(table_from_head) is not bool:
+            raise ValueError(f"table_from_head={table_from_head!r:.20}")
+        if table_from_head:
+            model.tok_embeddings = nn.Identity()
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ModelFormatError(f"{path}: malformed tmac model metadata ({type(e).__name__}: {e})") from None
     load(path, model)
+    if table_from_head:
+        if not isinstance(model.output, Linear):
+            raise ModelFormatError(f"{path}: table_from_head, but the head is not a quantized layer")
+        model.tok_embeddings = Embedding(model.output.quantized_weight())
     try:
         check_structure(model)
     except ValueError as e:

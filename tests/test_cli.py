@@ -128,6 +128,13 @@ def test_convert_then_run_gives_the_same_greedy_ids(tmp_path):
     r = tmac("convert", smollm2_path(), "-o", str(out))
     assert r.returncode == 0, r.stderr
     assert "quantized layers" in r.stdout and "q4_1" in r.stdout and out.stat().st_size > 0
+    # the tied Q8_0 table is the head's weights: stored once (it was 28.7 MiB twice), rebuilt on load
+    from safetensors import safe_open
+
+    with safe_open(str(out), framework="pt") as f:
+        assert not [k for k in f.keys() if k.startswith("tok_embeddings.")] and "output.qweight" in f.keys()
+    assert "token table 0.0 (the head's, shared)" in r.stdout
+    assert out.stat().st_size < 1.02 * os.path.getsize(smollm2_path())
     runs = [json.loads(tmac("run", *src, "-p", "Name three colors.", "-n", "12", "--json").stdout)
             for src in ([], [str(out)])]
     assert runs[0]["generated_ids"] == runs[1]["generated_ids"]

@@ -225,6 +225,8 @@ def cmd_run(args) -> int:
 
 
 def cmd_convert(args) -> int:
+    import torch
+
     import tmac
     from tmac.models.tmac_file import save_model
 
@@ -239,14 +241,34 @@ def cmd_convert(args) -> int:
     save_model(model, args.output)
     linears = [m for m in model.modules() if isinstance(m, tmac.Linear)]
     formats = sorted({m.format.name for m in linears})
+    from tmac.models.tmac_file import shares_table
+
+    parts = {"projections": 0, "head": 0, "token table": 0, "other": 0}
+    for name, t in model.state_dict().items():
+        if isinstance(t, torch.Tensor):
+            part = "head" if name.startswith("output.") else "token table" if name.startswith("tok_embeddings.") \
+                else "projections" if name.startswith("layers.") and t.dim() > 1 else "other"
+            parts[part] += t.numel() * t.element_size()
+    if shares_table(model):
+        parts["token table"] = 0
     rows = [("source", args.model), ("output", args.output),
             ("quantized layers", f"{len(linears)} ({', '.join(formats) or 'none'})"),
-            ("file size", f"{os.path.getsize(args.output) / 2**20:.1f} MiB"),
+            ("file size", f"{os.path.getsize(args.output) / 2**20:.1f} MiB (source "
+                          f"{_size_of(args.model) / 2**20:.1f} MiB): " + ", ".join(
+                              f"{k} {v / 2**20:.1f}" + (" (the head's, shared)" if k == "token table" and not v
+                                                        and isinstance(model.tok_embeddings, tmac.Embedding) else "")
+                              for k, v in parts.items())),
             ("time", f"{time.perf_counter() - t0:.1f} s")]
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
     return 0
+
+
+def _size_of(path: str) -> int:
+    if os.path.isdir(path):
+        return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+    return os.path.getsize(path)
 
 
 def cmd_chat(args) -> int:
