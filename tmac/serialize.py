@@ -92,8 +92,8 @@ def load(path: str | os.PathLike, model: nn.Module | None = None, *, strict: boo
             raise ModelFormatError(f"{path}: layer {prefix}: {e}") from None
         saved, wanted = (tuple(getattr(m, d) for d in dims) for m in (new, current))
         if saved != wanted:
-            raise ValueError(f"{path}: layer {prefix} is {dims[0]} x {dims[1]} = {saved[0]} x {saved[1]} in the file "
-                             f"but {wanted[0]} x {wanted[1]} in the model it is loaded into")
+            raise ModelFormatError(f"{path}: layer {prefix} is {dims[0]} x {dims[1]} = {saved[0]} x {saved[1]} in "
+                                   f"the file but {wanted[0]} x {wanted[1]} in the model it is loaded into")
         setattr(parent, child, new)
     meta_params = any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers())
     try:
