@@ -59,8 +59,8 @@ def load_model(source: str | os.PathLike | None = None, *, bits: int | None = No
     stays float in a float model and goes to 8 bits in Q8_0's layout in a quantized one (requantized, or a BitNet
     checkpoint's ternary layers beside a bfloat16 head): near-lossless, where a float32 head would be most of a
     low-bit model's bytes per token.
-    ``head_bits`` says otherwise: bits as the projections (``formats.BITS``), ``"float"`` unquantized (float32, or 16-bit
-    as a 16-bit file stores it).
+    ``head_bits`` says otherwise: bits as the projections (``formats.BITS``), ``"float"`` unquantized (float32, or
+    16-bit as a 16-bit file stores it).
     ``context``: KV cache positions (default: the model's, at most 4096); ``kv_dtype``: the cache's,
     ``"float16"`` (as llama.cpp; half the bytes attention reads per token) or ``"float32"``.
     """

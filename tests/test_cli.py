@@ -225,7 +225,7 @@ def test_bench_shows_a_shape_a_peer_cannot_run_as_a_dash():
     dash with a note, not the end of the benchmark."""
     r = tmac("bench", "--shape", "100x128", "--bits", "2", "--threads", "1")
     assert r.returncode == 0, r.stderr
-    rows = {line.split()[1] + " " + line.split()[2]: line for line in r.stdout.splitlines() if line.startswith("100x128")}
+    rows = {" ".join(line.split()[1:3]): line for line in r.stdout.splitlines() if line.startswith("100x128")}
     assert "—" in rows["torch int4wo"] and "—" not in rows["tmac W2"] and "—" not in rows["torch fp32"]
     assert "note: torch int4wo cannot run 100x128" in r.stdout
 

@@ -207,6 +207,24 @@ def test_kernel_cache_key_follows_the_generator_source(tmp_path):
             f.write(original)
 
 
+def test_cache_key_is_the_same_in_a_checkout_and_an_installed_wheel(tmp_path):
+    """Kernels compiled from a checkout (codegen/, kernels/ beside tmac/) serve an installed tmac (tmac/codegen/...)
+    of the same source — a cross-compiled kernel directory is used on the device — so the key must not depend on
+    the layout."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(runtime.__file__)))
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    subprocess.run([*pip, "wheel", "--no-deps", "-w", str(tmp_path / "dist"), repo], check=True, capture_output=True,
+                   timeout=600)
+    shutil.rmtree(os.path.join(repo, "build"), ignore_errors=True)
+    subprocess.run([*pip, "install", "--no-deps", "--target", str(tmp_path / "site"),
+                    *map(str, (tmp_path / "dist").glob("*.whl"))], check=True, capture_output=True, timeout=600)
+    code = "import tmac.runtime as r; print(r.__file__, r.generator_digest())"
+    r = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, cwd=tmp_path,
+                       env=dict(os.environ, PYTHONPATH=str(tmp_path / "site")))
+    where, digest = r.stdout.split()
+    assert where.startswith(str(tmp_path / "site")) and digest == runtime.generator_digest()
+
+
 def test_kernel_dir_with_tampered_library_is_refused(tmp_path):
     out = tmp_path / "kernels"
     subprocess.run([sys.executable, "-m", "tmac.cli", "compile", "--bits", "2", "--group-size", "64", "--shape",

@@ -203,7 +203,10 @@ def resolve_isa(arch: str | None, isa_name: str | None):
     from .cpu import machine_arch
     from .kernels import best_isa, isa_by_name
 
-    arch = normalize_arch(arch) if arch else (isa_by_name(isa_name).arch if isa_name and isa_name != "generic" else machine_arch())
+    if arch:
+        arch = normalize_arch(arch)
+    else:  # the named ISA's, else this machine's
+        arch = isa_by_name(isa_name).arch if isa_name and isa_name != "generic" else machine_arch()
     if isa_name is None:
         return best_isa() if arch == machine_arch() else isa_by_name(DEFAULT_ISA[arch])
     isa = isa_by_name(isa_name, arch)

@@ -1,9 +1,10 @@
 """``tmac.Embedding``: a drop-in, inference-only ``nn.Embedding`` whose table stays quantized.
 
 A token table is read one row per token, so it needs no kernel: the rows asked for are dequantized on lookup
-(``s·(q − offset) − z``, float32 out). Stored as a ``QuantizedWeight``'s codes, bit-packed row-major (``STORAGE_BITS``
-bits per code: 3-bit codes take a nibble), and its scales/zeros in the format's dtypes — SmolLM2's Q8_0 table
-is 30 MB this way instead of 113 MB of float32, and its rows are bit-exact ``gguf.quants.dequantize`` rows.
+(``s·(q − offset) − z``, float32 out). Stored as a ``QuantizedWeight``'s codes, bit-packed row-major
+(``STORAGE_BITS`` bits per code: 3-bit codes take a nibble, 5- and 6-bit ones a byte), and its scales/zeros in the
+format's dtypes — SmolLM2's Q8_0 table is 30 MB this way instead of 113 MB of float32, and its rows are bit-exact
+``gguf.quants.dequantize`` rows.
 """
 
 from __future__ import annotations

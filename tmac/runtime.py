@@ -176,7 +176,8 @@ def generator_sources() -> list[str]:
                     parts = package.split(".")[:len(package.split(".")) - node.level + 1]
                     base = ".".join(parts + ([base] if base else []))
                 todo += [base] + [f"{base}.{a.name}" for a in node.names]  # `from . import glue`: submodules
-    return sorted(set(files.values()))
+    # in module-name order: the same in a checkout (codegen/, tmac/) and an installed wheel (tmac/codegen/)
+    return list(dict.fromkeys(files[name] for name in sorted(files)))
 
 
 def source_digest(paths: list[str]) -> str:
