@@ -36,7 +36,8 @@ class Concat(nn.Module):
         return torch.cat([p(x) for p in self.parts], dim=-1)
 
 
-def save_model(model: Transformer, path: str) -> None:
+def save_model(model: Transformer, path: str) -> bool:
+    """Write ``model`` to ``path``; returns whether its token table was stored as the head's (``shares_table``)."""
     wrappers = {}
     for name, module in model.named_modules():
         if isinstance(module, ActivationQuantized):
@@ -57,6 +58,7 @@ def save_model(model: Transformer, path: str) -> None:
         save(model, path, info)
     finally:
         model.tok_embeddings = table
+    return shared
 
 
 def shares_table(model: Transformer) -> bool:

@@ -231,28 +231,16 @@ def model_layers(path: str) -> tuple[list[tuple[str, int]], tuple[str, int]]:
     return sorted(layers), (tensors[head].type_name, tensors[head].shape[1])
 
 
-def kernel_formats(args) -> list[tuple[WeightFormat, int]]:
-    """(format, K) of every kernel ``tmac compile`` is asked for: what ``load_model`` gives the layers."""
-    from .formats import GGUF_EXACT, GGUF_FLOAT_TYPES, Q8_0_LAYOUT, default_group_size
+def model_formats(path: str) -> list[tuple[WeightFormat, int]]:
+    """(format, K) of every kernel a GGUF model's own weights load with (what ``tmac tune --model`` tunes)."""
+    from .formats import GGUF_EXACT, GGUF_FLOAT_TYPES, Q8_0_LAYOUT
 
-    eight = WeightFormat.rtn(**Q8_0_LAYOUT)
-    layers, head = model_layers(args.model) if args.model else ([], None)
-    if args.bits is None:  # exact imports; other quantized types at 8 bits
-        if not args.model:
-            raise ValueError("--bits is required with --shape (only --model can default to the file's own formats)")
-        pairs = [(GGUF_EXACT.get(t, eight), k) for t, k in layers if t not in GGUF_FLOAT_TYPES]
-        if not pairs:
-            raise ValueError(f"{args.model}: every tensor is float; give --bits")
-    else:
-        group = parse_group_size(args.group_size) if args.group_size else None
-        ks = {parse_shape(s)[1] for s in args.shape} if args.shape else {k for _, k in layers}
-        # (where no group size divides K, 32 makes the spec's own check name K)
-        pairs = [(WeightFormat.rtn(args.bits, group or default_group_size(k) or 32, args.symmetric), k)
-                 for k in sorted(ks)]
-        if head is not None:  # the head of a requantized model: the file's own quantization, else 8 bits
-            pairs.append((GGUF_EXACT.get(head[0], eight), head[1]))
+    eight = WeightFormat.rtn(**Q8_0_LAYOUT)  # exact imports; other quantized types at 8 bits
+    pairs = [(GGUF_EXACT.get(t, eight), k) for t, k in model_layers(path)[0] if t not in GGUF_FLOAT_TYPES]
+    if not pairs:
+        raise ValueError(f"{path}: every tensor is float; nothing to tune")
     # ternary rows whose blocks share one scale import per row (ternary triples), zeros that all are float16
-    # values import as float16; which tensors do is in the blocks, not the header, so both kernels are built
+    # values import as float16; which tensors do is in the blocks, not the header, so both kernels are tuned
     return pairs + [(fmt.per_row(), k) for fmt, k in pairs if fmt.ternary] + \
         [(fmt.with_half_zeros(), k) for fmt, k in pairs if fmt.takes_half_zeros]
 
@@ -320,7 +308,7 @@ def cmd_tune(args) -> int:
 
     isa = best_isa()
     if args.model:
-        work = kernel_formats(argparse.Namespace(bits=None, model=args.model, shape=None))
+        work = model_formats(args.model)
     else:
         group = parse_group_size(args.group_size)
         formats = [WeightFormat.ternary_format(group)] if args.ternary else \

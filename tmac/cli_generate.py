@@ -238,18 +238,16 @@ def cmd_convert(args) -> int:
     t0 = time.perf_counter()
     model = tmac.load_model(args.model, bits=args.bits, group_size=args.group_size, head_bits=args.head_bits,
                             context=1, progress=True)
-    save_model(model, args.output)
+    shared = save_model(model, args.output)
     linears = [m for m in model.modules() if isinstance(m, tmac.Linear)]
     formats = sorted({m.format.name for m in linears})
-    from tmac.models.tmac_file import shares_table
-
     parts = {"projections": 0, "head": 0, "token table": 0, "other": 0}
     for name, t in model.state_dict().items():
         if isinstance(t, torch.Tensor):
             part = "head" if name.startswith("output.") else "token table" if name.startswith("tok_embeddings.") \
                 else "projections" if name.startswith("layers.") and t.dim() > 1 else "other"
             parts[part] += t.numel() * t.element_size()
-    if shares_table(model):
+    if shared:
         parts["token table"] = 0
     rows = [("source", args.model), ("output", args.output),
             ("quantized layers", f"{len(linears)} ({', '.join(formats) or 'none'})"),

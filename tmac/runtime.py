@@ -294,7 +294,6 @@ ELF_MACHINES = {"x86_64": 62, "arm64": 183}  # e_machine: EM_X86_64, EM_AARCH64
 def check_library(path: str, arch: str, size: int | None = None) -> None:
     """Raise ``KernelUnavailableError`` unless ``path`` is a regular file holding a little-endian 64-bit ELF shared
     object for ``arch`` (of ``size`` bytes when given): what is loaded into the process is at least that."""
-    import stat
     import struct
 
     try:
@@ -329,6 +328,14 @@ def check_library(path: str, arch: str, size: int | None = None) -> None:
                                          f"file's {st.st_size} (truncated)")
 
 
+def check_entry(path: str, arch: str, entry: dict, record: str) -> None:
+    """``check_library`` against the size ``entry`` records, then its sha256 (``record``: where the entry is)."""
+    size = entry.get("bytes")
+    check_library(path, arch, size if type(size) is int else None)
+    if sha256(path) != entry.get("sha256"):
+        raise KernelUnavailableError(f"{path}: does not match the sha256 in {record}")
+
+
 def _from_kernel_dir(spec: KernelSpec, isa, kernel_dir: str) -> str | None:
     try:
         info, entries = read_manifest(os.path.join(kernel_dir, MANIFEST))
@@ -349,11 +356,7 @@ def _from_kernel_dir(spec: KernelSpec, isa, kernel_dir: str) -> str | None:
     for entry in named:
         if entry.get("generator") == generator_digest():
             path = os.path.join(kernel_dir, os.path.basename(str(entry.get("file", ""))))
-            size = entry.get("bytes")
-            check_library(path, isa.arch, size if isinstance(size, int) else None)
-            if sha256(path) != entry.get("sha256"):
-                raise KernelUnavailableError(f"kernel directory {kernel_dir}: {entry.get('file')} does not match "
-                                             f"its sha256 in manifest.json")
+            check_entry(path, isa.arch, entry, MANIFEST)
             return path
     return None
 
@@ -415,10 +418,7 @@ def _cached(d: str, spec: KernelSpec, isa) -> str | None:
         st = os.lstat(so)
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
             raise KernelUnavailableError(f"{so}: not a regular file of this user's, writable by no one else")
-        size = entry.get("bytes")
-        check_library(so, isa.arch, size if type(size) is int else None)
-        if sha256(so) != entry.get("sha256"):
-            raise KernelUnavailableError(f"{so}: does not match the sha256 in its sidecar")
+        check_entry(so, isa.arch, entry, "its sidecar")
         return so
     except (OSError, ValueError, KernelUnavailableError) as e:
         if unsafe_dir_reason(d) is None and os.access(d, os.W_OK):
