@@ -171,6 +171,9 @@ def _naming(path: str, t):
         raise
     except ValueError as e:
         raise ModelFormatError(f"{path}: tensor {t.name} ({t.type_name}, {t.shape}): {e}") from None
+    except NotImplementedError:  # a GGML type the gguf package has no dequantizer for (Q8_1, Q8_K: never weights)
+        raise ModelFormatError(f"{path}: tensor {t.name} has the type {t.type_name}, which no GGUF model stores "
+                               f"weights in") from None
 
 
 def _rope_heads(cfg: LlamaConfig, name: str) -> int:
@@ -202,6 +205,14 @@ def _as_torch(data: np.ndarray, type_name: str, shape: tuple[int, ...]) -> torch
 
 def _dequantize(data: np.ndarray, type_name: str, shape: tuple[int, ...]) -> np.ndarray:
     """Float32 values of a tensor's raw bytes (a copy: the file's pages stay read-only and shared)."""
+    with np.errstate(over="ignore", invalid="ignore"):  # damaged values are refused below, not warned about
+        a = _dequantized(data, type_name, shape)
+    if not np.isfinite(a).all():
+        raise ValueError("contains NaN or inf")
+    return a
+
+
+def _dequantized(data: np.ndarray, type_name: str, shape: tuple[int, ...]) -> np.ndarray:
     import gguf
 
     if type_name == "F32":
@@ -218,7 +229,4 @@ def _dequantize(data: np.ndarray, type_name: str, shape: tuple[int, ...]) -> np.
         a = np.empty((rows.shape[0], shape[-1]), dtype=np.float32)
         for start in range(0, rows.shape[0], DEQUANT_ROWS):  # in slices: the dequantizer's temporaries stay small
             a[start:start + DEQUANT_ROWS] = gguf.quants.dequantize(rows[start:start + DEQUANT_ROWS], qtype)
-    a = a.reshape(shape)
-    if not np.isfinite(a).all():
-        raise ValueError("contains NaN or inf")
-    return a
+    return a.reshape(shape)

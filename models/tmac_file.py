@@ -102,7 +102,7 @@ def load_model_file(path: str) -> Transformer:
                     raise ValueError(f"unknown wrapper {kind!r} at {name}")
                 setattr(model.get_submodule(parent), child, layer)
         tok = info["tokenizer"]
-        tokenizer = None if tok is None else _tokenizer(tok)
+        tokenizer = None if tok is None else _tokenizer(tok, path)
         table_from_head = info.get("table_from_head", False)
         if type(table_from_head) is not bool:
             raise ValueError(f"table_from_head={table_from_head!r:.20}")
@@ -168,7 +168,7 @@ def check_structure(model: Transformer) -> None:
         raise ValueError("; ".join(problems[:3]))
 
 
-def _tokenizer(tok: dict) -> Tokenizer:
+def _tokenizer(tok: dict, path: str) -> Tokenizer:
     from .tokenizer import hf_backend
 
     if not isinstance(tok, dict) or not isinstance(tok.get("json"), str):
@@ -187,4 +187,4 @@ def _tokenizer(tok: dict) -> Tokenizer:
     if template is not None and not isinstance(template, str) or type(tok["add_bos"]) is not bool:
         raise ValueError("tokenizer chat_template must be a string or null, add_bos a boolean")
     return Tokenizer(backend, token("bos_id", tok["bos_id"]), token("eos_id", tok["eos_id"]), tok["add_bos"],
-                     template, frozenset(token("stop_ids", i) for i in stop))
+                     template, frozenset(token("stop_ids", i) for i in stop), path)

@@ -9,6 +9,7 @@ from a model file and must not execute anything.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ class Tokenizer:
     add_bos: bool = False
     chat_template: str | None = None
     stop_ids: frozenset[int] = field(default_factory=frozenset)  # end-of-generation tokens
+    template_source: str = "the model"  # where the chat template comes from, for its errors
 
     @property
     def vocab_size(self) -> int:
@@ -64,9 +66,14 @@ class Tokenizer:
         """The prompt text of a conversation, rendered with the model's chat template in a jinja2 sandbox."""
         if not self.chat_template:
             raise ValueError("this model has no chat template; use raw prompts (--no-chat)")
-        return _compile_template(self.chat_template)(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self._text(self.bos_id), eos_token=self._text(self.eos_id))
+        try:
+            return _compile_template(self.chat_template)(
+                messages=messages, add_generation_prompt=add_generation_prompt,
+                bos_token=self._text(self.bos_id), eos_token=self._text(self.eos_id))
+        except ModelFormatError as e:
+            raise ModelFormatError(f"{self.template_source}: {e}") from None
+        except TemplateRaised as e:
+            raise ValueError(f"{self.template_source}: the chat template refuses these messages: {e}") from None
 
     def _text(self, token_id: int | None) -> str:
         return "" if token_id is None else (self.backend.id_to_token(token_id) or "")
@@ -112,14 +119,17 @@ class Tokenizer:
         backend.pre_tokenizer = pre_tokenizers.Sequence(splits + [pre_tokenizers.ByteLevel(add_prefix_space=False,
                                                                                             use_regex=False)])
         backend.decoder = decoders.ByteLevel()
-        backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                    for t, ty in zip(tokens, types) if ty in (CONTROL, USER_DEFINED)])
+        special = [t for t, ty in zip(tokens, types) if ty in (CONTROL, USER_DEFINED)]
+        if any(len(t) > MAX_ADDED_TOKEN for t in special):
+            raise ModelFormatError(f"{source}: a special token of tokenizer.ggml.tokens is over {MAX_ADDED_TOKEN} "
+                                   f"characters long")
+        backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
         bos, eos = _token_id(meta, "bos", len(tokens), source), _token_id(meta, "eos", len(tokens), source)
         eot = _token_id(meta, "eot", len(tokens), source)
         stop = {i for i in (eos, eot) if i is not None}
         template = meta.get("tokenizer.chat_template")
         return cls(backend, bos, eos, bool(meta.get("tokenizer.ggml.add_bos_token", False)),
-                   template if isinstance(template, str) else None, frozenset(stop))
+                   template if isinstance(template, str) else None, frozenset(stop), source)
 
     @classmethod
     def from_hf_dir(cls, path: str) -> "Tokenizer":
@@ -130,7 +140,8 @@ class Tokenizer:
         except (OSError, ValueError) as e:
             raise ModelFormatError(f"{file}: cannot read tokenizer ({e})") from None
         backend = hf_backend(text, file)
-        config = read_json(os.path.join(path, "tokenizer_config.json"), missing_ok=True)
+        config_file = os.path.join(path, "tokenizer_config.json")
+        config = read_json(config_file, missing_ok=True)
 
         def special(name):
             tok = config.get(name)
@@ -140,11 +151,14 @@ class Tokenizer:
         bos, eos = special("bos_token"), special("eos_token")
         template = config.get("chat_template")
         return cls(backend, bos, eos, bool(config.get("add_bos_token", False)),
-                   template if isinstance(template, str) else None, frozenset({eos} - {None}))
+                   template if isinstance(template, str) else None, frozenset({eos} - {None}), config_file)
 
 
 MAX_TOKENIZER_BYTES = 256 << 20
 MAX_REPLACEMENT = 256  # characters a normalizer may put in (a Replace's content, a Prepend)
+# characters of a special token: they are matched whole in every text, and building the matcher for a token of
+# megabytes takes hundreds of MB (real ones are tens of characters)
+MAX_ADDED_TOKEN = 4096
 
 
 def hf_backend(text: str | bytes, where: str):
@@ -159,6 +173,12 @@ def hf_backend(text: str | bytes, where: str):
             raise ValueError(f"{where}: not a JSON object")
         spec.update(padding=None, truncation=None)
         _check_normalizer(spec.get("normalizer"), where)
+        added = spec.get("added_tokens") or []
+        long = [t for t in added if isinstance(t, dict) and len(str(t.get("content", ""))) > MAX_ADDED_TOKEN] \
+            if isinstance(added, list) else []
+        if long:
+            raise ModelFormatError(f"{where}: added token {long[0].get('id')!r:.20} is {len(str(long[0]['content']))} "
+                                   f"characters long (at most {MAX_ADDED_TOKEN})")
         return HFTokenizer.from_str(json.dumps(spec))
     except ModelFormatError:
         raise
@@ -205,6 +225,10 @@ class TemplateLimit(Exception):
     """A chat template exceeded its time, output or size bounds."""
 
 
+class TemplateRaised(Exception):
+    """A chat template called ``raise_exception`` (it refuses the messages: a message for the user)."""
+
+
 def _bounded_environment():
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -224,14 +248,26 @@ def _bounded_environment():
                 raise TemplateLimit(f"a concatenation of {len(left) + len(right)} items")
             return super().call_binop(context, operator, left, right)
 
-    return Bounded(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    # not optimized: jinja's optimizer folds constant expressions at compile time, outside every bound
+    return Bounded(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"], optimized=False)
 
 
 def _compile_template(source: str):
+    """A function rendering ``source`` with keyword arguments as its context, compiled and rendered within bounds
+    (``_render_bounded``)."""
+    if not isinstance(source, str):
+        raise ModelFormatError(f"chat template is a {type(source).__name__}, not a string")
+
+    def render(**context) -> str:
+        return _render_bounded(source, context)
+    return render
+
+
+def _compile(source: str):
     from jinja2 import TemplateError
 
     def raise_exception(message):
-        raise TemplateError(message)
+        raise TemplateRaised(message)
 
     budget = [TEMPLATE_ITEMS]
 
@@ -251,17 +287,93 @@ def _compile_template(source: str):
     env.globals.update(raise_exception=raise_exception, range=bounded_range)
     env.filters["tojson"] = tojson
     try:
-        template = env.from_string(source)
-    except (TemplateError, RecursionError, MemoryError) as e:
+        return env.from_string(source)
+    except (TemplateError, RecursionError, MemoryError, SyntaxError, OverflowError, ValueError, TypeError) as e:
         raise ModelFormatError(f"chat template does not compile: {type(e).__name__}: {e}") from None
 
-    def render(**context) -> str:
-        budget[0] = TEMPLATE_ITEMS
-        return _render_bounded(template, context)
-    return render
+
+def _render_bounded(source: str, context: dict) -> str:
+    """Template ``source`` compiled and rendered with ``context`` in a forked child whose time and memory are capped,
+    so that even work the sandbox cannot see (a huge ``'%*d'`` width, a C-level loop) ends; in this process where
+    there is no fork."""
+    if not hasattr(os, "fork"):
+        return _render_here(source, context)
+    import select
+    import signal
+    import time
+    import warnings
+
+    read_end, write_end = os.pipe()
+    with warnings.catch_warnings():  # the child only renders: no other thread's locks are taken in it
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:
+        _render_child(source, context, read_end, write_end)  # never returns
+    os.close(write_end)
+    chunks, size, complete, deadline = [], 0, False, time.monotonic() + TEMPLATE_SECONDS + 1
+    try:
+        while size <= 4 * TEMPLATE_OUTPUT + 4096:  # (the child's output is capped in characters)
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([read_end], [], [], left)[0]:
+                break
+            chunk = os.read(read_end, 1 << 16)
+            if not chunk:
+                complete = True
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    finally:
+        os.close(read_end)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)  # done, or over its time
+        _, status = os.waitpid(pid, 0)
+    kind, _, text = b"".join(chunks).partition(b"\0")
+    if complete and kind == b"ok":
+        return text.decode()
+    if complete and kind == b"error":
+        raise ModelFormatError(text.decode())
+    if complete and kind == b"raised":
+        raise TemplateRaised(text.decode())
+    if time.monotonic() >= deadline or os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGALRM:
+        raise ModelFormatError(f"chat template: TemplateLimit: rendering took more than {TEMPLATE_SECONDS} s")
+    raise ModelFormatError(f"chat template: TemplateLimit: rendering ran out of its {TEMPLATE_MEMORY >> 20} MiB of "
+                           f"memory or its time")
 
 
-def _render_bounded(template, context: dict) -> str:
+TEMPLATE_MEMORY = 512 << 20  # bytes a render may allocate (in its child)
+
+
+def _render_child(source: str, context: dict, read_end: int, write_end: int) -> None:
+    """In the forked child: cap memory and time, render, write ``ok|error|raised \\0 text`` and exit."""
+    code = 0
+    try:
+        import resource
+        import signal
+
+        os.close(read_end)
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)  # the alarm ends the child even inside C code
+        signal.setitimer(signal.ITIMER_REAL, TEMPLATE_SECONDS)
+        with open("/proc/self/status") as f:
+            used = next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmData:")), 0)
+        hard = resource.getrlimit(resource.RLIMIT_DATA)[1]
+        limit = used + TEMPLATE_MEMORY
+        resource.setrlimit(resource.RLIMIT_DATA, (limit if hard == resource.RLIM_INFINITY else min(limit, hard), hard))
+        try:
+            reply = b"ok\0" + _render_here(source, context, timed=False).encode()
+        except ModelFormatError as e:
+            reply = b"error\0" + str(e).encode()
+        except TemplateRaised as e:
+            reply = b"raised\0" + str(e).encode()
+        view = memoryview(reply)
+        while view:
+            view = view[os.write(write_end, view):]
+    except BaseException:
+        code = 1
+    finally:
+        os._exit(code)
+
+
+def _render_here(source: str, context: dict, timed: bool = True) -> str:
     import signal
     import threading
 
@@ -270,11 +382,12 @@ def _render_bounded(template, context: dict) -> str:
     def out_of_time(signum, frame):
         raise TemplateLimit(f"rendering took more than {TEMPLATE_SECONDS} s")
 
-    timed = threading.current_thread() is threading.main_thread()
+    timed = timed and threading.current_thread() is threading.main_thread()
     if timed:
         previous = signal.signal(signal.SIGALRM, out_of_time)
         signal.setitimer(signal.ITIMER_REAL, TEMPLATE_SECONDS)
     try:
+        template = _compile(source)
         parts, size = [], 0
         for chunk in template.generate(**context):
             size += len(chunk)
@@ -282,10 +395,10 @@ def _render_bounded(template, context: dict) -> str:
                 raise TemplateLimit(f"output over {TEMPLATE_OUTPUT} characters")
             parts.append(chunk)
         return "".join(parts)
-    except TemplateError:
-        raise  # the template's own raise_exception: its message is for the user
-    except (TemplateLimit, RecursionError, MemoryError, OverflowError, TypeError, ValueError, ArithmeticError,
-            AttributeError, LookupError) as e:
+    except (TemplateRaised, ModelFormatError):
+        raise  # the template's own raise_exception (its message is for the user), or it does not compile
+    except (TemplateError, TemplateLimit, RecursionError, MemoryError, OverflowError, TypeError, ValueError,
+            ArithmeticError, AttributeError, LookupError) as e:
         raise ModelFormatError(f"chat template: {type(e).__name__}: {e}") from None
     finally:
         if timed:

@@ -83,8 +83,9 @@ def pytest_terminal_summary(terminalreporter):
     results = dict(value for report in terminalreporter.stats.get("passed", [])
                    for name, value in report.user_properties if name == "fuzz")
     if results:
-        total = sum(c["accepted"] + c["rejected"] for c in results.values())
-        terminalreporter.write_line(f"\nfuzz cases run: {total} in the targets that passed")
+        total = sum(sum(c.values()) for c in results.values())
+        terminalreporter.write_line(f"\nfuzz cases run: {total} in the targets that passed, none ending in a signal, "
+                                    f"a hang or an undocumented exception")
         for target, c in sorted(results.items()):
-            terminalreporter.write_line(f"  {target:<16} {c['accepted']:>6} accepted and correct, {c['rejected']:>6} "
-                                        f"rejected with a clear Python exception")
+            outcomes = ", ".join(f"{n} {what}" for what, n in sorted(c.items(), key=lambda kv: -kv[1]))
+            terminalreporter.write_line(f"  {target:<16} {sum(c.values()):>6}: {outcomes}")

@@ -35,6 +35,8 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from fuzz_hostile import HOSTILE_TARGETS
+
 DIM, FFN, HEADS, KV_HEADS, LAYERS = 64, 64, 2, 1, 1
 EXTREMES = [0, 1, 2, 3, 31, 32, 255, 256, 2**16, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**40, 2**62, 2**63 - 1,
             2**64 - 1]
@@ -54,20 +56,20 @@ def write_gguf(path: str) -> None:
     write_random_gguf(path, cfg, lambda name: types.get(name.split(".")[-2], "Q4_0"))
 
 
-def write_hf_dir(path: str) -> None:
+def write_hf_dir(path: str, vocab: int = 96) -> None:
     """A 1-layer float ``LlamaForCausalLM`` directory, written without transformers (config by hand)."""
     import torch
     from safetensors.torch import save_file
 
     os.makedirs(path, exist_ok=True)
-    cfg = {"architectures": ["LlamaForCausalLM"], "vocab_size": 96, "hidden_size": DIM, "intermediate_size": FFN,
+    cfg = {"architectures": ["LlamaForCausalLM"], "vocab_size": vocab, "hidden_size": DIM, "intermediate_size": FFN,
            "num_hidden_layers": LAYERS, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
            "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "hidden_act": "silu", "tie_word_embeddings": True}
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f)
     g = torch.Generator().manual_seed(0)
     hd = DIM // HEADS
-    shapes = {"model.embed_tokens.weight": (96, DIM), "model.norm.weight": (DIM,)}
+    shapes = {"model.embed_tokens.weight": (vocab, DIM), "model.norm.weight": (DIM,)}
     for i in range(LAYERS):
         p = f"model.layers.{i}."
         shapes |= {p + "input_layernorm.weight": (DIM,), p + "post_attention_layernorm.weight": (DIM,),
@@ -376,7 +378,8 @@ def kernel_misuse_cases():
     return strategy(), check
 
 
-TARGETS = ("gguf", "hf-config", "hf-safetensors", "tmac", "linear-misuse", "kernel-misuse")
+FILE_TARGETS = ("gguf", "hf-config", "hf-safetensors", "tmac")
+TARGETS = FILE_TARGETS + ("linear-misuse", "kernel-misuse") + tuple(HOSTILE_TARGETS)
 
 
 def campaign(target: str, examples: int, d: str, randomize: bool) -> dict[str, int]:
@@ -384,6 +387,8 @@ def campaign(target: str, examples: int, d: str, randomize: bool) -> dict[str, i
         strategy, check = linear_misuse_cases()
     elif target == "kernel-misuse":
         strategy, check = kernel_misuse_cases()
+    elif target in HOSTILE_TARGETS:
+        strategy, check = HOSTILE_TARGETS[target](d)
     else:
         write_seeds(d)
         strategy, write = file_cases(target, d)
@@ -393,13 +398,14 @@ def campaign(target: str, examples: int, d: str, randomize: bool) -> dict[str, i
     with open("/proc/self/status") as f:
         used = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmData:"))
     resource.setrlimit(resource.RLIMIT_DATA, (used + HEADROOM, resource.getrlimit(resource.RLIMIT_DATA)[1]))
-    counts = {"accepted": 0, "rejected": 0}
+    counts: dict[str, int] = {}
 
     @settings(max_examples=examples, deadline=None, derandomize=not randomize, database=None,
               suppress_health_check=list(HealthCheck))
     @given(strategy)
     def run(case):
-        counts[check(case)] += 1
+        outcome = check(case)
+        counts[outcome] = counts.get(outcome, 0) + 1
 
     run()
     return counts

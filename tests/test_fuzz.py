@@ -1,9 +1,11 @@
-"""Fuzzed model files: every damaged GGUF, Hugging Face directory or .tmac file either loads into a model that
-runs, or raises ``ModelFormatError`` naming the file — in bounded time and memory, never a crash.
+"""Fuzzing: every damaged GGUF, Hugging Face directory or .tmac file either loads into a model that runs, or raises
+``ModelFormatError`` naming the file — in bounded time and memory, never a crash; misuse of the kernel paths is a
+clear Python exception; and each class of hostile input (a tampered kernel cache, resource bombs, special files,
+deep nesting, type lies, layout lies: ``fuzz_hostile.py``) ends as its target says.
 
 Each target runs in its own process (``tests/fuzz_targets.py``) with its private memory capped, so a crash
 shows as a signal and an unchecked allocation as a MemoryError. CI runs ``TMAC_FUZZ_EXAMPLES`` (default 40)
-derandomized cases per target; ``make fuzz`` runs 2,600 fresh ones per target (≥ 10,000 in all).
+derandomized cases per target; ``make fuzz`` runs 1,000 fresh ones per target (12,000 in all).
 """
 import json
 import os
@@ -19,16 +21,17 @@ CAMPAIGN = "TMAC_FUZZ_EXAMPLES" in os.environ
 
 
 @pytest.mark.parametrize("target", TARGETS)
-def test_fuzzed_model_files(tmp_path, target, record_property):
+def test_fuzz_target(tmp_path, target, record_property):
     script = os.path.join(os.path.dirname(__file__), "fuzz_targets.py")
     cmd = [sys.executable, script, target, str(EXAMPLES), str(tmp_path)] + (["--random"] if CAMPAIGN else [])
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60 + 30 * EXAMPLES)
     assert proc.returncode >= 0, f"killed by signal {-proc.returncode}:\n{proc.stderr[-3000:]}"
     assert proc.returncode == 0, proc.stderr[:200] + "\n...\n" + proc.stderr[proc.stderr.find("Traceback"):][:6000]
     counts = json.loads(proc.stdout.strip().splitlines()[-1])
+    del counts["target"]
     record_property("fuzz", (target, counts))  # for the run's summary (conftest), from any xdist worker
-    assert counts["accepted"] + counts["rejected"] >= EXAMPLES, counts
-    assert counts["rejected"] > 0, counts  # the mutations do break files
+    assert sum(counts.values()) >= EXAMPLES, counts
+    assert set(counts) - {"accepted"}, counts  # the mutations do break things
 
 
 def _edit_tmac_metadata(seed: bytes, key: str, edit) -> bytes:

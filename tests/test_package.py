@@ -62,15 +62,15 @@ def test_nothing_in_the_package_can_execute_a_model_file():
 
 def test_chat_templates_render_in_a_sandbox():
     import pytest
-    from jinja2.exceptions import SecurityError
 
+    import tmac
     from tmac.models.tokenizer import _compile_template
 
     hostile = "{{ ''.__class__.__mro__[1].__subclasses__() }}"
-    with pytest.raises(SecurityError):
+    with pytest.raises(tmac.ModelFormatError, match="SecurityError"):
         _compile_template(hostile)(messages=[])
     mutate = "{% set m = messages %}{{ m.append(1) }}"
-    with pytest.raises(SecurityError):
+    with pytest.raises(tmac.ModelFormatError, match="SecurityError"):
         _compile_template(mutate)(messages=[])
     assert _compile_template("{% for m in messages %}{{ m.content }}{% endfor %}")(
         messages=[{"content": "hi"}]) == "hi"

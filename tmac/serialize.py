@@ -110,7 +110,7 @@ def read_model_info(path: str | os.PathLike) -> dict | None:
     try:
         with safe_open(files.require_regular(os.fspath(path)), framework="pt") as f:
             info = (f.metadata() or {}).get("tmac_model")
-        return None if info is None else json.loads(info)
+        return None if info is None else files.parse_json(info, "its tmac_model metadata")
     except Exception as e:  # safetensors and json raise their own error types for malformed files
         raise ModelFormatError(f"{path}: not a readable tmac model file ({e})") from None
 
@@ -129,7 +129,7 @@ def read_state(path: str | os.PathLike) -> dict:
     except Exception as e:  # safetensors raises its own error types for malformed headers
         raise ModelFormatError(f"{path}: not a readable safetensors file ({e})") from None
     try:
-        info = json.loads(meta["tmac"])
+        info = files.parse_json(meta["tmac"], "its tmac metadata")
         if info.get("version") != FILE_VERSION:
             raise ValueError(f"file version {info.get('version')!r}, this tmac reads {FILE_VERSION}")
         extras, aliases = info["extra_state"], info["aliases"]
