@@ -134,7 +134,7 @@ def test_convert_then_run_gives_the_same_greedy_ids(tmp_path):
     with safe_open(str(out), framework="pt") as f:
         assert not [k for k in f.keys() if k.startswith("tok_embeddings.")] and "output.qweight" in f.keys()
     assert "token table 0.0 (the head's, shared)" in r.stdout
-    assert out.stat().st_size < 1.02 * os.path.getsize(smollm2_path())
+    assert out.stat().st_size <= os.path.getsize(smollm2_path())  # never larger than the GGUF it came from
     runs = [json.loads(tmac("run", *src, "-p", "Name three colors.", "-n", "12", "--json").stdout)
             for src in ([], [str(out)])]
     assert runs[0]["generated_ids"] == runs[1]["generated_ids"]

@@ -1,8 +1,10 @@
 """Model directories built to exhaust the machine or hang it: each load ends with ModelFormatError naming the file,
 or loads with the hostile part made harmless — never a signal, a hang or unbounded memory."""
+import base64
 import json
 import os
 import shutil
+import zlib
 
 import pytest
 import torch
@@ -122,7 +124,9 @@ LIES = {"spec.quads": (None, lambda e: e["spec"].update(quads=True)),
         "bos_id 2**64": (lambda i: i["tokenizer"].update(bos_id=2 ** 64), None),
         "chat_template 5": (lambda i: i["tokenizer"].update(chat_template=5), None),
         "rope_theta 1e29": (lambda i: i["config"].update(rope_theta=10 ** 29), None),
-        "stop_ids scalar": (lambda i: i["tokenizer"].update(stop_ids=7), None)}
+        "stop_ids scalar": (lambda i: i["tokenizer"].update(stop_ids=7), None),
+        "tokenizer deflate bomb": (lambda i: i["tokenizer"].update(json_z85=base64.b85encode(zlib.compress(
+            b" " * (300 << 20), 9)).decode()), None)}
 
 
 @pytest.mark.parametrize("lie", LIES)

@@ -144,3 +144,22 @@ def test_huge_page_copies_lie_in_order_in_one_arena_and_equal_the_originals():
     assert torch.equal(copies[1][0], a) and a.any()
     with pytest.raises(ValueError, match="positive int"):
         memory.huge_page_copies((a,), 0)
+
+
+def test_loading_a_converted_file_peaks_no_higher_than_loading_its_gguf(tmp_path):
+    """A .tmac file is read into memory of its own (no mapping of the file beside the copies) and a tied table is
+    unpacked from the head a few rows at a time: loading it needs no more memory than loading the GGUF."""
+    import subprocess
+    import sys
+
+    from conftest import smollm2_path
+
+    out = tmp_path / "m.tmac"
+    r = subprocess.run([sys.executable, "-m", "tmac", "convert", smollm2_path(), "-o", str(out)], capture_output=True,
+                       text=True)
+    assert r.returncode == 0, r.stderr
+    code = ("import sys, tmac; from tmac.memory import peak_rss_mib; tmac.load_model(sys.argv[1], progress=False); "
+            "print(peak_rss_mib())")
+    peaks = [float(subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True,
+                                  check=True).stdout) for path in (smollm2_path(), str(out))]
+    assert peaks[1] <= peaks[0], f"peak RSS loading the GGUF {peaks[0]:.0f} MiB, the .tmac {peaks[1]:.0f} MiB"

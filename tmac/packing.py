@@ -729,8 +729,19 @@ def unpack(packed: PackedWeight, fmt: WeightFormat) -> QuantizedWeight:
     return QuantizedWeight(np.ascontiguousarray(codes[:m]), scales, zeros, fmt)
 
 
+UNPACK_ROWS = 4096  # rows unpacked at a time: the temporaries are ~5x the codes (a tied 8-bit head's: 140 MB at once)
+
+
 def _unpack_blocks(w: np.ndarray, spec: KernelSpec) -> np.ndarray:
-    """Codes ``[MB·BM, K]`` of W in the bit-plane layout (the inverse of ``_pack_blocks``)."""
+    """Codes ``[MB·BM, K]`` of W in the bit-plane layout (the inverse of ``_pack_blocks``), a few blocks at a time."""
+    bm, step = spec.block_rows, max(1, UNPACK_ROWS // spec.block_rows)
+    codes = np.empty((w.shape[0] * bm, spec.k), dtype=np.uint8)
+    for b in range(0, w.shape[0], step):
+        codes[b * bm:(b + step) * bm] = _unpack_block_rows(w[b:b + step], spec)
+    return codes
+
+
+def _unpack_block_rows(w: np.ndarray, spec: KernelSpec) -> np.ndarray:
     bm, vl, mb, k = spec.block_rows, spec.vector_bytes, w.shape[0], spec.k
     pair = np.empty((spec.bits, mb, bm, k // 8), dtype=np.uint8)
     start = 0
