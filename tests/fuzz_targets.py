@@ -399,15 +399,20 @@ def campaign(target: str, examples: int, d: str, randomize: bool) -> dict[str, i
         used = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmData:"))
     resource.setrlimit(resource.RLIMIT_DATA, (used + HEADROOM, resource.getrlimit(resource.RLIMIT_DATA)[1]))
     counts: dict[str, int] = {}
+    trace = bool(os.environ.get("TMAC_FUZZ_TRACE"))
 
     @settings(max_examples=examples, deadline=None, derandomize=not randomize, database=None,
               suppress_health_check=list(HealthCheck))
     @given(strategy)
     def run(case):
+        if trace:  # a case that kills the process is the last one printed
+            print(f"case: {case!r:.2000}", file=sys.stderr, flush=True)
         outcome = check(case)
         counts[outcome] = counts.get(outcome, 0) + 1
 
     run()
+    if getattr(check, "space", None):
+        counts["_space"] = check.space
     return counts
 
 

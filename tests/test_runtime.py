@@ -400,3 +400,46 @@ def test_tune_keeps_the_default_unless_it_loses_in_the_same_pass(tmp_path, monke
     assert best["block_rows"] == (other if confirmed else default.block_rows)
     saved = tuning.tuned_tiling(isa.name, 2, 256, 128, default.lut_group, True)
     assert saved == best
+
+
+def _edit_phdr(data: bytes, index: int, field: str, value: int) -> bytes:
+    import struct
+
+    phoff = struct.unpack_from("<Q", data, 32)[0]
+    at = phoff + 56 * index + {"flags": 4, "vaddr": 16, "memsz": 40}[field]
+    width = 4 if field == "flags" else 8
+    return data[:at] + value.to_bytes(width, "little") + data[at + width:]
+
+
+def _phdrs(data: bytes) -> list[tuple]:
+    import struct
+
+    phoff, (_, phnum) = struct.unpack_from("<Q", data, 32)[0], struct.unpack_from("<HH", data, 54)
+    return [struct.unpack_from("<IIQQQQQQ", data, phoff + 56 * i) for i in range(phnum)]
+
+
+def test_elf_checks_refuse_what_would_crash_the_loader(tmp_path, monkeypatch, rng):
+    """Each edit below passed the sha256 once re-signed and killed the process inside dlopen (SIGSEGV); tmac.elf
+    refuses it first, naming the file."""
+    from tmac.elf import check_library
+    from tmac.errors import KernelUnavailableError
+
+    monkeypatch.setenv("TMAC_CACHE_DIR", str(tmp_path))
+    qw = quantize_weight(rng.standard_normal((64, 256)).astype(np.float32), bits=2, group_size=64)
+    lib = runtime.load_kernels(LutWeight.from_quantized(qw).spec, best_isa(), progress=False)
+    data = open(lib.path, "rb").read()
+    arch = best_isa().arch
+    check_library(lib.path, arch)
+    phdrs = _phdrs(data)
+    loads = [i for i, p in enumerate(phdrs) if p[0] == 1]
+    dynamic = next(i for i, p in enumerate(phdrs) if p[0] == 2)
+    edits = {"a segment grown over the next": _edit_phdr(data, loads[1], "memsz", phdrs[loads[1]][6] + (1 << 25)),
+             "an unreadable segment": _edit_phdr(data, loads[0], "flags", 0),
+             "a writable, executable segment": _edit_phdr(data, loads[1], "flags", 7),
+             "the dynamic section moved away": _edit_phdr(data, dynamic, "vaddr", 1 << 40),
+             "truncated": data[:len(data) // 2]}
+    for what, bad in edits.items():
+        path = tmp_path / "bad.so"
+        path.write_bytes(bad)
+        with pytest.raises(KernelUnavailableError, match="bad.so"):
+            check_library(str(path), arch)

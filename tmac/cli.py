@@ -10,7 +10,7 @@ import os
 import sys
 import time
 
-from . import cli_generate
+from . import cli_generate, cli_perplexity
 from .formats import BITS, GROUP_SIZES, K_MULTIPLE, PER_ROW, PER_TENSOR, WeightFormat
 from .cpu import ARCH_ALIASES, ARCHES, normalize_arch
 from .kernels import DEFAULT_ISA, ISAS
@@ -77,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="output directory (default: ./tmac-kernels-<isa>; kernels already there are kept)")
     c.set_defaults(func=cmd_compile)
     cli_generate.add_parsers(sub, common)
+    cli_perplexity.add_parser(sub, common)
 
     t = sub.add_parser("tune", parents=[common], help="grid-search kernel tiling for this machine; later runs use it")
     t.add_argument("--bits", default="1,2,3,4", help="comma-separated bit widths (default 1,2,3,4)")

@@ -232,7 +232,10 @@ class Linear(nn.Module):
             zeros, bias = tensors.get("zeros"), tensors.get("bias")
             check_packed(spec, m, tensors["qweight"], tensors["scales"], zeros, bias)
             saved = state_dict[prefix + "_extra_state"].get("checksum")
-            if saved is not None and saved != layout_checksum(spec, tensors["qweight"], tensors["scales"], zeros):
+            if type(saved) is not int:  # required: without it a changed spec would load and compute garbage
+                raise ValueError("the saved layer has no layout checksum (saved by an older tmac?): save or convert "
+                                 "it again")
+            if saved != layout_checksum(spec, tensors["qweight"], tensors["scales"], zeros):
                 raise ValueError("the packed weights do not match their kernel spec and checksum (the spec or the "
                                  "tensors were changed after saving): the file is damaged")
             incoming = PackedWeight(spec, m, tensors["qweight"].numpy(), tensors["scales"].numpy(),

@@ -31,6 +31,7 @@ import time
 import warnings
 
 from .cpu import physical_cores
+from .elf import check_library
 from .errors import KernelUnavailableError
 from .files import read_json
 from .packing import KernelSpec
@@ -288,44 +289,6 @@ def load_kernels(spec, isa, kernel_dir: str | None = None, progress: bool = True
 
 
 _warned_dirs: set[str] = set()
-ELF_MACHINES = {"x86_64": 62, "arm64": 183}  # e_machine: EM_X86_64, EM_AARCH64
-
-
-def check_library(path: str, arch: str, size: int | None = None) -> None:
-    """Raise ``KernelUnavailableError`` unless ``path`` is a regular file holding a little-endian 64-bit ELF shared
-    object for ``arch`` (of ``size`` bytes when given): what is loaded into the process is at least that."""
-    import struct
-
-    try:
-        st = os.stat(path)
-        if not stat.S_ISREG(st.st_mode):
-            raise KernelUnavailableError(f"{path}: not a regular file")
-        with open(path, "rb") as f:
-            header = f.read(64)
-    except OSError as e:
-        raise KernelUnavailableError(f"{path}: cannot read ({e.strerror})") from None
-    if size is not None and st.st_size != size:
-        raise KernelUnavailableError(f"{path}: {st.st_size} bytes, its manifest says {size}")
-    if len(header) < 64 or header[:4] != b"\x7fELF" or header[4] != 2 or header[5] != 1:
-        raise KernelUnavailableError(f"{path}: not a 64-bit little-endian ELF file")
-    e_type, e_machine = struct.unpack_from("<HH", header, 16)
-    if e_type != 3 or e_machine != ELF_MACHINES[arch]:
-        raise KernelUnavailableError(f"{path}: ELF type {e_type} for machine {e_machine}, not a shared object for "
-                                     f"{arch} (type 3, machine {ELF_MACHINES[arch]})")
-    # every segment the loader maps must lie inside the file: a truncated library would be mapped past its end
-    # and die by SIGBUS on first touch
-    phoff, = struct.unpack_from("<Q", header, 32)
-    phentsize, phnum = struct.unpack_from("<HH", header, 54)
-    if phentsize != 56 or phoff + phnum * 56 > st.st_size:
-        raise KernelUnavailableError(f"{path}: its ELF program headers lie outside the file")
-    with open(path, "rb") as f:
-        f.seek(phoff)
-        table = f.read(phnum * 56)
-    for i in range(phnum):
-        p_type, _, p_offset, _, _, p_filesz = struct.unpack_from("<IIQQQQ", table, i * 56)
-        if p_type in (1, 2) and p_offset + p_filesz > st.st_size:  # PT_LOAD, PT_DYNAMIC
-            raise KernelUnavailableError(f"{path}: segment {i} ends at byte {p_offset + p_filesz}, past the "
-                                         f"file's {st.st_size} (truncated)")
 
 
 def check_entry(path: str, arch: str, entry: dict, record: str) -> None:
