@@ -196,9 +196,7 @@ def attend_func(spec: GlueSpec, widest: int):
         q = OUT
         keys_flat = T.decl_buffer((kv * nb * hd * blk,), kvd, data=CK.data)  # the new key's lanes are blk apart
         # heads sharing a pass over the keys, and over the values: a cached key or value is widened once per pass,
-        # so as many as their sums fit the registers, and no more (1B shape, one layer at position 2048, warm: AVX-512
-        # 204 -> 180 µs with 4 heads a value pass instead of 2; AVX2, whose 16 sums of each phase had spilled, 456 ->
-        # 206 µs with half as many)
+        # so as many as their sums fit the registers, and no more (docs/decisions.md, "Attention")
         hq = _heads_per_pass(group, max(blk // widest, 1), widest, blk)
         hv = _heads_per_pass(group, len(spans), widest)  # (a head's value sums: buffers of their own)
 
@@ -226,13 +224,10 @@ def attend_func(spec: GlueSpec, widest: int):
                 for at, n in spans:
                     T.buffer_store(CV, narrow(QKV[0, _vec((h + kv + kh) * hd + at, n)], n), [kh, pos, _vec(at, n)])
             def phases(loop):
-                # three phases over passes / heads (``loop``: in parallel or not), each task with its own scratch: one
-                # layer of the 1B shape at position 1000 takes 90 µs on one thread, 60 µs on two (a single parallel
-                # loop over kv heads doing all three phases ran at half that speed from the exported library, reason
-                # not found)
-                # a head's dimensions go round ``sets`` partial sums, as many as the registers hold: independent FMA
-                # chains hide the FMA latency (one chain per head left 1B's four heads a pass latency-bound: a layer at
-                # position 1000 103 -> 100 µs warm with 8 chains; 16 gain nothing more on AVX-512)
+                # three phases over passes / heads (``loop``: in parallel or not), each task with its own scratch (a
+                # single parallel loop doing all three ran at half the speed); a head's dimensions go round ``sets``
+                # partial sums, as many as the registers hold: independent FMA chains hide the FMA latency
+                # (docs/decisions.md, "Attention in three phases")
                 per_set = hq * max(blk // widest, 1)  # vectors of one set of the pass's partial scores
                 sets = next(n for n in (8, 4, 2, 1) if hd % n == 0 and (n == 1 or n * per_set <= _sum_vectors(widest)))
                 with loop(0, kv * (group // hq)) as kp:  # scores, a block of positions at a time, a key read once
@@ -307,9 +302,8 @@ def attend_func(spec: GlueSpec, widest: int):
                             buf, i = summed(g, at)
                             T.buffer_store(OUT, buf[i], [0, _vec((vp * hv + g) * hd + at, n)])
 
-            # a parallel launch costs more than it saves over a short context (SmolLM2, 3 kv heads, warm, 2 threads
-            # against 1: 4.5 against 2.3 µs at position 8, par at 128, 1.12x from 512; 1B, 8 kv heads: 0.66x at 8,
-            # 1.2x at 64, 1.4x at 1000): the phases run serially until the scores cover PARALLEL_ATTENTION_WORK
+            # a parallel launch costs more than it saves over a short context: the phases run serially until the
+            # scores cover PARALLEL_ATTENTION_WORK (docs/decisions.md, "Attention runs serially")
             with T.If((pos + 1) * (h * hd) >= PARALLEL_ATTENTION_WORK):
                 with T.Then():
                     phases(T.parallel)

@@ -129,10 +129,8 @@ def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str, tables: bool = 
     f32 = "float32"
     lut_groups_per_wg = wg // lg
     # a tile's accumulators (vectors × activation rows) must stay in registers: with more than
-    # ``isa.gemm_accumulators`` the block's rows are done in parts (4096x4096 W2 quads at 128 rows, 16 rows of
-    # activations: 1.80 -> 1.17 ms in two parts; AVX2 W2 g64 3200x8640, 64 rows: 24.7 ms in one part of 64 rows,
-    # 20.7 in blocks of 32), each with its own float sums (a block's would outgrow TVM's stack scratch: W4 GEMM
-    # 20 % slower)
+    # ``isa.gemm_accumulators`` the block's rows are done in parts, each with its own float sums (a block's would
+    # outgrow TVM's stack scratch; docs/decisions.md, "GEMM parts")
     parts = 1
     while sum(bm * p // vl for _, p in spec.chunks) * n_tile > isa.gemm_accumulators * parts \
             and bm // (2 * parts) % vl == 0:
@@ -333,8 +331,7 @@ def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str, tables: bool = 
                                         for buf in sums:
                                             T.buffer_store(buf, tirx.FloatImm(f32, 0.0), [i])
                                     # two lut groups a body: the super group's sums then stay in registers
-                                    # (cold 4096x4096 GEMV, AMD EPYC: Q6_K 626-773 -> 509-534 us, Q2_K 320-377
-                                    # -> 297-311, Q3_K 375-435 -> 353-380; four a body gain no more)
+                                    # (docs/decisions.md, "K-quants")
                                     with T.serial(0, sg // 2) as gio:
                                         with T.unroll(0, 2) as gii:
                                             lut_group(j * sg + gio * 2 + gii)
@@ -370,7 +367,7 @@ def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str, tables: bool = 
                 # the GEMV streams each weight once: a chunk at a time over all blocks, in one parallel launch (TVM
                 # splits a parallel loop inside a launch point statically: each thread takes the same blocks of
                 # every chunk, so no chunk waits for another thread); the chunk sizes are constants (the shorter
-                # last chunk its own code: with a computed size the AVX2 W2 GEMV ran 30 % slower warm)
+                # last chunk its own code: a computed size was slower; docs/decisions.md, "K chunks")
                 with T.attr(tirx.const(0, "int32"), "pragma_parallel_launch_point", tirx.const(1, "int32")):
                     with T.serial(0, full) as c:
                         blocks(lambda emit, c=c: emit(c * groups_per_chunk, groups_per_chunk), c == 0)
@@ -378,8 +375,7 @@ def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str, tables: bool = 
                         blocks(lambda emit: emit(full * groups_per_chunk, tail), tirx.const(full == 0, "bool"))
             else:
                 # the GEMM reads a block's weights once per row tile, from cache: every chunk of a block in turn,
-                # one code for all (a second copy of the unrolled body for the last chunk cost the 16-row AVX2 W2
-                # GEMM 20 %)
+                # one code for all (a second copy of the unrolled body for the last chunk was slower)
                 def every_chunk(emit):
                     with T.serial(0, full + (tail > 0)) as c:
                         g0 = c * groups_per_chunk

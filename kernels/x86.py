@@ -124,10 +124,8 @@ AVX512_VNNI = X86Isa("avx512_vnni", "x86_64", 64, frozenset({"avx2", "avx512bw",
                      _target("cascadelake"), "AVX-512 BW + VNNI: vpshufb zmm, vpdpbusd", vnni=True)
 AVX512 = X86Isa("avx512", "x86_64", 64, frozenset({"avx2", "avx512bw"}),
                 _target("skylake-avx512"), "AVX-512 BW: vpshufb zmm, vpmaddubsw/vpmaddwd")
-# AVX2: the GEMV prefetches its weights 4 KiB ahead (cold, Zen 3, 1 thread, kernel calls back to back: W2 g128
-# 4096x4096 438-495 -> 346-410 us, W3 637-819 -> 522-616, ternary planes 3200x8640 789-878 -> 586-722, W4 g32
-# 1536x576 60 -> 50-54, 11008x4096 2830-3235 -> 2664-3087; 2 threads W2 -8 %, ternary -15 %, W4 at par; 2 and
-# 8 KiB alike). Without it the hardware prefetcher kept 60-85 % of the read probe's bandwidth.
+# AVX2: the GEMV prefetches its weights 4 KiB ahead; the hardware prefetcher alone kept well below the read probe's
+# bandwidth (docs/decisions.md, "AVX2: the GEMV prefetches")
 AVX2_VNNI = X86Isa("avx2_vnni", "x86_64", 32, frozenset({"avx2", "avxvnni"}),
                    _target("alderlake"), "AVX2 + AVX-VNNI: vpshufb ymm, vpdpbusd ymm", prefetch_bytes=4096,
                    gemm_accumulators=4, vnni=True)

@@ -19,9 +19,8 @@ import torch
 from tmac import runtime
 from tmac.linear import Linear
 
-# a long prompt is prefilled this many tokens at a time: each chunk's activations stay in the caches (1B Q4_0, a
-# 1024-token prompt, 2 threads: 9.5-10.0 s at once, 7.6-7.8 s in chunks of 256, 8.1-8.4 of 512, 8.7-8.8 of 128;
-# 1 thread 14.3-15.7 -> 12.3-12.9 s)
+# a long prompt is prefilled this many tokens at a time: each chunk's activations stay in the caches
+# (docs/decisions.md, "Prompts are prefilled")
 PREFILL_CHUNK = 256
 
 
@@ -40,7 +39,7 @@ def next_token(logits: torch.Tensor, history: list[int], temperature: float = 0.
                top_p: float = 1.0, repetition_penalty: float = 1.0, repeat_last_n: int = 64,
                generator: torch.Generator | None = None) -> int:
     penalized = repetition_penalty != 1.0 and history and repeat_last_n
-    if temperature <= 0 and not penalized:  # greedy without a copy, and numpy's argmax: 5 us, torch's 43 (49152)
+    if temperature <= 0 and not penalized:  # greedy without a copy, and numpy's argmax (faster than torch's)
         return int(np.argmax(logits.numpy())) if logits.dtype == torch.float32 else int(logits.argmax())
     logits = logits.float().clone()
     if penalized:

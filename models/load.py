@@ -115,9 +115,9 @@ def load_model(source: str | os.PathLike | None = None, *, bits: int | None = No
         return built
 
     with Progress(f"loading {os.path.basename(path)}", cfg.n_layers + 1, progress) as bar:
-        # layers on every thread tmac computes with: decoding and packing are numpy work that releases the GIL (1B
-        # Q4_K on 2 cores: 7.4 -> 4.7 s); a layer's temporaries live only while a thread builds it. On an error the
-        # layers not yet started are dropped, not built
+        # layers on every thread tmac computes with: decoding and packing are numpy work that releases the GIL
+        # (docs/decisions.md, "Models load on every kernel thread"); a layer's temporaries live only while a thread
+        # builds it. On an error the layers not yet started are dropped, not built
         pool = ThreadPoolExecutor(get_num_threads())
         try:
             for i, built in enumerate(pool.map(projections, range(cfg.n_layers))):

@@ -401,6 +401,10 @@ def campaign(target: str, examples: int, d: str, randomize: bool) -> dict[str, i
     counts: dict[str, int] = {}
     trace = bool(os.environ.get("TMAC_FUZZ_TRACE"))
 
+    if getattr(check, "share", None):  # a slow target runs a share of the cases
+        examples = max(1, examples // check.share)
+        check.space = examples
+
     @settings(max_examples=examples, deadline=None, derandomize=not randomize, database=None,
               suppress_health_check=list(HealthCheck))
     @given(strategy)

@@ -99,3 +99,28 @@ def test_chat_templates_are_bounded_in_time_memory_and_output():
         assert "TemplateLimit" in str(e.value) or "RecursionError" in str(e.value), (name, e.value)
     with pytest.raises(tmac.ModelFormatError, match=f"took more than {TEMPLATE_SECONDS} s"):
         _compile_template(BOMBS["busy loop"])(messages=[])
+
+
+def test_readme_tables_are_made_from_the_format_table_and_the_isa_descriptions():
+    """The README's format and ISA tables are what tmac.doc_tables makes from the code (python -m tmac.doc_tables
+    README.md rewrites them), and the README stays a manual: short, and measurements live in docs/."""
+    import os
+    import re
+
+    from tmac.doc_tables import TABLES, render
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    text = open(os.path.join(root, "README.md")).read()
+    for name in TABLES:
+        assert f"<!-- table: {name} -->" in text, name
+    assert render(text) == text, "README tables are stale: run python -m tmac.doc_tables README.md"
+    assert len(text.encode()) <= 12 * 1024, len(text.encode())
+    for doc in ("design.md", "performance.md", "decisions.md", "llama-cpp.md"):
+        assert os.path.isfile(os.path.join(root, "docs", doc)), doc
+    numbered = re.compile(r"\bsessions? \d+|\brun \d+'s\b", re.I)
+    for base, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d not in ("build", "__pycache__")]
+        for f in files:
+            if f.endswith((".py", ".md", ".toml", ".txt")) or f == "Makefile":
+                path = os.path.join(base, f)
+                assert not numbered.search(open(path, errors="replace").read()), f"{path} numbers working sessions"

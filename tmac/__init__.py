@@ -37,6 +37,7 @@ _LAZY = {
     "save": "tmac.serialize",
     "load": "tmac.serialize",
     "load_model": "tmac.models.load",
+    "perplexity": "tmac.models.perplexity",
 }
 
 

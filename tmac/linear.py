@@ -66,7 +66,7 @@ def respec(fmt: WeightFormat, spec: KernelSpec, isa) -> KernelSpec:
 
 
 class Linear(nn.Module):
-    """``y = x Wᵀ + b`` with ``W`` quantized to ``bits`` (1-4) in groups of ``group_size`` inputs.
+    """``y = x Wᵀ + b`` with ``W`` quantized to ``bits`` (``tmac.formats.BITS``) in groups of ``group_size`` inputs.
 
     The constructor initializes like ``nn.Linear`` and quantizes that; real weights come through
     ``from_float``/``from_quantized`` or ``load_state_dict``.
@@ -154,18 +154,25 @@ class Linear(nn.Module):
         if x.requires_grad and torch.is_grad_enabled():
             raise RuntimeError("tmac.Linear is inference-only and has no backward; run under torch.no_grad() or "
                                "torch.inference_mode(), or detach the input")
-        lead = x.shape[:-1]
-        x2 = x.resolve_neg().resolve_conj().reshape(-1, self.in_features)  # lazy views made real
+        if not x.is_cpu:
+            raise ValueError(f"tmac.Linear runs on the CPU, got input on {x.device}")
+        tracing = torch.compiler.is_compiling()
+        rows = x.dim() == 2 and not tracing  # (eager calls skip what they can: each torch call costs a µs or two)
+        x2 = x if rows else x.reshape(-1, self.in_features)
+        if tracing or x2.is_neg() or x2.is_conj():  # lazy views made real
+            x2 = x2.resolve_neg().resolve_conj()
         if x2.dtype != torch.float32 or not x2.is_contiguous():
             x2 = x2.to(torch.float32).contiguous()
-        if type(x2) is torch.Tensor and not torch.compiler.is_compiling():
-            packed = (self.qweight, self.scales, self.zeros, self.bias)
+        if type(x2) is torch.Tensor and not tracing:
+            b = self._buffers  # (not four nn.Module.__getattr__ calls: this path is the layer's whole overhead)
+            packed = (b["qweight"], b["scales"], b["zeros"], b["bias"])
             bound = bind_packed(self, self.spec, self.out_features, packed, self.kernel_dir)
-            y = lut_linear(x2, *packed, self.spec, self.out_features, self.kernel_dir, bound=bound)
+            y = lut_linear(x2, *packed, self.spec, self.out_features, self.kernel_dir, bound=bound, checked=True)
         else:  # tracing (dynamo, export, fake tensors): go through the registered op
             y = lut_linear_op(x2, self.qweight, self.scales, self.zeros, self.bias, self._spec_json,
                               self.out_features, self.kernel_dir or "")
-        y = y.reshape(*lead, self.out_features)
+        if not rows:
+            y = y.reshape(*x.shape[:-1], self.out_features)
         return y if x.dtype == torch.float32 else y.to(x.dtype)
 
     def packed(self) -> PackedWeight:

@@ -8,7 +8,6 @@ torch view or numpy slice can never fault on alignment.
 from __future__ import annotations
 
 import threading
-import weakref
 
 import torch
 
@@ -18,7 +17,6 @@ from .packing import KernelSpec, PackedWeight, pack_for, packed_shapes
 from .qweight import QuantizedWeight
 
 _workspaces = threading.local()
-_bound: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # owner → what bind_packed remembers
 _libraries: dict[tuple[KernelSpec, str | None], runtime.KernelLibrary] = {}
 
 
@@ -31,10 +29,12 @@ def kernels_for(spec: KernelSpec, kernel_dir: str | None = None) -> runtime.Kern
 
 def lut_linear(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                bias: torch.Tensor | None, spec: KernelSpec, m: int, kernel_dir: str | None = None,
-               out: torch.Tensor | None = None, bound: tuple | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, bound: tuple | None = None, checked: bool = False) -> torch.Tensor:
     """``x @ W.T (+ bias)`` for float32 ``x [N, K]`` and packed ``W`` of ``m`` rows; float32 ``[N, m]``.
-    ``bound``: what ``bind_packed`` returned for exactly these packed tensors, spec and kernel directory."""
-    check_activations(x, spec.k)
+    ``bound``: what ``bind_packed`` returned for exactly these packed tensors, spec and kernel directory;
+    ``checked``: the caller has made ``x`` what ``check_activations`` requires (``tmac.Linear`` does)."""
+    if not checked:
+        check_activations(x, spec.k)
     if bound is None:
         check_packed(spec, m, weights, scales, zeros, bias)
         params = (weights, scales) if zeros is None else (weights, scales, zeros)
@@ -105,18 +105,31 @@ def check_packed(spec: KernelSpec, m, weights, scales, zeros, bias) -> None:
                              + ("" if t.is_contiguous() else " (non-contiguous)"))
 
 
+class _Binding(tuple):
+    """(packed tensors, their sizes, spec, kernel directory, (views, library)): what ``bind_packed`` remembers in its
+    owner's ``__dict__``. It holds views of the owner's tensors, so a copy or a pickle of the owner gets none."""
+
+    def __deepcopy__(self, memo):
+        return None
+
+    def __reduce__(self):
+        return type(None), ()
+
+
 def bind_packed(owner, spec: KernelSpec, m: int, packed: tuple, kernel_dir: str | None) -> tuple:
     """(the kernels' views of W, S[, Z], the kernel library) for ``packed`` = (W, S, Z, bias), after
     ``check_packed``; remembered for ``owner`` and reused while it calls with the very same tensors, unresized,
-    spec and directory: validating, converting and looking up again cost more than a small kernel call (in a
-    model whose weights stream from DRAM 20-35 µs a call, the Python objects evicted from the caches)."""
-    seen = _bound.get(owner)
+    spec and directory: validating, converting and looking up again cost more than a small kernel call."""
+    seen = owner.__dict__.get("_tmac_binding")
+    if seen is not None and seen[2] is spec and seen[0][0] is packed[0] and seen[0][1] is packed[1] and \
+            seen[0][2] is packed[2] and seen[0][3] is packed[3] and seen[3] == kernel_dir and \
+            seen[1] == tuple(-1 if t is None else t.numel() for t in packed):
+        return seen[4]
+    check_packed(spec, m, *packed)
+    views = tuple(runtime.ffi().from_dlpack(t) for t in packed[:3] if t is not None)
     sizes = tuple(-1 if t is None else t.numel() for t in packed)
-    if seen is None or seen[1] != sizes or seen[2] is not spec or seen[3] != kernel_dir or \
-            not all(a is b for a, b in zip(seen[0], packed)):
-        check_packed(spec, m, *packed)
-        views = tuple(runtime.ffi().from_dlpack(t) for t in packed[:3] if t is not None)
-        seen = _bound[owner] = (packed, sizes, spec, kernel_dir, (views, kernels_for(spec, kernel_dir)))
+    seen = owner.__dict__["_tmac_binding"] = _Binding((packed, sizes, spec, kernel_dir,
+                                                        (views, kernels_for(spec, kernel_dir))))
     return seen[4]
 
 

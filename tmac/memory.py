@@ -3,10 +3,8 @@
 A decode step reads every packed weight once; with 4 KiB pages that is one TLB miss per 4 KiB (302 MB a token
 for a 1B model at 2 bits: 74k page walks), and the hardware prefetchers restart at every page. Linux backs a
 range with 2 MiB pages when it is marked ``MADV_HUGEPAGE`` before it is first touched (the default THP mode,
-``madvise``, does nothing for unmarked memory). Measured on an AMD EPYC (Zen 4) VM, one thread, interleaved:
-cold 4096x4096 GEMV W1 114 -> 103 µs, W2 165 -> 155, W4 355 -> 308; a 1B-shape W1 model's decode 122 -> 128
-tok/s (numpy already asks for huge pages for its arrays of 4 MiB and more, so W2 models, with more large tensors,
-gain within noise); the read probe itself 30.6 -> 32.4 GB/s. Elsewhere (no THP, not Linux) this is plain memory.
+``madvise``, does nothing for unmarked memory; docs/decisions.md, "Huge pages"). Elsewhere (no THP, not Linux)
+this is plain memory.
 """
 
 from __future__ import annotations

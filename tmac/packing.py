@@ -113,10 +113,8 @@ class KernelSpec:
     lut_group: int  # activations per table scale; divides group_size
     has_zeros: bool
     block_rows: int = 0  # 0: the default for this ISA and bit width
-    # activation rows sharing each weight load in the GEMM kernel; 0: the default, 2 (at 4 the accumulators and tables
-    # of a tile outgrow the 32 vector registers; 16 rows at 4096x4096 on an AMD EPYC: W2 1.78 ms at 2, 2.26 at 4,
-    # looped GEMV 2.37; W4 2.57 / 3.58 / 2.96: 1B Q4_0 prefill 63 -> 83 tok/s), but 4 for W1 on 32-byte vectors
-    # (below)
+    # activation rows sharing each weight load in the GEMM kernel; 0: the default, 2 (at 4 a tile's accumulators and
+    # tables outgrow 32 vector registers), but 4 for W1 on 32-byte vectors (docs/decisions.md, "GEMM row tile")
     n_tile: int = 0
     unroll: int = 0  # table pairs unrolled in the inner loop; 0: the default (the most of 8, 4, 2, 1 that fits)
     scale_dtype: str = "float32"  # storage of S and Z: the format's (tmac.formats.PARAM_DTYPES); super scales'
@@ -130,39 +128,24 @@ class KernelSpec:
         check_bits(self.bits)
         sixteen_registers = self.vector_bytes == 32  # AVX2 (AVX-512 and NEON have 32)
         if self.block_rows == 0:
-            # blocks of 4 weight vectors a step (W4, 1- and 2-bit quads) on 64-byte vectors take 8, not 4 (cold on
-            # an AMD EPYC, 11008x4096 W1 248 vs 277 us; W2 3200x8640 327 vs 362, 4096x4096 194 vs 203; W4
-            # 4096x11008 976 vs 1233, 8640x3200 608 vs 734; the GEMM runs such a block in two parts of rows, at
-            # par); triples (5 vectors) lose: 428 vs 408, 3-bit quads (12) 268 vs 286 at 4096x4096; 5-bit quads (20)
-            # gain: 4096x4096 Q5_K 382 vs 490 us, the 64-row GEMM at par
+            # blocks of 4 weight vectors a step (W4, 1- and 2-bit quads) and 5-bit quads on 64-byte vectors take
+            # twice the rows (docs/decisions.md, "Block rows")
             rows = default_block_rows(self.vector_bytes, self.row_bytes)
             wider = 2 if self.vector_bytes == 64 and self.row_bytes == 4 and not self.triples and \
                 (self.step_vectors(rows) == 4 or self.quads and self.bits == 5) else 1
             # AVX2's 16 registers: a one-plane vector's sums (W1; triples, where asked for without quads) are int16
-            # of 32 rows, two registers, so such blocks take 2 vectors, not 4 (whose W1 loop spilled: 46 stack moves
-            # per 8 steps, none at 64 rows); cold, Zen 3, 1 thread: W1 4096x4096 g128 195 -> 171 us, 3200x8640 g64
-            # 290 -> 261
+            # of 32 rows, two registers, so such blocks take half the rows (4 vectors spilled)
             narrower = 2 if sixteen_registers and self.chunks == ((0, 1),) else 1
             object.__setattr__(self, "block_rows", wider * rows // narrower)
         if self.n_tile == 0:
             # AVX2's W1 GEMM splits a tile's block into parts of one accumulator vector a row (gemm_accumulators), so
-            # a part's weight vector serves 4 activation rows where 2 left it half used; 64 rows on a Zen 3, 1 thread:
-            # 3200x8640 g64 14.6 -> 12.3 ms, 2048x8192 g128 9.3 -> 8.8, 4096x4096 9.3 -> 8.8 (256 rows of 8192x2048
-            # 31.6 -> 25.6)
+            # a part's weight vector serves 4 activation rows where 2 left it half used
             object.__setattr__(self, "n_tile", 4 if sixteen_registers and self.bits == 1 else 2)
         steps = self.steps_per_lut_group
         if self.unroll == 0 and steps:
-            # up to 8 table pairs and 32 weight vectors per unrolled body: 8 pairs beat 4 by 5-17 % on cold 2-bit
-            # GEMVs here (16384x2048, 2048x8192) and never lose; with 8 vectors a pair (W4 at 128 rows) 4 pairs beat 8
-            # (4096x11008 976 vs 1153 us, 8640x3200 608 vs 658)
-            # On 32-byte vectors (AVX2: 16 registers) a lut group of 4 or more steps is not unrolled whole: the body
-            # and the epilogue then share one basic block, whose schedule spills (W2 g64: 78 stack moves a lut group,
-            # none in the loop of 4; the W4 g32 GEMM's loop 156 vector stack moves against 71 in a loop of 2 steps);
-            # on a Zen 3, 1 thread: cold GEMVs 3200x8640 W2 g64 680-717 -> 468-471 us, W1 g64 380 -> 306 (W3, W4 g64
-            # within 2 %); 64-row GEMMs of lut groups of 32 (4 steps) 10-32 % faster in a loop of 2 (W4 g32 2048x8192
-            # 33.6 -> 23.2 ms, 16384x2048 54.6 -> 37.2, Q4_0's symmetric W4 8192x2048 21.3 -> 17.9, 8-bit 8192x576
-            # 11.9 -> 10.1, W3 g32 22.0 -> 19.8) with their cold GEMVs at par (W4 g32 3072x576 and 16384x2048, W3
-            # 4096x4096) or 2-3 % faster (8-bit 49152x576)
+            # up to 8 table pairs and 32 weight vectors per unrolled body; on 32-byte vectors (AVX2: 16 registers) a
+            # lut group of 4 or more steps is not unrolled whole: the body and the epilogue would share one basic
+            # block, whose schedule spills (docs/decisions.md, "Unroll")
             vectors = self.step_vectors(self.block_rows)
             fits = [u for u in self.unrolls() if u * vectors <= 32
                     and not (sixteen_registers and u == steps and steps >= 4)]
@@ -219,17 +202,10 @@ class KernelSpec:
 
     def _default_k_chunk(self) -> int:
         """Triples, 1-bit weights and 16-byte vectors: the most activations whose tables and one block's
-        weights of them fit ``CHUNK_BYTES``, in chunks of near-equal size. Streaming a block's weights through L1
-        evicted its tables before the next block reused them; with the tables staying, cold GEMVs read faster (AMD
-        EPYC, 1 thread: triples 16384x2048 266 -> 227 us, 2048x8192 149 -> 120; W1 16384x2048 218 -> 190,
-        4096x4096 101 -> 93, 2048x8192 101 -> 91; AVX2 4096x4096 W2 212 -> 168, W4 416 -> 355, ternary planes
-        16384x2048 389 -> 297). On 64-byte vectors, 2-5 bits (fewer table bytes per weight byte than W1, whose
-        every nibble has a table of its own) gain nothing or lose (4096x4096 cold: W2 quads 144 -> 150 us, W3 210
-        -> 223, W4 286 -> 299, AVX-512 VNNI ternary planes 170 -> 188): one chunk. So does AVX2 (32-byte vectors),
-        whose GEMV prefetches its weights (``Isa.prefetch_bytes``): then one chunk was faster in each of 18 paired
-        cold timings on a Zen 3, by 1-5 % (1 thread: W1 4096x4096 258 -> 247 us, W2 11008x4096 851 -> 828, W4 g32
-        4096x4096 981 -> 958, ternary 3200x8640 660 -> 629, 8-bit 49152x576 3381 -> 3245; 2 threads: W2 4096x4096
-        317 -> 308). (The GEMM loses 1-3 % with chunks: W1 16 rows 4096x4096 0.714 -> 0.727 ms.)"""
+        weights of them fit ``CHUNK_BYTES``, in chunks of near-equal size: streaming a block's weights through L1
+        evicted its tables before the next block reused them. On 64-byte vectors 2-5 bits (fewer table bytes per
+        weight byte) gain nothing: one chunk; so does AVX2, whose GEMV prefetches its weights (docs/decisions.md,
+        "K chunks")."""
         unit, kp = self.chunk_unit, self.k_padded
         chunked = self.vector_bytes == 16 or self.vector_bytes == 64 and (self.triples or self.bits == 1)
         if not chunked or unit <= 0 or kp % unit:
@@ -433,8 +409,7 @@ def uses_triples(fmt: WeightFormat, k: int, isa) -> bool:
     """Ternary weights with one scale per row or tensor are packed as triples by default on ISAs with 64-entry
     lookups (quads), unless padding K to whole lut groups costs more than the triples save (small K). Elsewhere
     the triples' negation (a mask spread over the lanes, or a k-register load and a masked subtract, per lookup)
-    costs more than their 17 % fewer bytes save: 2-bit planes decode a 1B TQ2_0 model faster on AVX2 (55 -> 70
-    tok/s, 1 thread, Zen 4) and AVX-512 VNNI without VBMI (69 -> 81), at par with VBMI quads (96 vs 95)."""
+    costs more than their 17 % fewer bytes save (docs/decisions.md, "Triples")."""
     return fmt.ternary and fmt.group_size in (PER_ROW, PER_TENSOR) and isa.wide_lookup and padded_k(k) * 5 < k * 6
 
 

@@ -6,10 +6,8 @@ Quantizers (round half to even, as torch and numpy round):
   ranges shrunk about its middle, each refitted by weighted least squares to the codes it rounds to and its codes
   rounded again; the candidate of least weighted squared error wins, a weight counting the group's rms plus its
   own magnitude (llama.cpp's importance: plain squared error clipped the large weights a model needs, and
-  SmolLM2 at 3 bits in groups of 64 read text worse than with min/max). SmolLM2's projections requantized from
-  its Q4_1 file, against the file's model over 300 tokens of the GPL (next-token top-1 agreement, perplexity):
-  W3 g64 0.29 -> 0.36 and 272 -> 188, W3 g32 0.43 -> 0.48 and 134 -> 85, W4 g32 0.957 -> 0.967 (the file's
-  28.4). It costs 2-3x min/max (a 1B Q4_0 file loads as W2 in 18.6 s instead of 9.4). ``search=False``: plain
+  SmolLM2 at 3 bits in groups of 64 read text worse than with min/max; docs/decisions.md, "The quantizer's
+  search"). It costs 2-3x min/max's time. ``search=False``: plain
   min/max, s = (max − min)/(2^b − 1). At 1 bit the two levels are the means of the values below and above the
   group mean (the optimal two-level split);
 - symmetric absmax, llama.cpp style: the signed value of largest magnitude maps to code 0, s = that / −2^(b−1);

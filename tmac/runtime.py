@@ -84,8 +84,7 @@ def apply_threads() -> None:
 def torch_single_threaded():
     """Run torch on one thread inside the block, for code whose heavy work is in the kernels: each multi-threaded
     torch op between kernel calls leaves torch's OpenMP workers spinning (actively, if torch was imported before
-    tmac) on the cores the kernels' pool needs. 1B TQ2_0 on 2 threads, torch imported first: decode 57 -> 92
-    tok/s, prefill 104 -> 177; imported after tmac: prefill 166 -> 170."""
+    tmac) on the cores the kernels' pool needs (docs/decisions.md, "torch on one thread")."""
     import torch
 
     threads = torch.get_num_threads()
@@ -109,7 +108,7 @@ def tvm_runtime_library() -> str:
 
 
 _ffi_module = None
-SPIN_YIELDS = 4000  # TVM_THREAD_POOL_SPIN_COUNT unless set: ~3 ms at 0.8 µs per sched_yield here
+SPIN_YIELDS = 4000  # TVM_THREAD_POOL_SPIN_COUNT unless set: a few ms of sched_yield
 
 
 def ffi():
@@ -119,11 +118,9 @@ def ffi():
         # the pool is created with TVM_NUM_THREADS workers (TVM's default is half the cores); allow all of them,
         # set_num_threads() then narrows per call site
         os.environ.setdefault("TVM_NUM_THREADS", str(max(os.cpu_count() or 1, 1)))
-        # idle workers spin (sched_yield) a few ms before sleeping: waking a sleeping worker costs 10-20 µs on a VM,
-        # as much as a whole small GEMV, while the gaps between kernel calls of a decode step are µs. TVM spins
-        # ~300k yields (a fraction of a second) by default, too long beside torch ops sharing the cores. SmolLM2,
-        # 121-token prefill + 48 tokens on 2 threads: 364 ms sleeping, 253 ms at 1000 yields, 257 at 4000 (the
-        # default here), 236 ms at 300k.
+        # idle workers spin (sched_yield) a few ms before sleeping: waking a sleeping worker costs as much as a small
+        # GEMV, while the gaps between a decode step's kernel calls are µs; TVM's own default spins far longer, too
+        # long beside torch ops sharing the cores (docs/decisions.md, "TVM's idle workers")
         os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", str(SPIN_YIELDS))
         import tvm_ffi  # first: it loads libtvm_ffi.so, which libtvm_runtime.so links against
 
