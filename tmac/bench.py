@@ -438,12 +438,20 @@ def plot(rows: list[Row], path: str, ylabel: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cands = list(dict.fromkeys(f"{r.candidate}\n{r.what.split('/')[-1]}" for r in rows))
+    subjects = list(dict.fromkeys(r.what.split("/")[-1] for r in rows))
+    one = len(subjects) == 1  # one model or shape: named once, in the title, not under every bar
+
+    def label(r):
+        return r.candidate if one else f"{r.candidate}\n{r.what.split('/')[-1]}"
+
+    cands = list(dict.fromkeys(label(r) for r in rows))
     threads = sorted({r.threads for r in rows})
     fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(cands)), 4))
+    if one:
+        ax.set_title(subjects[0], fontsize=9)
     width = 0.8 / len(threads)
     for i, t in enumerate(threads):
-        values = {f"{r.candidate}\n{r.what.split('/')[-1]}": r.value for r in rows if r.threads == t}
+        values = {label(r): r.value for r in rows if r.threads == t}
         ax.bar([c + i * width for c in range(len(cands))], [values.get(c, 0) for c in cands], width,
                label=f"{t} thread{'s' if t > 1 else ''}")
     ax.set_xticks([c + width * (len(threads) - 1) / 2 for c in range(len(cands))], cands, fontsize=7)
