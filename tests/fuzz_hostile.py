@@ -51,6 +51,27 @@ def _run_model(path: str, **kw) -> None:
     model.generate([0, 1, 2], max_new_tokens=2, stop_on_eos=False)  # the decode plan: its glue kernels too
 
 
+def _forget_loaded_kernels() -> None:
+    """This process's loaded libraries and warnings forgotten: the next load reads the (damaged) files again."""
+    from tmac import lut_ops, runtime
+
+    runtime._loaded.clear()
+    runtime._warned_dirs.clear()
+    lut_ops._libraries.clear()
+
+
+def _write_model_seeds(d: str) -> None:
+    """In ``d``: seed.gguf, seed.tmac, hf/ (with a tokenizer), sharded/ (the same in two shards) and kernels/ (what
+    ``tmac compile`` writes for seed.gguf)."""
+    from fuzz_targets import write_gguf, write_tmac
+
+    write_gguf(os.path.join(d, "seed.gguf"))
+    write_tmac(os.path.join(d, "seed.gguf"), os.path.join(d, "seed.tmac"))
+    write_hf_chat_dir(os.path.join(d, "hf"))
+    _shard(os.path.join(d, "hf"), os.path.join(d, "sharded"))
+    _compile_dir(os.path.join(d, "seed.gguf"), os.path.join(d, "kernels"))
+
+
 def _nest(depth: int, style: str) -> str:
     if style == "list":
         return "[" * depth + "]" * depth
@@ -121,9 +142,7 @@ def cache_cases(d: str):
                 os.chown(entry, 12345, 12345)
         if resign and os.path.isfile(so) and os.path.isfile(sidecar) and not os.path.islink(sidecar):
             _resign(so, sidecar)
-        runtime._loaded.clear()
-        runtime._warned_dirs.clear()
-        lut_ops._libraries.clear()
+        _forget_loaded_kernels()
         tuning._table.cache_clear()
         os.environ["TMAC_CACHE_DIR"] = root
         with warnings.catch_warnings(record=True) as caught:
@@ -352,18 +371,8 @@ SPECIAL_KINDS = ["fifo", "/dev/zero", "/dev/urandom", "/dev/null", "directory", 
 def special_cases(d: str):
     """Each case puts one special file in place of one file of a model (GGUF, .tmac, Hugging Face directory, sharded
     checkpoint) or of a kernel directory, and loads and runs the model."""
-    from tmac import runtime
-
-    from fuzz_targets import write_gguf, write_hf_dir, write_tmac
-
-    write_gguf(os.path.join(d, "seed.gguf"))
-    write_tmac(os.path.join(d, "seed.gguf"), os.path.join(d, "seed.tmac"))
-    write_hf_chat_dir(os.path.join(d, "hf"))
-    sharded = os.path.join(d, "sharded")
-    _shard(os.path.join(d, "hf"), sharded)
-    kernels = os.path.join(d, "kernels")
-    _compile_dir(os.path.join(d, "seed.gguf"), kernels)
-    kernel_files = sorted(os.listdir(kernels))
+    _write_model_seeds(d)
+    sharded, kernel_files = os.path.join(d, "sharded"), sorted(os.listdir(os.path.join(d, "kernels")))
     targets = ([("gguf", "seed.gguf"), ("tmac", "seed.tmac")]
                + [("hf", f) for f in sorted(os.listdir(os.path.join(d, "hf")))]
                + [("sharded", f) for f in sorted(os.listdir(sharded))] + [("kernels", f) for f in kernel_files])
@@ -383,9 +392,7 @@ def special_cases(d: str):
             os.symlink(path + ".real", path)
         else:
             _special(path, kind)
-        runtime._loaded.clear()
-        runtime._warned_dirs.clear()
-        __import__("tmac.lut_ops").lut_ops._libraries.clear()
+        _forget_loaded_kernels()
         source = {"gguf": path, "tmac": path, "hf": os.path.dirname(path), "sharded": os.path.dirname(path),
                   "kernels": os.path.join(case_dir, "seed.gguf")}[where]
         if where == "kernels":
@@ -431,15 +438,9 @@ def _compile_dir(model: str, out: str) -> None:
 # ---- nesting ----------------------------------------------------------------------------------------------------
 
 def nesting_cases(d: str):
-    from tmac import runtime
+    from fuzz_targets import safetensors_parts
 
-    from fuzz_targets import safetensors_parts, write_gguf, write_tmac
-
-    write_gguf(os.path.join(d, "seed.gguf"))
-    write_tmac(os.path.join(d, "seed.gguf"), os.path.join(d, "seed.tmac"))
-    write_hf_chat_dir(os.path.join(d, "hf"))
-    _shard(os.path.join(d, "hf"), os.path.join(d, "sharded"))
-    _compile_dir(os.path.join(d, "seed.gguf"), os.path.join(d, "kernels"))
+    _write_model_seeds(d)
     documents = ["hf/config.json", "hf/tokenizer.json", "hf/tokenizer_config.json", "sharded/model.safetensors.index.json",
                  "hf/model.safetensors header", "seed.tmac tmac", "seed.tmac tmac_model", "kernels/manifest.json"]
     counter = [0]
@@ -475,8 +476,7 @@ def nesting_cases(d: str):
             data = _nest_into(open(path).read(), nested, rng).encode()
         with open(path, "wb") as f:
             f.write(data)
-        runtime._loaded.clear()
-        __import__("tmac.lut_ops").lut_ops._libraries.clear()
+        _forget_loaded_kernels()
         source = {"hf": os.path.dirname(path), "sharded": os.path.dirname(path), "seed.tmac": path,
                   "kernels": os.path.join(d, "seed.gguf")}[src]
         if src == "kernels":

@@ -6,7 +6,7 @@ import json
 import os
 import time
 
-from .cli_generate import HEAD_BITS_HELP, head_bits_arg
+from .cli_generate import HEAD_BITS_HELP, _load, head_bits_arg
 from .formats import BITS, GROUP_SIZES
 
 
@@ -25,35 +25,24 @@ def add_parser(sub, common) -> None:
     p.add_argument("--head-bits", type=head_bits_arg, help=HEAD_BITS_HELP)
     p.add_argument("--threads", "-t", type=int, help="kernel and torch threads (default: physical cores)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    p.set_defaults(func=cmd_perplexity)
+    p.set_defaults(func=cmd_perplexity, kv_dtype="float16")
 
 
 def cmd_perplexity(args) -> int:
-    import torch
-
-    import tmac
     from tmac.models.perplexity import DEFAULT_TEXT, DEFAULT_TEXT_NAME, perplexity
 
     from . import files
     from .progress import Progress
 
-    if args.group_size is not None and args.bits is None:
-        raise ValueError("--group-size needs --bits (the file's own quantization is used otherwise)")
     if args.windows is not None and args.windows < 1:
         raise ValueError(f"--windows must be >= 1, got {args.windows}")
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads must be >= 1, got {args.threads}")
-        tmac.set_num_threads(args.threads)
-    torch.set_num_threads(tmac.get_num_threads())
     path = args.text or DEFAULT_TEXT
     try:
         text = files.read_regular(path, 64 << 20).decode()
     except (OSError, ValueError, UnicodeDecodeError) as e:
         raise ValueError(f"--text {path}: cannot read it as UTF-8 text ({e})") from None
     t0 = time.perf_counter()
-    model = tmac.load_model(args.model, bits=args.bits, group_size=args.group_size, head_bits=args.head_bits,
-                            context=args.context)
+    model, _ = _load(args)  # (--context: the window, all the model needs to hold)
     estimate = len(text) // 4 // args.context  # (about four characters a token)
     with Progress("scoring", args.windows or max(1, estimate)) as bar:
         result = perplexity(model, text, args.context, args.windows, bar)
