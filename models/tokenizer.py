@@ -10,6 +10,7 @@ from a model file and must not execute anything.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 from dataclasses import dataclass, field
@@ -216,7 +217,8 @@ def _token_id(meta: dict, name: str, vocab: int, source: str) -> int | None:
 
 
 # a chat template is a model file's data: it renders in a sandbox that also bounds its work and its output
-TEMPLATE_SECONDS = 2.0  # wall time of one render (enforced in the main thread: SIGALRM)
+TEMPLATE_SECONDS = 2.0  # CPU time of one render in its child (wall time where it renders in this process)
+TEMPLATE_WALL = 30.0  # wall time the parent waits for a child that neither finishes nor uses CPU
 TEMPLATE_OUTPUT = 1 << 20  # characters of one render
 TEMPLATE_ITEMS = 100_000  # range() items of one render, and the longest string or list an operator may build
 
@@ -298,6 +300,7 @@ def _render_bounded(source: str, context: dict) -> str:
     there is no fork."""
     if not hasattr(os, "fork"):
         return _render_here(source, context)
+    _warm_jinja()
     import select
     import signal
     import time
@@ -310,7 +313,7 @@ def _render_bounded(source: str, context: dict) -> str:
     if pid == 0:
         _render_child(source, context, read_end, write_end)  # never returns
     os.close(write_end)
-    chunks, size, complete, deadline = [], 0, False, time.monotonic() + TEMPLATE_SECONDS + 1
+    chunks, size, complete, deadline = [], 0, False, time.monotonic() + TEMPLATE_WALL
     try:
         while size <= 4 * TEMPLATE_OUTPUT + 4096:  # (the child's output is capped in characters)
             left = deadline - time.monotonic()
@@ -334,13 +337,22 @@ def _render_bounded(source: str, context: dict) -> str:
         raise ModelFormatError(text.decode())
     if complete and kind == b"raised":
         raise TemplateRaised(text.decode())
-    if time.monotonic() >= deadline or os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGALRM:
-        raise ModelFormatError(f"chat template: TemplateLimit: rendering took more than {TEMPLATE_SECONDS} s")
+    if os.WIFSIGNALED(status) and os.WTERMSIG(status) in (signal.SIGPROF, signal.SIGXCPU):
+        raise ModelFormatError(f"chat template: TemplateLimit: rendering used more than {TEMPLATE_SECONDS} s of CPU")
+    if time.monotonic() >= deadline:
+        raise ModelFormatError(f"chat template: TemplateLimit: rendering took more than {TEMPLATE_WALL} s")
     raise ModelFormatError(f"chat template: TemplateLimit: rendering ran out of its {TEMPLATE_MEMORY >> 20} MiB of "
                            f"memory or its time")
 
 
 TEMPLATE_MEMORY = 512 << 20  # bytes a render may allocate (in its child)
+
+
+@functools.cache
+def _warm_jinja() -> None:
+    """Import jinja and run its compiler once in this process, so each forked child only compiles and renders its
+    template (on a slow or emulated CPU, importing jinja in every child costs more than the render's budget)."""
+    _compile("{% for i in range(2) %}{{ i ~ x | tojson }}{% endfor %}").render(x="")
 
 
 def _render_child(source: str, context: dict, read_end: int, write_end: int) -> None:
@@ -351,8 +363,10 @@ def _render_child(source: str, context: dict, read_end: int, write_end: int) -> 
         import signal
 
         os.close(read_end)
-        signal.signal(signal.SIGALRM, signal.SIG_DFL)  # the alarm ends the child even inside C code
-        signal.setitimer(signal.ITIMER_REAL, TEMPLATE_SECONDS)
+        # CPU time, not wall time: a loaded or emulated machine renders slower but the bound is the template's work;
+        # the default action of SIGPROF ends the child even inside C code
+        signal.signal(signal.SIGPROF, signal.SIG_DFL)
+        signal.setitimer(signal.ITIMER_PROF, TEMPLATE_SECONDS)
         with open("/proc/self/status") as f:
             used = next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmData:")), 0)
         hard = resource.getrlimit(resource.RLIMIT_DATA)[1]
