@@ -12,7 +12,7 @@ import torch
 from baselines import COLD_BYTES, bench_group, int4_linear, int4pack, random_weights
 from conftest import BYTES, RESULTS, record
 from tmac import quantize_weight
-from tmac.bench import cold_medians_beside_probe, read_probe
+from tmac.timing import cold_medians_beside_probe, read_probe
 from tmac.lut_ops import LutWeight
 from tmac.memory import huge_page_copies
 
@@ -40,7 +40,7 @@ def _candidates(m, k):
     out["torch int8wo"] = (lambda n: huge_page_copies((w8, s8), n),
                            lambda c: torch.ops.aten._weight_int8pack_mm(x, c[0], c[1]), m * k + m * 4)
     formats = {f"tmac W{bits}": dict(bits=bits, group_size=group) for bits in (1, 2, 3, 4)}
-    formats["tmac ternary"] = dict(ternary=True, group_size="tensor")  # BitNet b1.58 (triples where packing.uses_triples)
+    formats["tmac ternary"] = dict(ternary=True, group_size="tensor")  # BitNet b1.58 (triples where choose.uses_triples)
     for name, fmt in formats.items():
         lw = LutWeight.from_quantized(quantize_weight(w.numpy(), **fmt))
         lw.matmul(x)  # compile / load outside the timing

@@ -17,10 +17,10 @@ import torch
 from torch import nn
 
 import tmac
-from baselines import COLD_BYTES, int4_linear, int4pack, random_weights
+from baselines import int4_linear, int4pack, random_weights
 from conftest import BYTES, RESULTS
 from tmac import quantize_weight
-from tmac.bench import cold_medians, median_seconds
+from tmac.timing import cold_medians, median_seconds
 from tmac.lut_ops import LutWeight
 from tmac.memory import huge_page_copies
 

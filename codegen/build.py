@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tmac.glue import GlueSpec
-from tmac.packing import KernelSpec
+from tmac.spec import KernelSpec
 
 from .link import LINK_OPTIONS, find_linker
 

@@ -18,7 +18,7 @@ tiles are unrolled here); nothing is left for a schedule.
 from __future__ import annotations
 
 from tmac.formats import code_offset
-from tmac.packing import KernelSpec, packed_shapes
+from tmac.spec import KernelSpec, packed_shapes
 from tmac.reference import SIGNS, TRIPLE_COEFFS
 
 from .tir import arg, prefetch, prim_func

@@ -26,8 +26,7 @@ from tmac.linear import Linear
 from tmac.lut_ops import check_packed, kernels_for, table_buffers
 
 from .bitnet import ActivationQuantized, BitNetTransformer, relu2
-from .llama import RMSNorm
-from .tmac_file import Concat
+from .llama import Concat, RMSNorm
 
 
 class _Unsupported(Exception):
@@ -112,7 +111,7 @@ class DecodePlan:
     """One token's step as a flat list of ``(function, args)`` calls into compiled code (see the module doc)."""
 
     def __init__(self, model, calls: list, positions: list, buffers: dict, labels: dict, keep: tuple):
-        # no reference to the model: the model keeps its plan (``GenerationMixin``), and a cycle would leave a deleted
+        # no reference to the model: a session keeps the model and its plan, and a cycle would leave a deleted
         # model's gigabytes to the cyclic garbage collector
         self.context, self.calls, self.positions = model.context, calls, positions
         self.buf, self.labels = buffers, labels

@@ -1,7 +1,7 @@
-"""Sampling and the generation loop: a batched prefill (in chunks of ``PREFILL_CHUNK`` tokens), then one token at
-a time from the KV cache.
+"""Generation as a session over a model (``Session``): a batched prefill (in chunks of ``PREFILL_CHUNK`` tokens),
+then one token at a time from the KV cache, through the model's ``DecodePlan`` where it has one.
 
-The cache remembers which tokens it holds; a new prompt that extends them (the next turn of a chat) only
+A session remembers which tokens the cache holds; a new prompt that extends them (the next turn of a chat) only
 prefills what is new. Sampling follows llama.cpp's order: repetition penalty over the last
 ``repeat_last_n`` tokens, then top-k, top-p and temperature; ``temperature=0`` is greedy.
 """
@@ -18,6 +18,8 @@ import torch
 
 from tmac import runtime
 from tmac.linear import Linear
+
+from .decode import DecodePlan, plan_key
 
 # a long prompt is prefilled this many tokens at a time: each chunk's activations stay in the caches
 # (docs/decisions.md, "Prompts are prefilled")
@@ -60,20 +62,41 @@ def next_token(logits: torch.Tensor, history: list[int], temperature: float = 0.
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-class GenerationMixin:
-    """``generate`` and ``logits`` for a model with ``forward(ids, start, last_only)``, ``setup_cache`` and
-    ``.tokenizer``."""
+class Session:
+    """Generation over a model (``forward(ids, start, last_only)``, ``setup_cache``, ``context``): prefill, decode,
+    sampling and their statistics, apart from the model as gpt-fast keeps ``generate.py`` apart from ``model.py``.
 
-    cached_ids: list[int]
-    last_stats: dict
-    static_decode = True  # decode through a ``DecodePlan`` (compiled glue, no torch ops) when the model allows it
+    A session remembers which tokens the model's KV cache holds for it, so a prompt that extends them (the next
+    turn of a chat) only prefills what is new; another session using the same model, or a new cache, starts it
+    over. ``static_decode``: decode through a ``DecodePlan`` (compiled glue, no torch ops) where the model allows;
+    ``stats``: the last ``generate``'s statistics."""
+
+    def __init__(self, model, tokenizer=None, static_decode: bool = True):
+        self.model = model
+        self.tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
+        self.static_decode = static_decode
+        self.stats: dict = {}
+        self._ids: list[int] = []
+        self._owner = object()  # marks the model's cache as holding this session's tokens
+        self._plan = None  # (plan_key, DecodePlan), kept while the model stays the one it was built from
+
+    @property
+    def cached_ids(self) -> list[int]:
+        """The tokens whose keys and values the model's cache holds for this session."""
+        return self._ids if getattr(self.model, "cache_owner", None) is self._owner else []
+
+    @cached_ids.setter
+    def cached_ids(self, ids: list[int]) -> None:
+        self.model.cache_owner = self._owner
+        self._ids = ids
 
     def logits(self, ids: list[int]) -> torch.Tensor:
         """Float32 logits ``[len(ids), vocab]`` of a fresh sequence (for scoring and perplexity), run in chunks as
         a prefill is."""
-        ids = check_ids(ids, self.config.vocab_size, "ids")
+        vocab = self.model.config.vocab_size
+        ids = check_ids(ids, vocab, "ids")
         if not ids:
-            return torch.empty((0, self.config.vocab_size))
+            return torch.empty((0, vocab))
         self._check_room(len(ids), 0)
         self.cached_ids = []
         with torch.inference_mode(), self._torch_threads(prefill=True):
@@ -86,7 +109,7 @@ class GenerationMixin:
         end and its logits."""
         for start in range(first, len(ids), PREFILL_CHUNK):
             end = min(start + PREFILL_CHUNK, len(ids))
-            yield end, self(torch.tensor(ids[start:end]), start, last_only=last_only)
+            yield end, self.model(torch.tensor(ids[start:end]), start, last_only=last_only)
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, repetition_penalty: float = 1.0, repeat_last_n: int = 64,
@@ -94,10 +117,10 @@ class GenerationMixin:
                  callback: Callable[[int], object] | None = None) -> list[int]:
         """New token ids after ``prompt_ids``. ``callback(id)`` is called as each token is produced (streaming);
         generation stops at an end-of-generation token (returned), at a ``stop`` string or after
-        ``max_new_tokens``. Statistics land in ``self.last_stats``: seconds of set-up (the decode plan, and compiling
+        ``max_new_tokens``. Statistics land in ``self.stats``: seconds of set-up (the decode plan, and compiling
         kernels on a host's first use), prefill and decode, and the decode steps run (the first new token comes from
         the prefill's logits, so a generation of n tokens runs n − 1: decode speed is steps per second)."""
-        prompt = check_ids(prompt_ids, self.config.vocab_size)
+        prompt = check_ids(prompt_ids, self.model.config.vocab_size)
         if not prompt:
             raise ValueError("prompt_ids is empty: generation needs at least one token")
         _check_sampling(max_new_tokens, temperature, top_k, top_p, repetition_penalty, repeat_last_n)
@@ -111,15 +134,15 @@ class GenerationMixin:
             raise ValueError("stop strings need a tokenizer, and this model was loaded without one")
         stop_ids = self.tokenizer.stop_ids if stop_on_eos and self.tokenizer is not None else frozenset()
 
-        reuse = _common_prefix(getattr(self, "cached_ids", []), prompt)
+        reuse = _common_prefix(self.cached_ids, prompt)
         reuse = min(reuse, len(prompt) - 1)  # the last prompt token is always fed: its logits start decoding
         out: list[int] = []
-        stats = self.last_stats = {"prompt_tokens": len(prompt), "prefill_tokens": len(prompt) - reuse,
-                                   "setup_s": 0.0, "prefill_s": 0.0, "generated_tokens": 0, "decode_steps": 0,
-                                   "decode_s": 0.0, "stop_reason": "length"}
+        stats = self.stats = {"prompt_tokens": len(prompt), "prefill_tokens": len(prompt) - reuse,
+                              "setup_s": 0.0, "prefill_s": 0.0, "generated_tokens": 0, "decode_steps": 0,
+                              "decode_s": 0.0, "stop_reason": "length"}
         with torch.inference_mode(), self._torch_threads(prefill=True):
             t0 = time.perf_counter()
-            plan = self._decode_plan() if self.static_decode and max_new_tokens > 1 else None
+            plan = self.decode_plan() if self.static_decode and max_new_tokens > 1 else None
             stats["setup_s"] = time.perf_counter() - t0
             t0 = time.perf_counter()
             self.cached_ids = prompt[:reuse]
@@ -139,31 +162,27 @@ class GenerationMixin:
                 stats["decode_s"] = time.perf_counter() - t0
         return out
 
-    def _decode_plan(self):
+    def decode_plan(self) -> DecodePlan | None:
         """The model's ``DecodePlan`` (or ``None``: eager decoding), built on the first generation and kept while
         the model's modules, tensors and cache stay the ones it was built from. Building it loads every kernel the
         model runs, compiling what the cache lacks, before anything is timed."""
-        from .decode import DecodePlan, plan_key  # it knows the model classes, which import this module
-
-        key = plan_key(self)
-        kept = getattr(self, "_kept_plan", None)
-        if kept is None or kept[0] != key:
-            self._kept_plan = kept = (key, DecodePlan.build(self))
-        return kept[1]
+        key = plan_key(self.model)
+        if self._plan is None or self._plan[0] != key:
+            self._plan = (key, DecodePlan.build(self.model))
+        return self._plan[1]
 
     def _torch_threads(self, prefill: bool = False):
         """torch on one thread while LUT layers run: the torch ops beside them are small or (a float head) slower
-        sharing the cores with the kernels' pool than alone (SmolLM2 W2 with its float head, 2 threads, torch imported
-        first: 48 tok/s, 72 with its head on one thread); a float model keeps torch's threads. So does a ``prefill``
-        where torch's idle OpenMP workers sleep (``OMP_WAIT_POLICY=PASSIVE``, set by tmac when imported before
-        torch): attention over a long prompt is its largest torch op (1B Q4_0, 1024 tokens in chunks, 2 threads:
-        6.9-7.4 s with torch on one thread, 6.6-6.9 on both)."""
+        sharing the cores with the kernels' pool than alone; a float model keeps torch's threads. So does a
+        ``prefill`` where torch's idle OpenMP workers sleep (``OMP_WAIT_POLICY=PASSIVE``, set by tmac when imported
+        before torch): attention over a long prompt is its largest torch op (docs/decisions.md, "torch runs on one thread")."""
         passive = os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"
-        if not any(isinstance(m, Linear) for m in self.modules()) or prefill and passive:
+        if not any(isinstance(m, Linear) for m in self.model.modules()) or prefill and passive:
             return contextlib.nullcontext()
         return runtime.torch_single_threaded()
 
     def _decode(self, plan, out, history, logits, max_new_tokens, stats, stop, stop_ids, callback, sampling) -> None:
+        ids = self.cached_ids
         while len(out) < max_new_tokens:
             token = next_token(logits, history, **sampling)
             out.append(token)
@@ -179,16 +198,17 @@ class GenerationMixin:
                 return
             if len(out) == max_new_tokens:
                 return
-            pos = len(self.cached_ids)
-            logits = plan.step(token, pos) if plan else self(torch.tensor([token]), pos, last_only=True)[-1]
-            self.cached_ids.append(token)
+            pos = len(ids)
+            logits = plan.step(token, pos) if plan else self.model(torch.tensor([token]), pos, last_only=True)[-1]
+            ids.append(token)
             stats["decode_steps"] += 1
 
     def _check_room(self, prompt: int, new: int) -> None:
-        if prompt + new > self.context:
+        context = self.model.context
+        if prompt + new > context:
             raise ValueError(f"prompt ({prompt} tokens) + max_new_tokens ({new}) exceed the context of "
-                             f"{self.context} tokens; shorten the prompt, lower max_new_tokens or load with a "
-                             f"larger context (model maximum: {self.config.context_length})")
+                             f"{context} tokens; shorten the prompt, lower max_new_tokens or load with a "
+                             f"larger context (model maximum: {self.model.config.context_length})")
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

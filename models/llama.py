@@ -21,8 +21,6 @@ from tmac.float_linear import FloatLinear
 from tmac.glue import KV_BLOCK, check_kv_dtype
 from tmac.memory import available_bytes, huge_page_full
 
-from .generate import GenerationMixin
-
 
 # upper bounds far above any real model: a config from a file is untrusted, and sizes drive allocations
 LIMITS = {"vocab_size": 1 << 22, "dim": 1 << 16, "n_layers": 1 << 10, "n_heads": 1 << 10, "n_kv_heads": 1 << 10,
@@ -193,12 +191,12 @@ class Block(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
-class Transformer(GenerationMixin, nn.Module):
+class Transformer(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.config = cfg
         self.tokenizer = None  # set by the loader
-        self.cached_ids: list[int] = []  # the tokens whose keys and values the cache holds
+        self.cache_owner = None  # the generation session whose tokens the KV cache holds (tmac.models.generate)
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
@@ -244,7 +242,7 @@ class Transformer(GenerationMixin, nn.Module):
         self.cache_k = huge_page_full((cfg.n_layers, cfg.n_kv_heads, blocks, cfg.head_dim, KV_BLOCK), 0, dtype)
         self.cache_v = huge_page_full((cfg.n_layers, cfg.n_kv_heads, blocks * KV_BLOCK, cfg.head_dim), 0, dtype)
         self.kv_dtype = kv_dtype
-        self.cached_ids = []  # a new cache holds nothing
+        self.cache_owner = None  # a new cache holds nothing
         angles = torch.arange(context, dtype=torch.float64)[:, None] * rope_frequencies(cfg)[None]
         angles = torch.cat((angles, angles), dim=-1)[:, None, :]  # [context, 1, head_dim]
         self.cos, self.sin = angles.cos().float(), angles.sin().float()
@@ -266,3 +264,14 @@ class Transformer(GenerationMixin, nn.Module):
         if last_only:
             x = x[-1:]
         return self.output(self.norm(x)).float()
+
+
+class Concat(nn.Module):
+    """Layers run on the same input, outputs concatenated: a fused projection whose parts differ in format."""
+
+    def __init__(self, parts: list[nn.Module]):
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+
+    def forward(self, x):
+        return torch.cat([p(x) for p in self.parts], dim=-1)

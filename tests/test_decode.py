@@ -203,7 +203,7 @@ def test_decode_plan_matches_the_eager_model(tmp_path, case):
             model.output.weight = torch.nn.Parameter(model.output.weight.half(), requires_grad=False)
     prompt = list(range(3, 40))
     with torch.inference_mode():
-        model.logits(prompt)
+        tmac.Session(model).logits(prompt)
         plan = DecodePlan.build(model)
         assert plan is not None
         saved = model.cache_k.clone(), model.cache_v.clone()
@@ -244,13 +244,11 @@ def test_generation_uses_the_plan_and_agrees_with_eager(tmp_path):
     assert isinstance(model.tok_embeddings, tmac.Embedding)  # requantized: the token table is 8-bit too
     assert model.tok_embeddings.format.name == "w8g32s" and model.tok_embeddings.codes.dtype == torch.uint8
     prompt = list(range(5, 25))
-    fast = model.generate(prompt, max_new_tokens=12, stop_on_eos=False)
-    model.static_decode = False
-    model.cached_ids = []
-    assert model.generate(prompt, max_new_tokens=12, stop_on_eos=False) == fast
+    fast = tmac.Session(model).generate(prompt, max_new_tokens=12, stop_on_eos=False)
+    assert tmac.Session(model, static_decode=False).generate(prompt, max_new_tokens=12, stop_on_eos=False) == fast
     float_model = tmac.load_model(tmp_path, context=64)
     with torch.inference_mode():
-        float_model.logits(prompt)
+        tmac.Session(float_model).logits(prompt)
     assert DecodePlan.build(float_model) is None  # float projections: generation stays eager
 
 
@@ -259,38 +257,37 @@ def test_generation_keeps_its_plan_until_the_model_changes(tmp_path):
     changed; a swapped projection or a new cache gets a new plan, whose tokens are the eager model's."""
     _tiny(tmp_path)
     model = tmac.load_model(tmp_path, bits=4, group_size=64, context=64)
-    prompt = list(range(5, 25))
+    prompt, session = list(range(5, 25)), tmac.Session(model)
 
     def generate():
-        model.cached_ids = []
-        ids = model.generate(prompt, max_new_tokens=6, stop_on_eos=False)
-        assert model.last_stats["decode_steps"] == 5 and model.last_stats["setup_s"] > 0
-        return ids, model._kept_plan[1]
+        session.cached_ids = []
+        ids = session.generate(prompt, max_new_tokens=6, stop_on_eos=False)
+        assert session.stats["decode_steps"] == 5 and session.stats["setup_s"] > 0
+        return ids, session.decode_plan()
 
     first, plan = generate()
     assert isinstance(plan, DecodePlan) and generate() == (first, plan)
     model.layers[1].feed_forward.w2 = tmac.Linear.from_float(torch.randn(128, 384), bits=2, group_size=64)
     swapped, new_plan = generate()
     assert new_plan is not plan and swapped != first  # the old plan would have run the old weights
-    model.static_decode = False
-    model.cached_ids = []
-    assert model.generate(prompt, max_new_tokens=6, stop_on_eos=False) == swapped  # the new plan is right
-    model.static_decode = True
+    eager = tmac.Session(model, static_decode=False)
+    assert eager.generate(prompt, max_new_tokens=6, stop_on_eos=False) == swapped  # the new plan is right
     model.setup_cache(48)
     assert generate()[1] is not new_plan
 
 
 def test_a_deleted_model_is_freed_at_once_with_its_plan(tmp_path):
-    """The model keeps its plan and the plan holds no reference back: a deleted model's memory returns at once,
-    not at the cyclic garbage collector's next run."""
+    """A session keeps the model and its plan, and the plan holds no reference back: a deleted session's model
+    returns its memory at once, not at the cyclic garbage collector's next run."""
     _tiny(tmp_path)
     model = tmac.load_model(tmp_path, bits=4, group_size=64, context=64)
-    model.generate(list(range(5, 25)), max_new_tokens=4, stop_on_eos=False)
-    assert isinstance(model._kept_plan[1], DecodePlan)
+    session = tmac.Session(model)
+    session.generate(list(range(5, 25)), max_new_tokens=4, stop_on_eos=False)
+    assert isinstance(session.decode_plan(), DecodePlan)
     gc.disable()
     try:
         ref = weakref.ref(model)
-        del model
+        del model, session
         assert ref() is None
     finally:
         gc.enable()
@@ -305,8 +302,8 @@ def test_generation_runs_torch_on_one_thread_beside_lut_layers_only(tmp_path):
     try:
         for bits, expected in ((4, 1), (None, 2)):
             model = tmac.load_model(tmp_path, bits=bits, group_size=64, context=64)
-            seen = []
-            model.generate(list(range(5, 25)), max_new_tokens=3, stop_on_eos=False,
+            seen, session = [], tmac.Session(model)
+            session.generate(list(range(5, 25)), max_new_tokens=3, stop_on_eos=False,
                            callback=lambda _: seen.append(torch.get_num_threads()))
             assert seen == [expected] * 3 and torch.get_num_threads() == 2
 
@@ -314,7 +311,7 @@ def test_generation_runs_torch_on_one_thread_beside_lut_layers_only(tmp_path):
                 raise KeyboardInterrupt
 
             with pytest.raises(KeyboardInterrupt):
-                model.generate([5, 6], max_new_tokens=3, stop_on_eos=False, callback=fail)
+                session.generate([5, 6], max_new_tokens=3, stop_on_eos=False, callback=fail)
             assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)

@@ -83,7 +83,7 @@ def test_gptq_checkpoint_loads_through_load_model(tmp_path, rng):
     np.testing.assert_array_equal(wqkv, want.astype(np.float32))
     np.testing.assert_array_equal(model.layers[0].feed_forward.w2.dequantized_weight().numpy(),
                                   expected["mlp.down_proj"].astype(np.float32))
-    assert model.logits([1, 2, 3]).shape == (3, 64)
+    assert tmac.Session(model).logits([1, 2, 3]).shape == (3, 64)
     cfg["quantization_config"]["desc_act"] = True
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(tmac.ModelFormatError, match="desc_act"):

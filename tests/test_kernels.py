@@ -12,7 +12,9 @@ from tmac import reference as ref
 from tmac.kernels import ISAS
 from tmac.cpu import machine_arch
 from tmac.lut_ops import LutWeight
-from tmac.packing import KernelSpec, pack, spec_for, unpack
+from tmac.choose import spec_for
+from tmac.packing import pack, unpack
+from tmac.spec import KernelSpec
 
 RUNNABLE = runnable_isas()
 FAST = [i for i in RUNNABLE if not i.startswith("generic")]
@@ -213,7 +215,7 @@ def test_k_quant_super_scales(rng, isa, type_name):
     epilogue, a partial last block, an all-zero super group and a negative dmin included; packing round-trips
     exactly; parameters that do not factor so get plain float32 storage."""
     from tmac.models.synthetic import k_quant_blocks
-    from tmac.packing import factor_params
+    from tmac.kquant import factor_params
     from tmac.quantize import import_gguf
 
     m, k = 200, 512

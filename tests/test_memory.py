@@ -8,7 +8,7 @@ from torch import nn
 import tmac
 import tmac.memory as memory
 from conftest import smaps_kib, smollm2_path
-from tmac.linear import Linear
+from tmac.linear import Linear, gather_packed
 
 
 def test_huge_page_empty_is_aligned_and_advised(monkeypatch):
@@ -47,7 +47,7 @@ def test_gather_packed_keeps_results_and_places_tensors_in_order():
     x = torch.randn(3, 256)
     y = model[1](model[0](x))
     before = [t.clone() for t in model.buffers()]
-    memory.gather_packed(model)
+    gather_packed(model)
     assert torch.equal(model[1](model[0](x)), y)
     tensors = [model[0].qweight, model[0].scales, model[0].zeros, model[0].bias,
                model[1].qweight, model[1].scales, model[1].zeros]

@@ -38,21 +38,20 @@ def test_float_llama_matches_transformers(tmp_path, rope, monkeypatch):
         ref = hf(ids[None]).logits[0]
     model = tmac.load_model(tmp_path, kv_dtype="float32")  # the exact math; float16 keys and values below
     assert not any(isinstance(m, tmac.Linear) for m in model.modules())
-    out = model.logits(ids.tolist())
+    out = tmac.Session(model).logits(ids.tolist())
     assert out.shape == (60, 256) and out.dtype == torch.float32
     assert (out - ref).abs().max().item() <= 1e-4
-    half = tmac.load_model(tmp_path).logits(ids.tolist())  # the default cache: keys and values rounded to float16
+    half = tmac.Session(tmac.load_model(tmp_path)).logits(ids.tolist())  # the default cache: keys and values rounded to float16
     assert 1e-6 < rel_l2(half.numpy(), ref.numpy()) < 1e-3
     # prefill + decode through the KV cache gives the same greedy continuation as transformers
     with torch.no_grad():
         hf_ids = hf.generate(ids[None, :12], max_new_tokens=12, do_sample=False)[0, 12:].tolist()
-    assert model.generate(ids[:12].tolist(), max_new_tokens=12, stop_on_eos=False) == hf_ids
+    assert tmac.Session(model).generate(ids[:12].tolist(), max_new_tokens=12, stop_on_eos=False) == hf_ids
     # and so does a prompt prefilled in chunks (5 + 5 + 2 tokens: the later ones attend to the cached ones), whose
     # logits are transformers' too
     monkeypatch.setattr(generation, "PREFILL_CHUNK", 5)
-    model.cached_ids = []
-    assert model.generate(ids[:12].tolist(), max_new_tokens=12, stop_on_eos=False) == hf_ids
-    assert (model.logits(ids.tolist()) - ref).abs().max().item() <= 1e-4
+    assert tmac.Session(model).generate(ids[:12].tolist(), max_new_tokens=12, stop_on_eos=False) == hf_ids
+    assert (tmac.Session(model).logits(ids.tolist()) - ref).abs().max().item() <= 1e-4
 
 
 def test_sharded_checkpoint_and_tokenizer_json(tmp_path, smollm2):
@@ -69,7 +68,7 @@ def test_sharded_checkpoint_and_tokenizer_json(tmp_path, smollm2):
     ids = [1, 520, 9531, 198, 504]
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
-    assert (model.logits(ids) - ref).abs().max().item() <= 1e-4
+    assert (tmac.Session(model).logits(ids) - ref).abs().max().item() <= 1e-4
     text = "Hello, world! 北京 😀 <|im_end|>"
     assert model.tokenizer.encode(text) == smollm2.tokenizer.encode(text)
     assert model.tokenizer.stop_ids == {2}
@@ -89,10 +88,10 @@ def test_quantized_llama_error_is_bounded(tmp_path):
         assert len(linears) == 3 * 4 and all(m.format.bits == bits for m in linears)  # wqkv, wo, w13, w2 per layer
         # the head of a requantized model: 8 bits in Q8_0's layout unless head_bits says otherwise
         assert (model.output.format.bits, model.output.format.group_size, model.output.format.has_zeros) == (8, 32, False)
-        errors[bits] = rel_l2(model.logits(ids).numpy(), ref)
+        errors[bits] = rel_l2(tmac.Session(model).logits(ids).numpy(), ref)
     float_head = tmac.load_model(tmp_path, bits=4, group_size=64, head_bits="float")
     assert type(float_head.output) is FloatLinear and float_head.output.weight.dtype == torch.float32  # as stored
-    errors["4, float head"] = rel_l2(float_head.logits(ids).numpy(), ref)
+    errors["4, float head"] = rel_l2(tmac.Session(float_head).logits(ids).numpy(), ref)
     print("tiny Llama logits rel L2 vs transformers fp32:", {f"W{b}": round(e, 4) for b, e in errors.items()})
     assert errors[4] < 0.3 and errors[4] < errors[3] < errors[2]  # random N(0, 0.02) weights quantize badly
     assert abs(errors["4, float head"] - errors[4]) < 0.05 * errors[4]  # the 8-bit head adds little to W4's error
@@ -103,32 +102,32 @@ def test_quantized_llama_error_is_bounded(tmp_path):
 def test_generation_controls(tmp_path):
     _tiny_llama(tmp_path)
     model = tmac.load_model(tmp_path, context=64)
+    session = tmac.Session(model)
     prompt = list(range(5, 25))
-    greedy = model.generate(prompt, max_new_tokens=8, stop_on_eos=False)
+    greedy = session.generate(prompt, max_new_tokens=8, stop_on_eos=False)
     assert len(greedy) == 8
-    assert model.generate(prompt, max_new_tokens=0) == []
-    sampled = [model.generate(prompt, max_new_tokens=8, temperature=1.0, top_k=50, seed=s, stop_on_eos=False)
+    assert session.generate(prompt, max_new_tokens=0) == []
+    sampled = [session.generate(prompt, max_new_tokens=8, temperature=1.0, top_k=50, seed=s, stop_on_eos=False)
                for s in (1, 1, 2)]
     assert sampled[0] == sampled[1] and sampled[0] != sampled[2]
     # a prompt that extends the cached tokens reuses them: same result as a fresh run
     longer = prompt + greedy[:3]
-    reused = model.generate(longer, max_new_tokens=5, stop_on_eos=False)
-    assert model.last_stats["prefill_tokens"] < len(longer)
-    model.cached_ids = []
-    assert model.generate(longer, max_new_tokens=5, stop_on_eos=False) == reused
+    reused = session.generate(longer, max_new_tokens=5, stop_on_eos=False)
+    assert session.stats["prefill_tokens"] < len(longer)
+    assert tmac.Session(model).generate(longer, max_new_tokens=5, stop_on_eos=False) == reused
     with pytest.raises(ValueError, match="exceed the context of 64"):
-        model.generate(prompt, max_new_tokens=60)
+        session.generate(prompt, max_new_tokens=60)
     with pytest.raises(ValueError, match="kv_dtype must be one of"):
         tmac.load_model(tmp_path, kv_dtype="int8")
     with pytest.raises(ValueError, match="outside the vocabulary"):
-        model.generate([1, 256])
+        session.generate([1, 256])
     with pytest.raises(ValueError, match="top_p"):
-        model.generate(prompt, top_p=0.0)
+        session.generate(prompt, top_p=0.0)
     for seed in (1.5, "x", -1, True):
         with pytest.raises(ValueError, match="seed must be"):
-            model.generate(prompt, temperature=0.7, seed=seed)
+            session.generate(prompt, temperature=0.7, seed=seed)
     streamed = []
-    assert model.generate(prompt, max_new_tokens=4, callback=streamed.append, stop_on_eos=False) == streamed
+    assert session.generate(prompt, max_new_tokens=4, callback=streamed.append, stop_on_eos=False) == streamed
 
 
 def test_sampling_filters_match_their_definitions():
@@ -192,16 +191,15 @@ def test_smollm2_greedy_matches_llama_cpp(smollm2):
     gaps, departures = [], []
     for case in ref["greedy"]:
         prompt, cont = case["prompt_ids"], case["ids"]
-        logits = smollm2.logits(prompt + cont)[len(prompt) - 1:-1]
+        logits = tmac.Session(smollm2).logits(prompt + cont)[len(prompt) - 1:-1]
         best = logits.max(-1).values
         gaps.append(((best - logits[torch.arange(len(cont)), cont]) / best.abs()).max().item())
         hits += sum(a == b for a, b in zip(logits.argmax(-1).tolist(), cont))
         total += len(cont)
-        smollm2.cached_ids = []  # a fresh prefill, as llama.cpp did (reusing the cache changes float rounding)
-        ids = smollm2.generate(prompt, max_new_tokens=len(cont))
+        ids = tmac.Session(smollm2).generate(prompt, max_new_tokens=len(cont))  # a fresh prefill, as llama.cpp's
         at = next((i for i, (a, b) in enumerate(zip(ids, cont)) if a != b), None)
         if at is not None:
-            last = smollm2.logits(prompt + ids[:at])[-1]
+            last = tmac.Session(smollm2).logits(prompt + ids[:at])[-1]
             departures.append((at, (last.max() - last[cont[at]]).item() / last.max().abs().item()))
     print(f"teacher-forced argmax agreement with llama.cpp: {hits}/{total}, largest relative gap {max(gaps):.4f}; "
           f"free-running departures (position, gap): {departures}")
@@ -224,7 +222,7 @@ def test_float_bitnet_matches_transformers(tmp_path):
         ref = hf(ids[None]).logits[0]
     model = tmac.load_model(tmp_path, kv_dtype="float32")
     assert type(model).__name__ == "BitNetTransformer"
-    assert (model.logits(ids.tolist()) - ref).abs().max().item() <= 1e-4
+    assert (tmac.Session(model).logits(ids.tolist()) - ref).abs().max().item() <= 1e-4
 
 
 @torch._dynamo.config.patch(disable=True)  # BitLinear's helpers are torch.compile'd; patch() restores the option
@@ -261,7 +259,7 @@ def test_packed_bitnet_matches_transformers_bitlinear(tmp_path):
     w_ref = hf_bitnet.unpack_weights(hf.model.layers[0].mlp.down_proj.weight, torch.float32)
     w_ref = w_ref / hf.model.layers[0].mlp.down_proj.weight_scale
     torch.testing.assert_close(model.layers[0].feed_forward.w2.linear.dequantized_weight(), w_ref, rtol=1e-6, atol=0)
-    err = rel_l2(model.logits(ids.tolist()).numpy(), ref.numpy())
+    err = rel_l2(tmac.Session(model).logits(ids.tolist()).numpy(), ref.numpy())
     print(f"packed BitNet logits rel L2 vs transformers BitLinear: {err:.4f}")
     # semantics are exact (the same model with float dequantized weights is within 5e-7 of the reference); what
     # remains is int8 table rounding, which squared ReLU and the sub-norms of a random 2-layer model amplify
@@ -279,8 +277,7 @@ def test_greedy_tokens_do_not_depend_on_thread_count(smollm2):
             torch.set_num_threads(threads)
             out = []
             for case in ref["greedy"][:3]:
-                smollm2.cached_ids = []
-                out.append(smollm2.generate(case["prompt_ids"], max_new_tokens=24))
+                out.append(tmac.Session(smollm2).generate(case["prompt_ids"], max_new_tokens=24))
             runs.append(out)
     finally:
         tmac.set_num_threads(old[0])
@@ -378,7 +375,7 @@ def test_16_bit_float_weights_stay_16_bit(tmp_path):
     model = tmac.load_model(path, kv_dtype="float32")
     floats = [m for m in model.modules() if isinstance(m, FloatLinear)]
     assert len(floats) == 2 * 4 + 1 and all(m.weight.dtype == torch.float16 for m in floats)
-    err = rel_l2(model.logits(ids).numpy(), ref)
+    err = rel_l2(tmac.Session(model).logits(ids).numpy(), ref)
     print(f"F16 GGUF, float16 weights and activations: logits rel L2 vs transformers in float32 {err:.5f}")
     assert 1e-5 < err < 1e-2  # the activations' rounding shows, and stays small
     out = tmp_path / "f16.tmac"
@@ -386,7 +383,7 @@ def test_16_bit_float_weights_stay_16_bit(tmp_path):
     assert subprocess.run(tmac_cli, capture_output=True).returncode == 0
     converted = tmac.load_model(str(out), kv_dtype="float32")
     assert all(m.weight.dtype == torch.float16 for m in converted.modules() if isinstance(m, FloatLinear))
-    assert torch.equal(converted.logits(ids), model.logits(ids))
+    assert torch.equal(tmac.Session(converted).logits(ids), tmac.Session(model).logits(ids))
 
     hf_dir = tmp_path / "bf16"
     hf.save_pretrained(hf_dir)
@@ -433,7 +430,7 @@ def test_gguf_quantized_types_import_exactly_or_at_8_bits(tmp_path, kind):
     assert [m.format.has_zeros for m in linears] == [want[1]] * 8 + [want[1] or kind == "Q5_0"]
     assert not any(type(m) in (torch.nn.Linear, FloatLinear) for m in model.modules())
     assert model.tok_embeddings.weight.dtype == torch.float16  # F16: exact as the file has it
-    err = rel_l2(model.logits(ids).numpy(), ref.numpy())
+    err = rel_l2(tmac.Session(model).logits(ids).numpy(), ref.numpy())
     print(f"{kind} GGUF, logits rel L2 vs transformers on the dequantized file: {err:.5f}")
     # a Q8_0 file of these shapes, imported exactly, is at 1.2 % here: the int8 tables' rounding, which this tiny
     # random model amplifies; MXFP4 at 8 bits adds little
@@ -497,7 +494,7 @@ def test_llama_cpp_mixes_load_and_match_the_dequantized_file(tmp_path, mix, tied
         ref = hf(torch.tensor([ids])).logits[0]
     model = tmac.load_model(path, kv_dtype="float32")
     assert isinstance(model.tok_embeddings, tmac.Embedding)  # the table stays in its own format
-    err = rel_l2(model.logits(ids).numpy(), ref.numpy())
+    err = rel_l2(tmac.Session(model).logits(ids).numpy(), ref.numpy())
     print(f"{mix} ({'tied' if tied else 'untied'}): logits rel L2 vs transformers on the dequantized file {err:.5f}")
     # the pure types' bound (the int8 tables' rounding, amplified by this tiny random model), with room for a head of
     # another type (untied Q4_K_M: 2.9 %)
@@ -505,10 +502,9 @@ def test_llama_cpp_mixes_load_and_match_the_dequantized_file(tmp_path, mix, tied
     # the eager forward's greedy continuation, token by token, is what generation (the decode plan) gives
     want, context = [], list(ids)
     for _ in range(4):
-        want.append(int(model.logits(context)[-1].argmax()))
+        want.append(int(tmac.Session(model).logits(context)[-1].argmax()))
         context.append(want[-1])
-    model.cached_ids = []
-    assert model.generate(ids, max_new_tokens=4, stop_on_eos=False) == want
+    assert tmac.Session(model).generate(ids, max_new_tokens=4, stop_on_eos=False) == want
 
 
 def test_layers_load_in_parallel_as_in_sequence_and_fail_by_name(tmp_path):

@@ -31,7 +31,7 @@ def _by_hand(model, text, context):
     for w in range(len(ids) // context):
         window = ids[w * context:(w + 1) * context]
         for j in range(context // 2, context - 1):
-            logits = model.logits(window[:j + 1])[-1].double().numpy()
+            logits = tmac.Session(model).logits(window[:j + 1])[-1].double().numpy()
             p = np.exp(logits - logits.max())
             nll.append(-math.log(p[window[j + 1]] / p.sum()))
     return math.exp(sum(nll) / len(nll)), len(nll)

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 import tmac
-from tmac import quantize_weight, runtime
+from tmac import cache, quantize_weight, runtime
 from tmac import reference as ref
 from tmac.kernels import best_isa
 from tmac.lut_ops import LutWeight
-from tmac.packing import spec_for_format
+from tmac.choose import spec_for_format
 
 RUN_CACHED = """
 import sys, numpy as np, torch
@@ -44,7 +44,7 @@ def test_cached_kernels_run_without_importing_tvm(tmp_path):
 def _resign(lib: str) -> None:
     """Update a cached library's sidecar to its current bytes, as someone tampering with the cache would."""
     meta = json.load(open(lib[:-3] + ".json"))
-    meta.update(sha256=tmac.runtime.sha256(lib), bytes=os.path.getsize(lib))
+    meta.update(sha256=tmac.cache.sha256(lib), bytes=os.path.getsize(lib))
     open(lib[:-3] + ".json", "w").write(json.dumps(meta))
 
 
@@ -90,7 +90,7 @@ def test_damaged_cache_entries_are_moved_aside_and_rebuilt(tmp_path, damage):
     assert again.returncode == 0, again.stderr
     if damage != "lock is a directory":  # (the entry itself was sound)
         assert "compiling kernel" in again.stderr and "moved to" in again.stderr
-    assert json.load(open(meta))["sha256"] == tmac.runtime.sha256(lib)
+    assert json.load(open(meta))["sha256"] == tmac.cache.sha256(lib)
     third = _run(RUN_CACHED.format(bits=2), env)
     assert third.returncode == 0 and "compiling" not in third.stderr and "damaged" not in third.stderr, third.stderr
 
@@ -132,21 +132,21 @@ def test_a_read_only_cache_is_still_read(tmp_path, monkeypatch, rng):
 
 
 def test_invalid_tiling_in_tuning_json_falls_back_to_the_defaults(tmp_path, monkeypatch):
-    from tmac import tuning
+    from tmac import choose
     from tmac.formats import WeightFormat
 
-    monkeypatch.setattr(tuning, "tuning_file", lambda: str(tmp_path / "tuning.json"))
+    monkeypatch.setattr(choose, "tuning_file", lambda: str(tmp_path / "tuning.json"))
     isa = best_isa()
     fmt = WeightFormat.rtn(2, 64, False)
     default = spec_for_format(fmt, 256, isa)
-    key = tuning.key(isa.name, 2, 256, 64, default.lut_group, True)
+    key = choose.key(isa.name, 2, 256, 64, default.lut_group, True)
     (tmp_path / "tuning.json").write_text(json.dumps({key: {"block_rows": 7, "unroll": 3, "n_tile": 2, "k_chunk": 5}}))
-    tuning._table.cache_clear()
+    choose._table.cache_clear()
     try:
         with pytest.warns(UserWarning, match="tuning.json: ignoring the tiling"):
             assert spec_for_format(fmt, 256, isa) == default
     finally:
-        tuning._table.cache_clear()
+        choose._table.cache_clear()
 
 
 def test_concurrent_processes_compiling_the_same_kernel_both_succeed(tmp_path):
@@ -179,31 +179,31 @@ def test_tmac_compile_directory_is_used_by_linear_kernels(tmp_path, rng):
     (stale / "manifest.json").write_text(json.dumps({**manifest, "kernels": [entry]}))
     lw = LutWeight.from_quantized(qw, kernel_dir=str(stale))
     np.testing.assert_allclose(lw.matmul(torch.from_numpy(x)).numpy(), ref.lut_matmul(x, qw), rtol=1e-4, atol=1e-4)
-    assert lw.kernels.path.startswith(runtime.cache_dir())
+    assert lw.kernels.path.startswith(cache.cache_dir())
 
 
 def test_kernel_cache_key_follows_the_generator_source(tmp_path):
     """The cache key hashes every module codegen imports, found from its import statements: among them the ones a
-    hand-written list had left out (the reference, the format table, the token table); changing any of them moves
+    hand-written list had left out (the reference, the format table); changing any of them moves
     the key, so kernels compiled by older code are never loaded."""
     repo = os.path.dirname(os.path.dirname(os.path.abspath(runtime.__file__)))
-    sources = runtime.generator_sources()
+    sources = cache.generator_sources()
     names = {os.path.relpath(p, repo) for p in sources}
-    assert {"codegen/lut.py", "codegen/glue.py", "kernels/x86.py", "kernels/arm.py", "tmac/packing.py", "tmac/glue.py",
+    assert {"codegen/lut.py", "codegen/glue.py", "kernels/x86.py", "kernels/arm.py", "tmac/spec.py", "tmac/glue.py",
             "tmac/reference.py", "tmac/formats.py"} <= names
-    assert runtime.generator_digest() == runtime.source_digest(sources) and runtime.cache_dir().endswith(
-        runtime.generator_digest())
+    assert cache.generator_digest() == cache.source_digest(sources) and cache.cache_dir().endswith(
+        cache.generator_digest())
     copies = []
     for i, path in enumerate(sources):  # the same file names, in folders of their own
         (tmp_path / str(i)).mkdir()
         copies.append(shutil.copy(path, tmp_path / str(i) / os.path.basename(path)))
-    base = runtime.source_digest(copies)
-    assert base == runtime.generator_digest()
+    base = cache.source_digest(copies)
+    assert base == cache.generator_digest()
     for copy in copies:
         original = open(copy, "rb").read()
         with open(copy, "ab") as f:
             f.write(b"\n# changed\n")
-        assert runtime.source_digest(copies) != base, copy
+        assert cache.source_digest(copies) != base, copy
         with open(copy, "wb") as f:
             f.write(original)
 
@@ -219,11 +219,11 @@ def test_cache_key_is_the_same_in_a_checkout_and_an_installed_wheel(tmp_path):
     shutil.rmtree(os.path.join(repo, "build"), ignore_errors=True)
     subprocess.run([*pip, "install", "--no-deps", "--target", str(tmp_path / "site"),
                     *map(str, (tmp_path / "dist").glob("*.whl"))], check=True, capture_output=True, timeout=600)
-    code = "import tmac.runtime as r; print(r.__file__, r.generator_digest())"
+    code = "import tmac.cache as r; print(r.__file__, r.generator_digest())"
     r = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, cwd=tmp_path,
                        env=dict(os.environ, PYTHONPATH=str(tmp_path / "site")))
     where, digest = r.stdout.split()
-    assert where.startswith(str(tmp_path / "site")) and digest == runtime.generator_digest()
+    assert where.startswith(str(tmp_path / "site")) and digest == cache.generator_digest()
 
 
 def test_kernel_dir_with_tampered_library_is_refused(tmp_path):
@@ -243,7 +243,7 @@ def test_kernel_dir_with_tampered_library_is_refused(tmp_path):
     manifest = json.load(open(out / "manifest.json"))
     (entry,) = manifest["kernels"]
     lib.write_bytes(good[:18] + (183).to_bytes(2, "little") + good[20:])  # EM_AARCH64
-    entry.update(sha256=runtime.sha256(str(lib)), bytes=len(good))
+    entry.update(sha256=cache.sha256(str(lib)), bytes=len(good))
     (out / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(tmac.KernelUnavailableError, match=f"not a shared object for {best_isa().arch}"):
         LutWeight.from_quantized(qw, kernel_dir=str(out)).matmul(torch.ones(1, 128))
@@ -368,7 +368,7 @@ def test_tune_keeps_the_default_unless_it_loses_in_the_same_pass(tmp_path, monke
     """The stages time their candidates in separate passes; a winner other than the default is timed against it
     once more, together, and kept only when faster by the margin there. Scripted timings (no kernel runs): the
     first stage makes 64-row blocks 20 % faster; the final pass makes them 10 % faster or 10 % slower."""
-    from tmac import tuning
+    from tmac import choose, tuning
     from tmac.formats import WeightFormat
 
     class Timed:  # stands in for LutWeight: only the spec matters to the scripted timings
@@ -399,7 +399,7 @@ def test_tune_keeps_the_default_unless_it_loses_in_the_same_pass(tmp_path, monke
     kept = passes[2][1] if confirmed else default
     assert (best["block_rows"], best["unroll"], best["k_chunk"]) == (kept.block_rows, kept.unroll, kept.k_chunk)
     assert best["block_rows"] == (other if confirmed else default.block_rows)
-    saved = tuning.tuned_tiling(isa.name, 2, 256, 128, default.lut_group, True)
+    saved = choose.tuned_tiling(isa.name, 2, 256, 128, default.lut_group, True)
     assert saved == best
 
 

@@ -38,6 +38,7 @@ _LAZY = {
     "load": "tmac.serialize",
     "load_model": "tmac.models.load",
     "perplexity": "tmac.models.perplexity",
+    "Session": "tmac.models.generate",
 }
 
 

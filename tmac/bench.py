@@ -9,85 +9,11 @@ from __future__ import annotations
 
 import importlib.util
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-COLD_BYTES = 1 << 30  # weight copies cycled for cold timing (256 MiB ran a 4096x11008 W4 GEMV 1.7x faster: cached)
-BUSY_LIMIT = 0.25  # share of all CPUs busy before a multi-thread run above which its numbers would be noise
-
-
-def cpu_busy_fraction(seconds: float = 0.5) -> float:
-    """Share of all CPUs busy during ``seconds`` (from /proc/stat; 0.0 where that does not exist)."""
-    def snap():
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:]]
-        return sum(v), v[3] + v[4]
-    try:
-        t0, i0 = snap()
-        time.sleep(seconds)
-        t1, i1 = snap()
-    except OSError:
-        return 0.0
-    return 1 - (i1 - i0) / max(t1 - t0, 1)
-
-
-def median_seconds(fn, min_seconds: float = 0.3, min_runs: int = 5) -> float:
-    """Median wall time of ``fn()`` after one warm-up call, over at least ``min_runs`` calls and ``min_seconds``."""
-    fn()
-    times, start = [], time.perf_counter()
-    while len(times) < min_runs or time.perf_counter() - start < min_seconds:
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def cold_medians(candidates, min_seconds: float = 0.3, each_pass=None) -> list[float]:
-    """Median seconds of a cold call of each candidate ``(make, call, nbytes)``, all timed together: ``make(n)``
-    returns ``n`` copies of its weights (``COLD_BYTES`` for all candidates together) and ``call(copy)`` runs on one.
-    A pass calls every candidate's first copy, then every candidate's second …, so each call streams its weights
-    from DRAM and a slower stretch of the shared host hits every candidate alike; ``each_pass()`` runs before
-    each pass. The first pass warms up."""
-    per = max(2, COLD_BYTES // sum(nbytes for _, _, nbytes in candidates))
-    copies = [make(per) for make, _, _ in candidates]
-    times = [[] for _ in candidates]
-    start, passes = time.perf_counter(), 0
-    while passes < 3 or time.perf_counter() - start < min_seconds * len(candidates):
-        if each_pass:
-            each_pass()
-        for i in range(per):
-            for (_, call, _), c, t in zip(candidates, copies, times):
-                t0 = time.perf_counter()
-                call(c[i])
-                t.append(time.perf_counter() - t0)
-        passes += 1
-    return [statistics.median(t[per:]) for t in times]
-
-
-def cold_medians_beside_probe(candidates) -> tuple[list[float], float]:
-    """``cold_medians`` with the 1 GiB read probe (``read_probe``) timed before each pass: the candidates' medians,
-    and the probe's seconds from the same passes (a share of it does not drift with the shared host)."""
-    probe, passes = read_probe(), []
-    medians = cold_medians(candidates, each_pass=lambda: passes.append(read_seconds(probe)))
-    return medians, statistics.median(passes[1:])
-
-
-def read_probe():
-    """``COLD_BYTES`` of float32 in huge pages, as a loaded model's weights: its ``sum()`` is the read probe, the
-    bandwidth a decode step's weight stream is measured against."""
-    import torch
-
-    from .memory import huge_page_full
-
-    return huge_page_full((COLD_BYTES // 4,), 1.0, torch.float32)
-
-
-def read_seconds(probe) -> float:
-    """Seconds of one read of the probe (``read_probe``): ``COLD_BYTES`` streamed from DRAM."""
-    t0 = time.perf_counter()
-    probe.sum()
-    return time.perf_counter() - t0
+from .timing import BUSY_LIMIT, COLD_BYTES, cold_medians, cold_medians_beside_probe, cpu_busy_fraction, \
+    median_seconds, read_probe, read_seconds
 
 
 def bench_group(k: int) -> int:
@@ -275,6 +201,7 @@ def _head_label(head) -> str:
 def _tmac_candidate(path, bits, head_bits, prompt, gen_tokens) -> _Candidate:
     import torch
 
+    from .models.generate import Session
     from .models.load import default_model_path, load_model
 
     path = path or default_model_path()
@@ -283,17 +210,19 @@ def _tmac_candidate(path, bits, head_bits, prompt, gen_tokens) -> _Candidate:
     size = sum(t.numel() * t.element_size() for t in tensors.values())
     fp16_size = 2 * sum(p.numel() for p in type(model).skeleton(model.config).parameters())  # tied once
 
+    session = Session(model)
+
     def run():
-        model.generate(prompt[:8], max_new_tokens=4, stop_on_eos=False)  # warm-up: kernels, thread pools
-        model.cached_ids = []  # prefill the whole prompt
-        model.generate(prompt, max_new_tokens=gen_tokens, stop_on_eos=False)
-        s = model.last_stats
+        session.generate(prompt[:8], max_new_tokens=4, stop_on_eos=False)  # warm-up: kernels, thread pools
+        session.cached_ids = []  # prefill the whole prompt
+        session.generate(prompt, max_new_tokens=gen_tokens, stop_on_eos=False)
+        s = session.stats
         # decode steps, not tokens (the first comes from the prefill), and the set-up (the plan's key check) with them
         return s["prefill_tokens"] / s["prefill_s"], s["decode_steps"] / (s["setup_s"] + s["decode_s"])
 
     head = _head_label(model.output) if bits is not None or head_bits is not None else ""
     label = "tmac " + ("file's own" if bits is None else f"W{bits}") + head
-    model.generate(prompt[:8], max_new_tokens=2, stop_on_eos=False)  # kernels compile here, before the child
+    session.generate(prompt[:8], max_new_tokens=2, stop_on_eos=False)  # kernels compile here, before the child
     # measures its peak: compiling there would count TVM (a cold cache added 70-150 MiB to every candidate)
     info = {"model MiB": size / 2**20, "x fp16": size / fp16_size,
             "peak RSS MiB": _process_peak_rss_mib(path, bits, head_bits, prompt, gen_tokens)}
@@ -321,11 +250,12 @@ def report_peak_rss(request: str) -> None:
     import json
 
     from .memory import peak_rss_mib
+    from .models.generate import Session
     from .models.load import load_model
 
     path, bits, head_bits, prompt, gen_tokens = json.loads(request)
     model = load_model(path, bits=bits, head_bits=head_bits, context=len(prompt) + gen_tokens + 8, progress=False)
-    model.generate(prompt, max_new_tokens=gen_tokens, stop_on_eos=False)
+    Session(model).generate(prompt, max_new_tokens=gen_tokens, stop_on_eos=False)
     print(peak_rss_mib())
 
 

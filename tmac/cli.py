@@ -116,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
 # ---- info -------------------------------------------------------------------------------------------------------
 
 def cmd_info(args) -> int:
-    from . import runtime
+    from . import cache, runtime
     from .cpu import FEATURES, cpu_features, machine_arch, physical_cores
     from .kernels import best_isa
 
@@ -137,7 +137,7 @@ def cmd_info(args) -> int:
         ("torch", _version("torch")),
         ("apache-tvm", _version("apache-tvm")),
         ("apache-tvm-ffi", _version("apache-tvm-ffi")),
-        ("kernel cache", runtime.cache_dir()),
+        ("kernel cache", cache.cache_dir()),
         ("kernel dir", os.environ.get("TMAC_KERNEL_DIR") or "(none; set TMAC_KERNEL_DIR)"),
         ("huge pages", _huge_pages_line()),
     ]
@@ -247,7 +247,7 @@ def model_formats(path: str) -> list[tuple[WeightFormat, int]]:
 
 
 def cmd_compile(args) -> int:
-    from . import runtime
+    from . import cache
     from .codegen.build import build_library
     from .codegen.link import find_linker
 
@@ -268,7 +268,7 @@ def cmd_compile(args) -> int:
         if not specs:
             raise ValueError(f"{path}: every projection is float; nothing to compile (give --bits to quantize)")
     output = args.output or f"tmac-kernels-{isa.name}"
-    entries = runtime.read_manifest_for_update(output, isa)
+    entries = cache.read_manifest_for_update(output, isa)
     rows = []
     for i, spec in enumerate(specs, 1):
         print(f"[{i}/{len(specs)}] compiling {spec.name} ({linker.name}) ...", file=sys.stderr, flush=True)
@@ -276,11 +276,11 @@ def cmd_compile(args) -> int:
         path = os.path.join(output, spec.name + ".so")
         build_library(spec, isa, path + ".tmp")
         os.replace(path + ".tmp", path)
-        entries[spec.name] = runtime.kernel_entry(spec, isa, os.path.basename(path), runtime.sha256(path),
+        entries[spec.name] = cache.kernel_entry(spec, isa, os.path.basename(path), cache.sha256(path),
                                                   os.path.getsize(path))
         rows.append((spec.name, getattr(spec, "k", "-"), getattr(spec, "bits", "-"), getattr(spec, "group_size", "-"),
                      f"{time.perf_counter() - t0:.2f}", os.path.getsize(path)))
-    runtime.write_manifest(output, isa, list(entries.values()))
+    cache.write_manifest(output, isa, list(entries.values()))
     _print_table(rows, header=("kernel", "K", "bits", "group", "seconds", "bytes"))
     print(f"wrote {len(rows)} kernel(s) to {os.path.abspath(output)} ({isa.arch}, {isa.name}; manifest.json lists "
           f"{len(entries)}); on the target: TMAC_KERNEL_DIR={os.path.abspath(output)} tmac run ...")
@@ -289,7 +289,7 @@ def cmd_compile(args) -> int:
 
 def _shape_specs(args, isa):
     from .formats import default_group_size
-    from .packing import spec_for_format
+    from .choose import spec_for_format
 
     if args.bits is None:
         raise ValueError("--shape needs --bits (only a model has weights of its own to take the formats from)")
@@ -303,8 +303,9 @@ def _shape_specs(args, isa):
 
 def cmd_tune(args) -> int:
     from . import tuning
+    from .choose import tuning_file
     from .kernels import best_isa
-    from .packing import spec_for_format
+    from .choose import spec_for_format
     from .progress import Progress
 
     isa = best_isa()
@@ -327,7 +328,7 @@ def cmd_tune(args) -> int:
                      f"{gemv[(best['block_rows'], best['unroll'], best['k_chunk'])] * 1e3:.3f}"))
     _print_table(rows, header=("format", "K", "block_rows", "unroll", "k_chunk", "n_tile", "default GEMV ms (cold)",
                                "tuned GEMV ms (cold)"))
-    print(f"saved to {tuning.tuning_file()}; later kernels for these parameters use it")
+    print(f"saved to {tuning_file()}; later kernels for these parameters use it")
     return 0
 
 

@@ -184,10 +184,10 @@ class Streamer:
         return text
 
 
-def _stats(model, load_s: float) -> dict:
+def _stats(session, load_s: float) -> dict:
     from .memory import peak_rss_mib
 
-    s = model.last_stats
+    s = session.stats
     return {"prompt_tokens": s["prompt_tokens"], "prefill_tokens": s["prefill_tokens"],
             "prompt_tokens_per_s": s["prefill_tokens"] / s["prefill_s"] if s["prefill_s"] else 0.0,
             "generated_tokens": s["generated_tokens"],
@@ -204,18 +204,21 @@ def _stats_line(st: dict) -> str:
 
 
 def cmd_run(args) -> int:
+    from .models.generate import Session
+
     model, load_s = _load(args)
+    session = Session(model)
     ids = _prompt_ids(model, args, [{"role": "user", "content": args.prompt}])
     interrupted = False
     with CtrlCStops() as ctrl_c:
         streamer = Streamer(model.tokenizer, tuple(args.stop), None if args.json else sys.stdout, ctrl_c)
         try:
-            model.generate(ids, callback=streamer, **_sampling(args))
+            session.generate(ids, callback=streamer, **_sampling(args))
         except (Interrupted, KeyboardInterrupt):  # keep what was generated
             interrupted = True
-            model.last_stats["stop_reason"] = "interrupted"
+            session.stats["stop_reason"] = "interrupted"
     text = streamer.finish()
-    st = _stats(model, load_s)
+    st = _stats(session, load_s)
     if args.json:
         print(json.dumps({"text": text, "prompt_ids": ids, "generated_ids": streamer.ids, **st}))
     else:
@@ -270,7 +273,10 @@ def _size_of(path: str) -> int:
 
 
 def cmd_chat(args) -> int:
+    from .models.generate import Session
+
     model, load_s = _load(args)
+    session = Session(model)
     print(f"tmac chat: {model.source} loaded in {load_s:.1f} s. /reset starts over, /exit quits, Ctrl-C stops an "
           f"answer.", file=sys.stderr)
     messages: list[dict] = []
@@ -300,9 +306,9 @@ def cmd_chat(args) -> int:
         with CtrlCStops() as ctrl_c:
             streamer = Streamer(model.tokenizer, tuple(args.stop), sys.stdout, ctrl_c)
             try:
-                model.generate(ids, callback=streamer, **_sampling(args))
+                session.generate(ids, callback=streamer, **_sampling(args))
             except (Interrupted, KeyboardInterrupt):
-                model.last_stats["stop_reason"] = "interrupted"
+                session.stats["stop_reason"] = "interrupted"
         messages.append({"role": "assistant", "content": streamer.finish()})
         print()
-        print(_stats_line(_stats(model, load_s)), file=sys.stderr)
+        print(_stats_line(_stats(session, load_s)), file=sys.stderr)

@@ -22,10 +22,12 @@ from torch import nn
 from .formats import WeightFormat
 from .kernels import best_isa, isa_by_name
 from .lut_ops import bind_packed, check_packed, lut_linear
-from .packing import (TRIPLES_LAYOUT, KernelSpec, PackedWeight, pack, pack_for, packed_shapes, spec_for_format,
-                      unpack)
+from .memory import gather_into_arena
+from .choose import spec_for_format
+from .packing import TRIPLES_LAYOUT, PackedWeight, pack, pack_for, unpack
 from .qweight import QuantizedWeight
 from .quantize import quantize_weight
+from .spec import KernelSpec, packed_shapes
 
 STATE_VERSION = 1
 _PACKED = ("qweight", "scales", "zeros")
@@ -278,3 +280,11 @@ def _check_bias(bias, m: int) -> torch.Tensor | None:
 
 def _tensor(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(a))
+
+
+def gather_packed(model: nn.Module) -> nn.Module:
+    """Move the packed tensors of every ``tmac.Linear`` in ``model`` into one huge-page arena, in module order (the
+    order a forward pass reads them), and return ``model`` (``tmac.memory.gather_into_arena``)."""
+    gather_into_arena([(m, name) for m in model.modules() if isinstance(m, Linear)
+                       for name in ("qweight", "scales", "zeros", "bias") if getattr(m, name) is not None])
+    return model

@@ -13,7 +13,8 @@ import torch
 
 from . import runtime
 from .kernels import best_isa, isa_by_name
-from .packing import KernelSpec, PackedWeight, pack_for, packed_shapes
+from .packing import PackedWeight, pack_for
+from .spec import KernelSpec, packed_shapes
 from .qweight import QuantizedWeight
 
 _workspaces = threading.local()

@@ -137,17 +137,13 @@ def _copy_into(raw: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return raw.view(t.dtype).view(t.shape).copy_(t)
 
 
-def gather_packed(model: torch.nn.Module) -> torch.nn.Module:
-    """Move the packed tensors of every ``tmac.Linear`` in ``model`` into one huge-page arena, in module order
-    (the order a forward pass reads them), and return ``model``. Each old tensor is dropped as its copy lands, so
-    memory peaks at about one tensor above the model's size; a tensor two layers share stays shared."""
-    from .linear import Linear
-
-    owners = [(m, name) for m in model.modules() if isinstance(m, Linear)
-              for name in ("qweight", "scales", "zeros", "bias") if getattr(m, name) is not None]
+def gather_into_arena(owners: list[tuple[object, str]]) -> None:
+    """Move the tensors ``getattr(owner, name)`` into one huge-page arena, in the given order (a model's: the order
+    a forward pass reads them). Each old tensor is dropped as its copy lands, so memory peaks at about one tensor
+    above the total; a tensor several owners share stays shared."""
     sizes = {id(getattr(m, n)): -(-getattr(m, n).nbytes // ALIGN) * ALIGN for m, n in owners}
     if not sizes:
-        return model
+        return
     release_freed_memory()  # what the loader freed (its last tensor's temporaries) goes back before the arena grows
     arena, at, moved, untrimmed = huge_page_empty(sum(sizes.values())), 0, {}, 0
     for m, name in owners:
@@ -162,7 +158,6 @@ def gather_packed(model: torch.nn.Module) -> torch.nn.Module:
             release_freed_memory()
             untrimmed = 0
     release_freed_memory()
-    return model
 
 
 def release_freed_memory() -> None:

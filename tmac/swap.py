@@ -10,8 +10,7 @@ from torch import nn
 
 from .float_linear import FLOAT_LINEARS
 from .formats import PER_ROW, PER_TENSOR, check_bits, check_group_size
-from .linear import Linear
-from .memory import gather_packed
+from .linear import Linear, gather_packed
 from .progress import Progress
 
 Skip = Callable[[str, nn.Module], bool] | Iterable[str] | str | None
@@ -28,7 +27,7 @@ def quantize_model(model: nn.Module, bits: int = 2, group_size: int | str = 128,
     (``lm_head``), which stays float unless ``quantize_head=True``. Layers whose
     ``in_features`` the group size (and the kernels' multiple of 32) does not divide stay float, with one
     warning naming them. The packed tensors of all of ``model``'s ``tmac.Linear`` layers end in one huge-page arena
-    (``tmac.memory.gather_packed``).
+    (``tmac.linear.gather_packed``).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"quantize_model takes an nn.Module, got {type(model).__name__}")

@@ -3,7 +3,7 @@ and group, measured in this process; results persist in the kernel cache directo
 later ``spec_for_format`` without explicit tiling uses them.
 
 Candidates are timed cold, as a model's weights stream from DRAM (a single cache-resident matrix favours other
-tilings: K chunks lose there and gain cold), and together (``tmac.bench.cold_medians``), so a slower stretch of
+tilings: K chunks lose there and gain cold), and together (``tmac.timing.cold_medians``), so a slower stretch of
 the shared host hits them alike. First the GEMV's block rows × unroll, then its K chunks at the best of those, on
 one activation row, table build included; a winner other than the default then meets the default once more in a
 pass of their own (stages run apart, and a noisy host can favour either); then the GEMM row tile on ``GEMM_ROWS``
@@ -12,47 +12,11 @@ rows. Weights are random; timing does not depend on their values.
 
 from __future__ import annotations
 
-import functools
-import json
-import os
 
-from .files import read_json
+from .choose import key, save_tiling, spec_for_format
 
 GEMM_ROWS = 16
 MARGIN = 0.03  # a tiling replaces the default only when it is this much faster: timings of one tiling vary ~1-3 %
-TILE_FIELDS = ("block_rows", "unroll", "n_tile", "k_chunk")  # k_chunk may be missing: tuned before K chunks
-
-
-def tuning_file() -> str:
-    from .runtime import cache_dir
-
-    return os.path.join(cache_dir(), "tuning.json")
-
-
-def key(isa: str, bits: int, k: int, group: int, lut_group: int, has_zeros: bool, triples: bool = False) -> str:
-    return f"{isa}|b{bits}|k{k}|g{group}|lg{lut_group}|{'z' if has_zeros else 's'}" + ("|t3" if triples else "")
-
-
-@functools.lru_cache(maxsize=1)
-def _table(path: str) -> dict:
-    try:
-        table = read_json(path, 16 << 20)
-    except (OSError, ValueError):  # missing, or not a tuning table (a FIFO, a device, malformed): never tuned
-        return {}
-    if not isinstance(table, dict):
-        return {}
-    return {k: v for k, v in table.items() if isinstance(v, dict) and set(TILE_FIELDS[:3]) <= set(v) <= set(TILE_FIELDS)
-            and all(type(x) is int and x > 0 for x in v.values())}
-
-
-def tuned_tiling(isa: str, bits: int, k: int, group: int, lut_group: int, has_zeros: bool,
-                 triples: bool = False) -> dict:
-    """The persisted tiling for these kernel parameters ({} when never tuned, or the cache is unreadable)."""
-    try:
-        path = tuning_file()
-    except Exception:  # no apache-tvm installed: no cache, no tuning
-        return {}
-    return dict(_table(path).get(key(isa, bits, k, group, lut_group, has_zeros, triples), {}))
 
 
 def candidates(spec) -> list[dict]:
@@ -80,7 +44,7 @@ def tune(fmt, k: int, isa, m: int = 4096, progress=None) -> tuple[dict, dict[str
     import torch
 
     from .lut_ops import LutWeight
-    from .packing import pack, spec_for_format
+    from .packing import pack
     from .quantize import quantize_weight
 
     w = np.random.default_rng(0).standard_normal((m, k), dtype=np.float32)
@@ -115,7 +79,7 @@ def tune(fmt, k: int, isa, m: int = 4096, progress=None) -> tuple[dict, dict[str
         best = fastest(timed([default, best], x1), default)
     best = fastest(timed([{**best, "n_tile": n} for n in (2, 4, 8)], xn), {**best, "n_tile": defaults.n_tile})
     spec = spec_for_format(qw.format, k, isa, **best)
-    save(key(isa.name, fmt.bits, k, spec.group_size, spec.lut_group, spec.has_zeros, spec.triples), best)
+    save_tiling(key(isa.name, fmt.bits, k, spec.group_size, spec.lut_group, spec.has_zeros, spec.triples), best)
     return best, measured
 
 
@@ -123,19 +87,7 @@ def cold_seconds(weights: list, x) -> list[float]:
     """Median seconds of ``w.matmul(x)`` for each of ``weights``, cold and timed together (``cold_medians``)."""
     import torch
 
-    from .bench import cold_medians
+    from .timing import cold_medians
 
     out = torch.empty(x.shape[0], weights[0].m)
     return cold_medians([(w.copies, lambda c: c.matmul(x, out=out), w.nbytes) for w in weights])
-
-
-def save(entry_key: str, tiling: dict) -> None:
-    path = tuning_file()
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    table = dict(_table(path))
-    table[entry_key] = tiling
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(table, f, indent=1, sort_keys=True)
-    os.replace(tmp, path)
-    _table.cache_clear()

@@ -51,7 +51,7 @@ def x86_logits():
     import tmac
 
     model = tmac.load_model()
-    return lambda ids: model.logits(ids)[-1]
+    return lambda ids: tmac.Session(model).logits(ids)[-1]
 
 
 def _same_as_x86(report, cpu: str, how: str, got: dict, x86: dict, x86_logits) -> None:

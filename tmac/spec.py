@@ -1,0 +1,279 @@
+"""``KernelSpec``: everything a compiled LUT kernel is specialized on, its validation, and the shapes of the buffers
+it reads (the byte layout itself is described in ``tmac.packing``). A record: which spec serves a format is
+``tmac.choose``'s decision."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+
+import numpy as np
+
+from .formats import K_MULTIPLE, PARAM_DTYPES, check_bits
+from .reference import LUT_GROUPS, TRIPLE_LUT_GROUP, padded_k
+
+
+CHUNK_BYTES = 16 << 10  # a K chunk's tables + one block's weights of it: half of a 32 KiB L1 (see _default_k_chunk)
+
+
+CHUNKS = {1: ((0, 1),), 2: ((0, 2),), 3: ((0, 2), (2, 1)), 4: ((0, 4),), 5: ((0, 4), (4, 1)), 6: ((0, 4), (4, 2)),
+          8: ((0, 4), (4, 4))}  # bits → ((first plane, planes), ...)
+
+
+QUAD_CHUNKS = {1: ((0, 1, 0),), 2: ((0, 2, 0),), 3: ((0, 2, 0), (0, 2, 4), (2, 1, 0)),
+               5: ((0, 2, 0), (0, 2, 4), (2, 2, 0), (2, 2, 4), (4, 1, 0))}  # bits → ((plane, P, table), ...)
+
+
+def quad_step(bits: int) -> int:
+    """Activations a quad step of ``bits``-bit weights covers (4 per table; a chunk of P planes covers 8/P tables
+    from its first): 16 at 2 bits, else 32."""
+    return 4 * max(t0 + 8 // planes for _, planes, t0 in QUAD_CHUNKS[bits])
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """Everything a compiled LUT kernel is specialized on. M and N are runtime sizes, not part of it."""
+
+    isa: str
+    vector_bytes: int
+    bits: int
+    k: int
+    group_size: int  # activations per weight scale (K for per-row and per-tensor weights)
+    lut_group: int  # activations per table scale; divides group_size
+    has_zeros: bool
+    block_rows: int = 0  # 0: the default for this ISA and bit width
+    # activation rows sharing each weight load in the GEMM kernel; 0: the default, 2 (at 4 a tile's accumulators and
+    # tables outgrow 32 vector registers), but 4 for W1 on 32-byte vectors (docs/decisions.md, "GEMM row tile")
+    n_tile: int = 0
+    unroll: int = 0  # table pairs unrolled in the inner loop; 0: the default (the most of 8, 4, 2, 1 that fits)
+    scale_dtype: str = "float32"  # storage of S and Z: the format's (tmac.formats.PARAM_DTYPES); super scales'
+    zero_dtype: str = "float32"  # with super_groups (one dtype for both)
+    triples: bool = False  # ternary weights three to an index + sign (1.67 bits), instead of 2 bit planes
+    quads: bool = False  # a row's 4 bytes look into four tables at once (64-entry lookups): 1-3, 5 bits, triples
+    super_groups: int = 0  # weight groups sharing one super scale of the scales and zeros (K-quants); 0: plain S, Z
+    k_chunk: int = 0  # activations per K chunk (see the module doc); 0: the default for the tables' L1 budget
+
+    def __post_init__(self):
+        check_bits(self.bits)
+        sixteen_registers = self.vector_bytes == 32  # AVX2 (AVX-512 and NEON have 32)
+        if self.block_rows == 0:
+            # blocks of 4 weight vectors a step (W4, 1- and 2-bit quads) and 5-bit quads on 64-byte vectors take
+            # twice the rows (docs/decisions.md, "Block rows")
+            rows = default_block_rows(self.vector_bytes, self.row_bytes)
+            wider = 2 if self.vector_bytes == 64 and self.row_bytes == 4 and not self.triples and \
+                (self.step_vectors(rows) == 4 or self.quads and self.bits == 5) else 1
+            # AVX2's 16 registers: a one-plane vector's sums (W1; triples, where asked for without quads) are int16
+            # of 32 rows, two registers, so such blocks take half the rows (4 vectors spilled)
+            narrower = 2 if sixteen_registers and self.chunks == ((0, 1),) else 1
+            object.__setattr__(self, "block_rows", wider * rows // narrower)
+        if self.n_tile == 0:
+            # AVX2's W1 GEMM splits a tile's block into parts of one accumulator vector a row (gemm_accumulators), so
+            # a part's weight vector serves 4 activation rows where 2 left it half used
+            object.__setattr__(self, "n_tile", 4 if sixteen_registers and self.bits == 1 else 2)
+        steps = self.steps_per_lut_group
+        if self.unroll == 0 and steps:
+            # up to 8 table pairs and 32 weight vectors per unrolled body; on 32-byte vectors (AVX2: 16 registers) a
+            # lut group of 4 or more steps is not unrolled whole: the body and the epilogue would share one basic
+            # block, whose schedule spills (docs/decisions.md, "Unroll")
+            vectors = self.step_vectors(self.block_rows)
+            fits = [u for u in self.unrolls() if u * vectors <= 32
+                    and not (sixteen_registers and u == steps and steps >= 4)]
+            object.__setattr__(self, "unroll", fits[0] if fits else 1)
+        if self.k_chunk == 0 and steps:
+            object.__setattr__(self, "k_chunk", self._default_k_chunk())
+        k, g, lg, bm, vl = self.k, self.group_size, self.lut_group, self.block_rows, self.vector_bytes
+        problems = []
+        if k <= 0 or k % K_MULTIPLE:
+            problems.append(f"K={k} must be a positive multiple of {K_MULTIPLE}")
+        if g <= 0 or k % g:
+            problems.append(f"group_size={g} does not divide K={k}")
+        if self.triples:
+            if (self.bits, self.has_zeros, g, lg) != (2, False, k, TRIPLE_LUT_GROUP):
+                problems.append(f"triples need 2-bit codes without zeros, one scale per row (group_size = K) and "
+                                f"lut_group {TRIPLE_LUT_GROUP}")
+        elif lg not in LUT_GROUPS or k % lg or g % lg:
+            problems.append(f"lut_group={lg} must be one of {LUT_GROUPS} and divide K={k} and the group size {g}")
+        if self.quads and (vl != 64 or not (self.triples or self.bits in QUAD_CHUNKS)):
+            problems.append(f"quads need {sorted(QUAD_CHUNKS)}-bit weights or triples and 64-byte vectors")
+        if vl not in (16, 32, 64):
+            problems.append(f"vector_bytes={vl} must be 16, 32 or 64")
+        elif bm <= 0 or bm % vl:
+            problems.append(f"block_rows={bm} must be a positive multiple of the vector width {vl}")
+        if self.n_tile < 1 or self.unroll < 1 or not steps or steps % self.unroll:
+            problems.append(f"n_tile={self.n_tile}, unroll={self.unroll}: unroll must divide the "
+                            f"{steps} steps of a lut group")
+        if self.super_groups and (self.super_groups < 2 or self.super_groups % 2 or self.triples or lg != g or
+                                  k % (g * self.super_groups)):
+            problems.append(f"super_groups={self.super_groups} needs lut_group = group_size, an even count and must "
+                            f"divide the K/group_size={k // g if g > 0 else '?'} groups")
+        if self.super_groups and self.has_zeros and self.scale_dtype != self.zero_dtype:
+            problems.append(f"super scales take one dtype, got {self.scale_dtype!r}/{self.zero_dtype!r}")
+        if steps and (self.k_chunk <= 0 or self.k_chunk % self.chunk_unit or self.k_chunk > self.k_padded):
+            problems.append(f"k_chunk={self.k_chunk} must be a positive multiple of {self.chunk_unit} up to "
+                            f"{self.k_padded}")
+        if self.scale_dtype not in PARAM_DTYPES or self.zero_dtype not in PARAM_DTYPES:
+            problems.append(f"scale/zero dtypes must be in {PARAM_DTYPES}, got {self.scale_dtype!r}/{self.zero_dtype!r}")
+        if problems:
+            raise ValueError("invalid kernel spec: " + "; ".join(problems))
+        # specs key the kernel and workspace caches on every call: hash the fields once
+        object.__setattr__(self, "_hash", hash(tuple(getattr(self, f.name) for f in fields(self))))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    @property
+    def chunk_unit(self) -> int:
+        """Activations a K chunk is a whole number of: lut groups, and weight groups or super groups when a row
+        has several."""
+        if self.super_groups:
+            return self.group_size * self.super_groups
+        return self.group_size if self.group_size < self.k else self.lut_group
+
+    def _default_k_chunk(self) -> int:
+        """Triples, 1-bit weights and 16-byte vectors: the most activations whose tables and one block's
+        weights of them fit ``CHUNK_BYTES``, in chunks of near-equal size: streaming a block's weights through L1
+        evicted its tables before the next block reused them. On 64-byte vectors 2-5 bits (fewer table bytes per
+        weight byte) gain nothing: one chunk; so does AVX2, whose GEMV prefetches its weights (docs/decisions.md,
+        "K chunks")."""
+        unit, kp = self.chunk_unit, self.k_padded
+        chunked = self.vector_bytes == 16 or self.vector_bytes == 64 and (self.triples or self.bits == 1)
+        if not chunked or unit <= 0 or kp % unit:
+            return kp  # (invalid specs: the checks that follow say why)
+        w_shape, s_shape = packed_shapes(self, self.block_rows)
+        per_activation = (np.prod(w_shape) + 2 * np.prod(s_shape)) / kp + (16 / 3 if self.triples else 4)
+        units = kp // unit
+        fit = max(1, min(units, int(CHUNK_BYTES // (per_activation * unit))))
+        chunks = -(-units // fit)
+        return -(-units // chunks) * unit
+
+    def chunk_ranges(self, rows: int) -> list[tuple[int, int]]:
+        """(first, count) of each K chunk in ``rows`` per-block rows spanning K (steps, weight or super groups)."""
+        per = rows * self.k_chunk // self.k_padded
+        return [(r, min(per, rows - r)) for r in range(0, rows, per)]
+
+    @property
+    def param_dtypes(self) -> tuple[str, str]:
+        """Storage dtypes of S and Z: bytes of multipliers and super scales (scale multipliers signed without
+        zeros), or the format's floats."""
+        if self.super_groups:
+            return ("uint8" if self.has_zeros else "int8"), "uint8"
+        return self.scale_dtype, self.zero_dtype
+
+    @property
+    def super_bytes(self) -> int:
+        """Bytes of one row's super scale in S and Z (``super_groups``)."""
+        return np.dtype(self.scale_dtype).itemsize
+
+    @property
+    def quad_chunks(self) -> tuple[tuple[int, int, int], ...]:
+        """Quads: (first plane, planes P, first table) of each quad chunk of a step, in their byte order."""
+        return QUAD_CHUNKS[1 if self.triples else self.bits]
+
+    def step_vectors(self, block_rows: int) -> int:
+        """Weight vectors a block of ``block_rows`` rows reads per step (quads: one per quad chunk)."""
+        return block_rows * self.row_bytes // self.vector_bytes * (len(self.quad_chunks) if self.quads else 1)
+
+    @property
+    def step_tables(self) -> int:
+        """Quads: tables a step covers."""
+        return quad_step(1 if self.triples else self.bits) // 4
+
+    @property
+    def chunks(self) -> tuple[tuple[int, int], ...]:
+        """(first plane, bytes a row owns in a vector) of each run of planes (quads: 4 bytes of 4/P tables)."""
+        if self.quads:
+            return ((0, 4),)
+        return ((0, 1),) if self.triples else CHUNKS[self.bits]
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row in the weight vectors of one table pair (all chunks)."""
+        return sum(planes for _, planes in self.chunks)
+
+    @property
+    def steps_per_lut_group(self) -> int:
+        """Inner-loop steps per lut group: table pairs (8 activations), triple steps (24) or quad steps (32 at
+        1 bit, 16 at 2 bits); 0 if invalid."""
+        per = 24 if self.triples else 4 * self.step_tables if self.quads else 8
+        return self.lut_group // per if self.lut_group > 0 and self.lut_group % per == 0 else 0
+
+    def unrolls(self) -> list[int]:
+        """Unroll factors worth trying, largest first: at most 8 table pairs per unrolled body (a triple step is
+        4, a quad step 4 at 1 bit and 2 at 2 bits)."""
+        pairs = 4 if self.triples else self.step_tables // 2 if self.quads else 1
+        return [u for u in (8, 4, 2, 1) if u * pairs <= 8 and self.steps_per_lut_group % u == 0]
+
+    @property
+    def k_padded(self) -> int:
+        """Activations the tables cover: K, or K rounded up to whole lut groups for triples."""
+        return padded_k(self.k) if self.triples else self.k
+
+    def table_shapes(self, rows: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        """Shapes of LUT (int8), LS and XS (float32) for ``rows`` activation rows."""
+        kp = self.k_padded
+        return (rows, kp // 3 if self.triples else kp // 4, 16), (rows, kp // self.lut_group), \
+            (rows, self.k // self.group_size)
+
+    @property
+    def name(self) -> str:
+        z = "z" if self.has_zeros else "s"
+        half = ("_sh" if self.scale_dtype == "float16" else "") + \
+            ("_zh" if self.has_zeros and self.zero_dtype == "float16" else "") + ("_t3" if self.triples else "") + \
+            ("_q4" if self.quads else "") + (f"_ks{self.super_groups}" if self.super_groups else "") + \
+            (f"_kc{self.k_chunk}" if self.k_chunk < self.k_padded else "")
+        return (f"lut_{self.isa}_b{self.bits}_k{self.k}_g{self.group_size}_lg{self.lut_group}{z}"
+                f"_bm{self.block_rows}_nt{self.n_tile}_u{self.unroll}{half}")
+
+    functions = ("build_tables", "lut_gemv", "lut_gemm")  # what its library exports (a class attribute)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d) -> "KernelSpec":
+        """A spec from JSON; specs written before the later fields existed lack them (float32, bit planes)."""
+        names = {f.name for f in fields(cls)}
+        strings = {"isa", "scale_dtype", "zero_dtype"}
+        if isinstance(d, dict) and set(d) < names and names - set(d) <= set(_LATER_FIELDS):
+            d = {**{f: _LATER_FIELDS[f] for f in names - set(d)}, **d}
+            if d["k_chunk"] is None:  # written before K chunks: one chunk of all of K
+                k = d.get("k")
+                d["k_chunk"] = (padded_k(k) if d.get("triples") is True else k) if type(k) is int and k > 0 else 0
+        if not isinstance(d, dict) or set(d) != names:
+            raise ValueError(f"a kernel spec needs exactly the fields {sorted(names)}, got {d!r:.200}")
+        for name in names - strings:
+            if type(d[name]) is not (bool if name in ("has_zeros", "triples", "quads") else int):
+                raise ValueError(f"kernel spec field {name!r} has the wrong type: {d[name]!r:.50}")
+        for name in strings:
+            if not isinstance(d[name], str):
+                raise ValueError(f"kernel spec field {name!r} must be a string, got {d[name]!r:.50}")
+        try:
+            return cls(**d)
+        except (KeyError, IndexError, ZeroDivisionError, OverflowError, TypeError) as e:  # a combination no
+            raise ValueError(f"invalid kernel spec {d!r:.200} ({type(e).__name__}: {e})") from None  # check foresaw
+
+    def blocks(self, m: int) -> int:
+        return -(-m // self.block_rows)
+
+    def padded_rows(self, n: int) -> int:
+        return -(-n // self.n_tile) * self.n_tile
+
+
+_LATER_FIELDS = {"scale_dtype": "float32", "zero_dtype": "float32", "triples": False, "quads": False,
+                 "super_groups": 0, "k_chunk": None}  # old meaning (k_chunk: all of K)
+
+
+def default_block_rows(vector_bytes: int, row_bytes: int) -> int:
+    """About four vectors of weights per block: enough independent accumulator chains to hide latency."""
+    return vector_bytes * max(1, 4 // row_bytes)
+
+
+def packed_shapes(spec: KernelSpec, m: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shapes of W and of S (= Z) for ``m`` rows."""
+    mb, g, sg = spec.blocks(m), spec.k // spec.group_size, spec.super_groups
+    s_shape = (mb, g // sg, (sg + spec.super_bytes) * spec.block_rows) if sg else (mb, g, spec.block_rows)
+    if spec.triples:
+        return (mb, spec.k_padded // 24, 5 * spec.block_rows), s_shape
+    if spec.quads:
+        return (mb, spec.k // (4 * spec.step_tables), 4 * len(spec.quad_chunks) * spec.block_rows), s_shape
+    return (mb, spec.k // 8, spec.block_rows * spec.bits), s_shape
