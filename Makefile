@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # builds and 2.10 dies by SIGILL on a Raspberry Pi 4); any other spec may pull a multi-GB CUDA build
 TORCH := $(if $(filter aarch64 arm64,$(shell uname -m)),torch==2.9.1,torch==2.13.0)
 
-.PHONY: demo test test-arm64 bench fuzz clean
+.PHONY: demo test check test-arm64 bench fuzz clean
 
 $(STAMP): pyproject.toml
 	@echo "setting up $(VENV): torch, tmac and the default model (a few minutes, once)"
@@ -27,6 +27,11 @@ demo: $(STAMP)
 # one pytest worker a core (pytest-xdist): most of the suite's time is compiling kernels, one at a time in a process
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n auto
+
+# the quick tier for the edit loop (a few minutes): the suite without the tests marked slow (subprocess CLI runs, tuning,
+# cache damage, fuzzing, the generic fallback's kernels)
+check: $(STAMP)
+	$(BIN)/python -m pytest -q -n auto -m "not slow"
 
 # the whole runtime as aarch64 code under qemu-aarch64 (Cortex-A76 and A72): an arm64 Python from Debian's packages
 # and PyPI's aarch64 wheels, kept in .arm64/ (about 1.3 GB; built once, then reused)

@@ -1,6 +1,7 @@
 """``tmac.Linear`` against the kernel path under it, and a Hugging Face model quantized by ``tmac.quantize_model``.
 
-1. Per call: ``LutWeight.matmul`` (the checked kernel path ``tmac bench`` times: table build, lookup, Python call)
+1. Per call: ``LutWeight.matmul`` (the checked kernel path ``tmac bench`` times: table build, lookup, Python call,
+   a fresh output)
    against the same weights as ``tmac.Linear`` modules under ``torch.inference_mode``, warm (one copy, in cache) and
    cold (copies cycled through 1 GiB in huge pages, as a model's weights stream from DRAM), the two timed
    interleaved in one run. The difference is what the module adds.
@@ -34,8 +35,7 @@ def _pair(m, k, bits):
     group = 64 if k % 128 else 128
     lw = LutWeight.from_quantized(quantize_weight(w.numpy(), bits=bits, group_size=group))
     lin = tmac.Linear.from_float(w, bits=bits, group_size=group)
-    y = torch.empty(1, m)
-    lw.matmul(x, out=y)
+    lw.matmul(x)
     lin(x)
 
     def modules(n):
@@ -45,7 +45,7 @@ def _pair(m, k, bits):
             c._buffers = dict(lin._buffers, qweight=packed[0], scales=packed[1], zeros=packed[2])
             out.append(c)
         return out
-    return ((lw.copies, lambda c: c.matmul(x, out=y), lw.nbytes),
+    return ((lw.copies, lambda c: c.matmul(x), lw.nbytes),
             (modules, lambda c: c(x), lw.nbytes))
 
 

@@ -24,16 +24,11 @@ STACK_BYTES = 1024
 PARALLEL_ATTENTION_WORK = 96 * 1024
 
 
-def _sum_vectors(widest: int) -> int:
-    """Running sums a loop may keep in vector registers: half of them (AVX2 has 16, AVX-512 and NEON 32); more
-    spill to the stack on every iteration."""
-    return 8 if widest == 8 else 16
-
-
-def _heads_per_pass(group: int, vectors_per_head: int, widest: int, floats_per_buffer: int = 0) -> int:
+def _heads_per_pass(group: int, vectors_per_head: int, sums: int, floats_per_buffer: int = 0) -> int:
     """The most heads of a kv head's group (a divisor of it) whose running sums, ``vectors_per_head`` vectors a
-    head, fit the registers (``_sum_vectors``), and a buffer of ``floats_per_buffer`` floats a head the stack."""
-    fits = [d for d in range(2, group + 1) if group % d == 0 and d * vectors_per_head <= _sum_vectors(widest)
+    head, fit ``sums`` registers (``Isa.sum_vectors``), and a buffer of ``floats_per_buffer`` floats a head the
+    stack."""
+    fits = [d for d in range(2, group + 1) if group % d == 0 and d * vectors_per_head <= sums
             and d * floats_per_buffer * 4 < STACK_BYTES]
     return max(fits, default=1)
 
@@ -166,7 +161,7 @@ def quantize_func(name: str, n: int, widest: int):
     return ib.get()
 
 
-def attend_func(spec: GlueSpec, widest: int):
+def attend_func(spec: GlueSpec, widest: int, sum_vectors: int):
     from tvm import tirx
     from tvm.script.ir_builder import tirx as T
 
@@ -197,8 +192,8 @@ def attend_func(spec: GlueSpec, widest: int):
         keys_flat = T.decl_buffer((kv * nb * hd * blk,), kvd, data=CK.data)  # the new key's lanes are blk apart
         # heads sharing a pass over the keys, and over the values: a cached key or value is widened once per pass,
         # so as many as their sums fit the registers, and no more (docs/decisions.md, "Attention")
-        hq = _heads_per_pass(group, max(blk // widest, 1), widest, blk)
-        hv = _heads_per_pass(group, len(spans), widest)  # (a head's value sums: buffers of their own)
+        hq = _heads_per_pass(group, max(blk // widest, 1), sum_vectors, blk)
+        hv = _heads_per_pass(group, len(spans), sum_vectors)  # (a head's value sums: buffers of their own)
 
         def rotated(head, c):
             """The two rotated halves of vector ``c`` of ``head`` (q heads first, then k heads)."""
@@ -229,7 +224,7 @@ def attend_func(spec: GlueSpec, widest: int):
                 # partial sums, as many as the registers hold: independent FMA chains hide the FMA latency
                 # (docs/decisions.md, "Attention in three phases")
                 per_set = hq * max(blk // widest, 1)  # vectors of one set of the pass's partial scores
-                sets = next(n for n in (8, 4, 2, 1) if hd % n == 0 and (n == 1 or n * per_set <= _sum_vectors(widest)))
+                sets = next(n for n in (8, 4, 2, 1) if hd % n == 0 and (n == 1 or n * per_set <= sum_vectors))
                 with loop(0, kv * (group // hq)) as kp:  # scores, a block of positions at a time, a key read once
                     kh = kp // (group // hq)               # per pass (for all the heads sharing it, in most models)
                     # a block's partial scores, a buffer a set (a buffer of all would outgrow the stack)
@@ -367,7 +362,7 @@ def module(spec: GlueSpec, isa):
     q_dim = spec.n_heads * spec.head_dim
     funcs = {"norm_in": rms_norm_func("norm_in", spec.dim, widest, True),
              "norm_final": rms_norm_func("norm_final", spec.dim, widest, True),
-             "attend": attend_func(spec, widest), "gated_act": gated_act_func(spec, widest)}
+             "attend": attend_func(spec, widest, isa.sum_vectors), "gated_act": gated_act_func(spec, widest)}
     if spec.sub_norms:
         funcs["norm_attn"] = rms_norm_func("norm_attn", q_dim, widest, False)
         funcs["norm_hidden"] = rms_norm_func("norm_hidden", spec.ffn_dim, widest, False)

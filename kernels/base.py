@@ -15,9 +15,19 @@ class Isa:
     description: str = ""
     wide_lookup: bool = False  # has ``lookup64`` (1- to 3-bit weights and triples then use quads)
     prefetch_bytes: int = 0  # the GEMV prefetches its weight stream this far ahead (0: the hardware's prefetch only)
-    # accumulator vectors a GEMM tile keeps before a block's rows are done in parts: a quarter of the registers
-    # (AVX2's 16: 4)
-    gemm_accumulators: int = 8
+    vector_registers: int = 32  # architectural vector registers: 16 on x86-64 before AVX-512 (SSE2, AVX2)
+
+    @property
+    def gemm_accumulators(self) -> int:
+        """Accumulator vectors a GEMM tile keeps before a block's rows are done in parts: a quarter of the
+        registers."""
+        return self.vector_registers // 4
+
+    @property
+    def sum_vectors(self) -> int:
+        """Running sums a float loop may keep in vector registers: half of them; more spill to the stack on every
+        iteration."""
+        return self.vector_registers // 2
 
     def acc_dtype(self, planes: int, steps: int) -> str:
         """The accumulator vector type of ``accumulate`` over a lut group of ``steps`` steps."""

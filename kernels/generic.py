@@ -5,7 +5,7 @@ from .base import Isa
 
 GENERIC_X86 = Isa("generic_x86_64", "x86_64", 16, frozenset(),
                   {"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": "x86-64"},
-                  "fallback: SSE2 selects, no pshufb")
+                  "fallback: SSE2 selects, no pshufb", vector_registers=16)
 GENERIC_ARM64 = Isa("generic_arm64", "arm64", 16, frozenset(),
                     {"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mcpu": "generic"},
                     "fallback: plain NEON selects, no tbl")

@@ -128,7 +128,7 @@ AVX512 = X86Isa("avx512", "x86_64", 64, frozenset({"avx2", "avx512bw"}),
 # bandwidth (docs/decisions.md, "AVX2: the GEMV prefetches")
 AVX2_VNNI = X86Isa("avx2_vnni", "x86_64", 32, frozenset({"avx2", "avxvnni"}),
                    _target("alderlake"), "AVX2 + AVX-VNNI: vpshufb ymm, vpdpbusd ymm", prefetch_bytes=4096,
-                   gemm_accumulators=4, vnni=True)
+                   vector_registers=16, vnni=True)
 AVX2 = X86Isa("avx2", "x86_64", 32, frozenset({"avx2"}),
               _target("haswell"), "AVX2: vpshufb ymm, vpmaddubsw/vpmaddwd", prefetch_bytes=4096,
-              gemm_accumulators=4)
+              vector_registers=16)

@@ -40,6 +40,7 @@ def test_compile_errors_are_one_line():
         assert len(lines) == 1 and needle in lines[0] and "Traceback" not in r.stderr, r.stderr
 
 
+@pytest.mark.slow
 def test_compile_arm64_bits_2_as_typed_needs_no_compiler(tmp_path):
     """The command exactly as documented, on a PATH without any C compiler: the default model's kernels for
     `tmac run --bits 2` (projections, head, decode glue) in the default directory, as aarch64 shared objects."""
@@ -75,6 +76,7 @@ def test_compile_spellings_of_arch_and_isa():
     assert resolve_isa(None, "neon").arch == "arm64"  # the ISA says which arch
 
 
+@pytest.mark.slow
 def test_run_default_model_json():
     r = tmac("run", "--prompt", "What is 2+2?", "-n", "6", "--json", "--threads", "1")
     assert r.returncode == 0, r.stderr
@@ -89,6 +91,7 @@ def test_run_default_model_json():
     assert 1 not in raw_ids and len(raw_ids) < 10  # no template, no BOS (SmolLM2's metadata adds none)
 
 
+@pytest.mark.slow
 def test_run_streams_text_and_prints_stats():
     r = tmac("run", "--prompt", "Name a color.", "-n", "8")
     assert r.returncode == 0, r.stderr
@@ -102,6 +105,7 @@ def test_chat_two_turns_through_stdin():
     assert r.stdout.count("> ") >= 3 and r.stderr.count("peak RSS") == 2
 
 
+@pytest.mark.slow
 def test_chat_drops_the_oldest_exchanges_when_the_context_fills():
     turns = ["Name a color.", "Name a fruit.", "Name an animal.", "Name a city."]
     r = tmac("chat", "--context", "100", "-n", "30", "--ignore-eos", input="\n".join(turns) + "\n/exit\n")
@@ -110,6 +114,7 @@ def test_chat_drops_the_oldest_exchanges_when_the_context_fills():
     assert "context full: dropped the" in r.stderr and "error" not in r.stderr
 
 
+@pytest.mark.slow
 def test_run_errors_are_one_line(tmp_path):
     not_gguf = tmp_path / "model.bin"
     not_gguf.write_bytes(b"\x00" * 64)
@@ -123,6 +128,7 @@ def test_run_errors_are_one_line(tmp_path):
         assert r.returncode == 1 and needle in lines[-1] and "Traceback" not in r.stderr, (args, r.stderr)
 
 
+@pytest.mark.slow
 def test_convert_then_run_gives_the_same_greedy_ids(tmp_path):
     out = tmp_path / "smollm2.tmac"
     r = tmac("convert", smollm2_path(), "-o", str(out))
@@ -162,6 +168,7 @@ def test_ctrl_c_in_run_keeps_the_partial_output():
     assert len(first + rest) >= 40 and "interrupted" not in err.splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_bench_kernels_table_json_and_plot(tmp_path):
     png = tmp_path / "kernels.png"
     r = tmac("bench", "--shape", "256x512", "--bits", "2,4,6", "--threads", "1", "--json", "--plot", str(png))
@@ -182,6 +189,7 @@ def test_bench_kernels_table_json_and_plot(tmp_path):
     assert "% probe" not in got["torch fp32"]["extra"] and got["torch fp32"]["value"] > 0
 
 
+@pytest.mark.slow
 def test_bench_end_to_end_on_the_default_model():
     r = tmac("bench", "--e2e", "--profile", "--bits", "2,own", "--head-bits", "float", "--threads", "1",
              "--prompt-tokens", "8", "--gen-tokens", "8", "--no-peer", "--json")
@@ -220,6 +228,7 @@ def test_bench_errors_are_one_line():
         assert r.returncode == 1 and needle in r.stderr.strip().splitlines()[-1] and "Traceback" not in r.stderr, args
 
 
+@pytest.mark.slow
 def test_bench_shows_a_shape_a_peer_cannot_run_as_a_dash():
     """torch's int4 kernel needs out features in multiples of 16: 100x128 is timed for the others, and its row is a
     dash with a note, not the end of the benchmark."""
@@ -230,6 +239,7 @@ def test_bench_shows_a_shape_a_peer_cannot_run_as_a_dash():
     assert "note: torch int4wo cannot run 100x128" in r.stdout
 
 
+@pytest.mark.slow
 def test_compile_for_a_model_gives_every_kernel_it_runs(tmp_path):
     """`tmac compile --model` without --bits compiles the kernels of the file's exact formats (SmolLM2: Q4_1
     layers, with float16 zeros and, for the two tensors whose zeros are not all float16 values, float32 ones, and
@@ -258,6 +268,7 @@ def test_compile_for_a_model_gives_every_kernel_it_runs(tmp_path):
     assert r.returncode == 0 and "compiling" not in r.stderr, r.stderr
 
 
+@pytest.mark.slow
 def test_compile_for_a_ternary_model_covers_rows_sharing_a_scale(tmp_path):
     """A TQ2_0 file of a converted BitNet model (one scale repeated in every block) loads per row, as ternary
     triples where the CPU has 64-entry lookups (2-bit planes elsewhere: ``uses_triples``): `tmac compile --model`
@@ -316,6 +327,7 @@ def test_run_ignore_eos_generates_every_token():
     assert "1, 2, 3, 4, 5, 6, 8 bits" in " ".join(help_text.split())
 
 
+@pytest.mark.slow
 def test_run_compiles_its_kernels_without_a_system_compiler(tmp_path):
     """A first run on a machine with no C compiler on PATH links its kernels with zig cc (the ziglang wheel)."""
     env = dict(os.environ, PATH=str(tmp_path), TMAC_CACHE_DIR=str(tmp_path / "cache"))
@@ -325,6 +337,7 @@ def test_run_compiles_its_kernels_without_a_system_compiler(tmp_path):
     assert "compiling kernel" in r.stderr and len(json.loads(r.stdout)["generated_ids"]) == 2
 
 
+@pytest.mark.slow
 def test_compile_takes_every_source_load_model_takes(tmp_path):
     """--model reads a Hugging Face directory and a .tmac file as `tmac run` would: their kernels, then running from
     the directory compiles nothing."""
@@ -349,6 +362,7 @@ def test_compile_takes_every_source_load_model_takes(tmp_path):
     assert r.returncode == 0 and "compiling" not in r.stderr, r.stderr
 
 
+@pytest.mark.slow
 def test_context_beyond_the_model_warns_and_beyond_memory_is_refused():
     r = tmac("run", "-p", "Hi", "-n", "2", "--context", "9000", "--json")  # SmolLM2 was trained on 8192
     assert r.returncode == 0, r.stderr

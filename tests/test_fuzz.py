@@ -20,6 +20,7 @@ EXAMPLES = int(os.environ.get("TMAC_FUZZ_EXAMPLES", "40"))
 CAMPAIGN = "TMAC_FUZZ_EXAMPLES" in os.environ
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", TARGETS)
 def test_fuzz_target(tmp_path, target, record_property):
     script = os.path.join(os.path.dirname(__file__), "fuzz_targets.py")

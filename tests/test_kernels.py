@@ -20,13 +20,23 @@ RUNNABLE = runnable_isas()
 FAST = [i for i in RUNNABLE if not i.startswith("generic")]
 
 
-def _isa_cases(generic_bits=(2, 3)):
+def _on_isas(cases: list, generic: list | None = None) -> list:
+    """``(isa, *case)`` for every runnable ISA: every case on the fast ones; on the generic fallback, whose kernels
+    compile ten times slower, only ``generic`` (default: the first case), marked slow (``make check`` leaves them
+    to ``make test``)."""
+    out = []
     for isa in RUNNABLE:
-        for bits in (1, 2, 3, 4, 5, 6, 8) if isa in FAST else generic_bits:
-            yield isa, bits
+        for case in cases if isa in FAST else (generic or cases[:1]):
+            values = (isa, *case) if isinstance(case, tuple) else (isa, case)
+            out.append(pytest.param(*values, marks=pytest.mark.slow) if isa not in FAST else values)
+    return out
 
 
-@pytest.mark.parametrize("isa, bits", list(_isa_cases()))
+ISAS_SLOW_GENERIC = [i if i in FAST else pytest.param(i, marks=pytest.mark.slow) for i in RUNNABLE]
+ALL_BITS = [1, 2, 3, 4, 5, 6, 8]
+
+
+@pytest.mark.parametrize("isa, bits", _on_isas(ALL_BITS, generic=[3]))
 @pytest.mark.parametrize("group, zeros", [(32, True), (128, False), ("row", True), ("tensor", False)])
 def test_float_output_matches_reference_epilogue(rng, isa, bits, group, zeros):
     m, k = 200, 512  # 200 rows: a partial last block
@@ -58,7 +68,7 @@ def test_groups_of_16(rng, isa, bits):
         assert rel_l2(lw.matmul(torch.from_numpy(x)).numpy(), ref.lut_matmul(x, qw)) <= 1e-5
 
 
-@pytest.mark.parametrize("isa", RUNNABLE)
+@pytest.mark.parametrize("isa", ISAS_SLOW_GENERIC)
 @pytest.mark.parametrize("scale_dtype, zero_dtype", [("float16", "float32"), ("float32", "float16"),
                                                      ("float32", "float32")])
 def test_parameter_storage_dtypes(rng, isa, scale_dtype, zero_dtype):
@@ -79,7 +89,7 @@ def test_parameter_storage_dtypes(rng, isa, scale_dtype, zero_dtype):
                 QuantizedWeight(qw.codes, *bad, fmt)
 
 
-@pytest.mark.parametrize("isa, bits", list(_isa_cases(generic_bits=(4,))))
+@pytest.mark.parametrize("isa, bits", _on_isas(ALL_BITS, generic=[4]))
 def test_integer_part_is_bit_exact(rng, isa, bits):
     """With table scale 1 (amax = 127), weight scale 1 and zero −½ (bias term 0), y = Σ_g R_g exactly."""
     m, k, lg = 96, 256, 64
@@ -117,8 +127,8 @@ def test_tables_are_bit_exact(rng, isa):
     np.testing.assert_array_equal(ls.numpy()[:1], rls)
 
 
-@pytest.mark.parametrize("isa", RUNNABLE)
-@pytest.mark.parametrize("m, k, group", [(200, 576, "row"), (72, 3200, "tensor"), (40, 320, "row")])
+@pytest.mark.parametrize("isa, m, k, group", _on_isas([(200, 576, "row"), (72, 3200, "tensor"), (40, 320, "row")],
+                                                     generic=[(40, 320, "row")]))
 def test_triples_match_reference(rng, isa, m, k, group):
     """Ternary weights three to an index + sign: K = 3200 and 320 are padded to whole lut groups (3264, 384)."""
     qw = quantize_weight(rng.standard_normal((m, k)).astype(np.float32), ternary=True, group_size=group)
@@ -132,7 +142,7 @@ def test_triples_match_reference(rng, isa, m, k, group):
     np.testing.assert_array_equal(unpack(pack(qw, lw.spec), qw.format).codes, qw.codes)
 
 
-@pytest.mark.parametrize("isa", RUNNABLE)
+@pytest.mark.parametrize("isa", ISAS_SLOW_GENERIC)
 def test_triples_integer_part_and_tables_are_bit_exact(rng, isa):
     """Scale 1 and a table scale of 1 (each lut group's largest |x0|+|x1|+|x2| is 127): y = Σ_g R_g exactly."""
     from tmac.lut_ops import _workspace
@@ -206,8 +216,7 @@ def test_raw_kernel_checks_shapes(rng):
                           torch.empty(1, 8))
 
 
-@pytest.mark.parametrize("isa", RUNNABLE)
-@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q2_K", "Q3_K", "Q6_K"])
+@pytest.mark.parametrize("isa, type_name", _on_isas(["Q4_K", "Q5_K", "Q2_K", "Q3_K", "Q6_K"]))
 def test_k_quant_super_scales(rng, isa, type_name):
     """K-quants' scales d·a and zeros dmin·b − offset·d·a stream as byte multipliers of one float16 per 256 weights,
     llama.cpp's d and dmin (Q4_K: 4.625 bits a weight instead of 6; Q6_K: signed multipliers, no zeros, 6.5625 as

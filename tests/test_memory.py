@@ -146,6 +146,7 @@ def test_huge_page_copies_lie_in_order_in_one_arena_and_equal_the_originals():
         memory.huge_page_copies((a,), 0)
 
 
+@pytest.mark.slow
 def test_loading_a_converted_file_peaks_no_higher_than_loading_its_gguf(tmp_path):
     """A .tmac file is read into memory of its own (no mapping of the file beside the copies) and a tied table is
     unpacked from the head a few rows at a time: loading it needs no more memory than loading the GGUF."""

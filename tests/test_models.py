@@ -171,6 +171,7 @@ def test_smollm2_chat_template_and_prompt_ids(smollm2):
         assert tok.encode(case["prompt"]) == case["prompt_ids"]
 
 
+@pytest.mark.slow
 def test_smollm2_greedy_matches_llama_cpp(smollm2):
     """W4 imported exactly from Q4_1 against llama.cpp on the same file.
 
@@ -266,6 +267,7 @@ def test_packed_bitnet_matches_transformers_bitlinear(tmp_path):
     assert err <= 0.06
 
 
+@pytest.mark.slow
 def test_greedy_tokens_do_not_depend_on_thread_count(smollm2):
     """The kernels split rows and attention heads, never a dot product, across threads: results are bit-identical."""
     ref = _reference("smollm2_llamacpp.json")

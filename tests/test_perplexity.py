@@ -46,6 +46,7 @@ def test_perplexity_equals_the_one_computed_by_hand(tiny):
     assert 0 < got.uncertainty < got.perplexity
 
 
+@pytest.mark.slow
 def test_perplexity_cli_json_and_errors(tiny, tmp_path):
     text = tmp_path / "t.txt"
     text.write_text(TEXT)

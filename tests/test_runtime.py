@@ -30,6 +30,7 @@ def _run(code, env):
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
 
 
+@pytest.mark.slow
 def test_cached_kernels_run_without_importing_tvm(tmp_path):
     env = dict(os.environ, TMAC_CACHE_DIR=str(tmp_path))
     first = _run(RUN_CACHED.format(bits=3), env)
@@ -53,12 +54,22 @@ DAMAGE = ["truncated library", "flipped byte", "garbage sidecar", "no sidecar", 
           "lock is a directory", "sidecar is a FIFO", "sidecar links to /dev/zero", "sidecar nested 100000 deep"]
 
 
+@pytest.fixture(scope="module")
+def pristine_cache(tmp_path_factory):
+    """A kernel cache holding the one kernel ``RUN_CACHED`` at 2 bits compiles (each test damages a copy)."""
+    d = tmp_path_factory.mktemp("pristine-cache")
+    r = _run(RUN_CACHED.format(bits=2), dict(os.environ, TMAC_CACHE_DIR=str(d)))
+    assert r.returncode == 0, r.stderr
+    return d
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", DAMAGE)
-def test_damaged_cache_entries_are_moved_aside_and_rebuilt(tmp_path, damage):
+def test_damaged_cache_entries_are_moved_aside_and_rebuilt(tmp_path, pristine_cache, damage):
     """Whatever state a cache entry is found in, the kernel is rebuilt (one warning) and the next run is clean:
     never a signal, a hang or an error on every run."""
+    shutil.copytree(pristine_cache, tmp_path, dirs_exist_ok=True)
     env = dict(os.environ, TMAC_CACHE_DIR=str(tmp_path))
-    assert _run(RUN_CACHED.format(bits=2), env).returncode == 0
     (lib,) = [os.path.join(r, f) for r, _, fs in os.walk(tmp_path) for f in fs if f.endswith(".so")]
     meta, lock = lib[:-3] + ".json", lib[:-3] + ".lock"
     data = open(lib, "rb").read()
@@ -95,6 +106,7 @@ def test_damaged_cache_entries_are_moved_aside_and_rebuilt(tmp_path, damage):
     assert third.returncode == 0 and "compiling" not in third.stderr and "damaged" not in third.stderr, third.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("unsafe", ["owned by another user", "world-writable"])
 def test_a_cache_others_can_write_is_never_loaded_from(tmp_path, unsafe):
     """A library planted in a cache another user owns or can write (its sidecar matching) is not loaded: kernels go
@@ -115,6 +127,7 @@ def test_a_cache_others_can_write_is_never_loaded_from(tmp_path, unsafe):
     assert reason in r.stderr and "tmac-kernels-" in r.stderr and "compiling kernel" in r.stderr
 
 
+@pytest.mark.slow
 def test_a_read_only_cache_is_still_read(tmp_path, monkeypatch, rng):
     """Kernels already in a cache this process cannot write are used, not compiled again."""
     cache = tmp_path / "cache"
@@ -149,6 +162,7 @@ def test_invalid_tiling_in_tuning_json_falls_back_to_the_defaults(tmp_path, monk
         choose._table.cache_clear()
 
 
+@pytest.mark.slow
 def test_concurrent_processes_compiling_the_same_kernel_both_succeed(tmp_path):
     env = dict(os.environ, TMAC_CACHE_DIR=str(tmp_path))
     procs = [subprocess.Popen([sys.executable, "-c", RUN_CACHED.format(bits=4)], env=env, stdout=subprocess.PIPE,
@@ -159,6 +173,7 @@ def test_concurrent_processes_compiling_the_same_kernel_both_succeed(tmp_path):
     assert sum("compiling kernel" in o[1] for o in outs) == 1  # the lock let exactly one compile
 
 
+@pytest.mark.slow
 def test_tmac_compile_directory_is_used_by_linear_kernels(tmp_path, rng):
     out = tmp_path / "kernels"
     r = subprocess.run([sys.executable, "-m", "tmac.cli", "compile", "--bits", "2", "--group-size", "64",
@@ -226,6 +241,7 @@ def test_cache_key_is_the_same_in_a_checkout_and_an_installed_wheel(tmp_path):
     assert where.startswith(str(tmp_path / "site")) and digest == cache.generator_digest()
 
 
+@pytest.mark.slow
 def test_kernel_dir_with_tampered_library_is_refused(tmp_path):
     out = tmp_path / "kernels"
     subprocess.run([sys.executable, "-m", "tmac.cli", "compile", "--bits", "2", "--group-size", "64", "--shape",
@@ -252,6 +268,7 @@ def test_kernel_dir_with_tampered_library_is_refused(tmp_path):
         LutWeight.from_quantized(qw, kernel_dir=str(out)).matmul(torch.ones(1, 128))
 
 
+@pytest.mark.slow
 def test_kernel_dir_for_another_arch_warns_once_naming_both(tmp_path, recwarn):
     out = tmp_path / "arm64-kernels"
     subprocess.run([sys.executable, "-m", "tmac.cli", "compile", "--arch", "arm64", "--bits", "2", "--group-size",
@@ -323,6 +340,7 @@ def _tune(tmp_path, *args):
     return env, r, path, key, tiling
 
 
+@pytest.mark.slow
 def test_tune_persists_and_later_kernels_use_it(tmp_path):
     env, r, path, key, tiling = _tune(tmp_path, "--bits", "2", "--k", "256")
     assert "tuned GEMV ms" in r.stdout and "w2g128" in r.stdout
@@ -346,6 +364,7 @@ def test_tune_persists_and_later_kernels_use_it(tmp_path):
     assert again.stdout == defaults.stdout
 
 
+@pytest.mark.slow
 def test_tune_covers_ternary_weights(tmp_path):
     """`tmac tune --ternary` times the kernels ternary weights take on this CPU (triples where it has 64-entry
     lookups, 2-bit planes elsewhere: ``uses_triples``) and later ternary specs use the result."""

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, fields
 import numpy as np
 
 from .formats import K_MULTIPLE, PARAM_DTYPES, check_bits
+from .kernels import ISAS
 from .reference import LUT_GROUPS, TRIPLE_LUT_GROUP, padded_k
 
 
@@ -55,24 +56,28 @@ class KernelSpec:
 
     def __post_init__(self):
         check_bits(self.bits)
-        sixteen_registers = self.vector_bytes == 32  # AVX2 (AVX-512 and NEON have 32)
+        isa = ISAS.get(self.isa)
+        if isa is None or isa.vector_bytes != self.vector_bytes:
+            raise ValueError(f"invalid kernel spec: ISA {self.isa!r} with {self.vector_bytes}-byte vectors is not "
+                             f"one of {', '.join(ISAS)} (tmac.kernels)")
+        sixteen_registers = isa.vector_registers == 16
         if self.block_rows == 0:
             # blocks of 4 weight vectors a step (W4, 1- and 2-bit quads) and 5-bit quads on 64-byte vectors take
             # twice the rows (docs/decisions.md, "Block rows")
             rows = default_block_rows(self.vector_bytes, self.row_bytes)
             wider = 2 if self.vector_bytes == 64 and self.row_bytes == 4 and not self.triples and \
                 (self.step_vectors(rows) == 4 or self.quads and self.bits == 5) else 1
-            # AVX2's 16 registers: a one-plane vector's sums (W1; triples, where asked for without quads) are int16
-            # of 32 rows, two registers, so such blocks take half the rows (4 vectors spilled)
+            # 16 registers (AVX2, SSE2): a one-plane vector's sums (W1; triples, where asked for without quads) are
+            # int16 of a vector's rows, two registers, so such blocks take half the rows (4 vectors spilled)
             narrower = 2 if sixteen_registers and self.chunks == ((0, 1),) else 1
             object.__setattr__(self, "block_rows", wider * rows // narrower)
         if self.n_tile == 0:
-            # AVX2's W1 GEMM splits a tile's block into parts of one accumulator vector a row (gemm_accumulators), so
-            # a part's weight vector serves 4 activation rows where 2 left it half used
+            # with 16 registers the W1 GEMM splits a tile's block into parts of one accumulator vector a row
+            # (Isa.gemm_accumulators), so a part's weight vector serves 4 activation rows where 2 left it half used
             object.__setattr__(self, "n_tile", 4 if sixteen_registers and self.bits == 1 else 2)
         steps = self.steps_per_lut_group
         if self.unroll == 0 and steps:
-            # up to 8 table pairs and 32 weight vectors per unrolled body; on 32-byte vectors (AVX2: 16 registers) a
+            # up to 8 table pairs and 32 weight vectors per unrolled body; with 16 registers (AVX2, SSE2) a
             # lut group of 4 or more steps is not unrolled whole: the body and the epilogue would share one basic
             # block, whose schedule spills (docs/decisions.md, "Unroll")
             vectors = self.step_vectors(self.block_rows)
