@@ -26,12 +26,12 @@ demo: $(STAMP)
 
 # one pytest worker a core (pytest-xdist): most of the suite's time is compiling kernels, one at a time in a process
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n auto
+	$(BIN)/python -m pytest -q -n auto --dist worksteal
 
 # the quick tier for the edit loop (a few minutes): the suite without the tests marked slow (subprocess CLI runs, tuning,
 # cache damage, fuzzing, the generic fallback's kernels)
 check: $(STAMP)
-	$(BIN)/python -m pytest -q -n auto -m "not slow"
+	$(BIN)/python -m pytest -q -n auto --dist worksteal -m "not slow"
 
 # the whole runtime as aarch64 code under qemu-aarch64 (Cortex-A76 and A72): an arm64 Python from Debian's packages
 # and PyPI's aarch64 wheels, kept in .arm64/ (about 1.3 GB; built once, then reused)

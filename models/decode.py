@@ -25,8 +25,8 @@ from tmac.kernels import isa_by_name
 from tmac.linear import Linear
 from tmac.lut_ops import check_packed, kernels_for, table_buffers
 
-from .bitnet import ActivationQuantized, BitNetTransformer, relu2
-from .llama import Concat, RMSNorm
+from .bitnet import ActivationQuantized
+from .llama import ACTIVATION_FUNCTIONS, Concat, RMSNorm
 
 
 class _Unsupported(Exception):
@@ -75,10 +75,10 @@ def _projection(module: nn.Module, x: torch.Tensor, out: torch.Tensor, tables: d
     return calls
 
 
-def glue_spec(cfg, bitnet: bool, act_quant: bool, isa, kv_dtype: str = "float16", table=None) -> GlueSpec:
-    """The glue kernels a model of config ``cfg`` (Llama, or BitNet with ``bitnet``; with int8 activations in front
-    of some projections with ``act_quant``) decodes with on ``isa``, with a KV cache of ``kv_dtype`` and the token
-    table module ``table`` (a quantized one gets its lookup compiled)."""
+def glue_spec(cfg, act_quant: bool, isa, kv_dtype: str = "float16", table=None) -> GlueSpec:
+    """The glue kernels a model of config ``cfg`` (with int8 activations in front of some projections with
+    ``act_quant``) decodes with on ``isa``, with a KV cache of ``kv_dtype`` and the token table module ``table`` (a
+    quantized one gets its lookup compiled)."""
     embed = {}
     if isinstance(table, Embedding):
         fmt = table.format
@@ -86,7 +86,7 @@ def glue_spec(cfg, bitnet: bool, act_quant: bool, isa, kv_dtype: str = "float16"
                      fmt.groups_per_row(table.embedding_dim), embed_scale=fmt.scale_dtype,
                      embed_zero=fmt.zero_dtype if fmt.has_zeros else "")
     return GlueSpec(isa.name, isa.vector_bytes, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim,
-                    "relu2" if bitnet else "silu", bitnet, act_quant, kv_dtype, **embed)
+                    cfg.activation, cfg.sub_norms, act_quant, kv_dtype, **embed)
 
 
 def plan_key(model) -> tuple:
@@ -139,7 +139,6 @@ class DecodePlan:
         cfg = model.config
         if model.cache_k is None or not isinstance(model.tok_embeddings, (nn.Embedding, Embedding)):
             raise _Unsupported("no cache or another embedding module")
-        bitnet = isinstance(model, BitNetTransformer)
         first = model.layers[0].attention.wqkv
         first = first.linear if isinstance(first, ActivationQuantized) else first
         first = first.parts[0] if isinstance(first, Concat) else first
@@ -147,7 +146,7 @@ class DecodePlan:
             raise _Unsupported("float projections")
         isa = isa_by_name(first.spec.isa)
         act_quant = any(isinstance(m, ActivationQuantized) for m in model.modules())
-        glue = runtime.load_kernels(glue_spec(cfg, bitnet, act_quant, isa, model.kv_dtype, model.tok_embeddings), isa)
+        glue = runtime.load_kernels(glue_spec(cfg, act_quant, isa, model.kv_dtype, model.tok_embeddings), isa)
         q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
         names = {"x": cfg.dim, "delta": cfg.dim, "zero": cfg.dim, "xn": cfg.dim, "qkv": q_dim + 2 * kv_dim,
                  "att": q_dim, "att_n": q_dim, "gu": 2 * cfg.ffn_dim, "hid": cfg.ffn_dim, "hid_n": cfg.ffn_dim,
@@ -162,7 +161,7 @@ class DecodePlan:
         labels = {id(getattr(glue, name)): name for name in glue.spec.functions}  # id(function) → its name
 
         def project(module, src: str, dst: str, sub_norm=None, norm_fn=None):
-            if bitnet and sub_norm is not None:  # BitNet's norm before the output and down projections
+            if cfg.sub_norms and sub_norm is not None:  # BitNet's norm before the output and down projections
                 calls.append((norm_fn, [h[src], _norm(sub_norm), eps, h[src + "_n"]]))
                 src += "_n"
             if isinstance(module, ActivationQuantized):  # the input is consumed only here: quantize it in place
@@ -172,9 +171,9 @@ class DecodePlan:
 
         for i, layer in enumerate(model.layers):
             attn, ffn = layer.attention, layer.feed_forward
-            expected_act = relu2 if bitnet else torch.nn.functional.silu
-            if ffn.act is not expected_act or not bitnet and not (isinstance(attn.out_norm, nn.Identity)
-                                                                  and isinstance(ffn.hidden_norm, nn.Identity)):
+            norms = (attn.out_norm, ffn.hidden_norm)
+            if ffn.act is not ACTIVATION_FUNCTIONS[cfg.activation] or not all(
+                    isinstance(n, RMSNorm if cfg.sub_norms else nn.Identity) for n in norms):
                 raise _Unsupported("a layer with other norms or activation")
             attend = [h["qkv"], cos, sin, _handle(model.cache_k[i]), _handle(model.cache_v[i]), sc, 0, h["att"]]
             positions.append(attend)

@@ -47,8 +47,6 @@ GLOBAL_TENSORS = {"tok_embeddings.weight": "token_embd.weight", "norm.weight": "
 class GGUFModel:
     """An open GGUF file: ``config``, ``tokenizer`` and ``weight(name, exact)``."""
 
-    family = "llama"
-
     def __init__(self, path: str):
         self.path = path
         if not os.path.isfile(path):

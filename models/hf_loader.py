@@ -26,7 +26,8 @@ from .jsonfile import read_json
 from .llama import LlamaConfig
 from .tokenizer import Tokenizer
 
-ARCHITECTURES = {"LlamaForCausalLM": ("llama", "silu"), "BitNetForCausalLM": ("bitnet", "relu2")}  # family, act
+# architecture → (activation, sub_norms): what LlamaConfig says of the model
+ARCHITECTURES = {"LlamaForCausalLM": ("silu", False), "BitNetForCausalLM": ("relu2", True)}
 
 LAYER_TENSORS = {
     "attention_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
@@ -109,7 +110,7 @@ class HFModel:
         if arch not in ARCHITECTURES:
             raise ModelFormatError(f"{self.path}/config.json: architecture {arch!r} is not supported; supported: "
                                    f"{', '.join(ARCHITECTURES)}")
-        self.family, act = ARCHITECTURES[arch]
+        act, sub_norms = ARCHITECTURES[arch]
         if c.get("hidden_act", act) != act:
             raise ModelFormatError(f"{self.path}/config.json: hidden_act {c.get('hidden_act')!r} is not supported "
                                    f"for {arch} (expected {act!r})")
@@ -147,7 +148,8 @@ class HFModel:
             rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
             rope_scaling=rope if rope_type == "llama3" else None,
             context_length=c.get("max_position_embeddings", 2048),
-            tie_embeddings=bool(c.get("tie_word_embeddings", False)) or "lm_head.weight" not in self.files)
+            tie_embeddings=bool(c.get("tie_word_embeddings", False)) or "lm_head.weight" not in self.files,
+            activation=act, sub_norms=sub_norms)
 
     def weight(self, name: str, exact: bool = False) -> torch.Tensor | QuantizedWeight:
         hf = GLOBAL_TENSORS.get(name)

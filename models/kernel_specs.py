@@ -7,7 +7,7 @@ import os
 from tmac.glue import KV_BLOCK, KV_DTYPES
 from tmac.linear import Linear, respec
 
-from .bitnet import ActivationQuantized, BitNetTransformer
+from .bitnet import ActivationQuantized
 from .decode import glue_spec
 
 from .load import load_model
@@ -31,7 +31,6 @@ def model_kernel_specs(path: str, isa, *, bits: int | None = None, group_size: i
                            isa=isa.name, context=KV_BLOCK)
         specs = [m.spec for m in model.modules() if isinstance(m, Linear)]
     if specs:  # the decode plan runs the glue once projections are LUT layers
-        bitnet = isinstance(model, BitNetTransformer)
         act_quant = any(isinstance(m, ActivationQuantized) for m in model.modules())
-        specs += [glue_spec(model.config, bitnet, act_quant, isa, kv, model.tok_embeddings) for kv in KV_DTYPES]
+        specs += [glue_spec(model.config, act_quant, isa, kv, model.tok_embeddings) for kv in KV_DTYPES]
     return list(dict.fromkeys(specs))

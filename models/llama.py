@@ -1,4 +1,6 @@
-"""The Llama family in plain PyTorch (gpt-fast style): RMSNorm, RoPE (with Llama-3 scaling), GQA, SwiGLU.
+"""The Llama family in plain PyTorch (gpt-fast style): RMSNorm, RoPE (with Llama-3 scaling), GQA, SwiGLU; and
+BitNet b1.58, which the config describes (``activation="relu2"``, ``sub_norms``: RMSNorms before the attention
+output and the down projection; its activation quantization wraps the ternary projections, ``tmac.models.bitnet``).
 
 One sequence at a time (batch 1). Tensors follow the Hugging Face layout (q/k rows in "rotate half" order);
 loaders convert other layouts (GGUF's interleaved q/k rows) when they read a file. Each layer runs two
@@ -18,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tmac.float_linear import FloatLinear
-from tmac.glue import KV_BLOCK, check_kv_dtype
+from tmac.glue import ACTIVATIONS, KV_BLOCK, check_kv_dtype
 from tmac.memory import available_bytes, huge_page_full
 
 
@@ -49,6 +51,12 @@ class LlamaConfig:
     rope_scaling: dict | None = None  # Llama 3: factor, low_freq_factor, high_freq_factor, original_max_position_embeddings
     context_length: int = 2048  # what the model was trained for
     tie_embeddings: bool = False
+    activation: str = "silu"  # of the gated FFN: one of tmac.glue.ACTIVATIONS (BitNet: relu2, squared ReLU)
+    sub_norms: bool = False  # BitNet: an RMSNorm before the attention output and before the down projection
+
+    @property
+    def family(self) -> str:
+        return "bitnet" if self.sub_norms else "llama"
 
     def __post_init__(self):
         problems = [f"{name}={getattr(self, name)!r:.40}" for name, most in LIMITS.items()
@@ -62,6 +70,9 @@ class LlamaConfig:
                 problems.append(f"{name}={value!r:.40}")
             else:
                 setattr(self, name, float(value))
+        if self.activation not in ACTIVATIONS or type(self.sub_norms) is not bool or type(self.tie_embeddings) is not bool:
+            problems.append(f"activation={self.activation!r:.40} (one of {ACTIVATIONS}), sub_norms={self.sub_norms!r:.20}, "
+                            f"tie_embeddings={self.tie_embeddings!r:.20}")
         if self.rope_scaling is not None and not _valid_llama3_scaling(self.rope_scaling):
             problems.append(f"rope_scaling={self.rope_scaling!r:.200} (llama3 needs numbers factor, "
                             f"low_freq_factor < high_freq_factor, original_max_position_embeddings)")
@@ -132,13 +143,20 @@ def read_keys(cache_k, end: int):
     return keys.view(kv, blocks * KV_BLOCK, hd)[:, :end]
 
 
+def relu2(x):
+    return F.relu(x).square()
+
+
+ACTIVATION_FUNCTIONS = {"silu": F.silu, "relu2": relu2}  # LlamaConfig.activation → its function
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.n_heads, self.n_kv, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.wqkv = FloatLinear(cfg.dim, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, bias=False)
         self.wo = FloatLinear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
-        self.out_norm = nn.Identity()  # BitNet normalizes before the output projection
+        self.out_norm = RMSNorm(cfg.n_heads * cfg.head_dim, cfg.norm_eps) if cfg.sub_norms else nn.Identity()
 
     def forward(self, x, cos, sin, cache_k, cache_v, start: int):
         t = x.shape[0]
@@ -170,8 +188,8 @@ class FeedForward(nn.Module):
         self.ffn_dim = cfg.ffn_dim
         self.w13 = FloatLinear(cfg.dim, 2 * cfg.ffn_dim, bias=False)  # gate rows, then up rows
         self.w2 = FloatLinear(cfg.ffn_dim, cfg.dim, bias=False)
-        self.act = F.silu
-        self.hidden_norm = nn.Identity()  # BitNet normalizes before the down projection
+        self.act = ACTIVATION_FUNCTIONS[cfg.activation]
+        self.hidden_norm = RMSNorm(cfg.ffn_dim, cfg.norm_eps) if cfg.sub_norms else nn.Identity()
 
     def forward(self, x):
         gate, up = self.w13(x).split(self.ffn_dim, dim=-1)

@@ -18,7 +18,7 @@ from tmac import files
 from tmac.embedding import Embedding
 from tmac.errors import ModelFormatError
 from tmac.float_linear import FloatLinear, exact_16bit, exactly_in
-from tmac.formats import BITS, Q8_0_LAYOUT, check_bits, check_group_size, default_group_size
+from tmac.formats import BITS, Q8_0_LAYOUT, check_bits, check_group_size, default_group_size, kernels_take
 from tmac.glue import check_kv_dtype
 from tmac.linear import Linear
 from tmac.linear import gather_packed
@@ -28,7 +28,7 @@ from tmac.quantize import quantize_weight
 from tmac.qweight import QuantizedWeight, stack_rows
 from tmac.runtime import get_num_threads
 
-from .bitnet import ActivationQuantized, BitNetTransformer
+from .bitnet import ActivationQuantized
 from .llama import Transformer, expected_shape
 from .llama import Concat
 from .tmac_file import is_tmac_file, load_model_file
@@ -66,18 +66,7 @@ def load_model(source: str | os.PathLike | None = None, *, bits: int | None = No
     ``context``: KV cache positions (default: the model's, at most 4096); ``kv_dtype``: the cache's,
     ``"float16"`` (as llama.cpp; half the bytes attention reads per token) or ``"float32"``.
     """
-    if bits is not None:
-        check_bits(bits)
-    if head_bits not in (None, "float"):
-        if isinstance(head_bits, str):
-            raise ValueError(f"head_bits must be bits ({', '.join(map(str, BITS))}), 'float' or None, got "
-                             f"{head_bits!r}")
-        check_bits(head_bits)
-    if group_size is not None:
-        check_group_size(group_size)
-    if context is not None and (type(context) is not int or context < 1):
-        raise ValueError(f"context must be a positive int, got {context!r}")
-    check_kv_dtype(kv_dtype)  # before the load, not after it
+    _check_arguments(bits, head_bits, group_size, context, kv_dtype)  # before the load, not after it
     path = os.fspath(source) if source is not None else default_model_path()
     if os.path.isfile(path) and is_tmac_file(path):
         if bits is not None or head_bits is not None or group_size is not None:
@@ -90,8 +79,7 @@ def load_model(source: str | os.PathLike | None = None, *, bits: int | None = No
     if context is None:
         context = min(cfg.context_length, DEFAULT_CONTEXT)
     opts = dict(bits=bits, group_size=group_size, symmetric=symmetric, isa=isa, kernel_dir=kernel_dir)
-    bitnet = src.family == "bitnet"
-    model = (BitNetTransformer if bitnet else Transformer).skeleton(cfg)
+    model = Transformer.skeleton(cfg)
     weight = _shape_checked(src)
     table = weight("tok_embeddings.weight", True)
     model.tok_embeddings = token_embedding(table, requantized=bits is not None)
@@ -101,8 +89,44 @@ def load_model(source: str | os.PathLike | None = None, *, bits: int | None = No
     del table
     model.norm.weight = _param(weight("norm.weight"))
 
-    def projections(i: int) -> dict[str, nn.Module]:  # one layer's weights, read, converted and packed
-        get = lambda name, exact=bits is None: weight(f"layers.{i}.{name}", exact)  # noqa: E731
+    with Progress(f"loading {os.path.basename(path)}", cfg.n_layers + 1, progress) as bar:
+        _load_layers(model, weight, opts, bar)
+        head_name = "tok_embeddings.weight" if cfg.tie_embeddings else "output.weight"
+        head = tied if tied is not None and head_bits is None else weight(head_name, exact=head_bits is None)
+        del tied
+        _load_head(model, head, head_bits, opts)
+        del head  # its codes or floats (100 MB and more at 49152 rows), before the model is gathered
+        bar.advance("output head")
+    model.tokenizer = src.tokenizer
+    model.source = path
+    gather_packed(model)
+    model.setup_cache(context, kv_dtype)
+    return model.eval()
+
+
+def _check_arguments(bits, head_bits, group_size, context, kv_dtype) -> None:
+    if bits is not None:
+        check_bits(bits)
+    if head_bits not in (None, "float"):
+        if isinstance(head_bits, str):
+            raise ValueError(f"head_bits must be bits ({', '.join(map(str, BITS))}), 'float' or None, got "
+                             f"{head_bits!r}")
+        check_bits(head_bits)
+    if group_size is not None:
+        check_group_size(group_size)
+    if context is not None and (type(context) is not int or context < 1):
+        raise ValueError(f"context must be a positive int, got {context!r}")
+    check_kv_dtype(kv_dtype)
+
+
+def _load_layers(model: Transformer, weight, opts: dict, bar) -> None:
+    """Every layer's weights, read, converted and packed on every thread tmac computes with: decoding and packing
+    are numpy work that releases the GIL (docs/decisions.md, "Models load on every kernel thread"); a layer's
+    temporaries live only while a thread builds it. On an error the layers not yet started are dropped, not built."""
+    cfg = model.config
+
+    def projections(i: int) -> dict[str, nn.Module]:
+        get = lambda name, exact=opts["bits"] is None: weight(f"layers.{i}.{name}", exact)  # noqa: E731
         built = {"attention_norm.weight": _param(get("attention_norm.weight", False)),
                  "ffn_norm.weight": _param(get("ffn_norm.weight", False)),
                  "attention.wqkv": make_linear([get("attention.wq.weight"), get("attention.wk.weight"),
@@ -111,50 +135,41 @@ def load_model(source: str | os.PathLike | None = None, *, bits: int | None = No
                  "feed_forward.w13": make_linear([get("feed_forward.w1.weight"), get("feed_forward.w3.weight")],
                                                  **opts),
                  "feed_forward.w2": make_linear([get("feed_forward.w2.weight")], **opts)}
-        if bitnet:
+        if cfg.sub_norms:
             for name in ("attention.out_norm.weight", "feed_forward.hidden_norm.weight"):
                 built[name] = _param(get(name, False))
         return built
 
-    with Progress(f"loading {os.path.basename(path)}", cfg.n_layers + 1, progress) as bar:
-        # layers on every thread tmac computes with: decoding and packing are numpy work that releases the GIL
-        # (docs/decisions.md, "Models load on every kernel thread"); a layer's temporaries live only while a thread
-        # builds it. On an error the layers not yet started are dropped, not built
-        pool = ThreadPoolExecutor(get_num_threads())
-        try:
-            for i, built in enumerate(pool.map(projections, range(cfg.n_layers))):
-                for name, value in built.items():
-                    owner, _, attr = name.rpartition(".")
-                    setattr(model.layers[i].get_submodule(owner), attr, value)
-                del built
-                release_freed_memory()  # the layer's temporaries
-                bar.advance(f"layer {i}")
-        finally:
-            pool.shutdown(cancel_futures=True)
-        head_name = "tok_embeddings.weight" if cfg.tie_embeddings else "output.weight"
-        head = tied if tied is not None and head_bits is None else weight(head_name, exact=head_bits is None)
-        del tied
-        if isinstance(head_bits, int):
-            head_format = {"bits": head_bits}
-        elif head_bits is None and cfg.dim % 32 == 0 and any(isinstance(m, Linear) for m in model.layers.modules()):
-            head_format = Q8_0_LAYOUT  # a float head of a quantized model (requantized, or a file's own quantization)
-        else:
-            head_format = None
-        if isinstance(head, QuantizedWeight):  # the file's own quantization (GGUF Q8_0 heads: exact 8-bit)
-            model.output = make_linear([head], **{**opts, "bits": None})
-        elif head_format is None:
-            model.output = float_linear(_float_tensor(head))
-            if cfg.tie_embeddings:  # the float head's table serves the lookups too: one copy, not two
-                model.tok_embeddings = nn.Embedding.from_pretrained(model.output.weight, freeze=True)
-        else:
-            model.output = make_linear([head], **{**opts, **head_format})
-        del head  # its codes or floats (100 MB and more at 49152 rows), before the model is gathered
-        bar.advance("output head")
-    model.tokenizer = src.tokenizer
-    model.source = path
-    gather_packed(model)
-    model.setup_cache(context, kv_dtype)
-    return model.eval()
+    pool = ThreadPoolExecutor(get_num_threads())
+    try:
+        for i, built in enumerate(pool.map(projections, range(cfg.n_layers))):
+            for name, value in built.items():
+                owner, _, attr = name.rpartition(".")
+                setattr(model.layers[i].get_submodule(owner), attr, value)
+            del built
+            release_freed_memory()  # the layer's temporaries
+            bar.advance(f"layer {i}")
+    finally:
+        pool.shutdown(cancel_futures=True)
+
+
+def _load_head(model: Transformer, head, head_bits, opts: dict) -> None:
+    """``model.output`` from the file's head (``load_model``'s doc says which form it takes)."""
+    cfg = model.config
+    if isinstance(head_bits, int):
+        head_format = {"bits": head_bits}
+    elif head_bits is None and kernels_take(cfg.dim) and any(isinstance(m, Linear) for m in model.layers.modules()):
+        head_format = Q8_0_LAYOUT  # a float head of a quantized model (requantized, or a file's own quantization)
+    else:
+        head_format = None
+    if isinstance(head, QuantizedWeight):  # the file's own quantization (GGUF Q8_0 heads: exact 8-bit)
+        model.output = make_linear([head], **{**opts, "bits": None})
+    elif head_format is None:
+        model.output = float_linear(_float_tensor(head))
+        if cfg.tie_embeddings:  # the float head's table serves the lookups too: one copy, not two
+            model.tok_embeddings = nn.Embedding.from_pretrained(model.output.weight, freeze=True)
+    else:
+        model.output = make_linear([head], **{**opts, **head_format})
 
 
 def open_source(path: str):
@@ -247,7 +262,7 @@ def token_embedding(table, requantized: bool) -> nn.Module:
     projections' own). Rows are widened to float32 as they are looked up."""
     if isinstance(table, QuantizedWeight):
         return Embedding(table)
-    if requantized and table.shape[1] % 32 == 0:
+    if requantized and table.shape[1] % Q8_0_LAYOUT["group_size"] == 0:
         return Embedding(quantize_weight(table, **Q8_0_LAYOUT))
     return nn.Embedding.from_pretrained(exact_16bit(_float_tensor(table)), freeze=True)
 

@@ -19,7 +19,7 @@ from tmac.float_linear import FloatLinear
 from tmac.linear import Linear
 from tmac.serialize import load, read_model_info, save
 
-from .bitnet import ActivationQuantized, BitNetTransformer
+from .bitnet import ActivationQuantized
 from .llama import Concat, LlamaConfig, Transformer, expected_shape
 from .tokenizer import Tokenizer
 
@@ -37,7 +37,7 @@ def save_model(model: Transformer, path: str) -> bool:
             wrappers[name] = f"concat:{len(module.parts)}"
     tok = model.tokenizer
     shared = shares_table(model)
-    info = {"version": FORMAT_VERSION, "family": "bitnet" if isinstance(model, BitNetTransformer) else "llama",
+    info = {"version": FORMAT_VERSION, "family": model.config.family,
             "config": dataclasses.asdict(model.config), "wrappers": wrappers, "table_from_head": shared,
             "tokenizer": None if tok is None else {
                 "json_z85": pack_text(tok.backend.to_str()), "bos_id": tok.bos_id, "eos_id": tok.eos_id, "add_bos": tok.add_bos,
@@ -96,11 +96,15 @@ def load_model_file(path: str) -> Transformer:
     try:
         if info.get("version") != FORMAT_VERSION:
             raise ValueError(f"format version {info.get('version')!r}, this tmac reads {FORMAT_VERSION}")
-        cfg = LlamaConfig(**info["config"])
-        family, wrappers = info["family"], info["wrappers"]
-        if family not in ("llama", "bitnet") or not isinstance(wrappers, dict):
-            raise ValueError(f"unknown family {family!r} or malformed wrappers")
-        model = (BitNetTransformer if family == "bitnet" else Transformer).skeleton(cfg)
+        family, wrappers, config = info["family"], info["wrappers"], info["config"]
+        if family not in ("llama", "bitnet") or not isinstance(wrappers, dict) or not isinstance(config, dict):
+            raise ValueError(f"unknown family {family!r}, or malformed wrappers or config")
+        if family == "bitnet" and "sub_norms" not in config:  # written before the config described BitNet
+            config = {**config, "activation": "relu2", "sub_norms": True}
+        cfg = LlamaConfig(**config)
+        if cfg.family != family:
+            raise ValueError(f"family {family!r} but a config of the {cfg.family} family")
+        model = Transformer.skeleton(cfg)
         with torch.device("meta"):
             for name, kind in sorted(wrappers.items(), key=lambda kv: kv[0].count(".")):
                 parent, _, child = name.rpartition(".")

@@ -41,11 +41,12 @@ def test_embed_gives_the_token_tables_rows(fmt, rng):
     """The compiled token-table lookup returns ``tmac.Embedding``'s rows bit for bit, and refuses a token id outside
     the table by name."""
     from tmac.models.decode import glue_spec
+    from tmac.models.llama import LlamaConfig
 
     table = tmac.Embedding(tmac.quantize_weight(rng.standard_normal((300, 96)).astype(np.float32), **fmt))
-    cfg = type("Cfg", (), dict(dim=96, n_heads=6, n_kv_heads=2, head_dim=16, ffn_dim=80))
+    cfg = LlamaConfig(vocab_size=300, dim=96, n_layers=1, n_heads=6, n_kv_heads=2, head_dim=16, ffn_dim=80)
     isa = isa_by_name(runnable_isas()[0])
-    spec = glue_spec(cfg, False, False, isa, "float16", table)
+    spec = glue_spec(cfg, False, isa, "float16", table)
     assert spec.embed_bits == fmt["bits"] and "embed" in spec.functions and f"_e{fmt['bits']}g" in spec.name
     glue = runtime.load_kernels(spec, isa)
     params = [t for t in (table.codes, table.scales, table.zeros) if t is not None]

@@ -15,6 +15,21 @@ def test_gguf_formats_described_once():
     assert FORMATS["bitnet"].group_size == "tensor"
 
 
+def test_gguf_rows_match_the_gguf_package_and_have_their_decoders():
+    """Each exact GGUF row's block geometry is llama.cpp's (``gguf.constants.GGML_QUANT_SIZES``), its group size divides
+    the block, and its decoder (found from the row) turns a block of the type into the row's shapes."""
+    import gguf
+
+    for name, fmt in GGUF_EXACT.items():
+        block, size = gguf.constants.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]]
+        assert (fmt.gguf.block_size, fmt.gguf.type_size) == (block, size), name
+        assert block % fmt.group_size == 0 and (fmt.super_group or block) == block, name
+        raw = np.random.default_rng(0).integers(0, 256, (3, size), dtype=np.uint8)
+        codes, scales, zeros = fmt.gguf.decoder()(raw, fmt.offset)
+        assert codes.shape == (3, block) and scales.size == 3 * block // fmt.group_size, name
+        assert (zeros is not None) == fmt.has_zeros, name
+
+
 def test_convention_w_equals_s_times_q_minus_offset_minus_z():
     fmt = WeightFormat.rtn(3, 32, symmetric=False)
     codes = np.arange(8, dtype=np.uint8).repeat(4).reshape(1, 32)

@@ -222,7 +222,7 @@ def test_float_bitnet_matches_transformers(tmp_path):
     with torch.no_grad():
         ref = hf(ids[None]).logits[0]
     model = tmac.load_model(tmp_path, kv_dtype="float32")
-    assert type(model).__name__ == "BitNetTransformer"
+    assert (model.config.family, model.config.activation) == ("bitnet", "relu2")
     assert (tmac.Session(model).logits(ids.tolist()) - ref).abs().max().item() <= 1e-4
 
 
@@ -265,6 +265,26 @@ def test_packed_bitnet_matches_transformers_bitlinear(tmp_path):
     # semantics are exact (the same model with float dequantized weights is within 5e-7 of the reference); what
     # remains is int8 table rounding, which squared ReLU and the sub-norms of a random 2-layer model amplify
     assert err <= 0.06
+    # converted, its config says it is BitNet; a file written before the config did (family "bitnet" only) loads alike
+    import fuzz_targets as ft
+    from tmac.models.tmac_file import save_model
+
+    save_model(model, str(tmp_path / "bitnet.tmac"))
+    logits = tmac.Session(model).logits(ids.tolist())
+    assert torch.equal(tmac.Session(tmac.load_model(tmp_path / "bitnet.tmac")).logits(ids.tolist()), logits)
+    header, body = ft.safetensors_parts((tmp_path / "bitnet.tmac").read_bytes())
+    info = json.loads(header["__metadata__"]["tmac_model"])
+    assert info["family"] == "bitnet" and info["config"]["sub_norms"] and info["config"]["activation"] == "relu2"
+    for key in ("activation", "sub_norms"):
+        del info["config"][key]
+    header["__metadata__"]["tmac_model"] = json.dumps(info)
+    (tmp_path / "older.tmac").write_bytes(ft.safetensors_join(header, body))
+    assert torch.equal(tmac.Session(tmac.load_model(tmp_path / "older.tmac")).logits(ids.tolist()), logits)
+    info["family"] = "llama"  # a family its weights (the sub-norms) do not fit
+    header["__metadata__"]["tmac_model"] = json.dumps(info)
+    (tmp_path / "lying.tmac").write_bytes(ft.safetensors_join(header, body))
+    with pytest.raises(tmac.ModelFormatError, match="lying.tmac"):
+        tmac.load_model(tmp_path / "lying.tmac")
 
 
 @pytest.mark.slow

@@ -64,15 +64,15 @@ def test_chat_templates_render_in_a_sandbox():
     import pytest
 
     import tmac
-    from tmac.models.tokenizer import _compile_template
+    from tmac.models.chat_template import compile_template
 
     hostile = "{{ ''.__class__.__mro__[1].__subclasses__() }}"
     with pytest.raises(tmac.ModelFormatError, match="SecurityError"):
-        _compile_template(hostile)(messages=[])
+        compile_template(hostile)(messages=[])
     mutate = "{% set m = messages %}{{ m.append(1) }}"
     with pytest.raises(tmac.ModelFormatError, match="SecurityError"):
-        _compile_template(mutate)(messages=[])
-    assert _compile_template("{% for m in messages %}{{ m.content }}{% endfor %}")(
+        compile_template(mutate)(messages=[])
+    assert compile_template("{% for m in messages %}{{ m.content }}{% endfor %}")(
         messages=[{"content": "hi"}]) == "hi"
 
 
@@ -91,14 +91,14 @@ def test_chat_templates_are_bounded_in_time_memory_and_output():
     import pytest
 
     import tmac
-    from tmac.models.tokenizer import TEMPLATE_SECONDS, _compile_template
+    from tmac.models.chat_template import TEMPLATE_SECONDS, compile_template
 
     for name, source in BOMBS.items():
         with pytest.raises(tmac.ModelFormatError, match="chat template") as e:
-            _compile_template(source)(messages=[{"role": "user", "content": "hi"}])
+            compile_template(source)(messages=[{"role": "user", "content": "hi"}])
         assert "TemplateLimit" in str(e.value) or "RecursionError" in str(e.value), (name, e.value)
     with pytest.raises(tmac.ModelFormatError, match=f"used more than {TEMPLATE_SECONDS} s of CPU"):
-        _compile_template(BOMBS["busy loop"])(messages=[])
+        compile_template(BOMBS["busy loop"])(messages=[])
 
 
 def test_readme_tables_are_made_from_the_format_table_and_the_isa_descriptions():

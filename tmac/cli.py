@@ -11,7 +11,7 @@ import sys
 import time
 
 from . import cli_generate, cli_perplexity
-from .formats import BITS, GROUP_SIZES, K_MULTIPLE, PER_ROW, PER_TENSOR, WeightFormat
+from .formats import BITS, GROUP_SIZES, K_MULTIPLE, PER_ROW, PER_TENSOR, WeightFormat, kernels_take
 from .cpu import ARCH_ALIASES, ARCHES, normalize_arch
 from .kernels import DEFAULT_ISA, ISAS
 
@@ -357,7 +357,7 @@ def cmd_bench(args) -> int:
             raise ValueError("give either MODEL/--e2e/--profile (end-to-end) or --shape (kernels), not both")
         shapes = [parse_shape(s) for s in args.shape]
         for (m, k), text in zip(shapes, args.shape):
-            if k % K_MULTIPLE:
+            if not kernels_take(k):
                 raise ValueError(f"--shape {text}: K={k} must be a multiple of {K_MULTIPLE}")
         bits = _int_list(args.bits or "1,2,3,4", "--bits", BITS)
         total = len(shapes) * len(threads) * (len(bits) + 3)

@@ -36,6 +36,11 @@ PER_TENSOR = "tensor"
 PARAM_DTYPES = ("float16", "float32")  # storage of scales / zeros
 
 
+def kernels_take(k: int) -> bool:
+    """Whether the LUT kernels take ``k`` inputs: a positive multiple of ``K_MULTIPLE``."""
+    return k > 0 and k % K_MULTIPLE == 0
+
+
 def code_offset(bits: int) -> int:
     """The code that means zero at ``bits`` bits, 2^(bits−1), for code that has bits rather than a format (kernels)."""
     return 1 << (bits - 1)
@@ -49,6 +54,12 @@ class GGUFBlock:
     type_name: str
     block_size: int
     type_size: int
+
+    def decoder(self):
+        """The numpy decoder of this block type: ``tmac.gguf_blocks.decode_<type>``."""
+        from . import gguf_blocks
+
+        return getattr(gguf_blocks, f"decode_{self.type_name.lower()}")
 
 
 @dataclass(frozen=True)

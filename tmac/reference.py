@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .formats import K_MULTIPLE, kernels_take
 from .qweight import QuantizedWeight
 
 # sign of activation j in pattern p: +1 where bit j of p is set, −1 elsewhere; shape [16, 4]
@@ -57,11 +58,11 @@ def padded_k(k: int) -> int:
 
 def default_lut_group(k: int, group_size) -> int:
     """Activations per table scale: the weight group size up to 128 (finer for per-row/per-tensor weights)."""
-    if k % 32 == 0:
+    if kernels_take(k):
         for lg in (128, 64, 32, 16):
             if k % lg == 0 and (not isinstance(group_size, int) or group_size % lg == 0):
                 return lg
-    raise ValueError(f"in_features K={k} must be a multiple of 32 for the LUT kernels")
+    raise ValueError(f"in_features K={k} must be a multiple of {K_MULTIPLE} for the LUT kernels")
 
 
 def bit_planes(codes: np.ndarray, bits: int) -> np.ndarray:

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
-from .formats import K_MULTIPLE, PARAM_DTYPES, check_bits
+from .formats import K_MULTIPLE, PARAM_DTYPES, check_bits, kernels_take
 from .kernels import ISAS
 from .reference import LUT_GROUPS, TRIPLE_LUT_GROUP, padded_k
 
@@ -88,7 +88,7 @@ class KernelSpec:
             object.__setattr__(self, "k_chunk", self._default_k_chunk())
         k, g, lg, bm, vl = self.k, self.group_size, self.lut_group, self.block_rows, self.vector_bytes
         problems = []
-        if k <= 0 or k % K_MULTIPLE:
+        if not kernels_take(k):
             problems.append(f"K={k} must be a positive multiple of {K_MULTIPLE}")
         if g <= 0 or k % g:
             problems.append(f"group_size={g} does not divide K={k}")

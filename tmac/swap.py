@@ -9,7 +9,7 @@ from typing import Callable, Iterable
 from torch import nn
 
 from .float_linear import FLOAT_LINEARS
-from .formats import PER_ROW, PER_TENSOR, check_bits, check_group_size
+from .formats import PER_ROW, PER_TENSOR, check_bits, check_group_size, kernels_take
 from .linear import Linear, gather_packed
 from .progress import Progress
 
@@ -44,7 +44,7 @@ def quantize_model(model: nn.Module, bits: int = 2, group_size: int | str = 128,
         if type(module) not in FLOAT_LINEARS or skipped(name, module):
             continue
         k = module.in_features
-        if k % 32 or group_size not in (PER_ROW, PER_TENSOR) and k % group_size:
+        if not kernels_take(k) or group_size not in (PER_ROW, PER_TENSOR) and k % group_size:
             ineligible.append(f"{name} (in_features={k})")
         else:
             targets.append(name)

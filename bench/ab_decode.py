@@ -1,0 +1,66 @@
+"""Decode speed of two tmac installs, interleaved in one run: does a change leave generation as fast as it was?
+
+Each install is a directory tmac is installed in (``pip install --no-deps --target DIR .`` from a checkout of each
+commit) with its own kernel cache (it compiles its kernels once, before the timing). Rounds alternate A, B, A, B …
+so a slower stretch of a shared host hits both; each round is a fresh process running ``tmac run --json``
+(greedy, ``--ignore-eos``, a fixed token count) on the default model with the given threads.
+
+Run: ``python bench/ab_decode.py DIR_A DIR_B [--rounds 7] [--tokens 128] [--threads 1] [--json]``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+
+def run(site: str, cache: str, tokens: int, threads: int) -> dict:
+    cmd = [sys.executable, "-P", "-m", "tmac.cli", "run", "-p", "Tell me a story about a lighthouse keeper.",
+           "-n", str(tokens), "--ignore-eos", "--json"]
+    env = dict(os.environ, PYTHONPATH=site, TMAC_CACHE_DIR=cache, TMAC_NUM_THREADS=str(threads))
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tempfile.gettempdir())
+    if r.returncode:
+        raise SystemExit(f"tmac run from {site} failed:\n{r.stderr[-2000:]}")
+    return json.loads(r.stdout)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("a")
+    p.add_argument("b")
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+    sites = {"A": os.path.abspath(args.a), "B": os.path.abspath(args.b)}
+    caches = {k: tempfile.mkdtemp(prefix=f"tmac-ab-{k}-") for k in sites}
+    outputs = {}
+    for k in sites:  # warm-up: kernels compile here, outside the timing
+        outputs[k] = run(sites[k], caches[k], 8, args.threads)["generated_ids"]
+    speeds = {k: [] for k in sites}
+    for i in range(args.rounds):
+        for k in sites:
+            speeds[k].append(run(sites[k], caches[k], args.tokens, args.threads)["gen_tokens_per_s"])
+        print(f"round {i + 1}/{args.rounds}: " + ", ".join(f"{k} {s[-1]:.1f}" for k, s in speeds.items()),
+              file=sys.stderr)
+    med = {k: statistics.median(s) for k, s in speeds.items()}
+    result = {"threads": args.threads, "tokens": args.tokens, "rounds": args.rounds,
+              "median_tok_s": med, "b_over_a": med["B"] / med["A"], "same_first_tokens": outputs["A"] == outputs["B"],
+              "sites": sites}
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"{'install':8} {'decode tok/s (median)':>22} {'min':>7} {'max':>7}")
+        for k, s in speeds.items():
+            print(f"{k:8} {med[k]:22.1f} {min(s):7.1f} {max(s):7.1f}")
+        print(f"B / A = {result['b_over_a']:.3f}; first 8 greedy tokens identical: {result['same_first_tokens']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
