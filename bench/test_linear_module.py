@@ -3,8 +3,8 @@
 1. Per call: ``LutWeight.matmul`` (the checked kernel path ``tmac bench`` times: table build, lookup, Python call,
    a fresh output)
    against the same weights as ``tmac.Linear`` modules under ``torch.inference_mode``, warm (one copy, in cache) and
-   cold (copies cycled through 1 GiB in huge pages, as a model's weights stream from DRAM), the two timed
-   interleaved in one run. The difference is what the module adds.
+   cold (copies cycled through 1 GiB in huge pages, as a model's weights stream from DRAM), the two taking turns
+   call by call in one run. The difference is what the module adds.
 2. ``LlamaForCausalLM.generate`` (greedy, fixed token count) in float32, with torch's int4 weight-only kernel in
    every projection, and after ``tmac.quantize_model`` at W4 and W2.
 
@@ -21,7 +21,7 @@ import tmac
 from baselines import int4_linear, int4pack, random_weights
 from conftest import BYTES, RESULTS
 from tmac import quantize_weight
-from tmac.timing import cold_medians, median_seconds
+from tmac.timing import cold_medians, warm_medians
 from tmac.lut_ops import LutWeight
 from tmac.memory import huge_page_copies
 
@@ -54,7 +54,7 @@ def _pair(m, k, bits):
 def test_linear_module_overhead(set_threads, shape, bits):
     kernel, module = _pair(*shape, bits)
     with torch.inference_mode():
-        warm = [median_seconds(lambda c=make(1)[0], f=call: f(c)) for make, call, _ in (kernel, module)]
+        warm = warm_medians([lambda c=make(1)[0], f=call: f(c) for make, call, _ in (kernel, module)])
         cold = cold_medians([kernel, module])
     for regime, (k_sec, m_sec) in (("warm", warm), ("cold", cold)):
         key = (f"tmac.Linear {regime}", set_threads, f"{shape[0]}x{shape[1]}")

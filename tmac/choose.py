@@ -4,17 +4,20 @@ the defaults the spec derives from the ISA's facts."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
 import warnings
+
+import numpy as np
 
 from .files import read_json
 from .formats import PER_ROW, PER_TENSOR, WeightFormat
 from .kquant import factor_params
 from .qweight import QuantizedWeight, all_float16
 from .reference import TRIPLE_LUT_GROUP, default_lut_group, padded_k
-from .spec import QUAD_CHUNKS, KernelSpec, quad_step
+from .spec import QUAD_CHUNKS, KernelSpec, packed_shapes, quad_step
 
 
 def spec_for(qw: QuantizedWeight, isa, **tiling) -> KernelSpec:
@@ -63,15 +66,15 @@ def spec_for_format(fmt: WeightFormat, k: int, isa, **tiling) -> KernelSpec:
     else:
         fixed = (fmt.bits, k, group, lut_group, fmt.has_zeros)
     if tiling:
-        return KernelSpec(isa.name, isa.vector_bytes, *fixed, **tiling, **params)
+        return tiled(isa, fixed, params, tiling)
     tuned = tuned_tiling(isa.name, *fixed, triples=triples)
     try:
-        return KernelSpec(isa.name, isa.vector_bytes, *fixed, **tuned, **params)
+        return tiled(isa, fixed, params, tuned)
     except ValueError as e:  # a tuning table edited or damaged by hand: the defaults, not an error on every layer
         if tuned:
             warnings.warn(f"tuning.json: ignoring the tiling {tuned} for {isa.name} W{fixed[0]} K={k} ({e})",
                           stacklevel=2)
-            return KernelSpec(isa.name, isa.vector_bytes, *fixed, **params)
+            return tiled(isa, fixed, params, {})
         raise
 
 
@@ -129,3 +132,64 @@ def save_tiling(entry_key: str, tiling: dict) -> None:
         json.dump(table, f, indent=1, sort_keys=True)
     os.replace(tmp, path)
     _table.cache_clear()
+
+
+# a K chunk's tables + one block's weights of it: half of a 32 KiB L1 (``_default_k_chunk``)
+CHUNK_BYTES = 16 << 10
+
+
+def tiled(isa, fixed: tuple, params: dict, tiling: dict) -> KernelSpec:
+    """The spec of the fixed fields ``(bits, k, group_size, lut_group, has_zeros)`` and ``params`` on ``isa``, with
+    ``tiling`` where it says (a field missing or 0: its default, chosen from the ISA's facts: ``Isa.vector_registers``
+    and the vector width; docs/decisions.md, "Kernel tiling")."""
+    given = {f: v for f, v in tiling.items() if v != 0}
+    k = fixed[1]
+    # the spec's derived sizes (row bytes, steps, chunk unit) do not depend on the tiling: a valid placeholder one
+    # gives them, and refuses fixed fields no tiling makes valid
+    probe = KernelSpec(isa.name, isa.vector_bytes, *fixed, block_rows=isa.vector_bytes, n_tile=2, unroll=1,
+                       k_chunk=padded_k(k) if params.get("triples") else k, **params)
+    sixteen_registers = isa.vector_registers == 16
+    rows = given.get("block_rows") or _default_block_rows(probe, sixteen_registers)
+    chosen = {"block_rows": rows, "n_tile": given.get("n_tile") or (4 if sixteen_registers and probe.bits == 1 else 2),
+              "unroll": given.get("unroll") or _default_unroll(probe, rows, sixteen_registers)}
+    chosen["k_chunk"] = given.get("k_chunk") or _default_k_chunk(dataclasses.replace(probe, block_rows=rows))
+    return KernelSpec(isa.name, isa.vector_bytes, *fixed, **{**given, **chosen}, **params)
+
+
+def _default_block_rows(spec: KernelSpec, sixteen_registers: bool) -> int:
+    """About four vectors of weights per block: enough independent accumulator chains to hide latency. Blocks of
+    4 weight vectors a step (W4, 1- and 2-bit quads) and 5-bit quads on 64-byte vectors take twice the rows
+    (docs/decisions.md, "Block rows"); with 16 registers (AVX2, SSE2) a one-plane vector's sums (W1; triples, where
+    asked for without quads) are int16 of a vector's rows, two registers, so such blocks take half the rows."""
+    vl = spec.vector_bytes
+    rows = vl * max(1, 4 // spec.row_bytes)
+    wider = 2 if vl == 64 and spec.row_bytes == 4 and not spec.triples and \
+        (spec.step_vectors(rows) == 4 or spec.quads and spec.bits == 5) else 1
+    narrower = 2 if sixteen_registers and spec.chunks == ((0, 1),) else 1
+    return wider * rows // narrower
+
+
+def _default_unroll(spec: KernelSpec, block_rows: int, sixteen_registers: bool) -> int:
+    """Up to 8 table pairs and 32 weight vectors per unrolled body; with 16 registers a lut group of 4 or more
+    steps is not unrolled whole: the body and the epilogue would share one basic block, whose schedule spills
+    (docs/decisions.md, "Unroll")."""
+    steps, vectors = spec.steps_per_lut_group, spec.step_vectors(block_rows)
+    fits = [u for u in spec.unrolls() if u * vectors <= 32 and not (sixteen_registers and u == steps and steps >= 4)]
+    return fits[0] if fits else 1
+
+
+def _default_k_chunk(spec: KernelSpec) -> int:
+    """Triples, 1-bit weights and 16-byte vectors: the most activations whose tables and one block's weights of
+    them fit ``CHUNK_BYTES``, in chunks of near-equal size: streaming a block's weights through L1 evicted its
+    tables before the next block reused them. On 64-byte vectors 2-5 bits (fewer table bytes per weight byte) gain
+    nothing: one chunk; so does AVX2, whose GEMV prefetches its weights (docs/decisions.md, "K chunks")."""
+    unit, kp = spec.chunk_unit, spec.k_padded
+    chunked = spec.vector_bytes == 16 or spec.vector_bytes == 64 and (spec.triples or spec.bits == 1)
+    if not chunked or unit <= 0 or kp % unit:
+        return kp
+    w_shape, s_shape = packed_shapes(spec, spec.block_rows)
+    per_activation = (np.prod(w_shape) + 2 * np.prod(s_shape)) / kp + (16 / 3 if spec.triples else 4)
+    units = kp // unit
+    fit = max(1, min(units, int(CHUNK_BYTES // (per_activation * unit))))
+    chunks = -(-units // fit)
+    return -(-units // chunks) * unit

@@ -14,9 +14,6 @@ from .kernels import ISAS
 from .reference import LUT_GROUPS, TRIPLE_LUT_GROUP, padded_k
 
 
-CHUNK_BYTES = 16 << 10  # a K chunk's tables + one block's weights of it: half of a 32 KiB L1 (see _default_k_chunk)
-
-
 CHUNKS = {1: ((0, 1),), 2: ((0, 2),), 3: ((0, 2), (2, 1)), 4: ((0, 4),), 5: ((0, 4), (4, 1)), 6: ((0, 4), (4, 2)),
           8: ((0, 4), (4, 4))}  # bits → ((first plane, planes), ...)
 
@@ -42,17 +39,17 @@ class KernelSpec:
     group_size: int  # activations per weight scale (K for per-row and per-tensor weights)
     lut_group: int  # activations per table scale; divides group_size
     has_zeros: bool
-    block_rows: int = 0  # 0: the default for this ISA and bit width
-    # activation rows sharing each weight load in the GEMM kernel; 0: the default, 2 (at 4 a tile's accumulators and
-    # tables outgrow 32 vector registers), but 4 for W1 on 32-byte vectors (docs/decisions.md, "GEMM row tile")
+    # the tiling (tmac.choose picks it; 0 is refused): rows of a weight block, activation rows sharing each weight
+    # load in the GEMM kernel, table pairs unrolled in the inner loop, and (last) activations per K chunk
+    block_rows: int = 0
     n_tile: int = 0
-    unroll: int = 0  # table pairs unrolled in the inner loop; 0: the default (the most of 8, 4, 2, 1 that fits)
+    unroll: int = 0
     scale_dtype: str = "float32"  # storage of S and Z: the format's (tmac.formats.PARAM_DTYPES); super scales'
     zero_dtype: str = "float32"  # with super_groups (one dtype for both)
     triples: bool = False  # ternary weights three to an index + sign (1.67 bits), instead of 2 bit planes
     quads: bool = False  # a row's 4 bytes look into four tables at once (64-entry lookups): 1-3, 5 bits, triples
     super_groups: int = 0  # weight groups sharing one super scale of the scales and zeros (K-quants); 0: plain S, Z
-    k_chunk: int = 0  # activations per K chunk (see the module doc); 0: the default for the tables' L1 budget
+    k_chunk: int = 0
 
     def __post_init__(self):
         check_bits(self.bits)
@@ -60,32 +57,7 @@ class KernelSpec:
         if isa is None or isa.vector_bytes != self.vector_bytes:
             raise ValueError(f"invalid kernel spec: ISA {self.isa!r} with {self.vector_bytes}-byte vectors is not "
                              f"one of {', '.join(ISAS)} (tmac.kernels)")
-        sixteen_registers = isa.vector_registers == 16
-        if self.block_rows == 0:
-            # blocks of 4 weight vectors a step (W4, 1- and 2-bit quads) and 5-bit quads on 64-byte vectors take
-            # twice the rows (docs/decisions.md, "Block rows")
-            rows = default_block_rows(self.vector_bytes, self.row_bytes)
-            wider = 2 if self.vector_bytes == 64 and self.row_bytes == 4 and not self.triples and \
-                (self.step_vectors(rows) == 4 or self.quads and self.bits == 5) else 1
-            # 16 registers (AVX2, SSE2): a one-plane vector's sums (W1; triples, where asked for without quads) are
-            # int16 of a vector's rows, two registers, so such blocks take half the rows (4 vectors spilled)
-            narrower = 2 if sixteen_registers and self.chunks == ((0, 1),) else 1
-            object.__setattr__(self, "block_rows", wider * rows // narrower)
-        if self.n_tile == 0:
-            # with 16 registers the W1 GEMM splits a tile's block into parts of one accumulator vector a row
-            # (Isa.gemm_accumulators), so a part's weight vector serves 4 activation rows where 2 left it half used
-            object.__setattr__(self, "n_tile", 4 if sixteen_registers and self.bits == 1 else 2)
         steps = self.steps_per_lut_group
-        if self.unroll == 0 and steps:
-            # up to 8 table pairs and 32 weight vectors per unrolled body; with 16 registers (AVX2, SSE2) a
-            # lut group of 4 or more steps is not unrolled whole: the body and the epilogue would share one basic
-            # block, whose schedule spills (docs/decisions.md, "Unroll")
-            vectors = self.step_vectors(self.block_rows)
-            fits = [u for u in self.unrolls() if u * vectors <= 32
-                    and not (sixteen_registers and u == steps and steps >= 4)]
-            object.__setattr__(self, "unroll", fits[0] if fits else 1)
-        if self.k_chunk == 0 and steps:
-            object.__setattr__(self, "k_chunk", self._default_k_chunk())
         k, g, lg, bm, vl = self.k, self.group_size, self.lut_group, self.block_rows, self.vector_bytes
         problems = []
         if not kernels_take(k):
@@ -133,23 +105,6 @@ class KernelSpec:
         if self.super_groups:
             return self.group_size * self.super_groups
         return self.group_size if self.group_size < self.k else self.lut_group
-
-    def _default_k_chunk(self) -> int:
-        """Triples, 1-bit weights and 16-byte vectors: the most activations whose tables and one block's
-        weights of them fit ``CHUNK_BYTES``, in chunks of near-equal size: streaming a block's weights through L1
-        evicted its tables before the next block reused them. On 64-byte vectors 2-5 bits (fewer table bytes per
-        weight byte) gain nothing: one chunk; so does AVX2, whose GEMV prefetches its weights (docs/decisions.md,
-        "K chunks")."""
-        unit, kp = self.chunk_unit, self.k_padded
-        chunked = self.vector_bytes == 16 or self.vector_bytes == 64 and (self.triples or self.bits == 1)
-        if not chunked or unit <= 0 or kp % unit:
-            return kp  # (invalid specs: the checks that follow say why)
-        w_shape, s_shape = packed_shapes(self, self.block_rows)
-        per_activation = (np.prod(w_shape) + 2 * np.prod(s_shape)) / kp + (16 / 3 if self.triples else 4)
-        units = kp // unit
-        fit = max(1, min(units, int(CHUNK_BYTES // (per_activation * unit))))
-        chunks = -(-units // fit)
-        return -(-units // chunks) * unit
 
     def chunk_ranges(self, rows: int) -> list[tuple[int, int]]:
         """(first, count) of each K chunk in ``rows`` per-block rows spanning K (steps, weight or super groups)."""
@@ -266,11 +221,6 @@ class KernelSpec:
 
 _LATER_FIELDS = {"scale_dtype": "float32", "zero_dtype": "float32", "triples": False, "quads": False,
                  "super_groups": 0, "k_chunk": None}  # old meaning (k_chunk: all of K)
-
-
-def default_block_rows(vector_bytes: int, row_bytes: int) -> int:
-    """About four vectors of weights per block: enough independent accumulator chains to hide latency."""
-    return vector_bytes * max(1, 4 // row_bytes)
 
 
 def packed_shapes(spec: KernelSpec, m: int) -> tuple[tuple[int, ...], tuple[int, ...]]:

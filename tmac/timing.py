@@ -37,6 +37,20 @@ def median_seconds(fn, min_seconds: float = 0.3, min_runs: int = 5) -> float:
     return statistics.median(times)
 
 
+def warm_medians(fns, min_seconds: float = 0.3, min_runs: int = 5) -> list[float]:
+    """Median wall time of each of ``fns``, called in turns (one call of each per pass, after a warm-up pass), so a
+    slower stretch of a shared host hits them alike: over at least ``min_runs`` passes and ``min_seconds`` each."""
+    for fn in fns:
+        fn()
+    times, start = [[] for _ in fns], time.perf_counter()
+    while len(times[0]) < min_runs or time.perf_counter() - start < min_seconds * len(fns):
+        for fn, t in zip(fns, times):
+            t0 = time.perf_counter()
+            fn()
+            t.append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
+
+
 def cold_medians(candidates, min_seconds: float = 0.3, each_pass=None) -> list[float]:
     """Median seconds of a cold call of each candidate ``(make, call, nbytes)``, all timed together: ``make(n)``
     returns ``n`` copies of its weights (``COLD_BYTES`` for all candidates together) and ``call(copy)`` runs on one.
