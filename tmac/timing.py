@@ -28,13 +28,7 @@ def cpu_busy_fraction(seconds: float = 0.5) -> float:
 
 def median_seconds(fn, min_seconds: float = 0.3, min_runs: int = 5) -> float:
     """Median wall time of ``fn()`` after one warm-up call, over at least ``min_runs`` calls and ``min_seconds``."""
-    fn()
-    times, start = [], time.perf_counter()
-    while len(times) < min_runs or time.perf_counter() - start < min_seconds:
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return warm_medians([fn], min_seconds, min_runs)[0]
 
 
 def warm_medians(fns, min_seconds: float = 0.3, min_runs: int = 5) -> list[float]:
