@@ -1,6 +1,6 @@
 """Generate the LUT kernels of one ``KernelSpec`` as TIR, composing an ISA's primitives.
 
-The functions of a spec (layouts: ``tmac.packing``):
+The functions of a spec (the weights' layout: ``tmac.layout``; scales, tables, K chunks: ``tmac.packing``):
 
 - ``build_tables(X[N, K], LUT[N', K/4, 16], LS[N', K/LG], XS[N', K/WG])``: the int8 tables, their scales and
   the activation sums, in exactly the float operations of ``tmac.reference`` (``codegen/tables.py``);
@@ -36,7 +36,7 @@ class _Gemm:
     def __init__(self, spec: KernelSpec, isa, n_tile: int):
         from tvm import tirx
 
-        self.spec, self.isa, self.n_tile = spec, isa, n_tile
+        self.spec, self.isa, self.n_tile, self.layout = spec, isa, n_tile, spec.layout
         self.k, self.lg, self.wg, self.bm, self.vl = spec.k, spec.lut_group, spec.group_size, spec.block_rows, \
             isa.vector_bytes
         self.u, self.steps = spec.unroll, spec.steps_per_lut_group
@@ -48,12 +48,12 @@ class _Gemm:
         # ``isa.gemm_accumulators`` the block's rows are done in parts, each with its own float sums (a block's would
         # outgrow TVM's stack scratch; docs/decisions.md, "GEMM parts")
         parts, bm, vl = 1, self.bm, self.vl
-        while sum(bm * p // vl for _, p in spec.chunks) * n_tile > isa.gemm_accumulators * parts \
+        while sum(bm * p // vl for _, p in self.layout.chunks) * n_tile > isa.gemm_accumulators * parts \
                 and bm // (2 * parts) % vl == 0:
             parts *= 2
         self.parts, self.sb = parts, bm // parts  # rows of a part
         # (first plane, planes, vectors in a part, byte offset of the chunk, rows per vector)
-        self.chunks = [(o, p, self.sb * p // vl, bm * o, vl // p) for o, p in spec.chunks]
+        self.chunks = [(o, p, self.sb * p // vl, bm * o, vl // p) for o, p in self.layout.chunks]
         self.ramp = tirx.Ramp(tirx.IntImm("int32", 0), tirx.IntImm("int32", 1), vl)
         self.sg = spec.super_groups
         # K-quants (super scales): −(½s + z)·Σx = (offset − ½)·d·a·Σx − m·b·Σx, so a super group's terms are summed
@@ -68,7 +68,7 @@ class _Gemm:
         return tirx.Broadcast(tirx.IntImm("uint8", value), self.vl)
 
     def positions(self, planes):
-        """Quads (tmac.packing): in a quad chunk of P planes, byte p of a row's four holds plane p mod P of table
+        """Quads (tmac.layout): in a quad chunk of P planes, byte p of a row's four holds plane p mod P of table
         p div P of the low nibbles' window of four tables and of the high nibbles'; with P = 1 those are the chunk's
         tables 0-3 and 4-7, with P = 2 both are its four tables, the high nibbles indexing the last two. The table
         within the window each lane's low and high nibble index."""
@@ -84,26 +84,9 @@ class _Gemm:
         from tvm import tirx
 
         halves = [w & self.u8(15), w >> self.u8(4)]
-        if not self.spec.quads:
+        if not self.layout.wide_lookup:
             return [tirx.reinterpret(f"int8x{self.vl}", h) for h in halves]
         return [tirx.reinterpret(f"int8x{self.vl}", h | at) for h, at in zip(halves, self.positions(planes))]
-
-    def pairs(self, step):
-        """Per step: (first table of the low nibbles' lookups, of the high nibbles', first weight byte of the
-        indices, planes P and first plane of a quad chunk: bytes weighted 2^(first + p mod P))."""
-        spec, bm = self.spec, self.bm
-        if spec.quads:
-            t = spec.step_tables * step
-            return [(t + t0, t + t0 + (4 if planes == 1 else 0), 4 * bm * c, planes, first)
-                    for c, (first, planes, t0) in enumerate(spec.quad_chunks)]
-        if spec.triples:
-            return [(8 * step + 2 * j, 8 * step + 2 * j + 1, j * bm, None, 0) for j in range(4)]
-        return [(2 * step, 2 * step + 1, 0, None, 0)]
-
-    def mask_start(self, j, v, h):
-        """First byte of the negation mask of pair j's low (h = 0) or high nibbles, vector v."""
-        vl = self.vl
-        return 4 * self.bm + (v * vl // 4 + h * vl // 8 if self.spec.quads else v * vl + (2 * j + h) * vl // 8)
 
     def negated_where(self, looked, mask):
         """−looked in the lanes whose flag is set (masked vpsubb on AVX-512)."""
@@ -151,7 +134,8 @@ class _Gemm:
         self.Y = arg("y", (n, m))
         if tables:
             emit_tables(spec, X, LUT, self.LS, self.XS, n, np_)
-        self.tw, self.lookup = (64, self.isa.lookup64) if spec.quads else (16, self.isa.lookup)  # quads: 4 tables
+        # a wide lookup (quads) serves 4 tables: 64 entries
+        self.tw, self.lookup = (64, self.isa.lookup64) if self.layout.wide_lookup else (16, self.isa.lookup)
         self.tables_flat = T.decl_buffer((np_, lut_shape[1] * 16), "int8", data=LUT.data, align=1)
         steps_total, self.row_bytes = w_shape[1], w_shape[2]
         self.WF = T.decl_buffer((mb * steps_total * self.row_bytes,), "uint8", data=self.W.data, align=1)
@@ -240,7 +224,7 @@ class _Gemm:
         """One inner-loop step: each weight vector loaded once, looked up in the tables of every row of the tile."""
         from tvm.script.ir_builder import tirx as T
 
-        isa, spec, n_tile, vl = self.isa, self.spec, self.n_tile, self.vl
+        isa, layout, n_tile, vl, bm = self.isa, self.layout, self.n_tile, self.vl, self.bm
 
         def byte_at(start):  # flat index in W of the block's ``step`` (a global index)
             return self.chunk_row(self.blk, step, g0 * self.steps, gc * self.steps) * self.row_bytes + start
@@ -248,7 +232,7 @@ class _Gemm:
         def weights(start, lanes):
             return self.WF[_vec(byte_at(start), lanes)]
 
-        for j, (t_lo, t_hi, base, qp, first_plane) in enumerate(self.pairs(step)):
+        for j, (t_lo, t_hi, base, qp, first_plane) in enumerate(layout.lookups(step, bm)):
             tables = [tuple(self.tables_flat[self.nt * n_tile + r, _vec(t * 16, self.tw)] for t in (t_lo, t_hi))
                       for r in range(n_tile)]
             for (_, p, nv, off, _), acc in zip(self.chunks, self.accs):
@@ -258,8 +242,8 @@ class _Gemm:
                     if self.ahead and (base + off + v * vl) % 64 == 0:  # a line's first
                         prefetch(self.WF, byte_at(start + self.ahead))
                     idx = self.nibbles(weights(start, vl), qp)
-                    masks = [isa.lane_mask(weights(self.mask_start(j, vb, h), vl // 8))
-                             for h in (0, 1)] if spec.triples else None
+                    masks = [isa.lane_mask(weights(layout.mask_start(j, vb, h, bm, vl), vl // 8))
+                             for h in (0, 1)] if layout.codes.negated else None
                     for r, t_pair in enumerate(tables):
                         looked = [self.lookup(t, i) for t, i in zip(t_pair, idx)]
                         if masks is not None:
@@ -275,7 +259,7 @@ class _Gemm:
 
         spec, sb, sg, racc, out = self.spec, self.sb, self.sg, self.racc, self.out
         lpw = self.lut_groups_per_wg
-        wgi = 0 if spec.triples else g // lpw
+        wgi = g // lpw if spec.k_padded == spec.k else 0  # K padded to whole lut groups: one weight group
         wg0, wgc = g0 // lpw, gc // lpw  # the chunk's weight groups
 
         def param(buf, i):
@@ -303,7 +287,7 @@ class _Gemm:
                 else:
                     T.buffer_store(out, out[at] + tirx.Cast(F32, racc[i]) * (self.LS[row, g] * param(self.SF, i)),
                                    [at])
-            if spec.triples:  # ternary triples are symmetric: no Σx term
+            if self.layout.codes.symmetric:  # ternary triples: no Σx term
                 continue
             if sg and self.Z is None:  # the Σx term rode with a's (sum_coef)
                 continue

@@ -3,7 +3,6 @@ float operations of ``tmac.reference``; ``emit_tables`` also opens ``lut_gemv``,
 
 from __future__ import annotations
 
-from tmac.reference import SIGNS, TRIPLE_COEFFS
 from tmac.spec import KernelSpec
 
 from .tir import arg, prim_func
@@ -25,8 +24,8 @@ def emit_tables(spec: KernelSpec, X, LUT, LS, XS, n, np_) -> None:
     from tvm import tirx
     from tvm.script.ir_builder import tirx as T
 
-    k, kp, lg, wg = spec.k, spec.k_padded, spec.lut_group, spec.group_size
-    per = 3 if spec.triples else 4  # activations per table
+    k, kp, lg, wg, codes = spec.k, spec.k_padded, spec.lut_group, spec.group_size, spec.layout.codes
+    per = codes.per_table
     f32 = "float32"
     zero, half = tirx.FloatImm(f32, 0.0), tirx.FloatImm(f32, 0.5)
     # scratch buffers are "global" scope: TVM puts small global-scope buffers on the stack (registers, once
@@ -42,16 +41,13 @@ def emit_tables(spec: KernelSpec, X, LUT, LS, XS, n, np_) -> None:
         return tirx.Shuffle(sources, [distinct.index(v) * len(values) + i for i, v in enumerate(values)])
 
     # coefficient vectors of the reference: entry p of a table is Σ_j coefs[j][p]·x_j (exact products)
-    coefs = [constant([float(c) for c in column]) for column in (TRIPLE_COEFFS if spec.triples else SIGNS).T]
+    coefs = [constant([float(c) for c in column]) for column in codes.coefficients.T]
 
     def entries(xs):  # the 16 entries of the table of activations xs, in the reference's fp32 order
-        t = [c * tirx.Broadcast(x, 16) for c, x in zip(coefs, xs)]
-        return (t[0] + t[1]) + t[2] if spec.triples else \
-            tirx.Broadcast(half, 16) * ((t[0] + t[1]) + (t[2] + t[3]))
+        return codes.table_sum([c * tirx.Broadcast(x, 16) for c, x in zip(coefs, xs)], tirx.Broadcast(half, 16))
 
     def largest(xa, lanes=1):  # |entry| of the all-signs-agree entry, the largest of a table (of `lanes` tables)
-        h = half if lanes == 1 else tirx.Broadcast(half, lanes)
-        return (xa[0] + xa[1]) + xa[2] if spec.triples else h * ((xa[0] + xa[1]) + (xa[2] + xa[3]))
+        return codes.table_sum(xa, half if lanes == 1 else tirx.Broadcast(half, lanes))
 
     def lut_group(row, g, padded: bool):
         def x_at(i):  # past K, a zero activation; the load itself stays in bounds

@@ -11,7 +11,7 @@ import transformers
 import tmac
 from conftest import rel_l2, runnable_isas
 from tmac import runtime
-from tmac.codegen.glue import PARALLEL_ATTENTION_WORK
+from tmac.codegen.attention import PARALLEL_ATTENTION_WORK
 from tmac.glue import GlueSpec
 from tmac.kernels import isa_by_name
 from tmac.models.decode import DecodePlan

@@ -204,8 +204,8 @@ def test_kernel_cache_key_follows_the_generator_source(tmp_path):
     repo = os.path.dirname(os.path.dirname(os.path.abspath(runtime.__file__)))
     sources = cache.generator_sources()
     names = {os.path.relpath(p, repo) for p in sources}
-    assert {"codegen/lut.py", "codegen/glue.py", "kernels/x86.py", "kernels/arm.py", "tmac/spec.py", "tmac/glue.py",
-            "tmac/reference.py", "tmac/formats.py"} <= names
+    assert {"codegen/lut.py", "codegen/glue.py", "codegen/attention.py", "kernels/x86.py", "kernels/arm.py",
+            "tmac/spec.py", "tmac/layout.py", "tmac/glue.py", "tmac/reference.py", "tmac/formats.py"} <= names
     assert cache.generator_digest() == cache.source_digest(sources) and cache.cache_dir().endswith(
         cache.generator_digest())
     copies = []

@@ -17,7 +17,8 @@ from .formats import PER_ROW, PER_TENSOR, WeightFormat
 from .kquant import factor_params
 from .qweight import QuantizedWeight, all_float16
 from .reference import TRIPLE_LUT_GROUP, default_lut_group, padded_k
-from .spec import QUAD_CHUNKS, KernelSpec, packed_shapes, quad_step
+from .layout import QUAD_CHUNKS, quad_step
+from .spec import KernelSpec, packed_shapes
 
 
 def spec_for(qw: QuantizedWeight, isa, **tiling) -> KernelSpec:
@@ -161,11 +162,11 @@ def _default_block_rows(spec: KernelSpec, sixteen_registers: bool) -> int:
     4 weight vectors a step (W4, 1- and 2-bit quads) and 5-bit quads on 64-byte vectors take twice the rows
     (docs/decisions.md, "Block rows"); with 16 registers (AVX2, SSE2) a one-plane vector's sums (W1; triples, where
     asked for without quads) are int16 of a vector's rows, two registers, so such blocks take half the rows."""
-    vl = spec.vector_bytes
-    rows = vl * max(1, 4 // spec.row_bytes)
-    wider = 2 if vl == 64 and spec.row_bytes == 4 and not spec.triples and \
+    vl, row_bytes = spec.vector_bytes, spec.layout.row_bytes
+    rows = vl * max(1, 4 // row_bytes)
+    wider = 2 if vl == 64 and row_bytes == 4 and not spec.triples and \
         (spec.step_vectors(rows) == 4 or spec.quads and spec.bits == 5) else 1
-    narrower = 2 if sixteen_registers and spec.chunks == ((0, 1),) else 1
+    narrower = 2 if sixteen_registers and spec.layout.chunks == ((0, 1),) else 1
     return wider * rows // narrower
 
 
@@ -184,11 +185,11 @@ def _default_k_chunk(spec: KernelSpec) -> int:
     tables before the next block reused them. On 64-byte vectors 2-5 bits (fewer table bytes per weight byte) gain
     nothing: one chunk; so does AVX2, whose GEMV prefetches its weights (docs/decisions.md, "K chunks")."""
     unit, kp = spec.chunk_unit, spec.k_padded
-    chunked = spec.vector_bytes == 16 or spec.vector_bytes == 64 and (spec.triples or spec.bits == 1)
+    chunked = spec.vector_bytes == 16 or spec.vector_bytes == 64 and spec.layout.codes.planes == 1  # W1, triples
     if not chunked or unit <= 0 or kp % unit:
         return kp
     w_shape, s_shape = packed_shapes(spec, spec.block_rows)
-    per_activation = (np.prod(w_shape) + 2 * np.prod(s_shape)) / kp + (16 / 3 if spec.triples else 4)
+    per_activation = (np.prod(w_shape) + 2 * np.prod(s_shape)) / kp + 16 / spec.layout.codes.per_table
     units = kp // unit
     fit = max(1, min(units, int(CHUNK_BYTES // (per_activation * unit))))
     chunks = -(-units // fit)

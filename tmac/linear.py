@@ -24,7 +24,8 @@ from .kernels import best_isa, isa_by_name
 from .lut_ops import bind_packed, check_packed, lut_linear
 from .memory import gather_into_arena
 from .choose import spec_for_format
-from .packing import TRIPLES_LAYOUT, PackedWeight, pack, pack_for, unpack
+from .layout import TripleCodes
+from .packing import PackedWeight, pack, pack_for, unpack
 from .qweight import QuantizedWeight
 from .quantize import quantize_weight
 from .spec import KernelSpec, packed_shapes
@@ -207,7 +208,7 @@ class Linear(nn.Module):
                  "out_features": self.out_features, "bias": self.bias is not None,
                  "checksum": layout_checksum(self.spec, self.qweight, self.scales, self.zeros)}
         if self.spec.triples:
-            state["triples_layout"] = TRIPLES_LAYOUT
+            state["triples_layout"] = TripleCodes.VERSION
         return state
 
     def set_extra_state(self, state) -> None:  # handled in _load_from_state_dict, with the tensors
@@ -263,9 +264,9 @@ def _parse_extra(extra) -> tuple[WeightFormat, KernelSpec, int, bool]:
     if type(m) is not int or m < 1 or type(bias) is not bool:
         raise ValueError(f"malformed tmac.Linear state: out_features={m!r:.50}, bias={bias!r:.50}")
     spec = KernelSpec.from_dict(extra.get("spec"))
-    if spec.triples and extra.get("triples_layout") != TRIPLES_LAYOUT:
+    if spec.triples and extra.get("triples_layout") != TripleCodes.VERSION:
         raise ValueError(f"weights packed in another ternary-triples layout ({extra.get('triples_layout')!r}, this "
-                         f"tmac reads {TRIPLES_LAYOUT}): convert the model again")
+                         f"tmac reads {TripleCodes.VERSION}): convert the model again")
     return WeightFormat.from_dict(extra.get("format")), spec, m, bias
 
 

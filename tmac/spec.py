@@ -1,6 +1,6 @@
 """``KernelSpec``: everything a compiled LUT kernel is specialized on, its validation, and the shapes of the buffers
-it reads (the byte layout itself is described in ``tmac.packing``). A record: which spec serves a format is
-``tmac.choose``'s decision."""
+it reads (the byte layout of its weights is its ``layout``'s, ``tmac.layout``; of scales, zeros and K chunks
+``tmac.packing``'s). A record: which spec serves a format is ``tmac.choose``'s decision."""
 
 from __future__ import annotations
 
@@ -11,21 +11,8 @@ import numpy as np
 
 from .formats import K_MULTIPLE, PARAM_DTYPES, check_bits, kernels_take
 from .kernels import ISAS
-from .reference import LUT_GROUPS, TRIPLE_LUT_GROUP, padded_k
-
-
-CHUNKS = {1: ((0, 1),), 2: ((0, 2),), 3: ((0, 2), (2, 1)), 4: ((0, 4),), 5: ((0, 4), (4, 1)), 6: ((0, 4), (4, 2)),
-          8: ((0, 4), (4, 4))}  # bits → ((first plane, planes), ...)
-
-
-QUAD_CHUNKS = {1: ((0, 1, 0),), 2: ((0, 2, 0),), 3: ((0, 2, 0), (0, 2, 4), (2, 1, 0)),
-               5: ((0, 2, 0), (0, 2, 4), (2, 2, 0), (2, 2, 4), (4, 1, 0))}  # bits → ((plane, P, table), ...)
-
-
-def quad_step(bits: int) -> int:
-    """Activations a quad step of ``bits``-bit weights covers (4 per table; a chunk of P planes covers 8/P tables
-    from its first): 16 at 2 bits, else 32."""
-    return 4 * max(t0 + 8 // planes for _, planes, t0 in QUAD_CHUNKS[bits])
+from .layout import Layout, layout_of
+from .reference import padded_k
 
 
 @dataclass(frozen=True)
@@ -57,32 +44,27 @@ class KernelSpec:
         if isa is None or isa.vector_bytes != self.vector_bytes:
             raise ValueError(f"invalid kernel spec: ISA {self.isa!r} with {self.vector_bytes}-byte vectors is not "
                              f"one of {', '.join(ISAS)} (tmac.kernels)")
-        steps = self.steps_per_lut_group
+        layout = layout_of(self.bits, self.triples, self.quads)
+        object.__setattr__(self, "_layout", layout)
         k, g, lg, bm, vl = self.k, self.group_size, self.lut_group, self.block_rows, self.vector_bytes
         problems = []
         if not kernels_take(k):
             problems.append(f"K={k} must be a positive multiple of {K_MULTIPLE}")
         if g <= 0 or k % g:
             problems.append(f"group_size={g} does not divide K={k}")
-        if self.triples:
-            if (self.bits, self.has_zeros, g, lg) != (2, False, k, TRIPLE_LUT_GROUP):
-                problems.append(f"triples need 2-bit codes without zeros, one scale per row (group_size = K) and "
-                                f"lut_group {TRIPLE_LUT_GROUP}")
-        elif lg not in LUT_GROUPS or k % lg or g % lg:
-            problems.append(f"lut_group={lg} must be one of {LUT_GROUPS} and divide K={k} and the group size {g}")
-        if self.quads and (vl != 64 or not (self.triples or self.bits in QUAD_CHUNKS)):
-            problems.append(f"quads need {sorted(QUAD_CHUNKS)}-bit weights or triples and 64-byte vectors")
-        if vl not in (16, 32, 64):
-            problems.append(f"vector_bytes={vl} must be 16, 32 or 64")
-        elif bm <= 0 or bm % vl:
+        problems += layout.problems(self)
+        if problems:  # the sizes below derive from a valid layout
+            raise ValueError("invalid kernel spec: " + "; ".join(problems))
+        steps = self.steps_per_lut_group
+        if bm <= 0 or bm % vl:
             problems.append(f"block_rows={bm} must be a positive multiple of the vector width {vl}")
         if self.n_tile < 1 or self.unroll < 1 or not steps or steps % self.unroll:
             problems.append(f"n_tile={self.n_tile}, unroll={self.unroll}: unroll must divide the "
                             f"{steps} steps of a lut group")
-        if self.super_groups and (self.super_groups < 2 or self.super_groups % 2 or self.triples or lg != g or
+        if self.super_groups and (self.super_groups < 2 or self.super_groups % 2 or lg != g or
                                   k % (g * self.super_groups)):
             problems.append(f"super_groups={self.super_groups} needs lut_group = group_size, an even count and must "
-                            f"divide the K/group_size={k // g if g > 0 else '?'} groups")
+                            f"divide the K/group_size={k // g} groups")
         if self.super_groups and self.has_zeros and self.scale_dtype != self.zero_dtype:
             problems.append(f"super scales take one dtype, got {self.scale_dtype!r}/{self.zero_dtype!r}")
         if steps and (self.k_chunk <= 0 or self.k_chunk % self.chunk_unit or self.k_chunk > self.k_padded):
@@ -125,61 +107,44 @@ class KernelSpec:
         return np.dtype(self.scale_dtype).itemsize
 
     @property
-    def quad_chunks(self) -> tuple[tuple[int, int, int], ...]:
-        """Quads: (first plane, planes P, first table) of each quad chunk of a step, in their byte order."""
-        return QUAD_CHUNKS[1 if self.triples else self.bits]
+    def layout(self) -> Layout:
+        """How the weight bytes are laid out (``tmac.layout``): bit planes, triples or quads."""
+        return self._layout
 
     def step_vectors(self, block_rows: int) -> int:
-        """Weight vectors a block of ``block_rows`` rows reads per step (quads: one per quad chunk)."""
-        return block_rows * self.row_bytes // self.vector_bytes * (len(self.quad_chunks) if self.quads else 1)
-
-    @property
-    def step_tables(self) -> int:
-        """Quads: tables a step covers."""
-        return quad_step(1 if self.triples else self.bits) // 4
-
-    @property
-    def chunks(self) -> tuple[tuple[int, int], ...]:
-        """(first plane, bytes a row owns in a vector) of each run of planes (quads: 4 bytes of 4/P tables)."""
-        if self.quads:
-            return ((0, 4),)
-        return ((0, 1),) if self.triples else CHUNKS[self.bits]
-
-    @property
-    def row_bytes(self) -> int:
-        """Bytes of one row in the weight vectors of one table pair (all chunks)."""
-        return sum(planes for _, planes in self.chunks)
+        """Weight vectors a block of ``block_rows`` rows reads per step."""
+        return self._layout.step_vectors(block_rows, self.vector_bytes)
 
     @property
     def steps_per_lut_group(self) -> int:
         """Inner-loop steps per lut group: table pairs (8 activations), triple steps (24) or quad steps (32 at
-        1 bit, 16 at 2 bits); 0 if invalid."""
-        per = 24 if self.triples else 4 * self.step_tables if self.quads else 8
+        1 bit, 16 at 2 bits)."""
+        per = self._layout.step_activations
         return self.lut_group // per if self.lut_group > 0 and self.lut_group % per == 0 else 0
 
     def unrolls(self) -> list[int]:
         """Unroll factors worth trying, largest first: at most 8 table pairs per unrolled body (a triple step is
         4, a quad step 4 at 1 bit and 2 at 2 bits)."""
-        pairs = 4 if self.triples else self.step_tables // 2 if self.quads else 1
+        pairs = self._layout.step_tables // 2
         return [u for u in (8, 4, 2, 1) if u * pairs <= 8 and self.steps_per_lut_group % u == 0]
 
     @property
     def k_padded(self) -> int:
         """Activations the tables cover: K, or K rounded up to whole lut groups for triples."""
-        return padded_k(self.k) if self.triples else self.k
+        return self._layout.codes.k_padded(self.k)
 
     def table_shapes(self, rows: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
         """Shapes of LUT (int8), LS and XS (float32) for ``rows`` activation rows."""
         kp = self.k_padded
-        return (rows, kp // 3 if self.triples else kp // 4, 16), (rows, kp // self.lut_group), \
+        return (rows, kp // self._layout.codes.per_table, 16), (rows, kp // self.lut_group), \
             (rows, self.k // self.group_size)
 
     @property
     def name(self) -> str:
         z = "z" if self.has_zeros else "s"
         half = ("_sh" if self.scale_dtype == "float16" else "") + \
-            ("_zh" if self.has_zeros and self.zero_dtype == "float16" else "") + ("_t3" if self.triples else "") + \
-            ("_q4" if self.quads else "") + (f"_ks{self.super_groups}" if self.super_groups else "") + \
+            ("_zh" if self.has_zeros and self.zero_dtype == "float16" else "") + self._layout.suffix + \
+            (f"_ks{self.super_groups}" if self.super_groups else "") + \
             (f"_kc{self.k_chunk}" if self.k_chunk < self.k_padded else "")
         return (f"lut_{self.isa}_b{self.bits}_k{self.k}_g{self.group_size}_lg{self.lut_group}{z}"
                 f"_bm{self.block_rows}_nt{self.n_tile}_u{self.unroll}{half}")
@@ -227,8 +192,4 @@ def packed_shapes(spec: KernelSpec, m: int) -> tuple[tuple[int, ...], tuple[int,
     """Shapes of W and of S (= Z) for ``m`` rows."""
     mb, g, sg = spec.blocks(m), spec.k // spec.group_size, spec.super_groups
     s_shape = (mb, g // sg, (sg + spec.super_bytes) * spec.block_rows) if sg else (mb, g, spec.block_rows)
-    if spec.triples:
-        return (mb, spec.k_padded // 24, 5 * spec.block_rows), s_shape
-    if spec.quads:
-        return (mb, spec.k // (4 * spec.step_tables), 4 * len(spec.quad_chunks) * spec.block_rows), s_shape
-    return (mb, spec.k // 8, spec.block_rows * spec.bits), s_shape
+    return spec.layout.weight_shape(mb, spec.k, spec.block_rows), s_shape

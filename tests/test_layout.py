@@ -1,0 +1,91 @@
+"""The weight layouts (``tmac.layout``) against their documented byte formulas, read back byte by byte from the
+codes, on every vector width, and their unpackers against their packers. numpy only: no kernel is compiled."""
+import numpy as np
+import pytest
+
+from tmac import reference as ref
+from tmac.choose import tiled
+from tmac.kernels import ISAS
+from tmac.layout import Planes, Quads, Triples
+
+WIDTHS = {16: "neon", 32: "avx2", 64: "avx512_vbmi"}
+
+
+def _spec(vl: int, bits: int, triples=False, quads=False, k=384):
+    isa = ISAS[WIDTHS[vl]]
+    fixed = (2, k, k, ref.TRIPLE_LUT_GROUP, False) if triples else (bits, k, 32, 32, True)
+    return tiled(isa, fixed, {"triples": triples, "quads": quads}, {})
+
+
+def _codes(rng, spec, blocks=2):
+    hi = 3 if spec.triples else 1 << spec.bits
+    return rng.integers(1 if spec.triples else 0, hi + (1 if spec.triples else 0), (blocks * spec.block_rows, spec.k),
+                        dtype=np.uint8)
+
+
+def _plane_index(codes, row, plane, t):  # bit j: bit ``plane`` of code 4t + j of ``row``
+    return sum(((int(codes[row, 4 * t + j]) >> plane) & 1) << j for j in range(4))
+
+
+CASES = [(vl, bits, False, False) for vl in WIDTHS for bits in (1, 2, 3, 4, 5, 6, 8)] + \
+    [(vl, 2, True, False) for vl in WIDTHS] + [(64, bits, False, True) for bits in (1, 2, 3, 5)] + [(64, 2, True, True)]
+
+
+@pytest.mark.parametrize("vl, bits, triples, quads", CASES)
+def test_every_byte_is_where_the_layout_says_and_unpacking_inverts_packing(rng, vl, bits, triples, quads):
+    spec = _spec(vl, bits, triples, quads)
+    layout = spec.layout
+    assert type(layout) is (Quads if quads else Triples if triples else Planes)
+    codes = _codes(rng, spec)
+    w = layout.pack(codes, spec)
+    bm = spec.block_rows
+    assert w.shape == layout.weight_shape(2, spec.k, bm)
+    np.testing.assert_array_equal(layout.unpack(w, spec), codes)
+    idx, neg = ref.triple_indices(codes, spec.k_padded) if triples else (None, None)
+
+    def index(row, plane, t):
+        return int(idx[row, t]) if triples else _plane_index(codes, row, plane, t)
+
+    picks = zip(rng.integers(0, 2, 40), rng.integers(0, w.shape[1], 40), rng.integers(0, w.shape[2], 40))
+    for blk, step, byte in picks:
+        got = int(w[blk, step, byte])
+        if quads:
+            tables = layout.step_tables
+            chunk, at = divmod(int(byte), 4 * bm)
+            if chunk < len(layout.quad_chunks):  # byte 4i + p of vector v: row v·VL/4 + i, plane o + p mod P
+                first, planes, t0 = layout.quad_chunks[chunk]
+                v, lane = divmod(at, vl)
+                i, p = divmod(lane, 4)
+                row, plane = blk * bm + v * vl // 4 + i, first + p % planes
+                lo, hi = tables * step + t0 + p // planes, tables * step + t0 + 4 // planes + p // planes
+                assert got == index(row, plane, lo) | index(row, plane, hi) << 4
+            else:  # mask h of vector v at 4·BM + v·VL/4 + h·VL/8: bit 4i + p negates table 8·step + 4h + p
+                v, rest = divmod(at, vl // 4)
+                h, b = divmod(rest, vl // 8)
+                for bit in range(8):
+                    i, p = divmod(8 * b + bit, 4)
+                    assert (got >> bit & 1) == neg[blk * bm + v * vl // 4 + i, 8 * step + 4 * h + p]
+        elif triples:
+            j, r = divmod(int(byte), bm)
+            if j < 4:  # table pair j: low nibble triple 8·step + 2j, high 8·step + 2j + 1, of row r
+                row = blk * bm + r
+                assert got == index(row, 0, 8 * step + 2 * j) | index(row, 0, 8 * step + 2 * j + 1) << 4
+            else:  # mask b of vector v at 4·BM + v·VL + b·VL/8: bit l negates triple 8·step + b of row v·VL + l
+                v, rest = divmod(r, vl)
+                b, octet = divmod(rest, vl // 8)
+                for bit in range(8):
+                    assert (got >> bit & 1) == neg[blk * bm + v * vl + 8 * octet + bit, 8 * step + b]
+        else:  # chunk of planes o .. o+P−1 at BM·o; byte l of vector v: row v·VL/P + l // P, plane o + l % P
+            first, planes = next((o, p) for o, p in layout.chunks if bm * o <= byte < bm * (o + p))
+            v, lane = divmod(int(byte) - bm * first, vl)
+            row, plane = blk * bm + v * vl // planes + lane // planes, first + lane % planes
+            assert got == index(row, plane, 2 * step) | index(row, plane, 2 * step + 1) << 4
+
+
+def test_a_layout_refuses_what_it_cannot_hold():
+    with pytest.raises(ValueError, match="quads need"):
+        _spec(64, 4, quads=True)
+    with pytest.raises(ValueError, match="quads need"):
+        _spec(32, 2, quads=True)
+    with pytest.raises(ValueError, match="triples need"):
+        tiled(ISAS["avx2"], (2, 384, 32, 32, True), {"triples": True}, {})
