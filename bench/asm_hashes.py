@@ -47,7 +47,7 @@ def spec_of(kind: str, isa_name: str, what: str, k: int):
     embed = dict(embed_bits=4, embed_groups=GLUE_DIMS["dim"] // 32, embed_scale="float16",
                  embed_zero="float16") if what.endswith("table") else {}
     d = GLUE_DIMS
-    return GlueSpec(isa.name, isa.vector_bytes, d["dim"], d["n_heads"], d["n_kv_heads"], d["head_dim"], d["ffn_dim"],
+    return GlueSpec(isa.name, d["dim"], d["n_heads"], d["n_kv_heads"], d["head_dim"], d["ffn_dim"],
                     "relu2" if bitnet else "silu", bitnet, bitnet, "float16", **embed)
 
 

@@ -85,7 +85,7 @@ def glue_spec(cfg, act_quant: bool, isa, kv_dtype: str = "float16", table=None) 
         embed = dict(embed_bits=fmt.bits, embed_groups=0 if fmt.group_size == PER_TENSOR else
                      fmt.groups_per_row(table.embedding_dim), embed_scale=fmt.scale_dtype,
                      embed_zero=fmt.zero_dtype if fmt.has_zeros else "")
-    return GlueSpec(isa.name, isa.vector_bytes, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim,
+    return GlueSpec(isa.name, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim,
                     cfg.activation, cfg.sub_norms, act_quant, kv_dtype, **embed)
 
 

@@ -136,7 +136,7 @@ def test_arm64_decode_glue_under_qemu(harness, tmp_path, rng, isa):
     from tmac.glue import GlueSpec
 
     dim, h, kv, hd, ffn, ctx, pos = 96, 6, 2, 20, 80, 10, 6  # head_dim 20: vectors of 2 and 4 lanes as well
-    spec = GlueSpec(isa, 16, dim, h, kv, hd, ffn, "silu", True, True)
+    spec = GlueSpec(isa, dim, h, kv, hd, ffn, "silu", True, True)
     lib = str(tmp_path / "glue.so")
     build_library(spec, ISAS[isa], lib)
     d = str(tmp_path)

@@ -19,7 +19,7 @@ from tmac.models.decode import DecodePlan
 
 def _glue(isa_name, **shape):
     isa = isa_by_name(isa_name)
-    spec = GlueSpec(isa.name, isa.vector_bytes, **{"dim": 96, "n_heads": 6, "n_kv_heads": 2, "head_dim": 16,
+    spec = GlueSpec(isa.name, **{"dim": 96, "n_heads": 6, "n_kv_heads": 2, "head_dim": 16,
                                                     "ffn_dim": 80, "act": "silu", "sub_norms": False,
                                                     "act_quant": False, **shape})
     return spec, runtime.load_kernels(spec, isa)

@@ -89,3 +89,20 @@ def test_a_layout_refuses_what_it_cannot_hold():
         _spec(32, 2, quads=True)
     with pytest.raises(ValueError, match="triples need"):
         tiled(ISAS["avx2"], (2, 384, 32, 32, True), {"triples": True}, {})
+
+
+def test_a_saved_spec_carries_the_isa_vector_width_and_is_checked_against_it():
+    """Files have always held a spec's vector width; it is the ISA's (not a field of its own) and a file whose width
+    disagrees with its ISA is refused."""
+    import json
+
+    from tmac.spec import KernelSpec
+
+    spec = _spec(64, 3, quads=True)
+    saved = json.loads(spec.to_json())
+    assert saved["vector_bytes"] == ISAS["avx512_vbmi"].vector_bytes == spec.vector_bytes
+    assert KernelSpec.from_dict(saved) == spec
+    assert KernelSpec.from_dict({f: v for f, v in saved.items() if f != "vector_bytes"}) == spec
+    for width in (32, 0, "64", None):
+        with pytest.raises(ValueError, match="vector_bytes"):
+            KernelSpec.from_dict({**saved, "vector_bytes": width})

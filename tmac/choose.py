@@ -147,14 +147,14 @@ def tiled(isa, fixed: tuple, params: dict, tiling: dict) -> KernelSpec:
     k = fixed[1]
     # the spec's derived sizes (row bytes, steps, chunk unit) do not depend on the tiling: a valid placeholder one
     # gives them, and refuses fixed fields no tiling makes valid
-    probe = KernelSpec(isa.name, isa.vector_bytes, *fixed, block_rows=isa.vector_bytes, n_tile=2, unroll=1,
+    probe = KernelSpec(isa.name, *fixed, block_rows=isa.vector_bytes, n_tile=2, unroll=1,
                        k_chunk=padded_k(k) if params.get("triples") else k, **params)
     sixteen_registers = isa.vector_registers == 16
     rows = given.get("block_rows") or _default_block_rows(probe, sixteen_registers)
     chosen = {"block_rows": rows, "n_tile": given.get("n_tile") or (4 if sixteen_registers and probe.bits == 1 else 2),
               "unroll": given.get("unroll") or _default_unroll(probe, rows, sixteen_registers)}
     chosen["k_chunk"] = given.get("k_chunk") or _default_k_chunk(dataclasses.replace(probe, block_rows=rows))
-    return KernelSpec(isa.name, isa.vector_bytes, *fixed, **{**given, **chosen}, **params)
+    return KernelSpec(isa.name, *fixed, **{**given, **chosen}, **params)
 
 
 def _default_block_rows(spec: KernelSpec, sixteen_registers: bool) -> int:

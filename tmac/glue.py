@@ -41,7 +41,6 @@ def check_kv_dtype(kv_dtype) -> None:
 @dataclass(frozen=True)
 class GlueSpec:
     isa: str
-    vector_bytes: int
     dim: int
     n_heads: int
     n_kv_heads: int

@@ -19,8 +19,7 @@ from .reference import padded_k
 class KernelSpec:
     """Everything a compiled LUT kernel is specialized on. M and N are runtime sizes, not part of it."""
 
-    isa: str
-    vector_bytes: int
+    isa: str  # a tmac.kernels.ISAS name: the vector width and every other fact of the ISA come from there
     bits: int
     k: int
     group_size: int  # activations per weight scale (K for per-row and per-tensor weights)
@@ -40,10 +39,8 @@ class KernelSpec:
 
     def __post_init__(self):
         check_bits(self.bits)
-        isa = ISAS.get(self.isa)
-        if isa is None or isa.vector_bytes != self.vector_bytes:
-            raise ValueError(f"invalid kernel spec: ISA {self.isa!r} with {self.vector_bytes}-byte vectors is not "
-                             f"one of {', '.join(ISAS)} (tmac.kernels)")
+        if not isinstance(self.isa, str) or self.isa not in ISAS:
+            raise ValueError(f"invalid kernel spec: ISA {self.isa!r:.50} is not one of {', '.join(ISAS)} (tmac.kernels)")
         layout = layout_of(self.bits, self.triples, self.quads)
         object.__setattr__(self, "_layout", layout)
         k, g, lg, bm, vl = self.k, self.group_size, self.lut_group, self.block_rows, self.vector_bytes
@@ -107,6 +104,10 @@ class KernelSpec:
         return np.dtype(self.scale_dtype).itemsize
 
     @property
+    def vector_bytes(self) -> int:
+        return ISAS[self.isa].vector_bytes
+
+    @property
     def layout(self) -> Layout:
         """How the weight bytes are laid out (``tmac.layout``): bit planes, triples or quads."""
         return self._layout
@@ -152,13 +153,21 @@ class KernelSpec:
     functions = ("build_tables", "lut_gemv", "lut_gemm")  # what its library exports (a class attribute)
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
+        """The spec as saved files and checksums hold it: its fields and the ISA's vector width (which files have
+        always carried; ``from_dict`` checks it)."""
+        return json.dumps({**asdict(self), "vector_bytes": self.vector_bytes}, sort_keys=True)
 
     @classmethod
     def from_dict(cls, d) -> "KernelSpec":
         """A spec from JSON; specs written before the later fields existed lack them (float32, bit planes)."""
         names = {f.name for f in fields(cls)}
         strings = {"isa", "scale_dtype", "zero_dtype"}
+        if isinstance(d, dict) and "vector_bytes" in d:  # the ISA's, said again (to_json)
+            d = dict(d)
+            width, isa = d.pop("vector_bytes"), ISAS.get(d.get("isa")) if isinstance(d.get("isa"), str) else None
+            if isa is not None and (type(width) is not int or width != isa.vector_bytes):
+                raise ValueError(f"kernel spec field 'vector_bytes' is {width!r:.50}, but ISA {isa.name} has "
+                                 f"{isa.vector_bytes}-byte vectors")
         if isinstance(d, dict) and set(d) < names and names - set(d) <= set(_LATER_FIELDS):
             d = {**{f: _LATER_FIELDS[f] for f in names - set(d)}, **d}
             if d["k_chunk"] is None:  # written before K chunks: one chunk of all of K
