@@ -1,7 +1,7 @@
 """``GlueSpec``: the compiled code that runs between the LUT projections of one decode step.
 
 Eager PyTorch spends ~20 small ops per layer on RMSNorm, RoPE, the KV-cache write, single-token attention and
-the gated activation, at 2-20 µs of dispatch each — more than the projections themselves on a small model. The
+the gated activation, each dispatched on its own — together more than the projections on a small model. The
 glue kernels do each of those stretches in one call (``tmac.codegen.glue`` generates them):
 
 - ``norm_in(x, delta, w, eps, out)``: the residual ``x += delta``, then ``out = rmsnorm(x)·w`` (``norm_final``
@@ -15,7 +15,7 @@ glue kernels do each of those stretches in one call (``tmac.codegen.glue`` gener
 - ``gated_act(gate_up, out)``: ``act(gate)·up`` (SiLU for Llama, squared ReLU for BitNet);
 - ``embed(codes, scales[, zeros], token, out)``: row ``token`` of a quantized token table (``tmac.Embedding``,
   described by the ``embed_*`` fields) dequantized into ``out``: one call instead of a dozen torch or numpy
-  operations, which cost 150-430 µs a token right after the weight stream has evicted the interpreter's working set.
+  operations, slow right after the weight stream has evicted the interpreter's working set.
 """
 
 from __future__ import annotations

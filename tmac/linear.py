@@ -1,8 +1,9 @@
 """``tmac.Linear``: a drop-in, inference-only ``nn.Linear`` whose weight is packed for the LUT kernels.
 
 The kernel call is registered as the custom op ``tmac::lut_linear`` (with a fake implementation), so
-``torch.compile`` and ``torch.export`` trace through it. Eager calls skip the dispatcher (≈ 15 µs per call,
-which adds up over the ~200 linears of one decode step) and call the same checked function directly.
+``torch.compile`` and ``torch.export`` trace through it. Eager calls skip the dispatcher, whose cost per call
+adds up over the ~200 linears of one decode step, and call the same checked function directly (docs/decisions.md,
+"Eager calls").
 
 The packed tensors (``qweight``, ``scales``, ``zeros``) and ``bias`` are uint8/float16/float32 on the CPU whatever
 ``model.to(...)`` asks for: they are what the kernels read. The state dict carries them plus an extra state

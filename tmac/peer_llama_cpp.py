@@ -5,7 +5,7 @@ model once, then answers each JSON request line on stdin, ``{"prompt": [ids], "g
 ``{"prefill": tok/s, "decode": tok/s}`` (a short warm-up, the whole prompt, then greedy decoding one token at a
 time, as tmac does). Its own process runs llama.cpp's OpenMP threads with the user's settings: in tmac's process
 they would share torch's OpenMP runtime, which ``import tmac`` sets to wait passively — a sleep and wake-up at
-every one of llama.cpp's barriers (SmolLM2 on 2 threads: 137 -> 41 tok/s).
+every one of llama.cpp's barriers, which made llama.cpp several times slower there.
 """
 
 import json
