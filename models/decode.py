@@ -20,7 +20,7 @@ from tmac import runtime
 from tmac.embedding import Embedding
 from tmac.float_linear import FLOAT_LINEARS, FloatLinear
 from tmac.formats import PER_TENSOR
-from tmac.glue import GlueSpec
+from tmac.glue import ATTEND_ARGS, GlueSpec
 from tmac.kernels import isa_by_name
 from tmac.linear import Linear
 from tmac.lut_ops import check_packed, kernels_for, table_buffers
@@ -107,6 +107,9 @@ QUANTIZE = {"xn": "quantize_dim", "att": "quantize_q", "att_n": "quantize_q", "h
             "hid_n": "quantize_ffn"}  # input buffer → the glue function quantizing it in place
 
 
+POS = ATTEND_ARGS.index("pos")  # the argument of ``attend`` a step sets
+
+
 class DecodePlan:
     """One token's step as a flat list of ``(function, args)`` calls into compiled code (see the module doc)."""
 
@@ -175,7 +178,9 @@ class DecodePlan:
             if ffn.act is not ACTIVATION_FUNCTIONS[cfg.activation] or not all(
                     isinstance(n, RMSNorm if cfg.sub_norms else nn.Identity) for n in norms):
                 raise _Unsupported("a layer with other norms or activation")
-            attend = [h["qkv"], cos, sin, _handle(model.cache_k[i]), _handle(model.cache_v[i]), sc, 0, h["att"]]
+            named = dict(qkv=h["qkv"], cos=cos, sin=sin, cache_k=_handle(model.cache_k[i]),
+                         cache_v=_handle(model.cache_v[i]), scores=sc, pos=0, out=h["att"])
+            attend = [named[name] for name in ATTEND_ARGS]
             positions.append(attend)
             calls.append((glue.norm_in, [h["x"], h["zero" if i == 0 else "delta"], _norm(layer.attention_norm), eps,
                                          h["xn"]]))
@@ -199,7 +204,7 @@ class DecodePlan:
             raise ValueError(f"token id {token} is outside the vocabulary [0, {self.vocab})")
         runtime.apply_threads()
         for args in self.positions:
-            args[6] = pos
+            args[POS] = pos
         self.embed_into(token)
         for fn, args in self.calls:
             fn(*args)

@@ -12,16 +12,15 @@ import tmac
 from conftest import rel_l2, runnable_isas
 from tmac import runtime
 from tmac.codegen.attention import PARALLEL_ATTENTION_WORK
-from tmac.glue import GlueSpec
+from tmac.glue import ATTEND_ARGS, GlueSpec
 from tmac.kernels import isa_by_name
 from tmac.models.decode import DecodePlan
 
 
 def _glue(isa_name, **shape):
     isa = isa_by_name(isa_name)
-    spec = GlueSpec(isa.name, **{"dim": 96, "n_heads": 6, "n_kv_heads": 2, "head_dim": 16,
-                                                    "ffn_dim": 80, "act": "silu", "sub_norms": False,
-                                                    "act_quant": False, **shape})
+    spec = GlueSpec(isa.name, **{"dim": 96, "n_heads": 6, "n_kv_heads": 2, "head_dim": 16, "ffn_dim": 80,
+                                 "act": "silu", "sub_norms": False, "act_quant": False, **shape})
     return spec, runtime.load_kernels(spec, isa)
 
 
@@ -149,6 +148,15 @@ def test_attend_matches_its_math(isa, heads, kv_dtype, rng):
                                    rtol=1e-3 if kv_dtype == "float16" else 1e-5, atol=1e-6)
         np.testing.assert_array_equal(tv.numpy(), ref_v)
         np.testing.assert_allclose(out.numpy(), ref, rtol=1e-4, atol=1e-5)
+
+
+def test_attend_takes_its_arguments_in_the_order_the_decode_plan_passes_them():
+    from tmac.codegen.attention import attend_func
+
+    params = attend_func(GlueSpec("avx2", 96, 6, 2, 16, 80, "silu", False, False), 8, 16).params
+    assert len(params) == len(ATTEND_ARGS)  # (buffers are unnamed in TIR; the one scalar is the position)
+    assert [i for i, p in enumerate(params) if str(p.ty) == "int32"] == [ATTEND_ARGS.index("pos")]
+    assert params[ATTEND_ARGS.index("pos")].name == "pos"
 
 
 def test_attend_refuses_positions_outside_the_cache():

@@ -32,6 +32,8 @@ KV_DTYPES = ("float16", "float32")
 # ``head_dim``-long dot product across lanes for every position. Positions are allocated in whole blocks.
 KV_BLOCK = 16
 
+ATTEND_ARGS = ("qkv", "cos", "sin", "cache_k", "cache_v", "scores", "pos", "out")  # of ``attend``, in order
+
 
 def check_kv_dtype(kv_dtype) -> None:
     if kv_dtype not in KV_DTYPES:

@@ -13,6 +13,8 @@ activations being weight 0. Scales, zeros and the order of K chunks are ``tmac.p
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import numpy as np
 
 from .reference import LUT_GROUPS, SIGNS, TRIPLE_COEFFS, TRIPLE_LUT_GROUP, padded_k, plane_nibbles, triple_indices
@@ -121,7 +123,7 @@ class TripleCodes:
 
 
 # ---- layouts: where the indices go ----------------------------------------------------------------------------------
-class Layout:
+class Layout(ABC):
     """What every layout answers. ``chunks``: (first plane, bytes a row owns in a weight vector) of each run of
     planes the ISA sums in one instruction; ``step_tables``: tables a step covers; ``step_bytes``: a row's bytes per
     step. The ``lookups``/``mask_start`` hooks tell the code generator where a step's indices and flags are."""
@@ -158,22 +160,22 @@ class Layout:
     def problems(self, spec) -> list[str]:
         return self.codes.problems(spec)
 
+    @abstractmethod
     def lookups(self, step, block_rows: int) -> list[tuple]:
         """Per lookup of a step: (first table of the low nibbles', of the high nibbles', first weight byte of the
         indices, planes P and first plane of a quad chunk, whose bytes are weighted 2^(first + p mod P))."""
-        raise NotImplementedError
 
     def mask_start(self, j: int, v, h: int, block_rows: int, vector_bytes: int):
         """First byte of the sign mask of lookup j's low (h = 0) or high nibbles, vector v (``codes.negated``)."""
-        raise NotImplementedError
+        raise TypeError(f"{type(self).__name__} of {type(self.codes).__name__} has no sign masks")
 
+    @abstractmethod
     def pack(self, codes: np.ndarray, spec) -> np.ndarray:
         """W rows ``[blocks, steps, step_bytes·BM]`` of whole row blocks of codes ``[blocks·BM, K]``."""
-        raise NotImplementedError
 
+    @abstractmethod
     def unpack(self, w: np.ndarray, spec) -> np.ndarray:
         """Codes ``[MB·BM, K]`` of W in block-major order (the inverse of ``pack``)."""
-        raise NotImplementedError
 
 
 class Planes(Layout):
@@ -202,7 +204,7 @@ class Planes(Layout):
     def pack(self, codes, spec):
         bm, vl, k, bits = spec.block_rows, spec.vector_bytes, spec.k, self.codes.bits
         mb = codes.shape[0] // bm
-        nib = plane_nibbles(codes, bits)  # [bits, rows, K/4]
+        nib, _ = self.codes.indices(codes, k)  # [bits, rows, K/4]
         pair = nib[:, :, 0::2] | (nib[:, :, 1::2] << 4)  # [bits, rows, K/8]: low nibble table 2kp, high 2kp+1
         pair = pair.reshape(bits, mb, bm, k // 8)
         parts = []
@@ -261,7 +263,7 @@ class Triples(Layout):
     def pack(self, codes, spec):
         bm, kp, vl = spec.block_rows, spec.k_padded, spec.vector_bytes
         mb, steps = codes.shape[0] // bm, kp // 24
-        idx, neg = triple_indices(codes, kp)  # [rows, Kp/3]
+        (idx,), neg = self.codes.indices(codes, kp)  # [rows, Kp/3]
         pair = (idx[:, 0::2] | (idx[:, 1::2] << 4)).reshape(mb, bm, steps, 4).transpose(0, 2, 3, 1)
         # [MB, vectors, VL rows, steps, 8 triples] → [MB, steps, vectors, 8 masks, VL bits]
         flags = neg.reshape(mb, bm // vl, vl, steps, 8).transpose(0, 3, 1, 4, 2)
