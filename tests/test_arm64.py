@@ -51,7 +51,7 @@ def _write(d, name, a):
     return f"{name} {dt} {a.ndim} {' '.join(map(str, a.shape))}"
 
 
-@pytest.mark.parametrize("isa", ["neon_dotprod", "neon"])
+@pytest.mark.parametrize("isa", ["neon_dotprod", pytest.param("neon", marks=pytest.mark.slow)])  # (quick: one)
 @pytest.mark.parametrize("bits, zeros, params", [(1, True, "float16"), (2, True, "float16"), (3, False, "float16"),
                                                  (4, True, "float32"), (4, False, "float16"),
                                                  ("ternary triples", False, "float32"), ("Q5_K", True, "super"),

@@ -23,6 +23,7 @@ def test_info_lists_what_matters():
         assert field in r.stdout
 
 
+@pytest.mark.slow
 def test_compile_errors_are_one_line():
     for args, needle in [(["compile", "--bits", "2", "--shape", "64x100", "-o", "/tmp/x"], "K=100"),
                          (["compile", "--bits", "2", "--shape", "64by100", "-o", "/tmp/x"], "MxK"),
@@ -99,6 +100,7 @@ def test_run_streams_text_and_prints_stats():
     assert "tok/s" in r.stderr and "peak RSS" in r.stderr
 
 
+@pytest.mark.slow
 def test_chat_two_turns_through_stdin():
     r = tmac("chat", "-n", "8", input="Hello!\nAnd again?\n/exit\n")
     assert r.returncode == 0, r.stderr
@@ -149,6 +151,7 @@ def test_convert_then_run_gives_the_same_greedy_ids(tmp_path):
     assert r.returncode == 1 and "already converted" in r.stderr
 
 
+@pytest.mark.slow
 def test_ctrl_c_in_run_keeps_the_partial_output():
     proc = subprocess.Popen([sys.executable, "-m", "tmac.cli", "run", "-p", "Write a long story about a dragon.",
                              "-n", "1500", "--context", "2048"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -214,6 +217,7 @@ def test_bench_end_to_end_on_the_default_model():
     assert extra["ceiling tok/s"] == pytest.approx(extra["probe GB/s"] / (extra["GB/s"] / row["value"]))
 
 
+@pytest.mark.slow
 def test_bench_errors_are_one_line():
     for args, needle in [(["bench", "--threads", "0"], "--threads"), (["bench", "--shape", "8x64", "--bits", "7"],
                                                                        "--bits"),
@@ -312,12 +316,14 @@ def test_info_json_and_debug_everywhere():
     assert tmac("compile", "--debug", "--shape", "64x128", "--bits", "9").returncode == 2  # parsed, then refused
 
 
+@pytest.mark.slow
 def test_convert_checks_the_output_path_first(tmp_path):
     r = tmac("convert", smollm2_path(), "-o", "/nonexistent/dir/x.tmac")
     assert r.returncode == 1 and "/nonexistent/dir" in r.stderr and "does not exist" in r.stderr
     assert "loading" not in r.stderr  # refused before converting anything
 
 
+@pytest.mark.slow
 def test_run_ignore_eos_generates_every_token():
     r = tmac("run", "-p", "Say hi.", "-n", "40", "--ignore-eos", "--json", "--threads", "1")
     assert r.returncode == 0, r.stderr

@@ -12,6 +12,7 @@ from tmac import ModelFormatError
 from tmac.models.gguf_file import GGUFFile
 
 
+@pytest.mark.slow
 def test_reads_smollm2_like_the_gguf_package():
     ours, ref = GGUFFile(smollm2_path()), gguf.GGUFReader(smollm2_path())
     for key, field in ref.fields.items():

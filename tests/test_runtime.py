@@ -223,6 +223,7 @@ def test_kernel_cache_key_follows_the_generator_source(tmp_path):
             f.write(original)
 
 
+@pytest.mark.slow
 def test_cache_key_is_the_same_in_a_checkout_and_an_installed_wheel(tmp_path):
     """Kernels compiled from a checkout (codegen/, kernels/ beside tmac/) serve an installed tmac (tmac/codegen/...)
     of the same source — a cross-compiled kernel directory is used on the device — so the key must not depend on
