@@ -5,7 +5,10 @@ commit) with its own kernel cache (it compiles its kernels once, before the timi
 so a slower stretch of a shared host hits both; each round is a fresh process running ``tmac run --json``
 (greedy, ``--ignore-eos``, a fixed token count) on the default model with the given threads.
 
-Run: ``python bench/ab_decode.py DIR_A DIR_B [--rounds 7] [--tokens 128] [--threads 1] [--json]``.
+With ``--steps`` a round times the decode step alone instead: the median of 300 ``DecodePlan.step`` calls after
+a short generation, in a fresh process (no start-up, prefill or sampling in the figure).
+
+Run: ``python bench/ab_decode.py DIR_A DIR_B [--rounds 7] [--tokens 128] [--threads 1] [--steps] [--json]``.
 """
 from __future__ import annotations
 
@@ -28,6 +31,32 @@ def run(site: str, cache: str, tokens: int, threads: int) -> dict:
     return json.loads(r.stdout)
 
 
+STEPS = """
+import statistics, time, tmac
+from tmac.models.load import default_model_path
+model = tmac.load_model(default_model_path())
+session = tmac.Session(model)
+ids = model.tokenizer.encode("Tell me a story about a lighthouse keeper.")
+session.generate(ids, max_new_tokens=4, stop_on_eos=False)
+plan, pos, times = session.decode_plan(), len(ids) + 4, []
+for i in range(300):
+    t = time.perf_counter()
+    plan.step(42, pos + i)
+    times.append(time.perf_counter() - t)
+print(1 / statistics.median(times))
+"""
+
+
+def run_steps(site: str, cache: str, threads: int) -> float:
+    """Decode steps a second (the median step) of ``site``'s plan, in a fresh process."""
+    env = dict(os.environ, PYTHONPATH=site, TMAC_CACHE_DIR=cache, TMAC_NUM_THREADS=str(threads))
+    r = subprocess.run([sys.executable, "-P", "-c", STEPS], capture_output=True, text=True, env=env,
+                       cwd=tempfile.gettempdir())
+    if r.returncode:
+        raise SystemExit(f"the decode steps of {site} failed:\n{r.stderr[-2000:]}")
+    return float(r.stdout.split()[-1])
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("a")
@@ -35,6 +64,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--steps", action="store_true", help="time DecodePlan.step alone (steps/s), not tmac run")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     sites = {"A": os.path.abspath(args.a), "B": os.path.abspath(args.b)}
@@ -45,19 +75,21 @@ def main() -> int:
     speeds = {k: [] for k in sites}
     for i in range(args.rounds):
         for k in sites:
-            speeds[k].append(run(sites[k], caches[k], args.tokens, args.threads)["gen_tokens_per_s"])
+            speeds[k].append(run_steps(sites[k], caches[k], args.threads) if args.steps else
+                             run(sites[k], caches[k], args.tokens, args.threads)["gen_tokens_per_s"])
         print(f"round {i + 1}/{args.rounds}: " + ", ".join(f"{k} {s[-1]:.1f}" for k, s in speeds.items()),
               file=sys.stderr)
     med = {k: statistics.median(s) for k, s in speeds.items()}
-    result = {"threads": args.threads, "tokens": args.tokens, "rounds": args.rounds,
+    result = {"threads": args.threads, "tokens": None if args.steps else args.tokens, "rounds": args.rounds,
+              "measure": "decode steps/s" if args.steps else "tmac run decode tok/s",
               "median_tok_s": med, "b_over_a": med["B"] / med["A"], "same_first_tokens": outputs["A"] == outputs["B"],
               "sites": sites}
     if args.json:
         print(json.dumps(result))
     else:
-        print(f"{'install':8} {'decode tok/s (median)':>22} {'min':>7} {'max':>7}")
+        print(f"{'install':8} {'steps/s' if args.steps else 'decode tok/s':>14} (median) {'min':>7} {'max':>7}")
         for k, s in speeds.items():
-            print(f"{k:8} {med[k]:22.1f} {min(s):7.1f} {max(s):7.1f}")
+            print(f"{k:8} {med[k]:23.1f} {min(s):7.1f} {max(s):7.1f}")
         print(f"B / A = {result['b_over_a']:.3f}; first 8 greedy tokens identical: {result['same_first_tokens']}")
     return 0
 
