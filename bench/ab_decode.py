@@ -21,22 +21,31 @@ import sys
 import tempfile
 
 
-def run(site: str, cache: str, tokens: int, threads: int) -> dict:
-    cmd = [sys.executable, "-P", "-m", "tmac.cli", "run", "-p", "Tell me a story about a lighthouse keeper.",
-           "-n", str(tokens), "--ignore-eos", "--json"]
+PROMPT = "Tell me a story about a lighthouse keeper."
+
+
+def _python(site: str, cache: str, threads: int, args: list[str], what: str) -> str:
+    """Standard output of ``python -P ARGS`` importing tmac from ``site``, with its own kernel cache."""
     env = dict(os.environ, PYTHONPATH=site, TMAC_CACHE_DIR=cache, TMAC_NUM_THREADS=str(threads))
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tempfile.gettempdir())
+    r = subprocess.run([sys.executable, "-P", *args], capture_output=True, text=True, env=env,
+                       cwd=tempfile.gettempdir())
     if r.returncode:
-        raise SystemExit(f"tmac run from {site} failed:\n{r.stderr[-2000:]}")
-    return json.loads(r.stdout)
+        raise SystemExit(f"{what} from {site} failed:\n{r.stderr[-2000:]}")
+    return r.stdout
 
 
-STEPS = """
+def run(site: str, cache: str, tokens: int, threads: int) -> dict:
+    args = ["-m", "tmac.cli", "run", "-p", PROMPT, "-n", str(tokens), "--ignore-eos", "--json"]
+    return json.loads(_python(site, cache, threads, args, "tmac run"))
+
+
+STEPS = f"""
+PROMPT = {PROMPT!r}
 import statistics, time, tmac
 from tmac.models.load import default_model_path
 model = tmac.load_model(default_model_path())
 session = tmac.Session(model)
-ids = model.tokenizer.encode("Tell me a story about a lighthouse keeper.")
+ids = model.tokenizer.encode(PROMPT)
 session.generate(ids, max_new_tokens=4, stop_on_eos=False)
 plan, pos, times = session.decode_plan(), len(ids) + 4, []
 for i in range(300):
@@ -49,12 +58,7 @@ print(1 / statistics.median(times))
 
 def run_steps(site: str, cache: str, threads: int) -> float:
     """Decode steps a second (the median step) of ``site``'s plan, in a fresh process."""
-    env = dict(os.environ, PYTHONPATH=site, TMAC_CACHE_DIR=cache, TMAC_NUM_THREADS=str(threads))
-    r = subprocess.run([sys.executable, "-P", "-c", STEPS], capture_output=True, text=True, env=env,
-                       cwd=tempfile.gettempdir())
-    if r.returncode:
-        raise SystemExit(f"the decode steps of {site} failed:\n{r.stderr[-2000:]}")
-    return float(r.stdout.split()[-1])
+    return float(_python(site, cache, threads, ["-c", STEPS], "the decode steps").split()[-1])
 
 
 def main() -> int:

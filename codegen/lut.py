@@ -25,6 +25,7 @@ from tmac.spec import KernelSpec, packed_shapes
 
 from .tables import build_tables_func, emit_tables
 from .tir import arg, prefetch, prim_func
+from .vectors import vec
 
 F32 = "float32"
 
@@ -230,10 +231,10 @@ class _Gemm:
             return self.chunk_row(self.blk, step, g0 * self.steps, gc * self.steps) * self.row_bytes + start
 
         def weights(start, lanes):
-            return self.WF[_vec(byte_at(start), lanes)]
+            return self.WF[vec(byte_at(start), lanes)]
 
         for j, (t_lo, t_hi, base, qp, first_plane) in enumerate(layout.lookups(step, bm)):
-            tables = [tuple(self.tables_flat[self.nt * n_tile + r, _vec(t * 16, self.tw)] for t in (t_lo, t_hi))
+            tables = [tuple(self.tables_flat[self.nt * n_tile + r, vec(t * 16, self.tw)] for t in (t_lo, t_hi))
                       for r in range(n_tile)]
             for (_, p, nv, off, _), acc in zip(self.chunks, self.accs):
                 for v in range(nv):
@@ -277,8 +278,8 @@ class _Gemm:
                     if o:
                         wide = wide << tirx.Broadcast(tirx.IntImm("int32", o), per_vec)
                     if ci:
-                        wide = racc[_vec(v * per_vec, per_vec)] + wide
-                    T.buffer_store(racc, wide, [_vec(v * per_vec, per_vec)])
+                        wide = racc[vec(v * per_vec, per_vec)] + wide
+                    T.buffer_store(racc, wide, [vec(v * per_vec, per_vec)])
             with T.vectorized(0, sb) as i:
                 at = r * sb + i
                 if sg:  # a lut group is a weight group (KernelSpec): a's terms in one
@@ -348,12 +349,6 @@ class _Gemm:
                         emit(g0, tirx.min(groups_per_chunk, groups_total - g0))
 
                 self.emit_blocks(every_chunk, tirx.const(True, "bool"))
-
-
-def _vec(start, lanes):
-    from tvm import tirx
-
-    return tirx.Ramp(start, 1, lanes)
 
 
 def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str, tables: bool = False):

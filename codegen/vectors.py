@@ -1,5 +1,5 @@
-"""Float vectors in TIR for the decode glue: lane counts and spans that cover a length, folds across lanes and loops,
-and e^x without libm."""
+"""Vectors in TIR: index ramps (``vec``, for every generator), and for the decode glue's floats lane counts and
+spans that cover a length, folds across lanes and loops, and e^x without libm."""
 
 from __future__ import annotations
 
@@ -72,6 +72,7 @@ def exp(x, lanes: int):
 
 
 def vec(start, lanes: int):
+    """The indices ``start .. start + lanes − 1`` (one lane: ``start`` itself)."""
     from tvm import tirx
 
     return tirx.Ramp(start, 1, lanes) if lanes > 1 else start

@@ -18,9 +18,8 @@ def _spec(vl: int, bits: int, triples=False, quads=False, k=384):
 
 
 def _codes(rng, spec, blocks=2):
-    hi = 3 if spec.triples else 1 << spec.bits
-    return rng.integers(1 if spec.triples else 0, hi + (1 if spec.triples else 0), (blocks * spec.block_rows, spec.k),
-                        dtype=np.uint8)
+    low, high = (1, 4) if spec.triples else (0, 1 << spec.bits)  # ternary codes are 1..3
+    return rng.integers(low, high, (blocks * spec.block_rows, spec.k), dtype=np.uint8)
 
 
 def _plane_index(codes, row, plane, t):  # bit j: bit ``plane`` of code 4t + j of ``row``
