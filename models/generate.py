@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -20,6 +20,7 @@ from tmac import runtime
 from tmac.linear import Linear
 
 from .decode import DecodePlan, plan_key
+from .text import TextStream, check_stop
 
 # a long prompt is prefilled this many tokens at a time: each chunk's activations stay in the caches
 # (docs/decisions.md, "Prompts are prefilled")
@@ -111,32 +112,73 @@ class Session:
             end = min(start + PREFILL_CHUNK, len(ids))
             yield end, self.model(torch.tensor(ids[start:end]), start, last_only=last_only)
 
-    def generate(self, prompt_ids: list[int], max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
+    def generate(self, prompt, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, repetition_penalty: float = 1.0, repeat_last_n: int = 64,
-                 seed: int | None = None, stop: list[str] | tuple[str, ...] = (), stop_on_eos: bool = True,
-                 callback: Callable[[int], object] | None = None) -> list[int]:
-        """New token ids after ``prompt_ids``. ``callback(id)`` is called as each token is produced (streaming);
-        generation stops at an end-of-generation token (returned), at a ``stop`` string or after
-        ``max_new_tokens``. Statistics land in ``self.stats``: seconds of set-up (the decode plan, and compiling
-        kernels on a host's first use), prefill and decode, and the decode steps run (the first new token comes from
-        the prefill's logits, so a generation of n tokens runs n − 1: decode speed is steps per second)."""
+                 seed: int | None = None, stop: str | list[str] | tuple[str, ...] = (), stop_on_eos: bool = True,
+                 callback: Callable[[int], object] | None = None, stream: bool = False):
+        """What follows ``prompt``: for a ``str`` the new text (no end-of-turn token, nothing from a ``stop`` string
+        on); for a list of token ids the new ids (an end-of-generation token that ended it included).
+        ``stream=True``: an iterator of the same, piece by piece as tokens come (text pieces, or ids).
+        ``callback(id)`` is called as each token is produced. Generation stops at an end-of-generation token, at a
+        ``stop`` string or after ``max_new_tokens``. Statistics land in ``self.stats``: seconds of set-up (the
+        decode plan, and compiling kernels on a host's first use), prefill and decode, and the decode steps run
+        (the first new token comes from the prefill's logits, so a generation of n tokens runs n − 1: decode speed
+        is steps per second), and why it stopped."""
+        sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                        repetition_penalty=repetition_penalty, repeat_last_n=repeat_last_n, seed=seed, stop=stop,
+                        stop_on_eos=stop_on_eos)
+        if isinstance(prompt, str):
+            return self._text(self._tokenizer().encode(prompt), sampling, callback, stream)
+        tokens = self._tokens(prompt, **sampling)
+        if callback is not None:
+            tokens = _calling(tokens, callback)
+        return tokens if stream else list(tokens)
+
+    def chat(self, messages: list[dict], stream: bool = False, callback: Callable[[int], object] | None = None,
+             **sampling):
+        """The assistant's answer to ``messages`` (``[{"role": ..., "content": ...}, ...]``), rendered with the
+        model's chat template: a ``str``, or with ``stream=True`` an iterator of text pieces. Sampling arguments as
+        ``generate``'s. Only what the conversation adds since this session's last call is prefilled."""
+        tokenizer = self._tokenizer()
+        return self._text(tokenizer.encode(tokenizer.render_chat(messages)), sampling, callback, stream)
+
+    def _tokenizer(self):
+        if self.tokenizer is None:
+            raise ValueError("text in and out needs a tokenizer, and this model was loaded without one; pass "
+                             "token ids, or Session(model, tokenizer)")
+        return self.tokenizer
+
+    def _text(self, ids: list[int], sampling: dict, callback, stream: bool):
+        text = TextStream(self.tokenizer, sampling.get("stop", ()))
+        tokens = self._tokens(ids, **sampling)  # checks its arguments now, not at the first piece
+        if callback is not None:
+            tokens = _calling(tokens, callback)
+        pieces = _pieces(tokens, text)
+        return pieces if stream else "".join(pieces)
+
+    def _tokens(self, prompt_ids: list[int], max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
+                top_p: float = 1.0, repetition_penalty: float = 1.0, repeat_last_n: int = 64,
+                seed: int | None = None, stop=(), stop_on_eos: bool = True) -> Iterator[int]:
+        """The arguments checked, then an iterator of the new ids."""
         prompt = check_ids(prompt_ids, self.model.config.vocab_size)
         if not prompt:
-            raise ValueError("prompt_ids is empty: generation needs at least one token")
+            raise ValueError("the prompt is empty: generation needs at least one token")
         _check_sampling(max_new_tokens, temperature, top_k, top_p, repetition_penalty, repeat_last_n)
-        if isinstance(stop, str):
-            stop = (stop,)
+        stop = check_stop(stop)
         if seed is not None and (type(seed) is not int or not 0 <= seed < 2 ** 63):
             raise ValueError(f"seed must be None or an int in [0, 2**63), got {seed!r:.40}")
         self._check_room(len(prompt), max_new_tokens)
-        generator = torch.Generator().manual_seed(seed) if seed is not None else None
         if stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this model was loaded without one")
+        sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
+                        repeat_last_n=repeat_last_n,
+                        generator=torch.Generator().manual_seed(seed) if seed is not None else None)
         stop_ids = self.tokenizer.stop_ids if stop_on_eos and self.tokenizer is not None else frozenset()
+        return self._run(prompt, max_new_tokens, stop, stop_ids, sampling)
 
+    def _run(self, prompt, max_new_tokens, stop, stop_ids, sampling) -> Iterator[int]:
         reuse = _common_prefix(self.cached_ids, prompt)
         reuse = min(reuse, len(prompt) - 1)  # the last prompt token is always fed: its logits start decoding
-        out: list[int] = []
         stats = self.stats = {"prompt_tokens": len(prompt), "prefill_tokens": len(prompt) - reuse,
                               "setup_s": 0.0, "prefill_s": 0.0, "generated_tokens": 0, "decode_steps": 0,
                               "decode_s": 0.0, "stop_reason": "length"}
@@ -150,17 +192,9 @@ class Session:
                 logits = chunk_logits[-1]
                 self.cached_ids = prompt[:end]  # (an interrupted prefill keeps what it cached)
             stats["prefill_s"] = time.perf_counter() - t0
-        with torch.inference_mode(), self._torch_threads():
-            t0 = time.perf_counter()
-            history = list(prompt)
-            try:
-                self._decode(plan, out, history, logits, max_new_tokens, stats, stop, stop_ids, callback,
-                             dict(temperature=temperature, top_k=top_k, top_p=top_p,
-                                  repetition_penalty=repetition_penalty, repeat_last_n=repeat_last_n,
-                                  generator=generator))
-            finally:  # an interrupted generation keeps its tokens and its statistics
-                stats["decode_s"] = time.perf_counter() - t0
-        return out
+        # an interrupted or abandoned generation keeps its tokens and statistics; decode_s counts the steps, not
+        # what the consumer of a stream does between them
+        yield from self._decode(plan, list(prompt), logits, max_new_tokens, stats, stop, stop_ids, sampling)
 
     def decode_plan(self) -> DecodePlan | None:
         """The model's ``DecodePlan`` (or ``None``: eager decoding), built on the first generation and kept while
@@ -181,15 +215,17 @@ class Session:
             return contextlib.nullcontext()
         return runtime.torch_single_threaded()
 
-    def _decode(self, plan, out, history, logits, max_new_tokens, stats, stop, stop_ids, callback, sampling) -> None:
-        ids = self.cached_ids
+    def _decode(self, plan, history, logits, max_new_tokens, stats, stop, stop_ids, sampling) -> Iterator[int]:
+        ids, out = self.cached_ids, []
         while len(out) < max_new_tokens:
-            token = next_token(logits, history, **sampling)
+            t0 = time.perf_counter()
+            with torch.inference_mode(), self._torch_threads():
+                token = next_token(logits, history, **sampling)
+            stats["decode_s"] += time.perf_counter() - t0
             out.append(token)
             history.append(token)
             stats["generated_tokens"] = len(out)
-            if callback is not None:
-                callback(token)
+            yield token
             if token in stop_ids:
                 stats["stop_reason"] = "eos"
                 return
@@ -198,8 +234,14 @@ class Session:
                 return
             if len(out) == max_new_tokens:
                 return
+            if self.cached_ids is not ids:
+                raise RuntimeError("another generation used this session's cache while this one was paused; "
+                                   "finish or close one stream before starting the next")
             pos = len(ids)
-            logits = plan.step(token, pos) if plan else self.model(torch.tensor([token]), pos, last_only=True)[-1]
+            t0 = time.perf_counter()
+            with torch.inference_mode(), self._torch_threads():
+                logits = plan.step(token, pos) if plan else self.model(torch.tensor([token]), pos, last_only=True)[-1]
+            stats["decode_s"] += time.perf_counter() - t0
             ids.append(token)
             stats["decode_steps"] += 1
 
@@ -239,3 +281,19 @@ def _check_sampling(max_new_tokens, temperature, top_k, top_p, repetition_penalt
     for ok, message in checks:
         if not ok:
             raise ValueError(message)
+
+
+def _calling(tokens: Iterator[int], callback) -> Iterator[int]:
+    for token in tokens:
+        callback(token)
+        yield token
+
+
+def _pieces(tokens: Iterator[int], text: TextStream) -> Iterator[str]:
+    for token in tokens:
+        piece = text.push(token)
+        if piece:
+            yield piece
+    tail = text.finish()
+    if tail:
+        yield tail

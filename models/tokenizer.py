@@ -149,12 +149,20 @@ class Tokenizer:
             return backend.token_to_id(tok) if isinstance(tok, str) else None
 
         bos, eos = special("bos_token"), special("eos_token")
-        template = config.get("chat_template")
+        template, source = config.get("chat_template"), config_file
+        template_file = os.path.join(path, "chat_template.jinja")  # where transformers 5 saves it
+        if not isinstance(template, str) and os.path.lexists(template_file):
+            try:
+                template = files.read_regular(template_file, MAX_TEMPLATE_BYTES).decode()
+            except (OSError, ValueError, UnicodeDecodeError) as e:
+                raise ModelFormatError(f"{template_file}: cannot read the chat template ({e})") from None
+            source = template_file
         return cls(backend, bos, eos, bool(config.get("add_bos_token", False)),
-                   template if isinstance(template, str) else None, frozenset({eos} - {None}), config_file)
+                   template if isinstance(template, str) else None, frozenset({eos} - {None}), source)
 
 
 MAX_TOKENIZER_BYTES = 256 << 20
+MAX_TEMPLATE_BYTES = 1 << 20  # real chat templates are a few KiB
 MAX_REPLACEMENT = 256  # characters a normalizer may put in (a Replace's content, a Prepend)
 # characters of a special token: they are matched whole in every text, and building the matcher for a token of
 # megabytes takes hundreds of MB (real ones are tens of characters)

@@ -302,7 +302,11 @@ def test_a_deleted_model_is_freed_at_once_with_its_plan(tmp_path):
         gc.enable()
 
 
-def test_generation_runs_torch_on_one_thread_beside_lut_layers_only(tmp_path):
+def test_generation_runs_torch_on_one_thread_beside_lut_layers_only(tmp_path, monkeypatch):
+    import tmac.models.generate as generate_module
+
+    original = generate_module.next_token
+
     """While LUT layers generate, torch runs on one thread (its threads would spin on the kernels' cores), and
     gets its thread count back afterwards, also when generation fails; a float model keeps torch's threads."""
     _tiny(tmp_path)
@@ -311,10 +315,18 @@ def test_generation_runs_torch_on_one_thread_beside_lut_layers_only(tmp_path):
     try:
         for bits, expected in ((4, 1), (None, 2)):
             model = tmac.load_model(tmp_path, bits=bits, group_size=64, context=64)
-            seen, session = [], tmac.Session(model)
+            seen, between, session = [], [], tmac.Session(model)
+
+            def sampling(*args, **kwargs):  # runs inside each decode step
+                seen.append(torch.get_num_threads())
+                return original(*args, **kwargs)
+
+            monkeypatch.setattr(generate_module, "next_token", sampling)
             session.generate(list(range(5, 25)), max_new_tokens=3, stop_on_eos=False,
-                           callback=lambda _: seen.append(torch.get_num_threads()))
-            assert seen == [expected] * 3 and torch.get_num_threads() == 2
+                             callback=lambda _: between.append(torch.get_num_threads()))
+            monkeypatch.undo()
+            # the caller's code between tokens (a stream's consumer) has torch as it left it
+            assert seen == [expected] * 3 and between == [2] * 3 and torch.get_num_threads() == 2
 
             def fail(_):
                 raise KeyboardInterrupt

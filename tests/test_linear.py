@@ -376,3 +376,43 @@ def test_lazy_views_sparse_nested_and_meta_outputs(rng):
             lw.matmul(x, out=torch.empty(2, 64, device="meta"))
         with pytest.raises(ValueError, match="negated"):
             lw.matmul(x._neg_view())
+
+
+def test_a_hugging_face_model_saved_and_loaded_into_a_meta_skeleton_generates_as_before(tmp_path):
+    """LlamaForCausalLM's rotary inv_freq is a buffer outside the state dict, computed at construction: on a
+    meta-device skeleton it has no values until tmac.load fills it from the file."""
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = tmac.quantize_model(transformers.LlamaForCausalLM(config).eval(), bits=4, group_size=32)
+    ids = torch.randint(0, 128, (1, 6))
+    with torch.no_grad():
+        want = model.generate(ids, max_new_tokens=5, do_sample=False)
+    tmac.save(model, tmp_path / "llama.safetensors")
+    with torch.device("meta"):
+        skeleton = transformers.LlamaForCausalLM(config).eval()
+    loaded = tmac.load(tmp_path / "llama.safetensors", skeleton)
+    assert not any(t.is_meta for t in [*loaded.parameters(), *loaded.buffers()])
+    with torch.no_grad():
+        assert torch.equal(loaded.generate(ids, max_new_tokens=5, do_sample=False), want)
+    # a file without the buffers (as an older tmac wrote) is refused, naming what stays empty
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(tmp_path / "llama.safetensors"), framework="pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys() if "inv_freq" not in k}
+    meta["tmac"] = meta["tmac"].replace('"buffers": [', '"unused": [')
+    save_file(tensors, str(tmp_path / "old.safetensors"), metadata=meta)
+    with torch.device("meta"):
+        skeleton = transformers.LlamaForCausalLM(config).eval()
+    with pytest.raises(tmac.ModelFormatError, match=r"does not fill .*inv_freq.*meta device"):
+        tmac.load(tmp_path / "old.safetensors", skeleton)
+
+
+def test_quantize_model_defaults_to_4_bits():
+    """2 and 3 bits need a model trained or calibrated for them (README, "Which bit widths are usable"): the
+    default is 4."""
+    model = tmac.quantize_model(nn.Sequential(nn.Linear(256, 64)))
+    assert model[0].format.bits == 4 and tmac.quantize_weight(torch.randn(8, 128)).format.bits == 4

@@ -12,8 +12,15 @@ import pytest
 
 import tmac
 
+from conftest import runnable_isas
+from llama_fp64 import llama_logits
+
 DATA = os.path.join(os.path.dirname(__file__), "data")
 REFERENCE = json.load(open(os.path.join(DATA, "mixes.json")))
+
+
+def _relative(a, b):
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 @pytest.mark.parametrize("ftype", REFERENCE["files"])
@@ -24,16 +31,38 @@ def test_llama_cpp_ftype_matches_llama_cpp_logits(ftype):
     model = tmac.load_model(path, kv_dtype="float32", progress=False)
     linears = [m for m in model.modules() if isinstance(m, tmac.Linear)]
     assert linears and not any(type(m).__name__ == "FloatLinear" for m in model.modules())  # every matrix quantized
-    got = tmac.Session(model).logits(REFERENCE["prompt"]).numpy()
-    want = np.array(ref["logits"], np.float32)
-    err = float(np.linalg.norm(got - want) / np.linalg.norm(want))
-    worst = float(np.abs(got - want).max())
-    print(f"{ftype} ({'tied' if ref['tied'] else 'untied'} head; {dict(types)}): logits rel L2 {err:.4f}, "
-          f"max |diff| {worst:.4f} vs llama.cpp")
-    # both sides round activations (tmac: int8 tables; llama.cpp: q8 rows); on this tiny random model that is
-    # 1.7-3.3 % of the logits
-    assert err <= 0.04 and worst <= 0.05
-    # greedy choices agree wherever llama.cpp's first two are further apart than the two engines differ
-    top2 = np.sort(want, axis=1)[:, -2:]
-    clear = top2[:, 1] - top2[:, 0] > 2 * worst
-    assert clear.sum() >= len(want) // 2 and (got.argmax(1) == want.argmax(1))[clear].all()
+    got = tmac.Session(model).logits(REFERENCE["prompt"]).numpy().astype(np.float64)
+    want = np.array(ref["logits"], np.float64)
+    exact = llama_logits(path, REFERENCE["prompt"])  # the same weights in float64, activations unrounded
+    ours, theirs = _relative(got, exact), _relative(want, exact)
+    print(f"{ftype} ({'tied' if ref['tied'] else 'untied'} head; {dict(types)}): rel L2 to float64 logits: "
+          f"tmac {ours:.4f}, llama.cpp {theirs:.4f}; tmac to llama.cpp {_relative(got, want):.4f}")
+    # Both engines round activations to 8 bits; only the L2 of that noise is a stable figure (the worst single
+    # logit moves by half when torch's AVX-512 kernels replace its AVX2 ones and flip a few table roundings).
+    # llama.cpp rounds each activation with one scale per 32-256 values; tmac rounds table entries, sums of 4
+    # activations, with one scale per lut group of up to 128 (ternary, K-quant super rows): a coarser step, by the
+    # ratio of the entries' range to the activations' (docs/decisions.md, "Activation rounding").
+    assert ours <= 2.5 * theirs and _relative(got, want) <= 0.04
+    # greedy choices are the exact model's wherever its first two are further apart than the noise can reach
+    noise = float(np.sqrt(((got - exact) ** 2).mean()))
+    top2 = np.sort(exact, axis=1)[:, -2:]
+    clear = top2[:, 1] - top2[:, 0] > 6 * noise
+    assert clear.sum() >= len(exact) // 2 and (got.argmax(1) == exact.argmax(1))[clear].all()
+
+
+@pytest.mark.parametrize("isa", runnable_isas())
+@pytest.mark.parametrize("ftype", ["TQ2_0", "Q4_K_M"])
+def test_every_isa_this_cpu_runs_meets_the_same_bounds(ftype, isa):
+    """The ISAs with table lookups add the same int8 table entries in integers: their logits are the best ISA's up
+    to the float order of the epilogues, so the bounds above hold on every CPU class whose ISA this CPU runs. The
+    generic fallback computes otherwise, and meets the bound against the exact model itself."""
+    path = os.path.join(DATA, "mixes", f"{ftype}.gguf")
+    model = tmac.load_model(path, kv_dtype="float32", isa=isa, progress=False)
+    assert {m.spec.isa for m in model.modules() if isinstance(m, tmac.Linear)} == {isa}
+    got = tmac.Session(model).logits(REFERENCE["prompt"])
+    if not isa.startswith("generic"):
+        best = tmac.Session(tmac.load_model(path, kv_dtype="float32", progress=False)).logits(REFERENCE["prompt"])
+        assert float((got - best).abs().max()) <= 1e-5 * float(best.abs().max())
+    exact = llama_logits(path, REFERENCE["prompt"])
+    want = np.array(REFERENCE["files"][ftype]["logits"], np.float64)
+    assert _relative(got.numpy().astype(np.float64), exact) <= 2.5 * _relative(want, exact)

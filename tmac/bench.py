@@ -149,7 +149,8 @@ def e2e_bench(source, variants, threads_list, notes: list[str], prompt_tokens=64
     if peer and not path.endswith(".gguf"):
         notes.append("llama.cpp not measured: it reads GGUF files only")
     elif peer and not with_peer:
-        notes.append("llama.cpp not measured: install the optional peer extra (llama-cpp-python; see README)")
+        notes.append("llama.cpp not measured: install the optional peer extra, built for this CPU (5-15 min): "
+                     f"{peer_install_command()} (docs/llama-cpp.md)")
     rows, probe = [], read_probe()
     for threads in measured_threads(threads_list, notes):
         candidates = models + ([_llama_cpp_candidate(path, threads, prompt, gen_tokens)] if with_peer else [])
@@ -390,3 +391,23 @@ def plot(rows: list[Row], path: str, ylabel: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def peer_cmake_args(features: frozenset[str], x86: bool = True) -> str:
+    """llama.cpp's CMake flags for a CPU with ``features`` (``tmac.cpu`` names): each instruction set ON only where
+    the CPU has it (a build with one it lacks dies with SIGILL), AMX always OFF (docs/llama-cpp.md)."""
+    if not x86:
+        return "-DGGML_NATIVE=ON"
+    avx512 = "avx512bw" in features
+    flags = {"NATIVE": False, "AVX": True, "AVX2": True, "FMA": True, "F16C": True, "AVX512": avx512,
+             "AVX512_VBMI": avx512 and "avx512vbmi" in features, "AVX512_VNNI": avx512 and "avx512vnni" in features,
+             "AVX512_BF16": avx512 and "avx512bf16" in features, "AVX_VNNI": "avxvnni" in features,
+             "AMX_TILE": False, "AMX_INT8": False, "AMX_BF16": False}
+    return " ".join(f"-DGGML_{k}={'ON' if v else 'OFF'}" for k, v in flags.items())
+
+
+def peer_install_command() -> str:
+    from .cpu import cpu_features, machine_arch
+
+    args = peer_cmake_args(cpu_features(), machine_arch() == "x86_64")
+    return f"CMAKE_ARGS=\"{args}\" pip install 'llama-cpp-python>=0.3'"

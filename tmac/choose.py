@@ -30,14 +30,31 @@ def spec_for(qw: QuantizedWeight, isa, **tiling) -> KernelSpec:
 def spec_and_factors(qw: QuantizedWeight, isa, tiling: dict):
     """The spec for ``qw``, and the factors of its parameters where that spec streams them (else None)."""
     fmt = qw.format
-    if fmt.super_group is None or tiling.get("super_groups") == 0:
-        return spec_for_format(fmt, qw.shape[1], isa, **tiling), None
-    factors = factor_params(qw, tiling.get("super_groups"))
-    if factors is None:  # plain float32 parameters
-        tiling = {**tiling, "super_groups": 0}
-    elif "super_dtype" not in tiling:
-        tiling = {**tiling, "super_dtype": super_dtype(factors)}
-    return spec_for_format(fmt, qw.shape[1], isa, **tiling), factors
+    factors = None
+    if fmt.super_group is not None and tiling.get("super_groups") != 0:
+        factors = factor_params(qw, tiling.get("super_groups"))
+        if factors is None:  # plain float32 parameters
+            tiling = {**tiling, "super_groups": 0}
+        elif "super_dtype" not in tiling:
+            tiling = {**tiling, "super_dtype": super_dtype(factors)}
+    return fitting_block_rows(spec_for_format(fmt, qw.shape[1], isa, **tiling), qw.shape[0], fmt, isa, tiling), factors
+
+
+def fitting_block_rows(spec: KernelSpec, rows: int, fmt: WeightFormat, isa, tiling: dict) -> KernelSpec:
+    """``spec``, or where its blocks do not divide the ``rows`` of a matrix, the same with the largest halving of
+    its block rows that does: padded rows are streamed, computed and stored like real ones (a 960-row projection in
+    blocks of 128 is 7 % padding; docs/decisions.md, "Block rows"). Block rows given explicitly are kept."""
+    if "block_rows" in tiling or rows % spec.block_rows == 0:
+        return spec
+    half = spec.block_rows // 2
+    while half >= isa.vector_bytes and half % isa.vector_bytes == 0:
+        if rows % half == 0:
+            try:
+                return spec_for_format(fmt, spec.k, isa, **{**tiling, "block_rows": half})
+            except ValueError:
+                return spec
+        half //= 2
+    return spec
 
 
 def super_dtype(factors) -> str:

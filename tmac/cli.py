@@ -9,9 +9,10 @@ import json
 import os
 import sys
 import time
+import warnings
 
 from . import cli_generate, cli_perplexity
-from .formats import BITS, GROUP_SIZES, K_MULTIPLE, PER_ROW, PER_TENSOR, WeightFormat, kernels_take
+from .formats import BITS, GROUP_SIZES, K_MULTIPLE, PER_ROW, PER_TENSOR, WeightFormat, default_group_size, kernels_take
 from .cpu import ARCH_ALIASES, ARCHES, normalize_arch
 from .kernels import DEFAULT_ISA, ISAS
 
@@ -19,6 +20,8 @@ from .kernels import DEFAULT_ISA, ISAS
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if not args.debug:  # a warning is one line for a person, not a source line of tmac's
+        warnings.showwarning = _show_warning
     try:
         return args.func(args) or 0
     except KeyboardInterrupt:
@@ -29,6 +32,10 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"tmac {args.command}: error: {describe(e)}", file=sys.stderr)
         return 1
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    print(f"tmac: warning: {message}", file=file or sys.stderr)
 
 
 def describe(e: Exception) -> str:
@@ -45,6 +52,7 @@ def describe(e: Exception) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tmac", description="Low-bit LLM inference on CPUs with table lookups.")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
+    p.add_argument("--version", action="version", version=f"tmac {_version('tmac')}")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     sub = p.add_subparsers(dest="command", required=True)
@@ -81,7 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("tune", parents=[common], help="grid-search kernel tiling for this machine; later runs use it")
     t.add_argument("--bits", default="1,2,3,4", help="comma-separated bit widths (default 1,2,3,4)")
-    t.add_argument("--group-size", default="128", help=f"one of {GROUP_SIZES}, '{PER_ROW}' or '{PER_TENSOR}'")
+    t.add_argument("--group-size", default=None, help=f"one of {GROUP_SIZES}, '{PER_ROW}' or '{PER_TENSOR}' (default: "
+                                                      "as quantize_model chooses for each K: 128 where it divides K)")
     t.add_argument("--symmetric", action="store_true", help="weights without zeros")
     t.add_argument("--ternary", action="store_true", help="ternary weights instead of --bits (BitNet absmean; "
                                                           "--group-size tensor or row: the triple kernels)")
@@ -118,35 +127,44 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_info(args) -> int:
     from . import cache, runtime
     from .cpu import FEATURES, cpu_features, machine_arch, physical_cores
-    from .kernels import best_isa
+    from .kernels import ISA_ENV, best_isa
 
     arch, feats = machine_arch(), cpu_features()
+    isa = problem = None
     try:
         isa = best_isa()
-        isa_line = f"{isa.name} — {isa.description}"
-        if isa.name.startswith("generic"):
-            isa_line += "  [FALLBACK: no table-lookup instructions found; kernels will be slow]"
     except ValueError as e:
-        isa_line = f"none ({e})"
-    rows = [
-        ("tmac", _version("tmac")),
+        problem = str(e)
+    kernel_dir = os.environ.get("TMAC_KERNEL_DIR") or None
+    facts = {
+        "tmac": _version("tmac"), "architecture": arch, "simd_features": sorted(feats),
+        "kernel_isa": isa.name if isa else None, "kernel_isa_description": isa.description if isa else problem,
+        "kernel_isa_from": ISA_ENV if isa and os.environ.get(ISA_ENV, "").strip() else "cpu",
+        "threads": runtime.get_num_threads(), "physical_cores": physical_cores(),
+        "torch": _version("torch"), "apache_tvm": _version("apache-tvm"), "apache_tvm_ffi": _version("apache-tvm-ffi"),
+        "kernel_cache": cache.cache_dir(), "kernel_dir": kernel_dir, "huge_pages": _huge_pages_line(),
+    }
+    if args.json:
+        print(json.dumps(facts))
+        return 0
+    isa_line = f"{isa.name} — {isa.description}" if isa else f"none ({problem})"
+    if isa and isa.name.startswith("generic"):
+        isa_line += "  [FALLBACK: no table-lookup instructions found; kernels will be slow]"
+    if facts["kernel_isa_from"] == ISA_ENV:
+        isa_line += f"  (chosen by {ISA_ENV})"
+    _print_table([
+        ("tmac", facts["tmac"]),
         ("architecture", arch),
         ("SIMD features", "  ".join(f"{f} {'yes' if f in feats else 'no'}" for f in FEATURES)),
         ("kernel ISA", isa_line),
-        ("threads", f"{runtime.get_num_threads()} (physical cores {physical_cores()}; TMAC_NUM_THREADS overrides)"),
-        ("torch", _version("torch")),
-        ("apache-tvm", _version("apache-tvm")),
-        ("apache-tvm-ffi", _version("apache-tvm-ffi")),
-        ("kernel cache", cache.cache_dir()),
-        ("kernel dir", os.environ.get("TMAC_KERNEL_DIR") or "(none; set TMAC_KERNEL_DIR)"),
-        ("huge pages", _huge_pages_line()),
-    ]
-    if args.json:
-        info = {key.replace(" ", "_").replace("-", "_"): value for key, value in rows}
-        info.update(simd_features=sorted(feats), kernel_isa=isa_line.split()[0], threads=runtime.get_num_threads())
-        print(json.dumps(info))
-        return 0
-    _print_table(rows)
+        ("threads", f"{facts['threads']} (physical cores {facts['physical_cores']}; TMAC_NUM_THREADS overrides)"),
+        ("torch", facts["torch"]),
+        ("apache-tvm", facts["apache_tvm"]),
+        ("apache-tvm-ffi", facts["apache_tvm_ffi"]),
+        ("kernel cache", facts["kernel_cache"]),
+        ("kernel dir", kernel_dir or "(none; set TMAC_KERNEL_DIR)"),
+        ("huge pages", facts["huge_pages"]),
+    ])
     return 0
 
 
@@ -283,8 +301,25 @@ def cmd_compile(args) -> int:
     cache.write_manifest(output, isa, list(entries.values()))
     _print_table(rows, header=("kernel", "K", "bits", "group", "seconds", "bytes"))
     print(f"wrote {len(rows)} kernel(s) to {os.path.abspath(output)} ({isa.arch}, {isa.name}; manifest.json lists "
-          f"{len(entries)}); on the target: TMAC_KERNEL_DIR={os.path.abspath(output)} tmac run ...")
+          f"{len(entries)})")
+    print(_compile_next_step(args, isa, output))
     return 0
+
+
+def _compile_next_step(args, isa, output: str) -> str:
+    """The command that runs what was compiled, with the options that chose the kernels."""
+    from .cpu import machine_arch
+
+    run = ["tmac", "run"] + ([args.model] if args.model else [])
+    for flag, value in (("--bits", args.bits), ("--group-size", args.group_size), ("--head-bits", args.head_bits)):
+        if value is not None and not args.shape:
+            run += [flag, str(value)]
+    run += ["-p", '"Hello"']
+    if isa.arch == machine_arch():
+        return f"use them: TMAC_KERNEL_DIR={os.path.abspath(output)} {' '.join(run)}"
+    return (f"copy {output} to the {isa.arch} machine (scp -r {output} HOST:), then there: "
+            f"TMAC_KERNEL_DIR=~/{os.path.basename(os.path.abspath(output))} {' '.join(run)}"
+            + (" (with the model file at the same path there)" if args.model else ""))
 
 
 def _shape_specs(args, isa):
@@ -312,10 +347,13 @@ def cmd_tune(args) -> int:
     if args.model:
         work = model_formats(args.model)
     else:
-        group = parse_group_size(args.group_size)
-        formats = [WeightFormat.ternary_format(group)] if args.ternary else \
-            [WeightFormat.rtn(b, group, args.symmetric) for b in _int_list(args.bits, "--bits", BITS)]
-        work = [(fmt, k) for fmt in formats for k in _int_list(args.k, "--k")]
+        work = []
+        for k in _int_list(args.k, "--k"):
+            group = parse_group_size(args.group_size) if args.group_size else default_group_size(k)
+            if group is None:
+                raise ValueError(f"--k {k}: no group size divides it; give --group-size {PER_ROW}")
+            work += [(WeightFormat.ternary_format(group), k)] if args.ternary else \
+                [(WeightFormat.rtn(b, group, args.symmetric), k) for b in _int_list(args.bits, "--bits", BITS)]
     rows = []
     for i, (fmt, k) in enumerate(work, 1):
         defaults = spec_for_format(fmt, k, isa, unroll=0)  # a tiling argument: the defaults, not earlier tuning

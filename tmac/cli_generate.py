@@ -35,6 +35,9 @@ def add_parsers(sub, common) -> None:
     c.set_defaults(func=cmd_chat, chat=True)
 
 
+MODEL_HELP = ("a GGUF file, a Hugging Face directory, a .tmac file (tmac convert), or a Hugging Face repo id "
+              "(ORG/NAME, or ORG/NAME:FILE.gguf for one GGUF of a repo; downloaded once into the Hugging Face "
+              "cache, see tmac pull) (default: SmolLM2-135M-Instruct Q4_1)")
 HEAD_BITS_HELP = (f"the output head: {', '.join(map(str, BITS))} bits, or float (default: the file's own; with --bits, "
                   "8 bits in Q8_0's layout)")
 
@@ -48,20 +51,19 @@ def head_bits_arg(text: str) -> int | str:
 
 
 def _model_args(p) -> None:
-    p.add_argument("model", nargs="?", default=None,
-                   help="GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct Q4_1)")
+    p.add_argument("model", nargs="?", default=None, help=MODEL_HELP)
     p.add_argument("--bits", type=int, choices=BITS, help="requantize the projections to this many bits")
     p.add_argument("--group-size", type=int, choices=GROUP_SIZES, help="group size with --bits")
     p.add_argument("--head-bits", type=head_bits_arg, help=HEAD_BITS_HELP)
     p.add_argument("--threads", "-t", type=int, help="kernel and torch threads (default: physical cores)")
     p.add_argument("--context", type=int, help="context size in tokens (default: the model's, at most 4096)")
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default="float16", help="KV cache dtype (default: float16)")
-    p.add_argument("--max-new-tokens", "-n", type=int, default=256)
+    p.add_argument("--max-new-tokens", "-n", type=int, default=256, help="tokens to generate at most (default: 256)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=0, help="0 = off")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--repeat-penalty", type=float, default=1.0)
-    p.add_argument("--seed", type=int)
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest tokens (default: 0 = off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default: 1.0 = off)")
+    p.add_argument("--repeat-penalty", type=float, default=1.0, help="(default: 1.0 = off)")
+    p.add_argument("--seed", type=int, help="for sampling (default: a random one)")
     p.add_argument("--ignore-eos", action="store_true",
                    help="generate all --max-new-tokens tokens, past the end-of-text token (for benchmarks)")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop when TEXT appears (repeatable)")
@@ -147,41 +149,30 @@ class CtrlCStops:
 
 
 class Streamer:
-    """Prints generated text as it grows, never half a UTF-8 character, and drops stop strings."""
+    """Prints the text of generated ids as it becomes final (``tmac.models.text.TextStream``); stops on Ctrl-C."""
 
     def __init__(self, tokenizer, stop: tuple[str, ...], out=None, ctrl_c: CtrlCStops | None = None):
-        self.tok, self.stop, self.out, self.ctrl_c = tokenizer, stop, out, ctrl_c
-        self.ids: list[int] = []
-        self.printed = 0
+        from .models.text import TextStream
 
-    def text(self) -> str:
-        text = self.tok.decode(self.ids, skip_special=True)
-        for s in self.stop:
-            if s in text:
-                text = text[:text.index(s)]
-        return text
+        self.stream, self.out, self.ctrl_c = TextStream(tokenizer, stop), out, ctrl_c
+
+    @property
+    def ids(self) -> list[int]:
+        return self.stream.ids
+
+    def _write(self, piece: str) -> None:
+        if self.out is not None and piece:
+            self.out.write(piece)
+            self.out.flush()
 
     def __call__(self, token: int) -> None:
-        self.ids.append(token)
-        text = self.text()
-        held = max((len(s) - 1 for s in self.stop), default=0)  # a stop string may be forming
-        end = len(text) - held
-        while end > self.printed and text[end - 1] == "\ufffd":  # an incomplete UTF-8 sequence
-            end -= 1
-        if self.out is not None and end > self.printed:
-            self.out.write(text[self.printed:end])
-            self.out.flush()
-        self.printed = max(self.printed, end)
+        self._write(self.stream.push(token))
         if self.ctrl_c is not None and self.ctrl_c.hit:
             raise Interrupted
 
     def finish(self) -> str:
-        text = self.text()
-        if self.out is not None:
-            self.out.write(text[self.printed:])
-            self.out.flush()
-        self.printed = len(text)
-        return text
+        self._write(self.stream.finish())
+        return self.stream.text()
 
 
 def _stats(session, load_s: float) -> dict:

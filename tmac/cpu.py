@@ -7,11 +7,11 @@ import os
 import platform
 import re
 
-FEATURES = ("avx2", "avx512bw", "avx512vnni", "avx512vbmi", "avxvnni", "neon", "dotprod")
+FEATURES = ("avx2", "avx512bw", "avx512vnni", "avx512vbmi", "avx512bf16", "avxvnni", "neon", "dotprod")
 
 # /proc/cpuinfo flag names → our feature names
 _X86_FLAGS = {"avx2": "avx2", "avx512bw": "avx512bw", "avx512_vnni": "avx512vnni", "avx512vbmi": "avx512vbmi",
-              "avx_vnni": "avxvnni"}
+              "avx512_bf16": "avx512bf16", "avx_vnni": "avxvnni"}
 _ARM_FLAGS = {"asimd": "neon", "asimddp": "dotprod"}
 # arm64 Linux: the kernel's hardware capability bits (asm/hwcap.h) — what /proc/cpuinfo prints, but also right
 # under qemu-user, whose /proc/cpuinfo is the host's

@@ -86,7 +86,7 @@ class Linear(nn.Module):
 
     # ---- construction ----------------------------------------------------------------------------------------
     @classmethod
-    def from_float(cls, linear: nn.Linear | torch.Tensor, bits: int = 2, group_size: int | str = 128,
+    def from_float(cls, linear: nn.Linear | torch.Tensor, bits: int = 4, group_size: int | str = 128,
                    symmetric: bool = False, *, ternary: bool = False, bias: torch.Tensor | None = None,
                    isa: str | None = None, kernel_dir: str | None = None) -> "Linear":
         """Quantize an ``nn.Linear`` (its bias is kept) or a float weight ``[out, in]`` (with optional ``bias``)."""

@@ -27,7 +27,7 @@ from .formats import GGUF_EXACT, PER_TENSOR, WeightFormat, check_bits
 from .qweight import QuantizedWeight, all_float16
 
 
-def quantize_weight(w, bits: int = 2, group_size: int | str = 128, symmetric: bool = False,
+def quantize_weight(w, bits: int = 4, group_size: int | str = 128, symmetric: bool = False,
                     ternary: bool = False, search: bool = True) -> QuantizedWeight:
     """Quantize a float matrix ``[out_features, in_features]`` (numpy, torch, or a row source: see
     ``_as_float_matrix``) group-wise.

@@ -23,6 +23,7 @@ from .float_linear import FLOAT_LINEARS
 from .linear import Linear
 
 FILE_VERSION = 1
+BUFFERS_KEY = "tmac:buffers"  # in read_state's dict: the names of the tensors that are non-persistent buffers
 
 
 def save(model: nn.Module, path: str | os.PathLike, model_info: dict | None = None) -> None:
@@ -48,7 +49,14 @@ def save(model: nn.Module, path: str | os.PathLike, model_info: dict | None = No
                 raise TypeError(f"state {key!r} is a {type(value).__name__}, which tmac.save cannot store without "
                                 f"pickle (only tensors and JSON extra states)") from None
             extras[key] = value
-    meta = {"format": "pt", "tmac": json.dumps({"version": FILE_VERSION, "extra_state": extras, "aliases": aliases})}
+    # buffers left out of the state dict (a rotary embedding's inv_freq): computed at construction, so a skeleton
+    # built on the meta device lacks them; stored so that loading fills them too
+    buffers = [name for name, b in model.named_buffers() if name not in tensors and name not in aliases
+               and isinstance(b, torch.Tensor)]
+    for name in buffers:
+        tensors[name] = model.get_buffer(name).detach().cpu().contiguous().clone()
+    meta = {"format": "pt", "tmac": json.dumps({"version": FILE_VERSION, "extra_state": extras, "aliases": aliases,
+                                                "buffers": buffers})}
     if model_info is not None:
         meta["tmac_model"] = json.dumps(model_info)
     path = os.fspath(path)
@@ -95,11 +103,29 @@ def load(path: str | os.PathLike, model: nn.Module | None = None, *, strict: boo
             raise ModelFormatError(f"{path}: layer {prefix} is {dims[0]} x {dims[1]} = {saved[0]} x {saved[1]} in "
                                    f"the file but {wanted[0]} x {wanted[1]} in the model it is loaded into")
         setattr(parent, child, new)
+    buffers = {name: state.pop(name) for name in state.pop(BUFFERS_KEY, [])}
     meta_params = any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers())
     try:
         model.load_state_dict(state, strict=strict, assign=meta_params)
     except RuntimeError as e:
         raise ModelFormatError(f"{path}: {e}") from None
+    for name, value in buffers.items():
+        parent_name, _, child = name.rpartition(".")
+        try:
+            parent = model.get_submodule(parent_name)
+        except AttributeError:
+            continue
+        current = parent._buffers.get(child)
+        if isinstance(current, torch.Tensor) and current.shape != value.shape:
+            raise ModelFormatError(f"{path}: buffer {name} is {tuple(value.shape)} in the file but "
+                                   f"{tuple(current.shape)} in the model it is loaded into")
+        if child in parent._buffers:
+            parent._buffers[child] = value
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise ModelFormatError(f"{path}: the file does not fill {', '.join(left[:5])}"
+                               f"{' …' if len(left) > 5 else ''}: they stay on the meta device (a file saved by an "
+                               f"older tmac lacks buffers outside the state dict; save the model again)")
     return model
 
 
@@ -176,5 +202,9 @@ def read_state(path: str | os.PathLike) -> dict:
         if not isinstance(target, str) or target not in state:
             raise ModelFormatError(f"{path}: alias {key!r} points to missing tensor {target!r}")
         state[key] = state[target]
+    buffers = info.get("buffers", [])
+    if not isinstance(buffers, list) or not all(isinstance(b, str) and b in state for b in buffers):
+        raise ModelFormatError(f"{path}: tmac metadata names buffers that are not in the file")
     state.update(extras)
+    state[BUFFERS_KEY] = buffers
     return state

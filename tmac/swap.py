@@ -17,7 +17,7 @@ Skip = Callable[[str, nn.Module], bool] | Iterable[str] | str | None
 HEAD = "lm_head"  # the output head of Hugging Face models: kept float unless asked for (most sensitive to rounding)
 
 
-def quantize_model(model: nn.Module, bits: int = 2, group_size: int | str = 128, symmetric: bool = False, *,
+def quantize_model(model: nn.Module, bits: int = 4, group_size: int | str = 128, symmetric: bool = False, *,
                    skip: Skip = None, quantize_head: bool = False, ternary: bool = False, isa: str | None = None,
                    kernel_dir: str | None = None, progress: bool | None = None) -> nn.Module:
     """Replace every eligible ``nn.Linear`` of ``model`` by a ``tmac.Linear`` and return ``model``.

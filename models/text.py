@@ -1,0 +1,56 @@
+"""Generated ids as text while they come: never half a UTF-8 character, never a special token (the end of a turn),
+and nothing from a stop string on (held back while one may be forming)."""
+
+from __future__ import annotations
+
+
+def check_stop(stop) -> tuple[str, ...]:
+    """``stop`` as a tuple of non-empty strings (one string is one stop)."""
+    stop = (stop,) if isinstance(stop, str) else stop
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+        raise TypeError(f"stop must be a string or a list of strings, got {stop!r:.60}")
+    if any(not s for s in stop):
+        raise ValueError("stop strings must not be empty (an empty one would stop before the first token)")
+    return tuple(stop)
+
+
+class TextStream:
+    """Feed it token ids one at a time (``push``); each call returns the text that is final so far."""
+
+    def __init__(self, tokenizer, stop=()):
+        self.tokenizer, self.stop = tokenizer, check_stop(stop)
+        self.ids: list[int] = []
+        self.sent = 0  # characters of ``text()`` already returned
+
+    def text(self) -> str:
+        """The whole text of the ids so far, cut before the first stop string."""
+        text = self.tokenizer.decode(self.ids, skip_special=True)
+        cut = min((text.index(s) for s in self.stop if s in text), default=len(text))
+        return text[:cut]
+
+    @property
+    def stopped(self) -> bool:
+        text = self.tokenizer.decode(self.ids, skip_special=True)
+        return any(s in text for s in self.stop)
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        text = self.text()
+        end = len(text) if self.stopped else len(text) - self._forming(text)
+        while end > self.sent and text[end - 1] == "\ufffd":  # an incomplete UTF-8 sequence
+            end -= 1
+        piece = text[self.sent:end] if end > self.sent else ""
+        self.sent = max(self.sent, end)
+        return piece
+
+    def _forming(self, text: str) -> int:
+        """Characters at the end of ``text`` that may be the start of a stop string."""
+        return max((k for s in self.stop for k in range(min(len(s) - 1, len(text)), 0, -1)
+                    if text.endswith(s[:k])), default=0)
+
+    def finish(self) -> str:
+        """What is left once generation ended (a held-back tail that turned out not to be a stop string)."""
+        text = self.text()
+        piece = text[self.sent:]
+        self.sent = len(text)
+        return piece

@@ -1,0 +1,86 @@
+"""Text in, text out: ``Session.generate("...")`` and ``Session.chat(messages)``, streamed or whole, checked against
+the id-level API and the tokenizer they wrap (the default model, SmolLM2-135M-Instruct, whose turns end with the
+special token <|im_end|>)."""
+import pytest
+
+import tmac
+from conftest import smollm2_path
+from tmac.models.text import TextStream
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tmac.load_model(smollm2_path(), context=512, progress=False)
+
+
+def test_chat_answers_in_text_without_the_end_of_turn_token(model):
+    session = tmac.Session(model)
+    tok = model.tokenizer
+    ids = tmac.Session(model).generate(tok.encode(tok.render_chat(QUESTION)), max_new_tokens=48)
+    assert ids[-1] in tok.stop_ids  # the model ends its turn within 48 tokens, with the special token
+    answer = session.chat(QUESTION, max_new_tokens=48)
+    assert answer == tok.decode(ids[:-1]) and "<|im_end|>" not in answer and "Paris" in answer
+    assert session.stats["stop_reason"] == "eos"
+    # streamed: the same text, in more than one piece
+    pieces = list(tmac.Session(model).chat(QUESTION, max_new_tokens=48, stream=True))
+    assert len(pieces) > 1 and "".join(pieces) == answer
+
+
+def test_generate_from_text_is_the_decoded_ids(model):
+    tok = model.tokenizer
+    prompt = "The three primary colors are"
+    ids = tmac.Session(model).generate(tok.encode(prompt), max_new_tokens=12, stop_on_eos=False)
+    text = tmac.Session(model).generate(prompt, max_new_tokens=12, stop_on_eos=False)
+    assert isinstance(text, str) and text == tok.decode(ids, skip_special=True)
+    streamed = tmac.Session(model).generate(prompt, max_new_tokens=12, stop_on_eos=False, stream=True)
+    assert not isinstance(streamed, (str, list)) and "".join(streamed) == text
+    assert list(tmac.Session(model).generate(tok.encode(prompt), max_new_tokens=12, stop_on_eos=False,
+                                             stream=True)) == ids
+
+
+def test_stop_string_ends_the_text_before_it(model):
+    tok = model.tokenizer
+    full = tmac.Session(model).chat(QUESTION, max_new_tokens=48)
+    stop = "Paris"
+    assert stop in full
+    cut = tmac.Session(model).chat(QUESTION, max_new_tokens=48, stop=stop)
+    assert cut == full[:full.index(stop)]
+    session = tmac.Session(model)
+    assert "".join(session.chat(QUESTION, max_new_tokens=48, stop=[stop], stream=True)) == cut
+    assert session.stats["stop_reason"] == "stop"
+    with pytest.raises(ValueError, match="stop strings must not be empty"):
+        tmac.Session(model).chat(QUESTION, stop="")
+    with pytest.raises(ValueError, match="max_new_tokens"):  # checked at the call, before any piece is asked for
+        tmac.Session(model).chat(QUESTION, max_new_tokens=-1, stream=True)
+    assert tok.decode(tok.encode(cut)) == cut
+
+
+def test_chat_continues_a_conversation_with_only_the_new_turn_prefilled(model):
+    session = tmac.Session(model)
+    first = session.chat(QUESTION, max_new_tokens=32)
+    turns = QUESTION + [{"role": "assistant", "content": first}, {"role": "user", "content": "And of Italy?"}]
+    second = session.chat(turns, max_new_tokens=32)
+    assert second and session.stats["prefill_tokens"] < session.stats["prompt_tokens"]
+    assert second == tmac.Session(model).chat(turns, max_new_tokens=32)  # the same as from scratch
+
+
+class _Bytes:
+    """A tokenizer whose ids are bytes (256: a special token), to test what TextStream releases."""
+
+    def decode(self, ids, skip_special=False):
+        data = bytes(i for i in ids if i < 256)
+        return data.decode("utf-8", errors="replace") + ("" if skip_special else "<end>" * ids.count(256))
+
+
+def test_text_stream_holds_back_half_characters_and_forming_stop_strings():
+    stream = TextStream(_Bytes(), stop=("STOP",))
+    pieces = [stream.push(b) for b in "ab é".encode()]
+    assert pieces == ["a", "b", " ", "", "é"]  # é's first byte is held until its second
+    assert [stream.push(b) for b in b"ST"] == ["", ""]  # maybe the start of STOP
+    assert stream.push(ord("x")) == "STx"  # it was not
+    assert [stream.push(b) for b in b"STOP!"] == ["", "", "", "", ""] and stream.stopped
+    assert stream.finish() == "" and stream.text() == "ab éSTx"
+    plain = TextStream(_Bytes())
+    assert [plain.push(t) for t in (104, 105, 256)] == ["h", "i", ""] and plain.finish() == ""
