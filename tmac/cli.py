@@ -23,6 +23,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.debug:  # a warning is one line for a person, not a source line of tmac's
         warnings.showwarning = _show_warning
     try:
+        if getattr(args, "model", None) and args.func is not cmd_pull:
+            from .models.hub import resolve
+
+            args.model_name, args.model = args.model, resolve(args.model)
         return args.func(args) or 0
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
@@ -56,6 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     sub = p.add_subparsers(dest="command", required=True)
+
+    pull = sub.add_parser("pull", parents=[common], help="download a model from the Hugging Face hub into its cache")
+    pull.add_argument("model", metavar="ORG/NAME[:FILE.gguf]",
+                      help="a repo id: its GGUF (Q4_K_M where it has several), or its Hugging Face directory's "
+                           "config, safetensors and tokenizer; :FILE.gguf names one GGUF")
+    pull.set_defaults(func=cmd_pull)
 
     info = sub.add_parser("info", parents=[common], help="CPU features, kernel ISA, threads, versions, kernel cache")
     info.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
@@ -165,6 +175,16 @@ def cmd_info(args) -> int:
         ("kernel dir", kernel_dir or "(none; set TMAC_KERNEL_DIR)"),
         ("huge pages", facts["huge_pages"]),
     ])
+    return 0
+
+
+def cmd_pull(args) -> int:
+    from .models.hub import is_repo_id, pull
+
+    if not is_repo_id(args.model):
+        raise ValueError(f"{args.model!r} is not a Hugging Face repo id (ORG/NAME, or ORG/NAME:FILE.gguf)")
+    path = pull(args.model)
+    print(f"{args.model}: {path}\nrun it: tmac run {args.model} -p \"Hello\"")
     return 0
 
 
@@ -310,7 +330,7 @@ def _compile_next_step(args, isa, output: str) -> str:
     """The command that runs what was compiled, with the options that chose the kernels."""
     from .cpu import machine_arch
 
-    run = ["tmac", "run"] + ([args.model] if args.model else [])
+    run = ["tmac", "run"] + ([getattr(args, "model_name", args.model)] if args.model else [])
     for flag, value in (("--bits", args.bits), ("--group-size", args.group_size), ("--head-bits", args.head_bits)):
         if value is not None and not args.shape:
             run += [flag, str(value)]
@@ -336,6 +356,20 @@ def _shape_specs(args, isa):
 
 # ---- tune ----------------------------------------------------------------------------------------------------------
 
+def tune_work(args) -> list:
+    """The (format, K) pairs ``tmac tune`` times: a model's, or --bits × --k with each K's group size."""
+    if args.model:
+        return model_formats(args.model)
+    work = []
+    for k in _int_list(args.k, "--k"):
+        group = parse_group_size(args.group_size) if args.group_size else default_group_size(k)
+        if group is None:
+            raise ValueError(f"--k {k}: no group size divides it; give --group-size {PER_ROW}")
+        work += [(WeightFormat.ternary_format(group), k)] if args.ternary else \
+            [(WeightFormat.rtn(b, group, args.symmetric), k) for b in _int_list(args.bits, "--bits", BITS)]
+    return work
+
+
 def cmd_tune(args) -> int:
     from . import tuning
     from .choose import tuning_file
@@ -344,16 +378,7 @@ def cmd_tune(args) -> int:
     from .progress import Progress
 
     isa = best_isa()
-    if args.model:
-        work = model_formats(args.model)
-    else:
-        work = []
-        for k in _int_list(args.k, "--k"):
-            group = parse_group_size(args.group_size) if args.group_size else default_group_size(k)
-            if group is None:
-                raise ValueError(f"--k {k}: no group size divides it; give --group-size {PER_ROW}")
-            work += [(WeightFormat.ternary_format(group), k)] if args.ternary else \
-                [(WeightFormat.rtn(b, group, args.symmetric), k) for b in _int_list(args.bits, "--bits", BITS)]
+    work = tune_work(args)
     rows = []
     for i, (fmt, k) in enumerate(work, 1):
         defaults = spec_for_format(fmt, k, isa, unroll=0)  # a tiling argument: the defaults, not earlier tuning

@@ -1,0 +1,165 @@
+"""Models by name: a Hugging Face repo id (``ORG/NAME``, or ``ORG/NAME:FILE.gguf`` for one GGUF of a repo) resolved to
+a local path through ``huggingface_hub``'s cache — downloaded once, with its progress bars, then found offline
+(``HF_HUB_OFFLINE=1`` never touches the network).
+
+Only the files tmac reads are fetched: a GGUF, or a Hugging Face directory's config, safetensors and tokenizer
+files — never pickles or code. A repo of several GGUFs without a file named gives llama.cpp's and ollama's usual
+default, Q4_K_M, where the repo has one.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+# what a Hugging Face directory load reads (models/hf_loader.py, models/tokenizer.py, models/gptq.py)
+DIRECTORY_FILES = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
+                   "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "quantize_config.json"]
+PREFERRED_GGUF = ("Q4_K_M", "Q4_0", "Q8_0")  # the first a repo has, when no file is named
+_REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
+
+
+def is_repo_id(source: str) -> bool:
+    """Whether ``source`` names a Hugging Face repo (``ORG/NAME[:FILE]``) rather than a local path."""
+    repo, _, file = source.partition(":")
+    return bool(_REPO_ID.match(repo)) and ".." not in repo and (not file or file.endswith(".gguf"))
+
+
+def offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _cache_dir() -> str | None:
+    """The hub cache as the environment says now (huggingface_hub reads it once, when first imported)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return os.environ["HF_HUB_CACHE"]
+    if os.environ.get("HF_HOME"):
+        return os.path.join(os.environ["HF_HOME"], "hub")
+    return None
+
+
+def resolve(source: str) -> str:
+    """The local path of a model named ``source``: itself where it exists, else the repo's file or directory from
+    the Hugging Face cache, downloading what the cache lacks (unless offline). What the cache has is used without
+    asking the hub (as ollama does: pulled once, then run as it is; ``tmac pull`` again to refresh)."""
+    if os.path.exists(source) or not is_repo_id(source):
+        return source
+    try:
+        import huggingface_hub  # noqa: F401
+    except ImportError:
+        raise FileNotFoundError(f"no such model file: {source} (as a Hugging Face repo id it needs the "
+                                f"huggingface_hub package: pip install huggingface_hub)") from None
+    try:
+        return _resolve(source, refresh=False)
+    except Exception as e:  # huggingface_hub's own errors: not cached offline, no such repo, no network
+        if isinstance(e, (FileNotFoundError, ValueError)) and not type(e).__module__.startswith("huggingface_hub"):
+            raise
+        raise FileNotFoundError(_explain(source, e)) from None
+
+
+def pull(source: str) -> str:
+    """``resolve``, asking the hub for the repo's newest files even where the cache has some."""
+    try:
+        return _resolve(source, refresh=True)
+    except Exception as e:
+        if isinstance(e, (FileNotFoundError, ValueError)) and not type(e).__module__.startswith("huggingface_hub"):
+            raise
+        raise FileNotFoundError(_explain(source, e)) from None
+
+
+def _resolve(source: str, refresh: bool) -> str:
+    repo, _, file = source.partition(":")
+    local = offline() or not refresh and _cached_snapshot(repo) is not None
+    if not local:
+        _check_reachable()
+    if file:
+        return _download(repo, file, local)
+    files = _repo_files(repo, local)
+    if "config.json" in files:
+        return _snapshot(repo, DIRECTORY_FILES, local)
+    ggufs = sorted(f for f in files if f.endswith(".gguf"))
+    if not ggufs:
+        raise FileNotFoundError(f"{source}: the repo has neither a config.json nor a GGUF file")
+    chosen = _choose_gguf(ggufs)
+    if chosen is None:
+        raise ValueError(f"{source} holds {len(ggufs)} GGUF files; name one as {repo}:FILE — "
+                         + ", ".join(ggufs[:12]) + (" …" if len(ggufs) > 12 else ""))
+    return _download(repo, chosen, local)
+
+
+def _choose_gguf(ggufs: list[str]) -> str | None:
+    if len(ggufs) == 1:
+        return ggufs[0]
+    for kind in PREFERRED_GGUF:
+        hits = [f for f in ggufs if kind.lower() in os.path.basename(f).lower()]
+        if len(hits) == 1:
+            return hits[0]
+    return None
+
+
+def _download(repo: str, file: str, local: bool) -> str:
+    from huggingface_hub import hf_hub_download
+
+    return hf_hub_download(repo, file, cache_dir=_cache_dir(), local_files_only=local, library_name="tmac")
+
+
+def _snapshot(repo: str, patterns: list[str], local: bool) -> str:
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(repo, allow_patterns=patterns, cache_dir=_cache_dir(), local_files_only=local,
+                             library_name="tmac")
+
+
+def _repo_files(repo: str, local: bool) -> list[str]:
+    """The repo's files: from the hub, or from the cached snapshot."""
+    if not local:
+        from huggingface_hub import HfApi
+
+        return HfApi().list_repo_files(repo)
+    snapshot = _snapshot(repo, ["*"], local=True)
+    return [os.path.relpath(os.path.join(d, f), snapshot).replace(os.sep, "/")
+            for d, _, names in os.walk(snapshot) for f in names]
+
+
+def _cached_snapshot(repo: str) -> str | None:
+    try:
+        return _snapshot(repo, ["*"], local=True)
+    except Exception:
+        return None
+
+
+class HubUnreachable(Exception):
+    pass
+
+
+def _check_reachable(timeout: float = 5.0) -> None:
+    """Fail at once where the hub's host cannot be reached (huggingface_hub would retry for half a minute)."""
+    import socket
+    import urllib.parse
+
+    from huggingface_hub import constants
+
+    host = urllib.parse.urlparse(constants.ENDPOINT).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+    except OSError as e:
+        raise HubUnreachable(f"{host}: {e}") from None
+
+
+def _explain(source: str, e: Exception) -> str:
+    name = type(e).__name__
+    return f"no such local file or directory {source}; as a Hugging Face repo id: " + _hub_problem(source, e, name)
+
+
+def _hub_problem(source: str, e: Exception, name: str) -> str:
+    if name in ("LocalEntryNotFoundError", "OfflineModeIsEnabled", "HubUnreachable") or offline():
+        return (f"it is not in the Hugging Face cache ({_cache_dir() or 'the default one'})"
+                + (" and HF_HUB_OFFLINE is set" if offline() else " and the hub cannot be reached")
+                + f": fetch it where there is a network with `tmac pull {source}`")
+    if name in ("RepositoryNotFoundError", "GatedRepoError"):
+        return "no such repo, or it needs a login (hf auth login)"
+    if name in ("EntryNotFoundError", "RemoteEntryNotFoundError"):
+        return "the repo has no such file"
+    return f"cannot fetch it from the hub ({name}: {str(e).splitlines()[0] if str(e) else ''})"
+
