@@ -145,8 +145,19 @@ def read_manifest(path: str) -> tuple[dict, list]:
 def write_manifest(directory: str, isa, entries: list[dict]) -> None:
     manifest = {"format": MANIFEST_FORMAT, "arch": isa.arch, "isa": isa.name, "tvm_version": tvm_version(),
                 "kernels": entries}
-    atomic_write_text(os.path.join(directory, MANIFEST + ".tmp"), json.dumps(manifest, indent=1))
-    os.replace(os.path.join(directory, MANIFEST + ".tmp"), os.path.join(directory, MANIFEST))
+    atomic_write_text(os.path.join(directory, MANIFEST), json.dumps(manifest, indent=1))
+
+
+def add_to_manifest(directory: str, isa, entries: dict[str, dict]) -> int:
+    """Add ``entries`` (by name) to ``directory``'s manifest: read, merged and written under a lock, so that
+    processes compiling into one directory at once keep each other's kernels. Returns how many it lists."""
+    fd = lock_file(os.path.join(directory, ".manifest.lock"))
+    try:
+        merged = {**read_manifest_for_update(directory, isa), **entries}
+        write_manifest(directory, isa, list(merged.values()))
+        return len(merged)
+    finally:
+        os.close(fd)
 
 
 warned_dirs: set[str] = set()
@@ -255,7 +266,18 @@ def lock_file(path: str) -> int:
 
 
 def atomic_write_text(path: str, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+    """Write ``text`` to ``path`` whole or not at all: through a temporary file of its own in the same directory,
+    created exclusively (a link or directory planted at a predictable name is never followed or in the way), then
+    renamed over ``path``."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=f".{os.path.basename(path)}.",
+                               suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    finally:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)

@@ -8,6 +8,7 @@ import importlib.metadata
 import json
 import os
 import sys
+import tempfile
 import time
 import warnings
 
@@ -306,22 +307,29 @@ def cmd_compile(args) -> int:
         if not specs:
             raise ValueError(f"{path}: every projection is float; nothing to compile (give --bits to quantize)")
     output = args.output or f"tmac-kernels-{isa.name}"
-    entries = cache.read_manifest_for_update(output, isa)
-    rows = []
+    cache.read_manifest_for_update(output, isa)  # refuses a directory of another ISA before compiling
+    entries, rows = {}, []
     for i, spec in enumerate(specs, 1):
         print(f"[{i}/{len(specs)}] compiling {spec.name} ({linker.name}) ...", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         path = os.path.join(output, spec.name + ".so")
-        build_library(spec, isa, path + ".tmp")
-        os.replace(path + ".tmp", path)
+        fd, tmp = tempfile.mkstemp(dir=output, prefix=".build-", suffix=".so")
+        os.close(fd)
+        try:
+            build_library(spec, isa, tmp)
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, path)
+        finally:
+            if os.path.lexists(tmp):
+                os.unlink(tmp)
         entries[spec.name] = cache.kernel_entry(spec, isa, os.path.basename(path), cache.sha256(path),
                                                   os.path.getsize(path))
         rows.append((spec.name, getattr(spec, "k", "-"), getattr(spec, "bits", "-"), getattr(spec, "group_size", "-"),
                      f"{time.perf_counter() - t0:.2f}", os.path.getsize(path)))
-    cache.write_manifest(output, isa, list(entries.values()))
+    listed = cache.add_to_manifest(output, isa, entries)
     _print_table(rows, header=("kernel", "K", "bits", "group", "seconds", "bytes"))
     print(f"wrote {len(rows)} kernel(s) to {os.path.abspath(output)} ({isa.arch}, {isa.name}; manifest.json lists "
-          f"{len(entries)})")
+          f"{listed})")
     print(_compile_next_step(args, isa, output))
     return 0
 

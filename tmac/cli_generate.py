@@ -226,6 +226,9 @@ def cmd_convert(args) -> int:
 
     if args.group_size is not None and args.bits is None:
         raise ValueError("--group-size needs --bits")
+    from .files import check_output
+
+    check_output(args.output, [args.model])  # before the conversion, not after it
     out_dir = os.path.dirname(os.path.abspath(args.output))
     if not os.path.isdir(out_dir) or not os.access(out_dir, os.W_OK):  # before the conversion, not after it
         raise ValueError(f"-o {args.output}: the directory {out_dir} does not exist or is not writable")

@@ -56,3 +56,30 @@ def parse_json(text: str | bytes, what: str):
 def read_json(path: str, max_bytes: int):
     """The JSON value in ``path`` (a regular file of at most ``max_bytes``); ``ValueError`` naming the file."""
     return parse_json(read_regular(path, max_bytes), path)
+
+
+_KINDS = {stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device", stat.S_IFIFO: "a FIFO",
+          stat.S_IFSOCK: "a socket", stat.S_IFDIR: "a directory"}
+
+
+def check_output(path: str, inputs=()) -> None:
+    """Refuse to write ``path`` where writing would destroy something: an existing path that is not a regular file
+    (a device such as /dev/null would be replaced by a file, as root too), or one of ``inputs`` — the same file by
+    another name, a hard link or a symbolic one — or a file inside an input directory."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise ValueError(f"{path}: cannot check the output path ({e.strerror})") from None
+    if not stat.S_ISREG(st.st_mode):
+        kind = _KINDS.get(stat.S_IFMT(st.st_mode), "not a regular file")
+        raise ValueError(f"{path} is {kind}: tmac writes its output to a regular file (a new one, or one it replaces)")
+    real = os.path.realpath(path)
+    for source in inputs:
+        if source is None or not os.path.exists(source):
+            continue
+        if os.path.samefile(path, source):
+            raise ValueError(f"{path} is the input {source}: writing it would destroy the input; choose another path")
+        if os.path.isdir(source) and real.startswith(os.path.realpath(source) + os.sep):
+            raise ValueError(f"{path} is a file of the input directory {source}: choose a path outside it")

@@ -207,9 +207,8 @@ def _from_cache(spec: KernelSpec, isa, progress: bool) -> str:
             build_library(spec, isa, tmp)
             os.chmod(tmp, 0o644)
             entry = kernel_entry(spec, isa, os.path.basename(so), sha256(tmp), os.path.getsize(tmp))
-            atomic_write_text(meta + ".tmp", json.dumps(entry, indent=1))
             os.replace(tmp, so)
-            os.replace(meta + ".tmp", meta)
+            atomic_write_text(meta, json.dumps(entry, indent=1))
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)

@@ -60,6 +60,7 @@ def save(model: nn.Module, path: str | os.PathLike, model_info: dict | None = No
     if model_info is not None:
         meta["tmac_model"] = json.dumps(model_info)
     path = os.fspath(path)
+    files.check_output(path)
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".tmac-save-")
     os.close(fd)
     try:
