@@ -99,12 +99,13 @@ def _render_bounded(source: str, context: dict) -> str:
     import select
     import signal
     import time
-    import warnings
 
     read_end, write_end = os.pipe()
-    with warnings.catch_warnings():  # the child only renders: no other thread's locks are taken in it
-        warnings.simplefilter("ignore", DeprecationWarning)
-        pid = os.fork()
+    pid = _fork()
+    if pid is None:  # the system lets this process start no other now: render here, under its time limit
+        os.close(read_end)
+        os.close(write_end)
+        return _render_here(source, context)
     if pid == 0:
         _render_child(source, context, read_end, write_end)  # never returns
     os.close(write_end)
@@ -141,6 +142,23 @@ def _render_bounded(source: str, context: dict) -> str:
 
 
 TEMPLATE_MEMORY = 512 << 20  # bytes a render may allocate (in its child)
+
+
+def _fork() -> int | None:
+    """``os.fork()``, tried again after a moment when the system has no process to spare (EAGAIN: a pids limit, or
+    many threads starting at once); None when it still has none."""
+    import time
+    import warnings
+
+    for pause in (0.05, 0.2, 0.5, None):
+        try:
+            with warnings.catch_warnings():  # the child only renders: no other thread's locks are taken in it
+                warnings.simplefilter("ignore", DeprecationWarning)
+                return os.fork()
+        except BlockingIOError:
+            if pause is None:
+                return None
+            time.sleep(pause)
 
 
 @functools.cache

@@ -124,3 +124,21 @@ def test_readme_tables_are_made_from_the_format_table_and_the_isa_descriptions()
             if f.endswith((".py", ".md", ".toml", ".txt")) or f == "Makefile":
                 path = os.path.join(base, f)
                 assert not numbered.search(open(path, errors="replace").read()), f"{path} numbers working sessions"
+
+
+def test_a_chat_template_renders_when_the_system_refuses_a_process(monkeypatch):
+    """fork() fails with EAGAIN under a pids limit or while many threads start: the render waits a moment, then
+    runs here under its time limit, instead of a BlockingIOError."""
+    import os
+
+    from tmac.models import chat_template
+
+    calls = []
+
+    def refuse():
+        calls.append(1)
+        raise BlockingIOError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(os, "fork", refuse)
+    template = chat_template.compile_template("{% for m in messages %}[{{ m.role }}] {{ m.content }}{% endfor %}")
+    assert template(messages=[{"role": "user", "content": "hi"}]) == "[user] hi" and len(calls) == 4
