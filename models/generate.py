@@ -59,7 +59,8 @@ def next_token(logits: torch.Tensor, history: list[int], temperature: float = 0.
         cum = sorted_logits.softmax(-1).cumsum(-1)
         drop = cum - sorted_logits.softmax(-1) >= top_p  # keep the smallest prefix reaching top_p
         logits[order[drop]] = float("-inf")
-    probs = (logits / temperature).softmax(-1)
+    # (the largest first: a tiny temperature then sends the others to -inf, not every logit to ±inf and NaN)
+    probs = ((logits - logits.max()).double() / temperature).softmax(-1)
     return int(torch.multinomial(probs, 1, generator=generator))
 
 

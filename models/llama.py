@@ -24,6 +24,8 @@ from tmac.glue import ACTIVATIONS, KV_BLOCK, check_kv_dtype
 from tmac.memory import available_bytes, huge_page_full
 
 
+KV_MEMORY_SHARE = 0.8  # of the available memory a KV cache may take
+
 # upper bounds far above any real model: a config from a file is untrusted, and sizes drive allocations
 LIMITS = {"vocab_size": 1 << 22, "dim": 1 << 16, "n_layers": 1 << 10, "n_heads": 1 << 10, "n_kv_heads": 1 << 10,
           "ffn_dim": 1 << 18, "head_dim": 1 << 12, "context_length": 1 << 24}
@@ -250,9 +252,11 @@ class Transformer(nn.Module):
         blocks, dtype = -(-context // KV_BLOCK), getattr(torch, kv_dtype)
         need = 2 * cfg.n_layers * cfg.n_kv_heads * blocks * KV_BLOCK * cfg.head_dim * dtype.itemsize
         free = available_bytes()
-        if free is not None and need > free + self.cache_bytes():  # the old cache's memory comes back first
-            raise ValueError(f"a KV cache of {context} positions ({kv_dtype}) needs {need / 2**30:.1f} GiB, more "
-                             f"than the {free / 2**30:.1f} GiB of memory available: give a smaller context")
+        # the old cache's memory comes back first; a margin stays for the activations and the process around it
+        if free is not None and need > (free + self.cache_bytes()) * KV_MEMORY_SHARE:
+            raise ValueError(f"a KV cache of {context} positions ({kv_dtype}) needs {need / 2**30:.2f} GiB, more "
+                             f"than {KV_MEMORY_SHARE:.0%} of the {free / 2**30:.2f} GiB of memory available "
+                             f"(the machine's, or its container's): give a smaller context")
         if context > cfg.context_length:
             warnings.warn(f"context {context} is longer than the {cfg.context_length} positions the model was "
                           f"trained for: text past them is likely to degrade", stacklevel=3)

@@ -97,3 +97,58 @@ def test_a_link_planted_at_a_temporary_name_is_not_followed(tmp_path):
     atomic_write_text(str(tmp_path / "manifest.json"), "{}")
     assert victim.read_text() == "precious" and (tmp_path / "manifest.json").read_text() == "{}"
     assert sorted(os.listdir(tmp_path)) == [".manifest.json.tmp", "manifest.json", "manifest.json.tmp", "victim"]
+
+
+def _limited(limit: int, *args, env=None):
+    """``tmac ARGS`` in a process that may write files of at most ``limit`` bytes (RLIMIT_FSIZE, as ulimit -f)."""
+    import resource
+
+    def cap():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return subprocess.run([sys.executable, "-m", "tmac.cli", *args], capture_output=True, text=True, timeout=600,
+                          preexec_fn=cap, env=env)
+
+
+def test_convert_past_the_file_size_limit_says_so_and_leaves_nothing(gguf, tmp_path):
+    out = tmp_path / "out.tmac"
+    (tmp_path / ".tmac-save-999999999-stale").write_bytes(b"left by a killed convert")  # (no such process)
+    r = _limited(100_000, "convert", str(gguf), "-o", str(out))
+    assert r.returncode == 1 and "file-size limit (ulimit -f)" in r.stderr and "MiB needed" in r.stderr, r.stderr
+    assert "unexpected" not in r.stderr and sorted(os.listdir(tmp_path)) == ["model.gguf"]
+
+
+@pytest.mark.parametrize("command", ["run", "compile"])
+def test_a_cold_compile_past_the_file_size_limit_says_so_and_leaves_no_lock(gguf, tmp_path, command):
+    cache = tmp_path / "cache"
+    env = dict(os.environ, TMAC_CACHE_DIR=str(cache))
+    args = ["run", str(gguf), "-p", "Hi", "-n", "2", "--no-chat"] if command == "run" else \
+        ["compile", "--shape", "256x256", "--bits", "4", "-o", str(tmp_path / "k")]
+    r = _limited(20_000, *args, env=env)
+    assert r.returncode == 1 and "ulimit -f" in r.stderr and "unexpected" not in r.stderr, r.stderr
+    left = [n for _, _, names in os.walk(tmp_path) for n in names if n.endswith((".lock", ".so", ".tmp"))]
+    assert not left, left
+
+
+def test_temporaries_of_killed_processes_are_removed_and_a_file_named_damaged_heals(gguf, tmp_path, monkeypatch,
+                                                                                      capsys):
+    from tmac.cache import cache_dir
+
+    monkeypatch.setenv("TMAC_CACHE_DIR", str(tmp_path / "cache"))
+    d = cache_dir()
+    os.makedirs(d)
+    open(os.path.join(d, ".build-999999999-abc.so"), "wb").write(b"\x7fELF half a library")
+    open(os.path.join(d, ".damaged"), "w").write("a file where the quarantine directory goes")
+    from tmac import runtime
+
+    monkeypatch.setattr(runtime, "_loaded", {})
+    assert cli.main(["run", str(gguf), "-p", "Hi", "-n", "2", "--no-chat"]) == 0
+    library = sorted(n for n in os.listdir(d) if n.startswith("lut_") and n.endswith(".so"))[0]
+    with open(os.path.join(d, library), "r+b") as f:  # damage one library: it must be moved aside, rebuilt
+        f.write(b"garbage!")
+    r = subprocess.run([sys.executable, "-m", "tmac.cli", "run", str(gguf), "-p", "Hi", "-n", "2", "--no-chat"],
+                       capture_output=True, text=True, timeout=600)  # a fresh process: nothing loaded yet
+    assert r.returncode == 0 and "moved to" in r.stderr, r.stderr
+    names = os.listdir(d)
+    assert not [n for n in names if n.startswith(".build-")] and os.path.isdir(os.path.join(d, ".damaged"))
+    assert any(n.startswith(".damaged-not-a-directory.") for n in names)

@@ -57,7 +57,12 @@ def measured_threads(threads_list: list[int], notes: list[str]):
 
     import tmac
 
+    from .cpu import usable_cpus
+
     for threads in threads_list:
+        if threads > usable_cpus():
+            notes.append(f"{threads} threads skipped: this process may use {usable_cpus()} CPUs")
+            continue
         busy = cpu_busy_fraction() if threads > 1 else 0.0
         if busy > BUSY_LIMIT:
             notes.append(f"machine busy ({busy:.0%} of CPUs): {threads}-thread numbers skipped")

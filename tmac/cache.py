@@ -20,7 +20,7 @@ import warnings
 
 from .elf import check_library
 from .errors import KernelUnavailableError
-from .files import read_json
+from .files import disk_problem, read_json
 from .spec import KernelSpec
 
 
@@ -239,6 +239,8 @@ def cached_library(d: str, spec: KernelSpec, isa) -> str | None:
 def _quarantine(d: str, paths: list[str], why: Exception) -> None:
     """Move damaged cache files aside (``.damaged/``, kept for a look) so the entry is rebuilt."""
     aside = os.path.join(d, ".damaged")
+    if os.path.lexists(aside) and not (os.path.isdir(aside) and not os.path.islink(aside)):
+        os.replace(aside, os.path.join(d, f".damaged-not-a-directory.{time.time_ns()}"))  # its place is needed
     os.makedirs(aside, mode=0o700, exist_ok=True)
     stamp = f"{time.time_ns()}"
     moved = []
@@ -272,10 +274,13 @@ def atomic_write_text(path: str, text: str) -> None:
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=f".{os.path.basename(path)}.",
                                suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            raise (disk_problem(path, e, len(text)) or e) from None
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     finally:

@@ -82,8 +82,8 @@ def _load(args):
     if args.threads is not None:
         if args.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {args.threads}")
-        tmac.set_num_threads(args.threads)
-        torch.set_num_threads(args.threads)
+        tmac.set_num_threads(args.threads)  # (at most the CPUs this process may use)
+        torch.set_num_threads(tmac.get_num_threads())
     else:
         torch.set_num_threads(tmac.get_num_threads())
     t0 = time.perf_counter()
@@ -269,16 +269,17 @@ def _size_of(path: str) -> int:
 def cmd_chat(args) -> int:
     from .models.generate import Session
 
+    if sys.stdin is None or sys.stdin.closed:
+        raise ValueError("tmac chat reads its messages from standard input, which is closed; for one prompt use "
+                         "tmac run -p TEXT")
     model, load_s = _load(args)
     session = Session(model)
     print(f"tmac chat: {model.source} loaded in {load_s:.1f} s. /reset starts over, /exit quits, Ctrl-C stops an "
           f"answer.", file=sys.stderr)
     messages: list[dict] = []
     while True:
-        try:
-            line = input("> ")
-        except (EOFError, KeyboardInterrupt):
-            print()
+        line = _read_line("> ")
+        if line is None:
             return 0
         if line.strip() == "/exit":
             return 0
@@ -290,19 +291,39 @@ def cmd_chat(args) -> int:
             continue
         messages.append({"role": "user", "content": line})
         try:
-            ids, dropped = fit_context(model, args, messages)
+            answered = _chat_turn(model, session, args, messages)
+        except KeyboardInterrupt:  # before the answer began: the conversation goes on without this message
+            answered = False
+            print("\n(interrupted)", file=sys.stderr)
         except ValueError as e:
-            messages.pop()
+            answered = False
             print(f"error: {e}", file=sys.stderr)
+        if not answered:
+            messages.pop()
             continue
-        if dropped:
-            print(f"(context full: dropped the {dropped} oldest exchange{'s' if dropped > 1 else ''})", file=sys.stderr)
-        with CtrlCStops() as ctrl_c:
-            streamer = Streamer(model.tokenizer, tuple(args.stop), sys.stdout, ctrl_c)
-            try:
-                session.generate(ids, callback=streamer, **_sampling(args))
-            except (Interrupted, KeyboardInterrupt):
-                session.stats["stop_reason"] = "interrupted"
-        messages.append({"role": "assistant", "content": streamer.finish()})
         print()
         print(_stats_line(_stats(session, load_s)), file=sys.stderr)
+
+
+def _read_line(prompt: str) -> str | None:
+    """A line from standard input, None at its end (Ctrl-D) or on Ctrl-C while waiting."""
+    try:
+        return input(prompt)
+    except (EOFError, KeyboardInterrupt, RuntimeError):  # (RuntimeError: standard input was closed meanwhile)
+        print()
+        return None
+
+
+def _chat_turn(model, session, args, messages: list[dict]) -> bool:
+    """Answer the last user message, streaming; Ctrl-C during the answer stops it and keeps what was said."""
+    ids, dropped = fit_context(model, args, messages)
+    if dropped:
+        print(f"(context full: dropped the {dropped} oldest exchange{'s' if dropped > 1 else ''})", file=sys.stderr)
+    with CtrlCStops() as ctrl_c:
+        streamer = Streamer(model.tokenizer, tuple(args.stop), sys.stdout, ctrl_c)
+        try:
+            session.generate(ids, callback=streamer, **_sampling(args))
+        except (Interrupted, KeyboardInterrupt):
+            session.stats["stop_reason"] = "interrupted"
+    messages.append({"role": "assistant", "content": streamer.finish()})
+    return True

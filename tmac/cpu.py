@@ -86,3 +86,34 @@ def physical_cores() -> int:
         except OSError:
             cores.add(("?", cpu))
     return max(1, len(cores))
+
+
+@functools.lru_cache(maxsize=1)
+def usable_cpus() -> int:
+    """CPUs this process may run on at once: its affinity mask, capped by a cgroup CPU quota (a container's
+    ``--cpus``), rounded up."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:
+        n = os.cpu_count() or 1
+    quota = _cgroup_cpu_quota()
+    return max(1, min(n, quota) if quota else n)
+
+
+def _cgroup_cpu_quota() -> int | None:
+    import math
+
+    try:  # cgroup v2: "max 100000" or "200000 100000"
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            quota, period = f.read().split()[:2]
+        return None if quota == "max" else max(1, math.ceil(int(quota) / int(period)))
+    except (OSError, ValueError, ZeroDivisionError):
+        pass
+    try:  # cgroup v1
+        with open("/sys/fs/cgroup/cpu/cpu.cfs_quota_us") as f:
+            quota = int(f.read())
+        with open("/sys/fs/cgroup/cpu/cpu.cfs_period_us") as f:
+            period = int(f.read())
+        return None if quota <= 0 else max(1, math.ceil(quota / period))
+    except (OSError, ValueError, ZeroDivisionError):
+        return None

@@ -83,3 +83,96 @@ def check_output(path: str, inputs=()) -> None:
             raise ValueError(f"{path} is the input {source}: writing it would destroy the input; choose another path")
         if os.path.isdir(source) and real.startswith(os.path.realpath(source) + os.sep):
             raise ValueError(f"{path} is a file of the input directory {source}: choose a path outside it")
+
+
+def temp_prefix(kind: str) -> str:
+    """The name prefix of this process's temporary files of ``kind`` (``remove_stale_temps`` finds the dead's)."""
+    return f".{kind}-{os.getpid()}-"
+
+
+def remove_stale_temps(directory: str, kind: str) -> int:
+    """Remove the temporary files of ``kind`` that processes no longer running left in ``directory`` (killed while
+    writing); returns how many. Only this user's regular files are touched."""
+    import re
+
+    pattern, removed = re.compile(rf"^\.{re.escape(kind)}-(\d+)-"), 0
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return 0
+    for name in names:
+        m = pattern.match(name)
+        if not m or int(m.group(1)) == os.getpid() or _alive(int(m.group(1))):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            st = os.lstat(path)
+            if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid():
+                os.unlink(path)
+                removed += 1
+        except OSError:
+            pass
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True
+
+
+def disk_problem(path: str, error: BaseException, needed: int | None = None) -> OSError | None:
+    """An ``OSError`` saying in words that writing at ``path`` failed for want of space (a full filesystem, a quota,
+    a file-size limit), if that is what ``error`` (or the tool output it carries) says; else None."""
+    import errno
+    import shutil
+
+    text = str(error)
+    codes = {errno.ENOSPC: "no space left on the filesystem", errno.EDQUOT: "the disk quota is exhausted",
+             errno.EFBIG: "the file grew past this process's file-size limit (ulimit -f)"}
+    code = getattr(error, "errno", None)
+    if code not in codes:
+        code = next((c for c, words in ((errno.ENOSPC, "No space left"), (errno.EDQUOT, "Disk quota exceeded"),
+                                        (errno.EFBIG, "File too large")) if words in text), None)
+    if code is None:
+        return None
+    directory = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    try:
+        free = f"{shutil.disk_usage(directory).free / 2**20:.1f} MiB free there"
+    except OSError:
+        free = "its free space unknown"
+    need = f", {needed / 2**20:.1f} MiB needed" if needed else ""
+    problem = OSError(f"cannot write {path}: {codes[code]} ({free}{need}); nothing was left half-written")
+    problem.errno = code
+    return problem
+
+
+def check_room(directory: str, need: int) -> None:
+    """Raise an ``OSError`` in words unless ``need`` bytes can be written in ``directory``: free space there and in
+    the temporary directory, and this process's file-size limit (a compiler that runs out of either mid-way aborts
+    the whole process)."""
+    import errno
+    import resource
+    import shutil
+    import tempfile
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if soft != resource.RLIM_INFINITY and soft < need:
+        problem = OSError(f"cannot write kernels: this process may write files of at most {soft} bytes (ulimit -f), "
+                          f"a kernel needs up to {need >> 20} MiB")
+        problem.errno = errno.EFBIG
+        raise problem
+    for where in (directory, tempfile.gettempdir()):
+        try:
+            free = shutil.disk_usage(where).free
+        except OSError:
+            continue
+        if free < need:
+            problem = OSError(f"cannot write kernels: no space left on the filesystem of {where} "
+                              f"({free / 2**20:.1f} MiB free, {need >> 20} MiB needed)")
+            problem.errno = errno.ENOSPC
+            raise problem

@@ -118,11 +118,21 @@ class Linear(nn.Module):
     def _set_packed(self, packed: PackedWeight, bias: torch.Tensor | None) -> None:
         self.spec = packed.spec
         self._spec_json = packed.spec.to_json()
-        self.in_features, self.out_features = packed.spec.k, packed.m
+        self._shape = (packed.m, packed.spec.k)
         self.register_buffer("qweight", _tensor(packed.weights))
         self.register_buffer("scales", _tensor(packed.scales))
         self.register_buffer("zeros", None if packed.zeros is None else _tensor(packed.zeros))
         self.register_buffer("bias", bias)
+
+    # the shape is the packed weights': read-only, since the kernel call trusts it (a larger out_features would
+    # return uninitialised memory)
+    @property
+    def out_features(self) -> int:
+        return self._shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self._shape[1]
 
     @classmethod
     def _empty(cls, extra: dict, qweight, kernel_dir: str | None = None) -> "Linear":
@@ -232,6 +242,9 @@ class Linear(nn.Module):
             if has_bias != (self.bias is not None):
                 raise ValueError(f"checkpoint {'has' if has_bias else 'lacks'} a bias, this layer "
                                  f"{'does not' if has_bias else 'does'}")
+            if not has_bias and prefix + "bias" in state_dict and state_dict[prefix + "bias"] is not None:
+                raise ValueError("the saved state says bias: false but holds a bias tensor: the file contradicts "
+                                 "itself (damaged, or edited)")
             tensors = {}
             for name in names[:-1]:
                 if name == "zeros" and not fmt.has_zeros or name == "bias" and not has_bias:

@@ -13,6 +13,7 @@ import ctypes
 import functools
 import math
 import mmap
+import os
 import re
 import sys
 from typing import TYPE_CHECKING
@@ -55,16 +56,54 @@ def peak_rss_mib(pid: int | str = "self") -> float | None:
     return peak / 2**20 if sys.platform == "darwin" else peak / 1024
 
 
-@functools.cache
 def available_bytes() -> int | None:
-    """Memory the kernel says a new allocation can take without swapping (``MemAvailable``), None where unknown."""
+    """Memory a new allocation can take without swapping or being killed: the kernel's ``MemAvailable``, or less where
+    this process's cgroup (a container) has a lower limit left; None where neither is known."""
+    found = []
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    found.append(int(line.split()[1]) * 1024)
+                    break
     except (OSError, ValueError, IndexError):
         pass
+    left = cgroup_memory_left()
+    if left is not None:
+        found.append(left)
+    return min(found) if found else None
+
+
+def cgroup_memory_left() -> int | None:
+    """Bytes this process's memory cgroup may still charge (its limit less its usage), None without a limit."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            groups = f.read().splitlines()
+    except OSError:
+        return None
+    for line in groups:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        if parts[0] == "0" and parts[1] == "":  # cgroup v2
+            base = os.path.join("/sys/fs/cgroup", parts[2].lstrip("/"))
+            files = ("memory.max", "memory.current")
+        elif "memory" in parts[1].split(","):  # cgroup v1
+            base = os.path.join("/sys/fs/cgroup/memory", parts[2].lstrip("/"))
+            files = ("memory.limit_in_bytes", "memory.usage_in_bytes")
+        else:
+            continue
+        for directory in (base, os.path.dirname(base.rstrip("/"))):  # (inside a container: its own root)
+            try:
+                with open(os.path.join(directory, files[0])) as f:
+                    limit = f.read().strip()
+                with open(os.path.join(directory, files[1])) as f:
+                    usage = int(f.read().strip())
+            except (OSError, ValueError):
+                continue
+            if limit == "max" or not limit.isdigit() or int(limit) >= 1 << 60:
+                return None
+            return max(0, int(limit) - usage)
     return None
 
 

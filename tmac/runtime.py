@@ -26,7 +26,8 @@ import warnings
 
 from .cache import (MANIFEST, atomic_write_text, cache_dir, cached_library, check_entry, generator_digest,
                     kernel_entry, lock_file, read_manifest, sha256, unsafe_dir_reason, warned_dirs, writable_cache)
-from .cpu import physical_cores
+from .cpu import physical_cores, usable_cpus
+from .files import check_room, disk_problem, remove_stale_temps, temp_prefix
 from .errors import KernelUnavailableError
 from .spec import KernelSpec
 
@@ -41,22 +42,40 @@ _local = threading.local()
 def _default_threads() -> int:
     env = os.environ.get("TMAC_NUM_THREADS")
     if env:
-        try:
-            n = int(env)
-        except ValueError:
-            raise ValueError(f"TMAC_NUM_THREADS must be a positive integer, got {env!r}") from None
-        if n >= 1:
-            return n
-        raise ValueError(f"TMAC_NUM_THREADS must be a positive integer, got {env!r}")
-    return physical_cores()
+        return clamp_threads(env_int("TMAC_NUM_THREADS", 1, 1 << 30), "TMAC_NUM_THREADS")
+    return min(physical_cores(), usable_cpus())
+
+
+def env_int(name: str, low: int, high: int) -> int:
+    """The integer environment variable ``name``, which must lie in [low, high]; ``ValueError`` naming it otherwise."""
+    text = os.environ.get(name, "")
+    try:
+        value = int(text.strip())
+    except ValueError:
+        raise ValueError(f"{name} must be an integer from {low} to {high}, got {text[:40]!r}") from None
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be an integer from {low} to {high}, got {text[:40]!r}")
+    return value
+
+
+def clamp_threads(n: int, what: str) -> int:
+    """``n`` threads, or the CPUs this process may use where it asks for more (each thread would only wait for a
+    CPU, and thousands exhaust the machine's process IDs), with a warning naming ``what``."""
+    most = usable_cpus()
+    if n > most:
+        warnings.warn(f"{what}={n}: this process may use {most} CPU{'s' if most > 1 else ''}; using {most} threads",
+                      stacklevel=3)
+        return most
+    return n
 
 
 def set_num_threads(n: int) -> None:
-    """Threads the kernels use (default: ``$TMAC_NUM_THREADS`` or the number of physical cores)."""
+    """Threads the kernels use (default: ``$TMAC_NUM_THREADS`` or the number of physical cores), at most the CPUs
+    this process may use."""
     global _num_threads
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"number of threads must be a positive int, got {n!r}")
-    _num_threads = n
+    _num_threads = clamp_threads(n, "threads")
 
 
 def get_num_threads() -> int:
@@ -103,6 +122,8 @@ def tvm_runtime_library() -> str:
 
 _ffi_module = None
 SPIN_YIELDS = 4000  # TVM_THREAD_POOL_SPIN_COUNT unless set: a few ms of sched_yield
+KERNEL_ROOM = 32 << 20  # bytes a kernel's compile may write at most (its objects and library: well under a MiB)
+MAX_SPIN_YIELDS = 10_000_000  # a user's setting past this (seconds of spinning per wait) is refused
 
 
 def ffi():
@@ -111,10 +132,15 @@ def ffi():
     if _ffi_module is None:
         # the pool is created with TVM_NUM_THREADS workers (TVM's default is half the cores); allow all of them,
         # set_num_threads() then narrows per call site
-        os.environ.setdefault("TVM_NUM_THREADS", str(max(os.cpu_count() or 1, 1)))
+        if os.environ.get("TVM_NUM_THREADS"):  # TVM aborts the process on a count it cannot start
+            os.environ["TVM_NUM_THREADS"] = str(clamp_threads(env_int("TVM_NUM_THREADS", 1, 1 << 30),
+                                                              "TVM_NUM_THREADS"))
+        os.environ.setdefault("TVM_NUM_THREADS", str(usable_cpus()))
         # idle workers spin (sched_yield) a few ms before sleeping: waking a sleeping worker costs as much as a small
         # GEMV, while the gaps between a decode step's kernel calls are µs; TVM's own default spins far longer, too
         # long beside torch ops sharing the cores (docs/decisions.md, "TVM's idle workers")
+        if os.environ.get("TVM_THREAD_POOL_SPIN_COUNT"):  # a negative or huge count spins forever
+            env_int("TVM_THREAD_POOL_SPIN_COUNT", 0, MAX_SPIN_YIELDS)
         os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", str(SPIN_YIELDS))
         import tvm_ffi  # first: it loads libtvm_ffi.so, which libtvm_runtime.so links against
 
@@ -190,10 +216,13 @@ def _from_cache(spec: KernelSpec, isa, progress: bool) -> str:
         if found:
             return found
     d = writable_cache(d)
-    fd = lock_file(os.path.join(d, spec.name + ".lock"))  # another process may be compiling the same kernel
+    check_room(d, KERNEL_ROOM)  # before anything is written: a compiler that runs out of room aborts the process
+    lock = os.path.join(d, spec.name + ".lock")
+    fd, built = lock_file(lock), False  # another process may be compiling the same kernel
     try:
         found = cached_library(d, spec, isa)
         if found:
+            built = True
             return found
         from .codegen.build import build_library  # imports TVM: only on a cache miss
 
@@ -201,10 +230,16 @@ def _from_cache(spec: KernelSpec, isa, progress: bool) -> str:
         t0 = time.perf_counter()
         if progress:
             print(f"tmac: compiling kernel {spec.name} for {isa.name} ...", end="", file=sys.stderr, flush=True)
-        fd_tmp, tmp = tempfile.mkstemp(dir=d, prefix=".build-", suffix=".so")
+        remove_stale_temps(d, "build")  # left by a process killed while compiling
+        fd_tmp, tmp = tempfile.mkstemp(dir=d, prefix=temp_prefix("build"), suffix=".so")
         os.close(fd_tmp)
         try:
-            build_library(spec, isa, tmp)
+            try:
+                build_library(spec, isa, tmp)
+            except Exception as e:  # the linker's words for a full disk, said plainly
+                if progress:
+                    print(" failed", file=sys.stderr, flush=True)
+                raise (disk_problem(tmp, e) or e) from None
             os.chmod(tmp, 0o644)
             entry = kernel_entry(spec, isa, os.path.basename(so), sha256(tmp), os.path.getsize(tmp))
             os.replace(tmp, so)
@@ -214,6 +249,11 @@ def _from_cache(spec: KernelSpec, isa, progress: bool) -> str:
                 os.unlink(tmp)
         if progress:
             print(f" {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
+        built = True
         return so
     finally:
+        if not built:  # no lock file left behind by a compile that failed (a waiter that locked it compiles anew)
+            with contextlib.suppress(OSError):
+                if os.path.samestat(os.fstat(fd), os.lstat(lock)):
+                    os.unlink(lock)
         os.close(fd)
