@@ -27,6 +27,7 @@ NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7
 STRING, ARRAY = 8, 9
 MAX_DIMS = 4
 MAX_ELEMENTS = 1 << 40
+MAX_STRINGS = 1 << 22  # the largest vocabulary models/llama.py accepts
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,9 @@ class GGUFFile:
             return values.astype(bool).tolist() if etype == 7 else values.tolist()
         if etype == STRING:
             self._count(n, 8, f"{key} length")
+            if n > MAX_STRINGS:  # (a vocabulary, the largest string array a model has: refused before it is read)
+                raise self._error(key, f"{n} strings; tmac reads at most {MAX_STRINGS} (a vocabulary of "
+                                       f"{MAX_STRINGS} tokens, or as many merges)")
             return [self._string(f"{key}[{i}]") for i in range(n)]
         raise self._error(key, f"arrays of type {etype} are not supported")
 

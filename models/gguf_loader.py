@@ -54,7 +54,7 @@ class GGUFModel:
         self.file = file = GGUFFile(path)
         self.meta, self.tensors = file.metadata, file.tensors
         self.config = self._config()
-        self.tokenizer = Tokenizer.from_gguf_metadata(self.meta, path)
+        self.tokenizer = Tokenizer.from_gguf_metadata(self.meta, path, self.config.vocab_size)
 
     def _config(self) -> LlamaConfig:
         arch = self.meta.get("general.architecture")

@@ -69,7 +69,8 @@ class HFModel:
         self.hf_config = read_json(os.path.join(path, "config.json"))
         self.files = self._index()
         self.config = self._config()
-        self.tokenizer = Tokenizer.from_hf_dir(path) if os.path.exists(os.path.join(path, "tokenizer.json")) else None
+        has_tokenizer = os.path.exists(os.path.join(path, "tokenizer.json"))
+        self.tokenizer = Tokenizer.from_hf_dir(path, self.config.vocab_size) if has_tokenizer else None
 
     def _index(self) -> dict[str, str]:
         """Tensor name → safetensors file."""

@@ -25,7 +25,7 @@ def model_kernel_specs(path: str, isa, *, bits: int | None = None, group_size: i
         if bits is not None or group_size is not None or head_bits is not None:
             raise ValueError(f"{path} is already converted (pre-packed); bits/group_size/head_bits do not apply")
         model = load_model_file(path)
-        specs = [respec(m.format, m.spec, isa) for m in model.modules() if isinstance(m, Linear)]
+        specs = [respec(m.format, m.spec, isa, m.out_features) for m in model.modules() if isinstance(m, Linear)]
     else:
         model = load_model(path, bits=bits, group_size=group_size, symmetric=symmetric, head_bits=head_bits,
                            isa=isa.name, context=KV_BLOCK)

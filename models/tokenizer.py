@@ -80,7 +80,9 @@ class Tokenizer:
 
     # ---- construction ----------------------------------------------------------------------------------------
     @classmethod
-    def from_gguf_metadata(cls, meta: dict, source: str = "GGUF") -> "Tokenizer":
+    def from_gguf_metadata(cls, meta: dict, source: str = "GGUF", vocab_size: int | None = None) -> "Tokenizer":
+        """The tokenizer a GGUF's metadata describes; ``vocab_size``: the model's token rows, which it may not
+        exceed (a token past them could only crash or be garbage)."""
         from tokenizers import AddedToken, Regex
         from tokenizers import Tokenizer as HFTokenizer
         from tokenizers import decoders, models, pre_tokenizers
@@ -95,7 +97,10 @@ class Tokenizer:
                                    f"{sorted(PRE_TOKENIZERS)}")
         tokens = meta.get("tokenizer.ggml.tokens")
         merges = meta.get("tokenizer.ggml.merges")
-        if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+        if not isinstance(tokens, list) or not tokens:
+            raise ModelFormatError(f"{source}: tokenizer.ggml.tokens missing or not an array of strings")
+        check_vocab(len(tokens), vocab_size, f"{source}: tokenizer.ggml.tokens")
+        if not all(isinstance(t, str) for t in tokens):
             raise ModelFormatError(f"{source}: tokenizer.ggml.tokens missing or not an array of strings")
         if not isinstance(merges, list) or not all(isinstance(m, str) for m in merges):
             raise ModelFormatError(f"{source}: tokenizer.ggml.merges missing or not an array of strings")
@@ -132,7 +137,7 @@ class Tokenizer:
                    template if isinstance(template, str) else None, frozenset(stop), source)
 
     @classmethod
-    def from_hf_dir(cls, path: str) -> "Tokenizer":
+    def from_hf_dir(cls, path: str, vocab_size: int | None = None) -> "Tokenizer":
         """From ``tokenizer.json`` (+ ``tokenizer_config.json`` for BOS/EOS flags and the chat template)."""
         file = os.path.join(path, "tokenizer.json")
         try:
@@ -140,6 +145,7 @@ class Tokenizer:
         except (OSError, ValueError) as e:
             raise ModelFormatError(f"{file}: cannot read tokenizer ({e})") from None
         backend = hf_backend(text, file)
+        check_vocab(backend.get_vocab_size(with_added_tokens=True), vocab_size, file)
         config_file = os.path.join(path, "tokenizer_config.json")
         config = read_json(config_file, missing_ok=True)
 
@@ -159,6 +165,12 @@ class Tokenizer:
             source = template_file
         return cls(backend, bos, eos, bool(config.get("add_bos_token", False)),
                    template if isinstance(template, str) else None, frozenset({eos} - {None}), source)
+
+
+def check_vocab(tokens: int, vocab_size: int | None, where: str) -> None:
+    if vocab_size is not None and tokens > vocab_size:
+        raise ModelFormatError(f"{where} holds {tokens} tokens, more than the model's {vocab_size} token rows "
+                               f"(embedding and head): the tokenizer is not this model's")
 
 
 MAX_TOKENIZER_BYTES = 256 << 20

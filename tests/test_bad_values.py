@@ -98,3 +98,40 @@ def test_a_layers_shape_is_read_only():
     with pytest.raises(AttributeError):
         layer.in_features = 128
     assert layer(torch.randn(2, 64)).shape == (2, 32)
+
+
+def _gguf_with_tokens(path, extra: int):
+    """The stored Q4_0 mix with ``extra`` more tokens than its 300 token rows."""
+    import gguf
+
+    reader = gguf.GGUFReader(GGUF)
+    w = gguf.GGUFWriter(str(path), "llama")
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        value, vtype = field.contents(), field.types[0]
+        if name in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type"):
+            value = value + ([f"<extra{i}>" for i in range(extra)] if name.endswith("tokens") else [1] * extra)
+        if vtype == gguf.GGUFValueType.ARRAY:
+            w.add_key_value(name, value, vtype, sub_type=field.types[-1])
+        else:
+            w.add_key_value(name, value, vtype)
+    for t in reader.tensors:
+        w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused(tmp_path, monkeypatch):
+    path = _gguf_with_tokens(tmp_path / "more.gguf", 1)
+    with pytest.raises(tmac.ModelFormatError, match="tokenizer.ggml.tokens holds 301 tokens, more than the model's "
+                                                    "300 token rows"):
+        tmac.load_model(str(path))
+    import tmac.models.gguf_file as gguf_file  # an array of strings past the largest vocabulary: refused unread
+
+    monkeypatch.setattr(gguf_file, "MAX_STRINGS", 200)
+    with pytest.raises(tmac.ModelFormatError, match=r"tokenizer.ggml.tokens: 301 strings; tmac reads at most 200"):
+        tmac.load_model(str(path))

@@ -56,7 +56,7 @@ def test_compile_arm64_bits_2_as_typed_needs_no_compiler(tmp_path):
     assert (manifest["arch"], manifest["isa"]) == ("arm64", "neon_dotprod")
     specs = [e["spec"] for e in manifest["kernels"]]
     # SmolLM2 at 2 bits: K = 576 (q|k|v, gate|up) and 1536 (down), the head its own Q8_0, glue for both caches
-    assert sorted((s["bits"], s["k"]) for s in specs if "bits" in s) == [(2, 576), (2, 1536), (8, 576)]
+    assert sorted({(s["bits"], s["k"]) for s in specs if "bits" in s}) == [(2, 576), (2, 1536), (8, 576)]
     assert sorted(s["kv_dtype"] for s in specs if "bits" not in s) == ["float16", "float32"]
     for entry in manifest["kernels"]:
         lib = (out / entry["file"]).read_bytes()
@@ -252,7 +252,8 @@ def test_compile_for_a_model_gives_every_kernel_it_runs(tmp_path):
     r = tmac("compile", "--model", smollm2_path(), "-o", str(tmp_path / "k"))
     assert r.returncode == 0, r.stderr
     specs = [e["spec"] for e in json.load(open(tmp_path / "k" / "manifest.json"))["kernels"]]
-    assert sorted((s["bits"], s["k"], s["has_zeros"], s["zero_dtype"]) for s in specs if "bits" in s) == [
+    # (a format may take two tilings: blocks halve their rows where that divides a matrix, docs/decisions.md)
+    assert sorted({(s["bits"], s["k"], s["has_zeros"], s["zero_dtype"]) for s in specs if "bits" in s}) == [
         (4, 576, True, "float16"), (4, 576, True, "float32"), (4, 1536, True, "float16"), (4, 1536, True, "float32"),
         (8, 576, False, "float32")]
     glue = [s for s in specs if "bits" not in s]  # and the decode glue of its shape
@@ -267,7 +268,7 @@ def test_compile_for_a_model_gives_every_kernel_it_runs(tmp_path):
     r = tmac("compile", "--model", smollm2_path(), "--bits", "2", "-o", str(tmp_path / "k2"))
     assert r.returncode == 0, r.stderr
     specs = [e["spec"] for e in json.load(open(tmp_path / "k2" / "manifest.json"))["kernels"]]
-    assert sorted((s["bits"], s["k"]) for s in specs if "bits" in s) == [(2, 576), (2, 1536), (8, 576)]
+    assert sorted({(s["bits"], s["k"]) for s in specs if "bits" in s}) == [(2, 576), (2, 1536), (8, 576)]
     r = tmac("run", "--bits", "2", "-p", "Hi", "-n", "4", "--json", env=dict(env, TMAC_KERNEL_DIR=str(tmp_path / "k2")))
     assert r.returncode == 0 and "compiling" not in r.stderr, r.stderr
 

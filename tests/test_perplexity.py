@@ -63,3 +63,25 @@ def test_perplexity_cli_json_and_errors(tiny, tmp_path):
         assert r.returncode == 1 and needle in r.stderr, r.stderr
     r = subprocess.run(run[:4] + ["--text", str(tmp_path / "missing.txt")], capture_output=True, text=True)
     assert r.returncode == 1 and "missing.txt" in r.stderr
+
+
+def test_a_long_text_is_tokenized_in_pieces_exactly_and_only_as_far_as_needed(monkeypatch):
+    """Pieces with an overlap give the ids of the whole text tokenized at once (words across a cut included); with
+    --windows only the text those windows need is tokenized."""
+    import tmac.models.perplexity as module
+    from conftest import smollm2_path
+
+    tok = tmac.load_model(smollm2_path(), context=16, progress=False).tokenizer
+    text = open(module.DEFAULT_TEXT).read()
+    whole = tok.encode(text)
+    for size in (97, 1000, 4096):
+        monkeypatch.setattr(module, "PIECE_CHARS", size)
+        monkeypatch.setattr(module, "OVERLAP", 256)
+        assert list(module.tokenize(tok, text)) == whole
+    monkeypatch.setattr(module, "PIECE_CHARS", 1000)
+    calls = []
+    original = tok.backend.encode
+    monkeypatch.setattr(tok, "backend", type("Counting", (), {"encode": lambda self, t, **kw: calls.append(len(t))
+                                                               or original(t, **kw)})())
+    few = module.tokenize(tok, text * 100, need=600)
+    assert list(few[:600]) == whole[:600] and sum(calls) < 10_000  # not the 1.5 M characters

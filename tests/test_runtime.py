@@ -347,8 +347,9 @@ def test_tune_persists_and_later_kernels_use_it(tmp_path):
     assert "tuned GEMV ms" in r.stdout and "w2g128" in r.stdout
     assert "_kc128" in r.stderr  # K in two chunks was compiled and timed too
     assert key.endswith("|b2|k256|g128|lg128|z") and set(tiling) == {"block_rows", "unroll", "n_tile", "k_chunk"}
+    # (1024 rows: every tuned block size divides them; blocks that do not divide a matrix take half the rows)
     check = ("import numpy as np, tmac; from tmac.lut_ops import LutWeight; "
-             "qw = tmac.quantize_weight(np.ones((64, 256), np.float32), bits=2, group_size=128); "
+             "qw = tmac.quantize_weight(np.ones((1024, 256), np.float32), bits=2, group_size=128); "
              "s = LutWeight.from_quantized(qw).spec; print(s.block_rows, s.unroll, s.n_tile, s.k_chunk)")
     used = _run(check, env)
     assert used.returncode == 0, used.stderr
@@ -376,7 +377,7 @@ def test_tune_covers_ternary_weights(tmp_path):
     assert "ternary_gtensor" in r.stdout and ("_t3" in r.stderr) == triples  # which kernels were compiled and timed
     assert key.endswith("|b2|k384|g384|lg192|s|t3" if triples else "|b2|k384|g384|lg128|s")
     check = ("import numpy as np, tmac; from tmac.lut_ops import LutWeight; "
-             "qw = tmac.quantize_weight(np.ones((64, 384), np.float32), ternary=True, group_size='tensor'); "
+             "qw = tmac.quantize_weight(np.ones((1024, 384), np.float32), ternary=True, group_size='tensor'); "
              "s = LutWeight.from_quantized(qw).spec; print(s.triples, s.block_rows, s.unroll, s.n_tile, s.k_chunk)")
     used = _run(check, env)
     assert used.returncode == 0, used.stderr

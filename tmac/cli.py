@@ -359,14 +359,15 @@ def _compile_next_step(args, isa, output: str) -> str:
 
 def _shape_specs(args, isa):
     from .formats import default_group_size
-    from .choose import spec_for_format
+    from .choose import fitting_block_rows, spec_for_format
 
     if args.bits is None:
         raise ValueError("--shape needs --bits (only a model has weights of its own to take the formats from)")
     group = parse_group_size(args.group_size) if args.group_size else None
-    for k in sorted({parse_shape(s)[1] for s in args.shape}):
+    for m, k in sorted({parse_shape(s) for s in args.shape}):
         # (where no group size divides K, 32 makes the spec's own check name K)
-        yield spec_for_format(WeightFormat.rtn(args.bits, group or default_group_size(k) or 32, args.symmetric), k, isa)
+        fmt = WeightFormat.rtn(args.bits, group or default_group_size(k) or 32, args.symmetric)
+        yield fitting_block_rows(spec_for_format(fmt, k, isa), m, fmt, isa, {})
 
 
 # ---- tune ----------------------------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ def add_parser(sub, common) -> None:
 
 
 def cmd_perplexity(args) -> int:
-    from tmac.models.perplexity import DEFAULT_TEXT, DEFAULT_TEXT_NAME, perplexity
+    from tmac.models.perplexity import DEFAULT_TEXT, DEFAULT_TEXT_NAME, PIECE_CHARS, perplexity, tokenize
 
     from . import files
     from .progress import Progress
@@ -43,9 +43,11 @@ def cmd_perplexity(args) -> int:
         raise ValueError(f"--text {path}: cannot read it as UTF-8 text ({e})") from None
     t0 = time.perf_counter()
     model, _ = _load(args)  # (--context: the window, all the model needs to hold)
-    estimate = len(text) // 4 // args.context  # (about four characters a token)
-    with Progress("scoring", args.windows or max(1, estimate)) as bar:
-        result = perplexity(model, text, args.context, args.windows, bar)
+    need = None if args.windows is None else args.windows * args.context
+    with Progress("tokenizing", -(-len(text) // PIECE_CHARS), None if len(text) > 4 * PIECE_CHARS else False) as bar:
+        ids = tokenize(model.tokenizer, text, need, bar)
+    with Progress("scoring", args.windows or max(1, len(ids) // args.context)) as bar:
+        result = perplexity(model, ids, args.context, args.windows, bar)
     seconds = time.perf_counter() - t0
     described = {"model": model.source, "bits": args.bits or "own", "text": args.text or DEFAULT_TEXT_NAME,
                  "text_tokens": result.text_tokens, "context": result.context, "windows": result.windows,

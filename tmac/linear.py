@@ -24,7 +24,7 @@ from .formats import WeightFormat
 from .kernels import best_isa, isa_by_name
 from .lut_ops import bind_packed, check_packed, lut_linear
 from .memory import gather_into_arena
-from .choose import spec_for_format
+from .choose import fitting_block_rows, spec_for_format
 from .layout import TripleCodes
 from .packing import PackedWeight, pack, pack_for, unpack
 from .qweight import QuantizedWeight
@@ -62,11 +62,12 @@ def layout_checksum(spec: KernelSpec, *tensors) -> int:
     return crc
 
 
-def respec(fmt: WeightFormat, spec: KernelSpec, isa) -> KernelSpec:
-    """The spec weights packed as ``spec`` take on ``isa`` (what loading them there repacks to): the same format
-    and K, that ISA's tiling, and the saved parameter storage (super scales only where the weight's parameters
-    factored, in the saved dtype)."""
-    return spec_for_format(fmt, spec.k, isa, super_groups=spec.super_groups, super_dtype=spec.scale_dtype)
+def respec(fmt: WeightFormat, spec: KernelSpec, isa, rows: int) -> KernelSpec:
+    """The spec weights packed as ``spec`` (``rows`` of them) take on ``isa`` (what loading them there repacks to):
+    the same format and K, that ISA's tiling for them, and the saved parameter storage (super scales only where the
+    weight's parameters factored, in the saved dtype)."""
+    tiling = {"super_groups": spec.super_groups, "super_dtype": spec.scale_dtype}
+    return fitting_block_rows(spec_for_format(fmt, spec.k, isa, **tiling), rows, fmt, isa, tiling)
 
 
 class Linear(nn.Module):
@@ -147,7 +148,7 @@ class Linear(nn.Module):
         self = cls.__new__(cls)
         nn.Module.__init__(self)
         self.format, self.kernel_dir = fmt, kernel_dir
-        local = respec(fmt, spec, best_isa())
+        local = respec(fmt, spec, best_isa(), m)
         w_shape, s_shape = packed_shapes(local, m)
         self._set_packed(PackedWeight(local, m, np.zeros(w_shape, np.uint8), np.zeros(s_shape, local.param_dtypes[0]),
                                       np.zeros(s_shape, local.param_dtypes[1]) if fmt.has_zeros else None),
