@@ -20,7 +20,7 @@ from tmac import runtime
 from tmac.linear import Linear
 
 from .decode import DecodePlan, plan_key
-from .text import TextStream, check_stop
+from .text import TextStream, check_prompt_size, check_stop
 
 # a long prompt is prefilled this many tokens at a time: each chunk's activations stay in the caches
 # (docs/decisions.md, "Prompts are prefilled")
@@ -129,6 +129,7 @@ class Session:
                         repetition_penalty=repetition_penalty, repeat_last_n=repeat_last_n, seed=seed, stop=stop,
                         stop_on_eos=stop_on_eos)
         if isinstance(prompt, str):
+            check_prompt_size(self._tokenizer(), len(prompt), self.model.context)
             return self._text(self._tokenizer().encode(prompt), sampling, callback, stream)
         tokens = self._tokens(prompt, **sampling)
         if callback is not None:
@@ -141,6 +142,8 @@ class Session:
         model's chat template: a ``str``, or with ``stream=True`` an iterator of text pieces. Sampling arguments as
         ``generate``'s. Only what the conversation adds since this session's last call is prefilled."""
         tokenizer = self._tokenizer()
+        check_prompt_size(tokenizer, sum(len(str(m.get("content", ""))) for m in messages if isinstance(m, dict)),
+                          self.model.context)
         return self._text(tokenizer.encode(tokenizer.render_chat(messages)), sampling, callback, stream)
 
     def _tokenizer(self):

@@ -213,9 +213,10 @@ def make_linear(parts: list, bits: int | None, group_size: int | None, symmetric
 def _make_linear(parts, bits, group_size, symmetric, isa, kernel_dir) -> nn.Module:
     if bits is None and all(isinstance(p, QuantizedWeight) for p in parts):
         try:
-            return Linear.from_quantized(stack_rows(parts), isa=isa, kernel_dir=kernel_dir)
+            stacked = stack_rows(parts)
         except ValueError:  # different formats: keep each exact
             return Concat([_make_linear([p], bits, group_size, symmetric, isa, kernel_dir) for p in parts])
+        return Linear.from_quantized(stacked, isa=isa, kernel_dir=kernel_dir)
     if bits is None:
         floats = [_float_tensor(p) for p in parts]
         return float_linear(torch.cat(floats) if len(floats) > 1 else floats[0])

@@ -4,6 +4,15 @@ and nothing from a stop string on (held back while one may be forming)."""
 from __future__ import annotations
 
 
+def check_prompt_size(tokenizer, chars: int, context: int) -> None:
+    """Refuse a prompt of ``chars`` characters that cannot fit ``context`` tokens even if every token were the
+    vocabulary's longest: it would only be tokenized (memory and time growing with it) to be refused after."""
+    most = context * tokenizer.longest_token
+    if chars > most:
+        raise ValueError(f"the prompt has {chars} characters, more than a context of {context} tokens can hold "
+                         f"(at most {most}, at {tokenizer.longest_token} characters a token)")
+
+
 def check_stop(stop) -> tuple[str, ...]:
     """``stop`` as a tuple of non-empty strings (one string is one stop)."""
     stop = (stop,) if isinstance(stop, str) else stop

@@ -9,6 +9,7 @@ from a model file and must not execute anything.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass, field
@@ -44,6 +45,11 @@ class Tokenizer:
     chat_template: str | None = None
     stop_ids: frozenset[int] = field(default_factory=frozenset)  # end-of-generation tokens
     template_source: str = "the model"  # where the chat template comes from, for its errors
+
+    @functools.cached_property
+    def longest_token(self) -> int:
+        """Characters of the vocabulary's longest token (in its byte-level spelling: at least its text's)."""
+        return max((len(t) for t in self.backend.get_vocab(with_added_tokens=True)), default=1)
 
     @property
     def vocab_size(self) -> int:

@@ -101,7 +101,10 @@ def _sampling(args) -> dict:
 
 
 def _prompt_ids(model, args, messages: list[dict]) -> list[int]:
+    from .models.text import check_prompt_size
+
     tok = model.tokenizer
+    check_prompt_size(tok, sum(len(m["content"]) for m in messages), model.context)
     use_chat = args.chat if args.chat is not None else tok.chat_template is not None
     if not use_chat:
         return tok.encode(messages[-1]["content"])
@@ -229,9 +232,6 @@ def cmd_convert(args) -> int:
     from .files import check_output
 
     check_output(args.output, [args.model])  # before the conversion, not after it
-    out_dir = os.path.dirname(os.path.abspath(args.output))
-    if not os.path.isdir(out_dir) or not os.access(out_dir, os.W_OK):  # before the conversion, not after it
-        raise ValueError(f"-o {args.output}: the directory {out_dir} does not exist or is not writable")
     t0 = time.perf_counter()
     model = tmac.load_model(args.model, bits=args.bits, group_size=args.group_size, head_bits=args.head_bits,
                             context=1, progress=True)

@@ -66,6 +66,11 @@ def check_output(path: str, inputs=()) -> None:
     """Refuse to write ``path`` where writing would destroy something: an existing path that is not a regular file
     (a device such as /dev/null would be replaced by a file, as root too), or one of ``inputs`` — the same file by
     another name, a hard link or a symbolic one — or a file inside an input directory."""
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise ValueError(f"{path}: the directory {directory} does not exist")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise ValueError(f"{path}: the directory {directory} is not writable")
     try:
         st = os.stat(path)
     except FileNotFoundError:
