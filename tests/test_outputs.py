@@ -130,8 +130,7 @@ def test_a_cold_compile_past_the_file_size_limit_says_so_and_leaves_no_lock(gguf
     assert not left, left
 
 
-def test_temporaries_of_killed_processes_are_removed_and_a_file_named_damaged_heals(gguf, tmp_path, monkeypatch,
-                                                                                      capsys):
+def test_temporaries_of_killed_processes_are_removed_and_odd_files_in_the_cache_heal(gguf, tmp_path, monkeypatch):
     from tmac.cache import cache_dir
 
     monkeypatch.setenv("TMAC_CACHE_DIR", str(tmp_path / "cache"))
@@ -146,6 +145,7 @@ def test_temporaries_of_killed_processes_are_removed_and_a_file_named_damaged_he
     library = sorted(n for n in os.listdir(d) if n.startswith("lut_") and n.endswith(".so"))[0]
     with open(os.path.join(d, library), "r+b") as f:  # damage one library: it must be moved aside, rebuilt
         f.write(b"garbage!")
+    os.makedirs(os.path.join(d, library[:-3] + ".json.tmp"))  # in the way of a fixed temporary name, were it used
     r = subprocess.run([sys.executable, "-m", "tmac.cli", "run", str(gguf), "-p", "Hi", "-n", "2", "--no-chat"],
                        capture_output=True, text=True, timeout=600)  # a fresh process: nothing loaded yet
     assert r.returncode == 0 and "moved to" in r.stderr, r.stderr
