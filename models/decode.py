@@ -107,7 +107,13 @@ QUANTIZE = {"xn": "quantize_dim", "att": "quantize_q", "att_n": "quantize_q", "h
             "hid_n": "quantize_ffn"}  # input buffer → the glue function quantizing it in place
 
 
-POS = ATTEND_ARGS.index("pos")  # the argument of ``attend`` a step sets
+POS, CACHE_K, CACHE_V = (ATTEND_ARGS.index(name) for name in ("pos", "cache_k", "cache_v"))  # what a step sets
+
+
+def _sequence_handles(sequence) -> list[tuple]:
+    if sequence.glue_handles is None:
+        sequence.glue_handles = [(_handle(sequence.k[i]), _handle(sequence.v[i])) for i in range(sequence.k.shape[0])]
+    return sequence.glue_handles
 
 
 class DecodePlan:
@@ -117,6 +123,7 @@ class DecodePlan:
         # no reference to the model: a session keeps the model and its plan, and a cycle would leave a deleted
         # model's gigabytes to the cyclic garbage collector
         self.context, self.calls, self.positions = model.context, calls, positions
+        self.own_cache = [(args[CACHE_K], args[CACHE_V]) for args in positions]
         self.buf, self.labels = buffers, labels
         emb = model.tok_embeddings
         self.vocab = emb.num_embeddings
@@ -195,16 +202,19 @@ class DecodePlan:
         project(model.output, "xn", "logits")
         return cls(model, calls, positions, buf, labels, (glue, scores, tables))
 
-    def step(self, token: int, pos: int) -> torch.Tensor:
-        """Logits ``[vocab]`` of ``token`` at position ``pos`` (the cache holds positions ``< pos``). The returned
-        tensor is the plan's buffer: the next step overwrites it."""
-        if not 0 <= pos < self.context:
-            raise ValueError(f"position {pos} is outside the context of {self.context} tokens")
+    def step(self, token: int, pos: int, sequence=None) -> torch.Tensor:
+        """Logits ``[vocab]`` of ``token`` at position ``pos`` of ``sequence`` (a ``Sequence``, whose cache holds
+        positions ``< pos``; default: the model's own cache). The returned tensor is the plan's buffer: the next
+        step overwrites it."""
+        context = self.context if sequence is None else sequence.context
+        if not 0 <= pos < context:
+            raise ValueError(f"position {pos} is outside the context of {context} tokens")
         if not 0 <= token < self.vocab:
             raise ValueError(f"token id {token} is outside the vocabulary [0, {self.vocab})")
         runtime.apply_threads()
-        for args in self.positions:
-            args[POS] = pos
+        caches = self.own_cache if sequence is None else _sequence_handles(sequence)
+        for args, (keys, values) in zip(self.positions, caches):
+            args[POS], args[CACHE_K], args[CACHE_V] = pos, keys, values
         self.embed_into(token)
         for fn, args in self.calls:
             fn(*args)

@@ -20,6 +20,7 @@ from tmac import runtime
 from tmac.linear import Linear
 
 from .decode import DecodePlan, plan_key
+from .sequence import Sequence
 from .text import TextStream, check_prompt_size, check_stop
 
 # a long prompt is prefilled this many tokens at a time: each chunk's activations stay in the caches
@@ -73,24 +74,30 @@ class Session:
     over. ``static_decode``: decode through a ``DecodePlan`` (compiled glue, no torch ops) where the model allows;
     ``stats``: the last ``generate``'s statistics."""
 
-    def __init__(self, model, tokenizer=None, static_decode: bool = True):
+    def __init__(self, model, tokenizer=None, static_decode: bool = True, sequence: Sequence | None = None):
         self.model = model
         self.tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
         self.static_decode = static_decode
         self.stats: dict = {}
-        self._ids: list[int] = []
-        self._owner = object()  # marks the model's cache as holding this session's tokens
+        self._sequence = sequence
         self._plan = None  # (plan_key, DecodePlan), kept while the model stays the one it was built from
 
     @property
+    def sequence(self) -> Sequence:
+        """This session's ``Sequence``: its KV cache (the model's own for the first session of a model, else one of
+        its own, made on first use) and the tokens it holds."""
+        if self._sequence is None or not self._sequence.current(self.model):  # (the model's cache set up anew)
+            self._sequence = Sequence(self.model)
+        return self._sequence
+
+    @property
     def cached_ids(self) -> list[int]:
-        """The tokens whose keys and values the model's cache holds for this session."""
-        return self._ids if getattr(self.model, "cache_owner", None) is self._owner else []
+        """The tokens whose keys and values this session's sequence holds."""
+        return self.sequence.ids
 
     @cached_ids.setter
     def cached_ids(self, ids: list[int]) -> None:
-        self.model.cache_owner = self._owner
-        self._ids = ids
+        self.sequence.ids = ids
 
     def logits(self, ids: list[int]) -> torch.Tensor:
         """Float32 logits ``[len(ids), vocab]`` of a fresh sequence (for scoring and perplexity), run in chunks as
@@ -111,7 +118,7 @@ class Session:
         end and its logits."""
         for start in range(first, len(ids), PREFILL_CHUNK):
             end = min(start + PREFILL_CHUNK, len(ids))
-            yield end, self.model(torch.tensor(ids[start:end]), start, last_only=last_only)
+            yield end, self.model(torch.tensor(ids[start:end]), start, last_only=last_only, cache=self.sequence)
 
     def generate(self, prompt, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, repetition_penalty: float = 1.0, repeat_last_n: int = 64,
@@ -220,7 +227,8 @@ class Session:
         return runtime.torch_single_threaded()
 
     def _decode(self, plan, history, logits, max_new_tokens, stats, stop, stop_ids, sampling) -> Iterator[int]:
-        ids, out = self.cached_ids, []
+        sequence = self.sequence
+        ids, out = sequence.ids, []
         while len(out) < max_new_tokens:
             t0 = time.perf_counter()
             with torch.inference_mode(), self._torch_threads():
@@ -238,13 +246,14 @@ class Session:
                 return
             if len(out) == max_new_tokens:
                 return
-            if self.cached_ids is not ids:
-                raise RuntimeError("another generation used this session's cache while this one was paused; "
-                                   "finish or close one stream before starting the next")
+            if sequence.ids is not ids or self._sequence is not sequence:
+                raise RuntimeError("another generation of this session used its sequence while this one was paused; "
+                                   "finish or close one stream before starting the next (or use another Session)")
             pos = len(ids)
             t0 = time.perf_counter()
             with torch.inference_mode(), self._torch_threads():
-                logits = plan.step(token, pos) if plan else self.model(torch.tensor([token]), pos, last_only=True)[-1]
+                logits = plan.step(token, pos, sequence) if plan else \
+                    self.model(torch.tensor([token]), pos, last_only=True, cache=sequence)[-1]
             stats["decode_s"] += time.perf_counter() - t0
             ids.append(token)
             stats["decode_steps"] += 1

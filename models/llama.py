@@ -216,7 +216,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = cfg
         self.tokenizer = None  # set by the loader
-        self.cache_owner = None  # the generation session whose tokens the KV cache holds (tmac.models.generate)
+        self.cache_owner = None  # a weak reference to the Sequence that holds this model's own cache (models/sequence.py)
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
@@ -243,46 +243,56 @@ class Transformer(nn.Module):
                 setattr(nn.init, n, f)
 
     def setup_cache(self, context: int, kv_dtype: str = "float16") -> None:
-        """Preallocate the KV cache (``kv_dtype``: float16 or float32) and the RoPE table for ``context``
-        positions."""
-        cfg = self.config
+        """Preallocate the model's own KV cache (``kv_dtype``: float16 or float32) and the RoPE table for ``context``
+        positions: the most any ``Sequence`` of this model holds."""
         check_kv_dtype(kv_dtype)
         if (self.context, self.kv_dtype) == (context, kv_dtype) and self.cache_k is not None:
             return
-        blocks, dtype = -(-context // KV_BLOCK), getattr(torch, kv_dtype)
-        need = 2 * cfg.n_layers * cfg.n_kv_heads * blocks * KV_BLOCK * cfg.head_dim * dtype.itemsize
-        free = available_bytes()
-        # the old cache's memory comes back first; a margin stays for the activations and the process around it
-        if free is not None and need > (free + self.cache_bytes()) * KV_MEMORY_SHARE:
-            raise ValueError(f"a KV cache of {context} positions ({kv_dtype}) needs {need / 2**30:.2f} GiB, more "
-                             f"than {KV_MEMORY_SHARE:.0%} of the {free / 2**30:.2f} GiB of memory available "
-                             f"(the machine's, or its container's): give a smaller context")
-        if context > cfg.context_length:
-            warnings.warn(f"context {context} is longer than the {cfg.context_length} positions the model was "
+        if context > self.config.context_length:
+            warnings.warn(f"context {context} is longer than the {self.config.context_length} positions the model was "
                           f"trained for: text past them is likely to degrade", stacklevel=3)
-        self.cache_k = self.cache_v = None  # the old cache's memory back before the new one is taken
-        self.cache_k = huge_page_full((cfg.n_layers, cfg.n_kv_heads, blocks, cfg.head_dim, KV_BLOCK), 0, dtype)
-        self.cache_v = huge_page_full((cfg.n_layers, cfg.n_kv_heads, blocks * KV_BLOCK, cfg.head_dim), 0, dtype)
+        freed = self.cache_bytes()  # the old cache's memory comes back first
+        self.cache_k = self.cache_v = None
+        self.cache_k, self.cache_v = self.new_kv(context, kv_dtype, freed)
         self.kv_dtype = kv_dtype
         self.cache_owner = None  # a new cache holds nothing
-        angles = torch.arange(context, dtype=torch.float64)[:, None] * rope_frequencies(cfg)[None]
+        angles = torch.arange(context, dtype=torch.float64)[:, None] * rope_frequencies(self.config)[None]
         angles = torch.cat((angles, angles), dim=-1)[:, None, :]  # [context, 1, head_dim]
         self.cos, self.sin = angles.cos().float(), angles.sin().float()
         self.context = context
 
+    def new_kv(self, context: int, kv_dtype: str, freed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """A KV cache of ``context`` positions: keys ``[layers, kv heads, blocks, head_dim, KV_BLOCK]`` and values
+        ``[layers, kv heads, positions, head_dim]``, in the layout the decode glue reads; refused when it would take
+        more than ``KV_MEMORY_SHARE`` of the memory available (``freed``: bytes about to come back)."""
+        cfg = self.config
+        blocks, dtype = -(-context // KV_BLOCK), getattr(torch, kv_dtype)
+        need = 2 * cfg.n_layers * cfg.n_kv_heads * blocks * KV_BLOCK * cfg.head_dim * dtype.itemsize
+        free = available_bytes()
+        # a margin stays for the activations and the process around it
+        if free is not None and need > (free + freed) * KV_MEMORY_SHARE:
+            raise ValueError(f"a KV cache of {context} positions ({kv_dtype}) needs {need / 2**30:.2f} GiB, more "
+                             f"than {KV_MEMORY_SHARE:.0%} of the {free / 2**30:.2f} GiB of memory available "
+                             f"(the machine's, or its container's): give a smaller context")
+        return (huge_page_full((cfg.n_layers, cfg.n_kv_heads, blocks, cfg.head_dim, KV_BLOCK), 0, dtype),
+                huge_page_full((cfg.n_layers, cfg.n_kv_heads, blocks * KV_BLOCK, cfg.head_dim), 0, dtype))
+
     def cache_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.cache_k, self.cache_v) if t is not None)
 
-    def forward(self, ids: torch.Tensor, start: int = 0, last_only: bool = False) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, start: int = 0, last_only: bool = False, cache=None) -> torch.Tensor:
         """Logits ``[T, vocab]`` (or ``[1, vocab]`` with ``last_only``) for tokens ``ids [T]`` at positions
-        ``start .. start+T-1``; the KV cache must hold positions ``< start``."""
+        ``start .. start+T-1`` of the sequence whose KV cache is ``cache`` (a ``Sequence``; default: the model's
+        own), which must hold positions ``< start``."""
         t = ids.shape[0]
-        if start + t > self.context:
-            raise ValueError(f"{start + t} positions exceed the context of {self.context} tokens")
+        cache_k, cache_v, context = (self.cache_k, self.cache_v, self.context) if cache is None else \
+            (cache.k, cache.v, cache.context)
+        if start + t > context:
+            raise ValueError(f"{start + t} positions exceed the context of {context} tokens")
         x = self.tok_embeddings(ids).float()  # loaders may keep the table in float16
         cos, sin = self.cos[start:start + t], self.sin[start:start + t]
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, self.cache_k[i], self.cache_v[i], start)
+            x = layer(x, cos, sin, cache_k[i], cache_v[i], start)
         if last_only:
             x = x[-1:]
         return self.output(self.norm(x)).float()

@@ -84,3 +84,23 @@ def test_text_stream_holds_back_half_characters_and_forming_stop_strings():
     assert stream.finish() == "" and stream.text() == "ab éSTx"
     plain = TextStream(_Bytes())
     assert [plain.push(t) for t in (104, 105, 256)] == ["h", "i", ""] and plain.finish() == ""
+
+
+def test_two_sessions_on_one_model_interleaved_token_by_token_each_give_what_they_give_alone(model):
+    """Each Session owns a Sequence (its KV cache and tokens): two streams on one model, advanced in turns, do not
+    disturb each other; the first session uses the model's own cache, the second one of its own."""
+    tok = model.tokenizer
+    prompts = [tok.encode(tok.render_chat([{"role": "user", "content": q}]))
+               for q in ("What is the capital of France?", "Name three colors.")]
+    alone = [tmac.Session(model).generate(p, max_new_tokens=12, stop_on_eos=False) for p in prompts]
+    first, second = tmac.Session(model), tmac.Session(model)
+    streams = [first.generate(prompts[0], max_new_tokens=12, stop_on_eos=False, stream=True),
+               second.generate(prompts[1], max_new_tokens=12, stop_on_eos=False, stream=True)]
+    together = [[], []]
+    for _ in range(12):
+        for i, stream in enumerate(streams):
+            together[i].append(next(stream))
+    assert together == alone and first.sequence.k is not second.sequence.k
+    # and each continues its own conversation: only the new turn is prefilled
+    again = first.generate(prompts[0] + together[0] + tok.encode(" And Italy?"), max_new_tokens=4, stop_on_eos=False)
+    assert first.stats["prefill_tokens"] < 8 and len(again) == 4
