@@ -40,6 +40,24 @@ def test_environment_values_out_of_range_are_refused_by_name(name, value):
         r.stderr
 
 
+def _memory_cgroup(limit: int) -> str | None:
+    """A memory cgroup (v1 or v2) of ``limit`` bytes made here, where this process may make one (root, cgroups
+    mounted writable); None elsewhere."""
+    for root, limit_file in (("/sys/fs/cgroup/memory", "memory.limit_in_bytes"), ("/sys/fs/cgroup", "memory.max")):
+        group = os.path.join(root, f"tmac-test-{os.getpid()}")
+        try:
+            os.mkdir(group)
+        except OSError:
+            continue
+        try:
+            with open(os.path.join(group, limit_file), "w") as f:
+                f.write(str(limit))
+            return group
+        except OSError:
+            os.rmdir(group)
+    return None
+
+
 def test_a_kv_cache_larger_than_the_containers_memory_is_refused(monkeypatch):
     import tmac.memory
 
@@ -49,6 +67,16 @@ def test_a_kv_cache_larger_than_the_containers_memory_is_refused(monkeypatch):
     with pytest.raises(ValueError, match="more than 80% of the .* memory available .*container"):
         model.setup_cache(4096)
     model.setup_cache(2048)  # half of it fits in 80 %
+    monkeypatch.undo()
+    group = _memory_cgroup(3 << 29)  # 1.5 GiB, as a small container; the default model's 65536 positions: 1.4 GiB
+    if group is not None:  # (and where none can be made here, the limit above stands for it)
+        try:
+            r = subprocess.run(["sh", "-c", f'echo $$ > {group}/cgroup.procs && exec "$@"', "sh", sys.executable,
+                                "-m", "tmac.cli", "run", "-p", "Hi", "--context", "65536", "-n", "2"],
+                               capture_output=True, text=True, timeout=600)
+        finally:
+            os.rmdir(group)
+        assert r.returncode == 1 and "a KV cache of 65536 positions" in r.stderr, (r.returncode, r.stderr[-500:])
 
 
 def test_sampling_values_at_the_edges(capsys):

@@ -93,7 +93,8 @@ def cgroup_memory_left() -> int | None:
             files = ("memory.limit_in_bytes", "memory.usage_in_bytes")
         else:
             continue
-        for directory in (base, os.path.dirname(base.rstrip("/"))):  # (inside a container: its own root)
+        mount = "/sys/fs/cgroup" if files[0] == "memory.max" else "/sys/fs/cgroup/memory"
+        for directory in dict.fromkeys((base, os.path.dirname(base.rstrip("/")), mount)):  # (a container: its root)
             try:
                 with open(os.path.join(directory, files[0])) as f:
                     limit = f.read().strip()
