@@ -130,24 +130,21 @@ def test_a_cold_compile_past_the_file_size_limit_says_so_and_leaves_no_lock(gguf
     assert not left, left
 
 
-def test_temporaries_of_killed_processes_are_removed_and_odd_files_in_the_cache_heal(gguf, tmp_path, monkeypatch):
-    from tmac.cache import cache_dir
-
-    monkeypatch.setenv("TMAC_CACHE_DIR", str(tmp_path / "cache"))
-    d = cache_dir()
+def test_temporaries_of_killed_processes_are_removed_and_odd_files_in_the_cache_heal(gguf, tmp_path):
+    env = dict(os.environ, TMAC_CACHE_DIR=str(tmp_path / "cache"))
+    d = subprocess.run([sys.executable, "-c", "from tmac.cache import cache_dir; print(cache_dir())"], env=env,
+                       capture_output=True, text=True).stdout.strip()
     os.makedirs(d)
     open(os.path.join(d, ".build-999999999-abc.so"), "wb").write(b"\x7fELF half a library")
     open(os.path.join(d, ".damaged"), "w").write("a file where the quarantine directory goes")
-    from tmac import runtime
-
-    monkeypatch.setattr(runtime, "_loaded", {})
-    assert cli.main(["run", str(gguf), "-p", "Hi", "-n", "2", "--no-chat"]) == 0
+    # each run a fresh process: nothing loaded before it reads the cache
+    run = [sys.executable, "-m", "tmac.cli", "run", str(gguf), "-p", "Hi", "-n", "2", "--no-chat"]
+    assert subprocess.run(run, env=env, capture_output=True, timeout=600).returncode == 0
     library = sorted(n for n in os.listdir(d) if n.startswith("lut_") and n.endswith(".so"))[0]
     with open(os.path.join(d, library), "r+b") as f:  # damage one library: it must be moved aside, rebuilt
         f.write(b"garbage!")
     os.makedirs(os.path.join(d, library[:-3] + ".json.tmp"))  # in the way of a fixed temporary name, were it used
-    r = subprocess.run([sys.executable, "-m", "tmac.cli", "run", str(gguf), "-p", "Hi", "-n", "2", "--no-chat"],
-                       capture_output=True, text=True, timeout=600)  # a fresh process: nothing loaded yet
+    r = subprocess.run(run, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "moved to" in r.stderr, r.stderr
     names = os.listdir(d)
     assert not [n for n in names if n.startswith(".build-")] and os.path.isdir(os.path.join(d, ".damaged"))
