@@ -74,9 +74,6 @@ class GGUFModel:
         embd = self.tensors.get("token_embd.weight")
         if embd is None:
             raise ModelFormatError(f"{self.path}: tensor token_embd.weight is missing")
-        scaling = None
-        if "rope_freqs.weight" in self.tensors:
-            raise ModelFormatError(f"{self.path}: rope_freqs.weight (precomputed RoPE factors) is not supported yet")
         try:
             return LlamaConfig(
                 vocab_size=embd.shape[0], dim=get("embedding_length", int), n_layers=get("block_count", int),
@@ -84,7 +81,7 @@ class GGUFModel:
                 ffn_dim=get("feed_forward_length", int),
                 head_dim=get("attention.key_length", int, 0),
                 norm_eps=get("attention.layer_norm_rms_epsilon", float, 1e-5),
-                rope_theta=get("rope.freq_base", float, 10000.0), rope_scaling=scaling,
+                rope_theta=get("rope.freq_base", float, 10000.0), rope_factors=self._rope_factors(),
                 context_length=get("context_length", int, 2048),
                 tie_embeddings="output.weight" not in self.tensors)
         except ValueError as e:
@@ -118,6 +115,20 @@ class GGUFModel:
                 value = _as_torch(t.data, type_name, shape)
         self.file.release(t)  # converted: its pages need not stay resident
         return self._unpermute(name, value)
+
+    def _rope_factors(self) -> list | None:
+        """Llama 3.1+ RoPE scaling as llama.cpp's converter stores it: ``rope_freqs.weight``, a divisor for each
+        frequency (F32, head_dim/2 of them; LlamaConfig checks the count)."""
+        t = self.tensors.get("rope_freqs.weight")
+        if t is None:
+            return None
+        if t.type_name != "F32" or len(t.shape) != 1 or t.shape[0] > 1 << 12:
+            raise ModelFormatError(f"{self.path}: tensor rope_freqs.weight is {t.type_name} {list(t.shape)}; "
+                                   f"expected F32 [head_dim/2]")
+        factors = t.data.view(np.float32).astype(np.float64)
+        if not np.isfinite(factors).all() or (factors <= 0).any():
+            raise ModelFormatError(f"{self.path}: tensor rope_freqs.weight holds factors that are not positive")
+        return factors.tolist()
 
     def _unpermute(self, name, value):
         cfg = self.config

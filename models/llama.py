@@ -39,6 +39,11 @@ def _valid_llama3_scaling(s) -> bool:
     return s["low_freq_factor"] < s["high_freq_factor"]
 
 
+def _valid_rope_factors(factors, head_dim) -> bool:
+    return isinstance(factors, list) and len(factors) == head_dim // 2 and all(
+        isinstance(f, (int, float)) and not isinstance(f, bool) and 0 < f < 1e30 for f in factors)
+
+
 @dataclass
 class LlamaConfig:
     vocab_size: int
@@ -51,6 +56,7 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None  # Llama 3: factor, low_freq_factor, high_freq_factor, original_max_position_embeddings
+    rope_factors: list | None = None  # [head_dim/2] divisors of the RoPE frequencies (a GGUF's rope_freqs.weight)
     context_length: int = 2048  # what the model was trained for
     tie_embeddings: bool = False
     activation: str = "silu"  # of the gated FFN: one of tmac.glue.ACTIVATIONS (BitNet: relu2, squared ReLU)
@@ -75,6 +81,9 @@ class LlamaConfig:
         if self.activation not in ACTIVATIONS or type(self.sub_norms) is not bool or type(self.tie_embeddings) is not bool:
             problems.append(f"activation={self.activation!r:.40} (one of {ACTIVATIONS}), sub_norms={self.sub_norms!r:.20}, "
                             f"tie_embeddings={self.tie_embeddings!r:.20}")
+        if self.rope_factors is not None and not _valid_rope_factors(self.rope_factors, self.head_dim):
+            problems.append(f"rope_factors={self.rope_factors!r:.80} (head_dim/2 = {self.head_dim // 2} positive "
+                            f"finite numbers)")
         if self.rope_scaling is not None and not _valid_llama3_scaling(self.rope_scaling):
             problems.append(f"rope_scaling={self.rope_scaling!r:.200} (llama3 needs numbers factor, "
                             f"low_freq_factor < high_freq_factor, original_max_position_embeddings)")
@@ -110,7 +119,8 @@ class RMSNorm(nn.Module):
 
 
 def rope_frequencies(cfg: LlamaConfig) -> torch.Tensor:
-    """Inverse frequencies ``[head_dim/2]`` (float64), with Llama-3 frequency-dependent scaling when configured."""
+    """Inverse frequencies ``[head_dim/2]`` (float64), with Llama-3 frequency-dependent scaling when configured
+    (``rope_scaling`` from Hugging Face, or the per-frequency ``rope_factors`` a GGUF stores)."""
     inv = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim)
     s = cfg.rope_scaling
     if s and s.get("rope_type", s.get("type")) == "llama3":
@@ -121,6 +131,8 @@ def rope_frequencies(cfg: LlamaConfig) -> torch.Tensor:
         scaled = torch.where(wavelen > old / low, inv / factor, inv)
         mid = (wavelen <= old / low) & (wavelen >= old / high)
         inv = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    if cfg.rope_factors is not None:  # as llama.cpp applies rope_freqs.weight: each frequency divided by its factor
+        inv = inv / torch.tensor(cfg.rope_factors, dtype=torch.float64)
     return inv
 
 

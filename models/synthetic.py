@@ -67,20 +67,13 @@ TERNARY_TYPES = ("TQ1_0", "TQ2_0")
 TERNARY_SCALE = 0.0200042724609375  # a float16 value, so every block's d holds it exactly
 
 
-def write_random_gguf(path: str, cfg: LlamaConfig, weight_type: str | Callable[[str], str] = "Q4_0",
-                      seed: int = 0, progress: Callable[[str], object] | None = None) -> None:
-    """Write a llama GGUF of shape ``cfg`` whose matrices hold N(0, 0.02) weights in ``weight_type`` (a GGML type
-    name, or a function of the GGUF tensor name giving one) and whose norms are F32 ones. Ternary types get
-    uniformly random ternary weights times one per-tensor scale, as converted BitNet models have."""
-    import gguf
-
+def add_llama_metadata(w, cfg: LlamaConfig) -> None:
+    """A llama GGUF's metadata for ``cfg`` on writer ``w``, with a byte-level BPE tokenizer of ``cfg.vocab_size``
+    tokens (the 256 bytes, "he", "ll", "hell", fillers, and an end-of-text token) and a plain chat template."""
     if cfg.vocab_size < 260:
         raise ValueError(f"vocab_size={cfg.vocab_size}: a byte-level tokenizer needs at least 260 tokens")
-    type_of = weight_type if callable(weight_type) else (lambda name: weight_type)
-    rng = np.random.default_rng(seed)
     tokens = byte_tokens() + ["he", "ll", "hell"]
     tokens += [f"<filler{i}>" for i in range(cfg.vocab_size - len(tokens) - 1)] + ["<|endoftext|>"]
-    w = gguf.GGUFWriter(path, "llama")
     w.add_block_count(cfg.n_layers)
     w.add_context_length(cfg.context_length)
     w.add_embedding_length(cfg.dim)
@@ -96,6 +89,19 @@ def write_random_gguf(path: str, cfg: LlamaConfig, weight_type: str | Callable[[
     w.add_token_merges(["h e", "l l", "he ll"])
     w.add_eos_token_id(len(tokens) - 1)
     w.add_chat_template("{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
+
+
+def write_random_gguf(path: str, cfg: LlamaConfig, weight_type: str | Callable[[str], str] = "Q4_0",
+                      seed: int = 0, progress: Callable[[str], object] | None = None) -> None:
+    """Write a llama GGUF of shape ``cfg`` whose matrices hold N(0, 0.02) weights in ``weight_type`` (a GGML type
+    name, or a function of the GGUF tensor name giving one) and whose norms are F32 ones. Ternary types get
+    uniformly random ternary weights times one per-tensor scale, as converted BitNet models have."""
+    import gguf
+
+    type_of = weight_type if callable(weight_type) else (lambda name: weight_type)
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(path, "llama")
+    add_llama_metadata(w, cfg)
 
     def add(name: str, shape: tuple[int, ...]) -> None:
         kind = type_of(name) if len(shape) == 2 else "F32"
