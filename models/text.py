@@ -63,3 +63,32 @@ class TextStream:
         piece = text[self.sent:]
         self.sent = len(text)
         return piece
+
+
+def prompt_ids(tokenizer, messages: list[dict], context: int, chat: bool | None = None,
+               system: str | None = None) -> list[int]:
+    """The prompt's token ids: ``messages`` rendered with the chat template (``chat``: default, when the model has
+    one; ``system`` put first where no system message is), else the last message's text alone."""
+    check_prompt_size(tokenizer, sum(len(m["content"]) for m in messages), context)
+    if not (chat if chat is not None else tokenizer.chat_template is not None):
+        return tokenizer.encode(messages[-1]["content"])
+    if system and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": system}, *messages]
+    return tokenizer.encode(tokenizer.render_chat(messages))
+
+
+def fit_conversation(tokenizer, messages: list[dict], context: int, max_new_tokens: int, chat: bool | None = None,
+                     system: str | None = None) -> tuple[list[int], int]:
+    """The prompt ids of ``messages`` with room for ``max_new_tokens`` in ``context``, dropping the oldest exchanges
+    (a user message and its answer) until they fit, as llama.cpp and ollama do; and how many were dropped.
+    ``messages`` loses them too; ``system`` is added to the rendering each time, never dropped."""
+    dropped = 0
+    while True:
+        ids = prompt_ids(tokenizer, messages, context, chat, system)
+        if len(ids) + max_new_tokens <= context:
+            return ids, dropped
+        if len(messages) <= 1:
+            raise ValueError(f"this message ({len(ids)} tokens with the template) + max_new_tokens "
+                             f"({max_new_tokens}) exceed the context of {context} tokens")
+        del messages[:2]
+        dropped += 1

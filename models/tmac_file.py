@@ -205,3 +205,4 @@ def _tokenizer(tok: dict, path: str) -> Tokenizer:
         raise ValueError("tokenizer chat_template must be a string or null, add_bos a boolean")
     return Tokenizer(backend, token("bos_id", tok["bos_id"]), token("eos_id", tok["eos_id"]), tok["add_bos"],
                      template, frozenset(token("stop_ids", i) for i in stop), path)
+

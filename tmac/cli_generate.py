@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import sys
 import time
@@ -27,6 +26,7 @@ def add_parsers(sub, common) -> None:
     v.add_argument("--group-size", type=int, choices=GROUP_SIZES, help="group size with --bits")
     v.add_argument("--head-bits", type=head_bits_arg, help=HEAD_BITS_HELP)
     v.add_argument("-o", "--output", required=True, metavar="OUT.tmac")
+    v.add_argument("--json", action="store_true", help="print one JSON object (sizes by part, time) instead")
     v.set_defaults(func=cmd_convert)
 
     c = sub.add_parser("chat", parents=[common], help="interactive multi-turn chat (/reset, /exit; Ctrl-C stops "
@@ -101,32 +101,16 @@ def _sampling(args) -> dict:
 
 
 def _prompt_ids(model, args, messages: list[dict]) -> list[int]:
-    from .models.text import check_prompt_size
+    from .models.text import prompt_ids
 
-    tok = model.tokenizer
-    check_prompt_size(tok, sum(len(m["content"]) for m in messages), model.context)
-    use_chat = args.chat if args.chat is not None else tok.chat_template is not None
-    if not use_chat:
-        return tok.encode(messages[-1]["content"])
-    if args.system and messages[0]["role"] != "system":
-        messages.insert(0, {"role": "system", "content": args.system})
-    return tok.encode(tok.render_chat(messages))
+    return prompt_ids(model.tokenizer, messages, model.context, args.chat, args.system)
 
 
 def fit_context(model, args, messages: list[dict]) -> tuple[list[int], int]:
-    """The prompt ids of ``messages`` with room for ``--max-new-tokens`` in the model's context, dropping the
-    oldest exchanges (a user message and its answer; the system message is kept) until they fit, as llama.cpp and
-    ollama do; and how many were dropped. ``messages`` loses them too."""
-    dropped = 0
-    while True:
-        ids = _prompt_ids(model, args, list(messages))
-        if len(ids) + args.max_new_tokens <= model.context:
-            return ids, dropped
-        if len(messages) <= 1:
-            raise ValueError(f"this message ({len(ids)} tokens with the template) + --max-new-tokens "
-                             f"({args.max_new_tokens}) exceed the context of {model.context} tokens")
-        del messages[:2]
-        dropped += 1
+    """``tmac.models.text.fit_conversation`` with the command's options."""
+    from .models.text import fit_conversation
+
+    return fit_conversation(model.tokenizer, messages, model.context, args.max_new_tokens, args.chat, args.system)
 
 
 class Interrupted(Exception):
@@ -222,48 +206,25 @@ def cmd_run(args) -> int:
 
 
 def cmd_convert(args) -> int:
-    import torch
-
-    import tmac
-    from tmac.models.tmac_file import save_model
+    from .models.convert import convert
 
     if args.group_size is not None and args.bits is None:
         raise ValueError("--group-size needs --bits")
-    from .files import check_output
-
-    check_output(args.output, [args.model])  # before the conversion, not after it
-    t0 = time.perf_counter()
-    model = tmac.load_model(args.model, bits=args.bits, group_size=args.group_size, head_bits=args.head_bits,
-                            context=1, progress=True)
-    shared = save_model(model, args.output)
-    linears = [m for m in model.modules() if isinstance(m, tmac.Linear)]
-    formats = sorted({m.format.name for m in linears})
-    parts = {"projections": 0, "head": 0, "token table": 0, "other": 0}
-    for name, t in model.state_dict().items():
-        if isinstance(t, torch.Tensor):
-            part = "head" if name.startswith("output.") else "token table" if name.startswith("tok_embeddings.") \
-                else "projections" if name.startswith("layers.") and t.dim() > 1 else "other"
-            parts[part] += t.numel() * t.element_size()
-    if shared:
-        parts["token table"] = 0
-    rows = [("source", args.model), ("output", args.output),
-            ("quantized layers", f"{len(linears)} ({', '.join(formats) or 'none'})"),
-            ("file size", f"{os.path.getsize(args.output) / 2**20:.1f} MiB (source "
-                          f"{_size_of(args.model) / 2**20:.1f} MiB): " + ", ".join(
-                              f"{k} {v / 2**20:.1f}" + (" (the head's, shared)" if k == "token table" and not v
-                                                        and isinstance(model.tok_embeddings, tmac.Embedding) else "")
-                              for k, v in parts.items())),
-            ("time", f"{time.perf_counter() - t0:.1f} s")]
+    done = convert(args.model, args.output, bits=args.bits, group_size=args.group_size, head_bits=args.head_bits)
+    if args.json:
+        print(json.dumps(done))
+        return 0
+    mib = {k: v / 2**20 for k, v in done["bytes"].items()}
+    rows = [("source", getattr(args, "model_name", args.model)), ("output", args.output),
+            ("quantized layers", f"{done['quantized_layers']} ({', '.join(done['formats']) or 'none'})"),
+            ("file size", f"{done['file_bytes'] / 2**20:.1f} MiB (source {done['source_bytes'] / 2**20:.1f} MiB): "
+                          + ", ".join(f"{k} {v:.1f}" + (" (the head's, shared)" if k == "token table" and
+                                                       done["table_from_head"] else "") for k, v in mib.items())),
+            ("time", f"{done['seconds']:.1f} s")]
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
     return 0
-
-
-def _size_of(path: str) -> int:
-    if os.path.isdir(path):
-        return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
-    return os.path.getsize(path)
 
 
 def cmd_chat(args) -> int:

@@ -1,0 +1,47 @@
+"""``tmac convert``'s work as a library call: a model from any source written as a pre-packed ``.tmac`` file."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from tmac.embedding import Embedding
+from tmac.files import check_output
+from tmac.linear import Linear
+
+from .load import load_model
+from .tmac_file import save_model
+
+
+def convert(source: str, output: str, *, bits: int | None = None, group_size: int | None = None,
+            head_bits: int | str | None = None, progress: bool | None = True) -> dict:
+    """Load ``source`` (as ``load_model`` takes it) and write it pre-packed to ``output``, a ``.tmac`` file; the
+    output is checked first (never the input, a special file or a missing directory). Returns what was written:
+    its layers, formats, bytes by part (projections, head, token table, other), file and source sizes, whether the
+    token table is the head's, and the seconds taken."""
+    check_output(output, [source])  # before the conversion, not after it
+    t0 = time.perf_counter()
+    model = load_model(source, bits=bits, group_size=group_size, head_bits=head_bits, context=1, progress=progress)
+    shared = save_model(model, output)
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    parts = {"projections": 0, "head": 0, "token table": 0, "other": 0}
+    for name, t in model.state_dict().items():
+        if isinstance(t, torch.Tensor):
+            part = "head" if name.startswith("output.") else "token table" if name.startswith("tok_embeddings.") \
+                else "projections" if name.startswith("layers.") and t.dim() > 1 else "other"
+            parts[part] += t.numel() * t.element_size()
+    if shared:
+        parts["token table"] = 0
+    return {"source": source, "output": output, "quantized_layers": len(linears),
+            "formats": sorted({m.format.name for m in linears}), "bytes": parts,
+            "file_bytes": os.path.getsize(output), "source_bytes": _size_of(source),
+            "table_from_head": bool(shared) and isinstance(model.tok_embeddings, Embedding),
+            "seconds": time.perf_counter() - t0}
+
+
+def _size_of(path: str) -> int:
+    if os.path.isdir(path):
+        return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+    return os.path.getsize(path)
