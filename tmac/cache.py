@@ -20,7 +20,7 @@ import warnings
 
 from .elf import check_library
 from .errors import KernelUnavailableError
-from .files import disk_problem, read_json
+from .files import read_json, write_atomically
 from .spec import KernelSpec
 
 
@@ -268,21 +268,11 @@ def lock_file(path: str) -> int:
 
 
 def atomic_write_text(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` whole or not at all: through a temporary file of its own in the same directory,
-    created exclusively (a link or directory planted at a predictable name is never followed or in the way), then
-    renamed over ``path``."""
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=f".{os.path.basename(path)}.",
-                               suffix=".tmp")
-    try:
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
-                f.flush()
-                os.fsync(f.fileno())
-        except OSError as e:
-            raise (disk_problem(path, e, len(text)) or e) from None
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    finally:
-        if os.path.lexists(tmp):
-            os.unlink(tmp)
+    """Write ``text`` to ``path`` whole or not at all (``tmac.files.write_atomically``)."""
+    def write(tmp: str) -> None:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+
+    write_atomically(path, write, "write", mode=0o644, needed=len(text))

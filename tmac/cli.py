@@ -8,7 +8,6 @@ import importlib.metadata
 import json
 import os
 import sys
-import tempfile
 import time
 import warnings
 
@@ -287,10 +286,9 @@ def model_formats(path: str) -> list[tuple[WeightFormat, int]]:
 
 def cmd_compile(args) -> int:
     from . import cache
-    from .codegen.build import build_library
     from .codegen.link import find_linker
-    from .files import check_room, disk_problem, remove_stale_temps, temp_prefix
-    from .runtime import KERNEL_ROOM
+    from .files import check_room
+    from .runtime import KERNEL_ROOM, build_into
 
     isa = resolve_isa(args.arch, args.isa)
     linker = find_linker(isa.arch)  # fail at once, saying how to get one, when nothing can link for the target
@@ -310,27 +308,13 @@ def cmd_compile(args) -> int:
             raise ValueError(f"{path}: every projection is float; nothing to compile (give --bits to quantize)")
     output = args.output or f"tmac-kernels-{isa.name}"
     cache.read_manifest_for_update(output, isa)  # refuses a directory of another ISA before compiling
-    remove_stale_temps(output, "build")  # left by a compile that was killed
     check_room(output, KERNEL_ROOM)
     entries, rows = {}, []
     for i, spec in enumerate(specs, 1):
         print(f"[{i}/{len(specs)}] compiling {spec.name} ({linker.name}) ...", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         path = os.path.join(output, spec.name + ".so")
-        fd, tmp = tempfile.mkstemp(dir=output, prefix=temp_prefix("build"), suffix=".so")
-        os.close(fd)
-        try:
-            try:
-                build_library(spec, isa, tmp)
-            except Exception as e:  # the linker's words for a full disk, said plainly
-                raise (disk_problem(tmp, e) or e) from None
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, path)
-        finally:
-            if os.path.lexists(tmp):
-                os.unlink(tmp)
-        entries[spec.name] = cache.kernel_entry(spec, isa, os.path.basename(path), cache.sha256(path),
-                                                  os.path.getsize(path))
+        entries[spec.name] = build_into(spec, isa, path)
         rows.append((spec.name, getattr(spec, "k", "-"), getattr(spec, "bits", "-"), getattr(spec, "group_size", "-"),
                      f"{time.perf_counter() - t0:.2f}", os.path.getsize(path)))
     listed = cache.add_to_manifest(output, isa, entries)

@@ -151,7 +151,12 @@ def disk_problem(path: str, error: BaseException, needed: int | None = None) -> 
     except OSError:
         free = "its free space unknown"
     need = f", {needed / 2**20:.1f} MiB needed" if needed else ""
-    problem = OSError(f"cannot write {path}: {codes[code]} ({free}{need}); nothing was left half-written")
+    return _os_error(code, f"cannot write {path}: {codes[code]} ({free}{need}); nothing was left half-written")
+
+
+def _os_error(code: int, message: str) -> OSError:
+    """An ``OSError`` with ``errno`` ``code`` whose text is ``message`` alone (no "[Errno N]" before it)."""
+    problem = OSError(message)
     problem.errno = code
     return problem
 
@@ -167,17 +172,40 @@ def check_room(directory: str, need: int) -> None:
 
     soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
     if soft != resource.RLIM_INFINITY and soft < need:
-        problem = OSError(f"cannot write kernels: this process may write files of at most {soft} bytes (ulimit -f), "
-                          f"a kernel needs up to {need >> 20} MiB")
-        problem.errno = errno.EFBIG
-        raise problem
+        raise _os_error(errno.EFBIG, f"cannot write kernels: this process may write files of at most {soft} bytes "
+                                     f"(ulimit -f), a kernel needs up to {need >> 20} MiB")
     for where in (directory, tempfile.gettempdir()):
         try:
             free = shutil.disk_usage(where).free
         except OSError:
             continue
         if free < need:
-            problem = OSError(f"cannot write kernels: no space left on the filesystem of {where} "
-                              f"({free / 2**20:.1f} MiB free, {need >> 20} MiB needed)")
-            problem.errno = errno.ENOSPC
-            raise problem
+            raise _os_error(errno.ENOSPC, f"cannot write kernels: no space left on the filesystem of {where} "
+                                          f"({free / 2**20:.1f} MiB free, {need >> 20} MiB needed)")
+
+
+def write_atomically(path: str, write, kind: str, *, suffix: str = "", mode: int | None = None,
+                     needed: int | None = None):
+    """Make ``path`` whole or not at all: ``write(tmp)`` fills a temporary file of this process's, created
+    exclusively in ``path``'s directory (a link or directory planted at a predictable name is never followed or in
+    the way), which then replaces ``path`` (with permissions ``mode`` where given); a failed write leaves nothing,
+    and a full disk or file-size limit is said in words (``needed``: the bytes it would have taken). Temporaries of
+    ``kind`` that processes no longer running left there are removed first. Returns what ``write`` returned."""
+    import tempfile
+
+    directory = os.path.dirname(os.path.abspath(path))
+    remove_stale_temps(directory, kind)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=temp_prefix(kind), suffix=suffix)
+    os.close(fd)
+    try:
+        try:
+            result = write(tmp)
+        except Exception as e:  # (a tool's or a library's own words for a full disk among them)
+            raise (disk_problem(path, e, needed) or e) from None
+        if mode is not None:
+            os.chmod(tmp, mode)
+        os.replace(tmp, path)
+        return result
+    finally:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)

@@ -19,7 +19,6 @@ import importlib.util
 import json
 import os
 import sys
-import tempfile
 import threading
 import time
 import warnings
@@ -27,7 +26,7 @@ import warnings
 from .cache import (MANIFEST, atomic_write_text, cache_dir, cached_library, check_entry, generator_digest,
                     kernel_entry, lock_file, read_manifest, sha256, unsafe_dir_reason, warned_dirs, writable_cache)
 from .cpu import physical_cores, usable_cpus
-from .files import check_room, disk_problem, remove_stale_temps, temp_prefix
+from .files import check_room, write_atomically
 from .errors import KernelUnavailableError
 from .spec import KernelSpec
 
@@ -205,6 +204,18 @@ def _from_kernel_dir(spec: KernelSpec, isa, kernel_dir: str) -> str | None:
     return None
 
 
+def build_into(spec, isa, path: str) -> dict:
+    """Compile ``spec``'s library for ``isa`` to ``path``, whole or not at all (``tmac.files.write_atomically``);
+    returns its manifest entry. Imports TVM: only where a kernel is missing."""
+    from .codegen.build import build_library
+
+    def build(tmp: str) -> dict:
+        build_library(spec, isa, tmp)
+        return kernel_entry(spec, isa, os.path.basename(path), sha256(tmp), os.path.getsize(tmp))
+
+    return write_atomically(path, build, "build", suffix=".so", mode=0o644)
+
+
 def _from_cache(spec: KernelSpec, isa, progress: bool) -> str:
     d = cache_dir()
     try:
@@ -224,29 +235,17 @@ def _from_cache(spec: KernelSpec, isa, progress: bool) -> str:
         if found:
             built = True
             return found
-        from .codegen.build import build_library  # imports TVM: only on a cache miss
-
         so, meta = os.path.join(d, spec.name + ".so"), os.path.join(d, spec.name + ".json")
         t0 = time.perf_counter()
         if progress:
             print(f"tmac: compiling kernel {spec.name} for {isa.name} ...", end="", file=sys.stderr, flush=True)
-        remove_stale_temps(d, "build")  # left by a process killed while compiling
-        fd_tmp, tmp = tempfile.mkstemp(dir=d, prefix=temp_prefix("build"), suffix=".so")
-        os.close(fd_tmp)
         try:
-            try:
-                build_library(spec, isa, tmp)
-            except Exception as e:  # the linker's words for a full disk, said plainly
-                if progress:
-                    print(" failed", file=sys.stderr, flush=True)
-                raise (disk_problem(tmp, e) or e) from None
-            os.chmod(tmp, 0o644)
-            entry = kernel_entry(spec, isa, os.path.basename(so), sha256(tmp), os.path.getsize(tmp))
-            os.replace(tmp, so)
-            atomic_write_text(meta, json.dumps(entry, indent=1))
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+            entry = build_into(spec, isa, so)
+        except Exception:
+            if progress:
+                print(" failed", file=sys.stderr, flush=True)
+            raise
+        atomic_write_text(meta, json.dumps(entry, indent=1))
         if progress:
             print(f" {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
         built = True

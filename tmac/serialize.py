@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 
 import torch
 from torch import nn
@@ -61,20 +60,8 @@ def save(model: nn.Module, path: str | os.PathLike, model_info: dict | None = No
         meta["tmac_model"] = json.dumps(model_info)
     path = os.fspath(path)
     files.check_output(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    files.remove_stale_temps(directory, "tmac-save")
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=files.temp_prefix("tmac-save"))
-    os.close(fd)
-    try:
-        try:
-            save_file(tensors, tmp, metadata=meta)
-        except Exception as e:  # safetensors reports a full disk as its own error type
-            needed = sum(t.numel() * t.element_size() for t in tensors.values())
-            raise (files.disk_problem(path, e, needed) or e) from None
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    files.write_atomically(path, lambda tmp: save_file(tensors, tmp, metadata=meta), "tmac-save",
+                           needed=sum(t.numel() * t.element_size() for t in tensors.values()))
 
 
 def load(path: str | os.PathLike, model: nn.Module | None = None, *, strict: bool = True) -> nn.Module:
