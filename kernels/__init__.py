@@ -65,13 +65,20 @@ def isas_for(arch: str) -> list[Isa]:
     return [i for i in ISAS.values() if i.arch == arch]
 
 
+def lacking(isa: Isa) -> list[str]:
+    """What this machine lacks to execute ``isa``'s code (running it anyway would die by SIGILL): nothing where it
+    can, else the missing features, or the other architecture."""
+    if isa.arch != machine_arch():
+        return [f"arch {isa.arch}"]
+    return sorted(isa.features - cpu_features())
+
+
 def check_runnable(isa: Isa) -> None:
-    """Raise unless this machine can execute ``isa``'s code (running it anyway would die by SIGILL)."""
-    arch, features = machine_arch(), cpu_features()
-    if isa.arch != arch or not isa.features <= features:
-        lacking = sorted(isa.features - features) if isa.arch == arch else [f"arch {isa.arch}"]
-        raise KernelUnavailableError(f"kernels for ISA {isa.name} cannot run on this {arch} CPU (lacks: "
-                                     f"{', '.join(lacking)}); repack the weights for {best_isa().name}")
+    """Raise unless this machine can execute ``isa``'s code."""
+    missing = lacking(isa)
+    if missing:
+        raise KernelUnavailableError(f"kernels for ISA {isa.name} cannot run on this {machine_arch()} CPU (lacks: "
+                                     f"{', '.join(missing)}); repack the weights for {best_isa().name}")
 
 
 def chosen_isa(name: str) -> Isa:
@@ -80,9 +87,9 @@ def chosen_isa(name: str) -> Isa:
         isa = isa_by_name(name)
     except ValueError as e:
         raise ValueError(f"{ISA_ENV}={name!r}: {e}") from None
-    lacking = sorted(isa.features - cpu_features()) if isa.arch == machine_arch() else [f"arch {isa.arch}"]
-    if isa.arch != machine_arch() or lacking:
-        runnable = [i.name for i in isas_for(machine_arch()) if i.features <= cpu_features()]
-        raise ValueError(f"{ISA_ENV}={name!r}: this CPU cannot execute {isa.name} (lacks {', '.join(lacking)}); "
+    missing = lacking(isa)
+    if missing:
+        runnable = [i.name for i in isas_for(machine_arch()) if not lacking(i)]
+        raise ValueError(f"{ISA_ENV}={name!r}: this CPU cannot execute {isa.name} (lacks {', '.join(missing)}); "
                          f"it can run: {', '.join(runnable)}")
     return isa

@@ -50,19 +50,18 @@ def resolve(source: str) -> str:
     except ImportError:
         raise FileNotFoundError(f"no such model file: {source} (as a Hugging Face repo id it needs the "
                                 f"huggingface_hub package: pip install huggingface_hub)") from None
-    try:
-        return _resolve(source, refresh=False)
-    except Exception as e:  # huggingface_hub's own errors: not cached offline, no such repo, no network
-        if isinstance(e, (FileNotFoundError, ValueError)) and not type(e).__module__.startswith("huggingface_hub"):
-            raise
-        raise FileNotFoundError(_explain(source, e)) from None
+    return _fetch(source, refresh=False)
 
 
 def pull(source: str) -> str:
     """``resolve``, asking the hub for the repo's newest files even where the cache has some."""
+    return _fetch(source, refresh=True)
+
+
+def _fetch(source: str, refresh: bool) -> str:
     try:
-        return _resolve(source, refresh=True)
-    except Exception as e:
+        return _resolve(source, refresh)
+    except Exception as e:  # huggingface_hub's own errors: not cached offline, no such repo, no network
         if isinstance(e, (FileNotFoundError, ValueError)) and not type(e).__module__.startswith("huggingface_hub"):
             raise
         raise FileNotFoundError(_explain(source, e)) from None
@@ -148,18 +147,13 @@ def _check_reachable(timeout: float = 5.0) -> None:
 
 
 def _explain(source: str, e: Exception) -> str:
-    name = type(e).__name__
-    return f"no such local file or directory {source}; as a Hugging Face repo id: " + _hub_problem(source, e, name)
-
-
-def _hub_problem(source: str, e: Exception, name: str) -> str:
+    name, why = type(e).__name__, f"no such local file or directory {source}; as a Hugging Face repo id: "
     if name in ("LocalEntryNotFoundError", "OfflineModeIsEnabled", "HubUnreachable") or offline():
-        return (f"it is not in the Hugging Face cache ({_cache_dir() or 'the default one'})"
-                + (" and HF_HUB_OFFLINE is set" if offline() else " and the hub cannot be reached")
-                + f": fetch it where there is a network with `tmac pull {source}`")
+        return why + (f"it is not in the Hugging Face cache ({_cache_dir() or 'the default one'})"
+                      + (" and HF_HUB_OFFLINE is set" if offline() else " and the hub cannot be reached")
+                      + f": fetch it where there is a network with `tmac pull {source}`")
     if name in ("RepositoryNotFoundError", "GatedRepoError"):
-        return "no such repo, or it needs a login (hf auth login)"
+        return why + "no such repo, or it needs a login (hf auth login)"
     if name in ("EntryNotFoundError", "RemoteEntryNotFoundError"):
-        return "the repo has no such file"
-    return f"cannot fetch it from the hub ({name}: {str(e).splitlines()[0] if str(e) else ''})"
-
+        return why + "the repo has no such file"
+    return why + f"cannot fetch it from the hub ({name}: {str(e).splitlines()[0] if str(e) else ''})"

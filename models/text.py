@@ -31,21 +31,24 @@ class TextStream:
         self.ids: list[int] = []
         self.sent = 0  # characters of ``text()`` already returned
 
+    def _text(self) -> tuple[str, bool]:
+        """The text of the ids so far, cut before the first stop string, and whether one was found."""
+        text = self.tokenizer.decode(self.ids, skip_special=True)
+        cut = min((text.index(s) for s in self.stop if s in text), default=None)
+        return (text, False) if cut is None else (text[:cut], True)
+
     def text(self) -> str:
         """The whole text of the ids so far, cut before the first stop string."""
-        text = self.tokenizer.decode(self.ids, skip_special=True)
-        cut = min((text.index(s) for s in self.stop if s in text), default=len(text))
-        return text[:cut]
+        return self._text()[0]
 
     @property
     def stopped(self) -> bool:
-        text = self.tokenizer.decode(self.ids, skip_special=True)
-        return any(s in text for s in self.stop)
+        return self._text()[1]
 
     def push(self, token: int) -> str:
         self.ids.append(token)
-        text = self.text()
-        end = len(text) if self.stopped else len(text) - self._forming(text)
+        text, stopped = self._text()
+        end = len(text) if stopped else len(text) - self._forming(text)
         while end > self.sent and text[end - 1] == "\ufffd":  # an incomplete UTF-8 sequence
             end -= 1
         piece = text[self.sent:end] if end > self.sent else ""
