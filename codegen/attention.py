@@ -1,6 +1,7 @@
 """Generate ``attend``, the decode step's attention over the KV cache (what it does: ``tmac.glue``), as TIR: the new
-position's RoPE and cache update, then the scores, the softmax and the values in three phases, serial over a short
-context and parallel over a long one."""
+position's biases, q/k norms, RoPE and cache update, then the scores, the softmax and the values in three phases,
+serial over a short context and parallel over a long one; over the positions a sliding window sees, where it has
+one."""
 
 from __future__ import annotations
 
@@ -31,10 +32,13 @@ class _Attend:
     heads share a pass over the keys and over the values."""
 
     def __init__(self, spec: GlueSpec, widest: int, sum_vectors: int):
+        self.spec = spec
         self.h, self.kv, self.hd, self.kvd, self.blk = spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.kv_dtype, \
             KV_BLOCK
         self.widest, self.sum_vectors = widest, sum_vectors
-        self.group, self.half = self.h // self.kv, self.hd // 2
+        self.rot = spec.rotary_dim or self.hd
+        self.group, self.half = self.h // self.kv, self.rot // 2
+        self.scale = spec.attn_scale or self.hd ** -0.5
         self.lr = lanes_of(self.half, widest)  # vectors over the rotation halves
         self.spans = spans_of(self.hd, widest)  # and over a whole head (head_dim 100: six of 16 lanes and one of 4)
         # heads sharing a pass over the keys, and over the values: a cached key or value is widened once per pass,
@@ -60,17 +64,56 @@ class _Attend:
         h, kv, hd, kvd, blk = self.h, self.kv, self.hd, self.kvd, self.blk
         self.ctx, self.nb = ctx, nb = T.int32(), T.int32()
         self.QKV = arg("qkv", (1, (h + 2 * kv) * hd))
-        self.COS = arg("cos", (ctx, 1, hd))
-        self.SIN = arg("sin", (ctx, 1, hd))
+        self.BIAS = arg("bias", (1, (h + 2 * kv) * hd)) if self.spec.qkv_bias else None
+        if self.spec.qk_norm:
+            self.QN, self.KN = arg("q_norm", (hd,)), arg("k_norm", (hd,))
+            self.eps = T.arg("eps", T.float32())
+        self.COS = arg("cos", (ctx, 1, self.rot))
+        self.SIN = arg("sin", (ctx, 1, self.rot))
         self.CK = arg("cache_k", (kv, nb, hd, blk), kvd)
         self.CV = arg("cache_v", (kv, nb * blk, hd), kvd)
         self.SC = arg("scores", (h, nb * blk))
         self.pos = T.arg("pos", T.int32())
+        self.window = T.arg("window", T.int32()) if self.spec.window else None
         self.OUT = arg("out", (1, h * hd))
         # the rotated, scaled queries live in ``out`` until the values accumulate there: scratch buffers accessed
         # in more than one vector width segfault TVM 0.27's storage rewrite (argument buffers are fine)
         self.q = self.OUT
         self.keys_flat = T.decl_buffer((kv * nb * hd * blk,), kvd, data=self.CK.data)  # a key's lanes are blk apart
+
+    def first_seen(self):
+        """The first position the new one attends to: the window's first, or 0."""
+        from tvm import tirx
+
+        if self.window is None:
+            return 0
+        return tirx.Select(self.window > 0, tirx.max(self.pos - self.window + 1, 0), 0)
+
+    def emit_biases_and_norms(self) -> None:
+        """q, k and v plus their biases; then each q and k head normalized (RMSNorm with its weights), in place."""
+        from tvm import tirx
+        from tvm.script.ir_builder import tirx as T
+
+        h, kv, hd, widest = self.h, self.kv, self.hd, self.widest
+        if self.BIAS is not None:
+            n = (h + 2 * kv) * hd
+            lanes = lanes_of(n, widest)
+            with T.serial(0, n // lanes) as c:
+                at = vec(c * lanes, lanes)
+                T.buffer_store(self.QKV, self.QKV[0, at] + self.BIAS[0, at], [0, at])
+        if not self.spec.qk_norm:
+            return
+        lanes = lanes_of(hd, widest)
+        for first, count, weight in ((0, h, self.QN), (h, kv, self.KN)):
+            with T.serial(first, first + count) as head:
+                scale = T.alloc_buffer((1,), F32, scope="global")
+                total = lane_fold(T, hd, lanes, lambda a, b: a + b,
+                                  lambda at: self.QKV[0, head * hd + at] * self.QKV[0, head * hd + at])
+                T.buffer_store(scale, f32(1.0) / tirx.sqrt(total / f32(float(hd)) + self.eps), [0])
+                with T.serial(0, hd // lanes) as c:
+                    at = vec(c * lanes, lanes)
+                    T.buffer_store(self.QKV, self.QKV[0, head * hd + at] * bcast(scale[0], lanes) * weight[at],
+                                   [0, head * hd + at])
 
     def rotated(self, head, c):
         """The two rotated halves of vector ``c`` of ``head`` (q heads first, then k heads)."""
@@ -86,18 +129,22 @@ class _Attend:
         from tvm.script.ir_builder import tirx as T
 
         h, kv, hd, half, lr, blk, pos = self.h, self.kv, self.hd, self.half, self.lr, self.blk, self.pos
-        scale = bcast(f32(hd ** -0.5), lr)
+        scale = bcast(f32(self.scale), lr)
         with T.serial(0, h) as head:
             with T.serial(0, half // lr) as c:
                 r1, r2 = self.rotated(head, c)
                 T.buffer_store(self.q, r1 * scale, [0, vec(head * hd + c * lr, lr)])
                 T.buffer_store(self.q, r2 * scale, [0, vec(head * hd + half + c * lr, lr)])
+            with T.serial(self.rot, hd) as d:  # dimensions past the rotary ones: scaled only
+                T.buffer_store(self.q, self.QKV[0, head * hd + d] * f32(self.scale), [0, head * hd + d])
         with T.serial(0, kv) as kh:
             key = (kh * self.nb + pos // blk) * hd * blk + pos % blk  # of dimension 0 of the new key
             with T.serial(0, half // lr) as c:
                 for r, d0 in zip(self.rotated(h + kh, c), (c * lr, half + c * lr)):
                     T.buffer_store(self.keys_flat, self.narrow(r, lr),
                                    [tirx.Ramp(key + d0 * blk, blk, lr) if lr > 1 else key + d0 * blk])
+            with T.serial(self.rot, hd) as d:
+                T.buffer_store(self.keys_flat, self.narrow(self.QKV[0, (h + kh) * hd + d], 1), [key + d * blk])
             for at, n in self.spans:
                 T.buffer_store(self.CV, self.narrow(self.QKV[0, vec((h + kv + kh) * hd + at, n)], n),
                                [kh, pos, vec(at, n)])
@@ -115,7 +162,7 @@ class _Attend:
             kh = kp // (self.group // hq)
             # a block's partial scores, a buffer a set (a buffer of all would outgrow the stack)
             accs = [T.alloc_buffer((hq * blk,), F32, scope="global") for _ in range(sets)]
-            with T.serial(0, self.pos // blk + 1) as b:
+            with T.serial(self.first_seen() // blk, self.pos // blk + 1) as b:
                 for acc in accs:
                     for g in range(hq):
                         T.buffer_store(acc, bcast(f32(0.0), blk), [vec(g * blk, blk)])
@@ -139,23 +186,28 @@ class _Attend:
         from tvm.script.ir_builder import tirx as T
 
         SC, sl = self.SC, self.widest
+        first = self.first_seen()
+        start = first // self.blk * self.blk  # the first scored block's (a multiple of the lanes)
         with loop(0, self.h) as head:
             stat = T.alloc_buffer((2,), F32, scope="global")  # running max, then the sum of exponentials
             n_t = self.pos + 1
             whole = n_t // sl * sl
+            if self.window is not None:  # the block's positions before the window: e^(-3e38 − max) adds < 2e-38
+                with T.serial(start, first) as t:
+                    T.buffer_store(SC, f32(-3.0e38), [head, t])
 
             def exponentiated(at):  # e^(s − max) stored in place, and read back for the sum
                 T.buffer_store(SC, exp(SC[head, at] - bcast(stat[0], sl), sl), [head, at])
                 return SC[head, at]
 
-            T.buffer_store(stat, lane_fold(T, n_t, sl, tirx.max, lambda at: SC[head, at], -3.0e38), [0])
-            with T.serial(whole, n_t) as t:
+            T.buffer_store(stat, lane_fold(T, n_t, sl, tirx.max, lambda at: SC[head, at], -3.0e38, start), [0])
+            with T.serial(whole, n_t) as t:  # (start ≤ whole: both multiples of the lanes, start ≤ pos)
                 T.buffer_store(stat, tirx.max(stat[0], SC[head, t]), [0])
-            T.buffer_store(stat, lane_fold(T, n_t, sl, lambda a, b: a + b, exponentiated), [1])
+            T.buffer_store(stat, lane_fold(T, n_t, sl, lambda a, b: a + b, exponentiated, 0.0, start), [1])
             with T.serial(whole, n_t) as t:
                 T.buffer_store(SC, exp(SC[head, t] - stat[0], 1), [head, t])
                 T.buffer_store(stat, stat[1] + SC[head, t], [1])
-            with T.serial(0, n_t // sl) as c:
+            with T.serial(start // sl, n_t // sl) as c:
                 at = vec(c * sl, sl)
                 T.buffer_store(SC, SC[head, at] / bcast(stat[1], sl), [head, at])
             with T.serial(whole, n_t) as t:
@@ -184,7 +236,7 @@ class _Attend:
                 for at, n in spans:
                     buf, i = summed(g, at)
                     T.buffer_store(buf, bcast(f32(0.0), n), [i])
-            with T.serial(0, self.pos + 1) as t:
+            with T.serial(self.first_seen(), self.pos + 1) as t:
                 for at, n in spans:
                     v = self.widen(self.CV[kh, t, vec(at, n)], n)
                     for g in range(hv):
@@ -202,6 +254,7 @@ class _Attend:
         pos, blk = self.pos, self.blk
         with T.Assert(tirx.all(0 <= pos, pos < self.ctx, pos < self.nb * blk), "attend: position outside the KV cache",
                       "ValueError"):
+            self.emit_biases_and_norms()
             self.emit_new_position()
 
             def phases(loop):

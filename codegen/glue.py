@@ -73,8 +73,12 @@ def gated_act_func(spec: GlueSpec, widest: int):
         OUT = arg("out", (1, f))
         with T.serial(0, f // lanes) as c:
             g, u = GU[0, vec(c * lanes, lanes)], GU[0, vec(f + c * lanes, lanes)]
+            one = bcast(f32(1.0), lanes)
             if spec.act == "silu":
-                a = g / (bcast(f32(1.0), lanes) + exp(bcast(f32(0.0), lanes) - g, lanes))
+                a = g / (one + exp(bcast(f32(0.0), lanes) - g, lanes))
+            elif spec.act == "gelu_tanh":  # ½g(1 + tanh(√(2/π)(g + 0.044715g³))), tanh(y) = 1 − 2/(e^2y + 1)
+                two_y = bcast(f32(2 * 0.7978845608028654), lanes) * (g + bcast(f32(0.044715), lanes) * g * g * g)
+                a = bcast(f32(0.5), lanes) * g * (one + one - bcast(f32(2.0), lanes) / (exp(two_y, lanes) + one))
             else:  # relu2
                 r = tirx.max(g, bcast(f32(0.0), lanes))
                 a = r * r
@@ -118,6 +122,9 @@ def module(spec: GlueSpec, isa):
     funcs = {"norm_in": rms_norm_func("norm_in", spec.dim, widest, True),
              "norm_final": rms_norm_func("norm_final", spec.dim, widest, True),
              "attend": attend_func(spec, widest, isa.sum_vectors), "gated_act": gated_act_func(spec, widest)}
+    if spec.post_norms:
+        for name in ("norm_post_attn", "norm_post_ffn"):
+            funcs[name] = rms_norm_func(name, spec.dim, widest, False)
     if spec.sub_norms:
         funcs["norm_attn"] = rms_norm_func("norm_attn", q_dim, widest, False)
         funcs["norm_hidden"] = rms_norm_func("norm_hidden", spec.ffn_dim, widest, False)

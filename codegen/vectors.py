@@ -78,12 +78,12 @@ def vec(start, lanes: int):
     return tirx.Ramp(start, 1, lanes) if lanes > 1 else start
 
 
-def lane_fold(T, n, lanes: int, op, term, init: float = 0.0):
-    """``op`` folded over ``term(at)`` for the ``n // lanes`` whole vectors ``at`` (``n`` may be a runtime value),
-    starting from ``init``: per lane in a loop, then across lanes. ``term`` may also emit stores, which land inside
-    the loop."""
+def lane_fold(T, n, lanes: int, op, term, init: float = 0.0, start=0):
+    """``op`` folded over ``term(at)`` for the whole vectors ``at`` from ``start`` (a multiple of ``lanes``) up to
+    ``n`` (both may be runtime values), starting from ``init``: per lane in a loop, then across lanes. ``term`` may
+    also emit stores, which land inside the loop."""
     acc = T.alloc_buffer((lanes,), F32, scope="global")
     T.buffer_store(acc, bcast(f32(init), lanes), [vec(0, lanes)])
-    with T.serial(0, n // lanes) as c:
+    with T.serial(start // lanes, n // lanes) as c:
         T.buffer_store(acc, op(acc[vec(0, lanes)], term(vec(c * lanes, lanes))), [vec(0, lanes)])
     return fold(acc[vec(0, lanes)], lanes, op)

@@ -20,7 +20,7 @@ from tmac import runtime
 from tmac.embedding import Embedding
 from tmac.float_linear import FLOAT_LINEARS, FloatLinear
 from tmac.formats import PER_TENSOR
-from tmac.glue import ATTEND_ARGS, GlueSpec
+from tmac.glue import GlueSpec
 from tmac.kernels import isa_by_name
 from tmac.linear import Linear
 from tmac.lut_ops import check_packed, kernels_for, table_buffers
@@ -38,9 +38,11 @@ def _handle(t: torch.Tensor):
     return runtime.ffi().from_dlpack(t)
 
 
-def _projection(module: nn.Module, x: torch.Tensor, out: torch.Tensor, tables: dict, labels: dict) -> list:
+def _projection(module: nn.Module, x: torch.Tensor, out: torch.Tensor, tables: dict, labels: dict,
+                biased: bool = False) -> list:
     """The calls computing ``out = x @ Wᵀ`` for one fused projection: LUT parts one ``lut_gemv`` (tables and
-    GEMV in one call), float parts one ``torch.mm``, each into its column slice of ``out`` (contiguous: one row)."""
+    GEMV in one call), float parts one ``torch.mm``, each into its column slice of ``out`` (contiguous: one row).
+    ``biased``: the projection's bias is added by the glue that reads ``out`` (``attend``: the q/k/v biases)."""
     parts = list(module.parts) if isinstance(module, Concat) else [module]
     calls, start = [], 0
     for part in parts:
@@ -49,7 +51,7 @@ def _projection(module: nn.Module, x: torch.Tensor, out: torch.Tensor, tables: d
         if isinstance(part, Linear):
             spec = part.spec
             check_packed(spec, m, part.qweight, part.scales, part.zeros, part.bias)
-            if part.bias is not None:
+            if part.bias is not None and not biased:
                 raise _Unsupported("a LUT projection with a bias")
             kernels = kernels_for(spec, part.kernel_dir)
             key = spec.table_shapes(1)
@@ -59,10 +61,12 @@ def _projection(module: nn.Module, x: torch.Tensor, out: torch.Tensor, tables: d
             params = [_handle(t) for t in (part.qweight, part.scales, part.zeros) if t is not None]
             calls.append((kernels.lut_gemv, [_handle(x), *params, *lut, _handle(dest)]))
             labels[id(kernels.lut_gemv)] = "lut_gemv (tables included)"
-        elif type(part) in FLOAT_LINEARS and part.bias is None and part.weight.dtype == torch.float32:
+        elif part.bias is not None and not biased:
+            raise _Unsupported("a float projection with a bias")
+        elif type(part) in FLOAT_LINEARS and part.weight.dtype == torch.float32:
             calls.append((functools.partial(torch.mm, out=dest), [x, part.weight.detach().t()]))
             labels[id(calls[-1][0])] = "float projection (torch.mm)"
-        elif type(part) is FloatLinear and part.bias is None and part.weight.dtype in (torch.float16, torch.bfloat16):
+        elif type(part) is FloatLinear and part.weight.dtype in (torch.float16, torch.bfloat16):
             w = part.weight.detach()  # 16-bit: the input rounded to its dtype, the output widened (FloatLinear)
             x16, y16 = torch.empty(x.shape, dtype=w.dtype), torch.empty(dest.shape, dtype=w.dtype)
             calls += [(x16.copy_, [x]), (functools.partial(torch.mm, out=y16), [x16, w.t()]), (dest.copy_, [y16])]
@@ -85,8 +89,12 @@ def glue_spec(cfg, act_quant: bool, isa, kv_dtype: str = "float16", table=None) 
         embed = dict(embed_bits=fmt.bits, embed_groups=0 if fmt.group_size == PER_TENSOR else
                      fmt.groups_per_row(table.embedding_dim), embed_scale=fmt.scale_dtype,
                      embed_zero=fmt.zero_dtype if fmt.has_zeros else "")
+    default_scale = cfg.attn_scale in (0.0, cfg.head_dim ** -0.5)  # (the same kernel as every other model's)
     return GlueSpec(isa.name, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim,
-                    cfg.activation, cfg.sub_norms, act_quant, kv_dtype, **embed)
+                    cfg.activation, cfg.sub_norms, act_quant, kv_dtype, **embed, qkv_bias=cfg.qkv_bias,
+                    qk_norm=cfg.qk_norm, rotary_dim=0 if cfg.rotary_dim == cfg.head_dim else cfg.rotary_dim,
+                    attn_scale=0.0 if default_scale else cfg.attn_scale, window=bool(cfg.sliding_window),
+                    post_norms=cfg.post_norms)
 
 
 def plan_key(model) -> tuple:
@@ -94,7 +102,7 @@ def plan_key(model) -> tuple:
     and a LUT projection's kernels. A plan built under another key is stale (a module swapped, a cache set up again).
     Checked once a generation, a fraction of building the plan (docs/decisions.md, "The decode plan")."""
     cache = tuple(None if t is None else (t.data_ptr(), tuple(t.shape), t.dtype)
-                  for t in (model.cache_k, model.cache_v, model.cos, model.sin))
+                  for t in (model.cache_k, model.cache_v, model.cos, model.sin, model.cos_local, model.sin_local))
 
     def tensors(m):
         return (*m._parameters.values(), *m._buffers.values())
@@ -105,9 +113,6 @@ def plan_key(model) -> tuple:
 
 QUANTIZE = {"xn": "quantize_dim", "att": "quantize_q", "att_n": "quantize_q", "hid": "quantize_ffn",
             "hid_n": "quantize_ffn"}  # input buffer → the glue function quantizing it in place
-
-
-POS, CACHE_K, CACHE_V = (ATTEND_ARGS.index(name) for name in ("pos", "cache_k", "cache_v"))  # what a step sets
 
 
 def _sequence_handles(sequence) -> list[tuple]:
@@ -123,17 +128,21 @@ class DecodePlan:
         # no reference to the model: a session keeps the model and its plan, and a cycle would leave a deleted
         # model's gigabytes to the cyclic garbage collector
         self.context, self.calls, self.positions = model.context, calls, positions
-        self.own_cache = [(args[CACHE_K], args[CACHE_V]) for args in positions]
+        names = keep[0].spec.attend_args
+        self.slots = tuple(names.index(name) for name in ("pos", "cache_k", "cache_v"))  # what a step sets
+        self.own_cache = [(args[self.slots[1]], args[self.slots[2]]) for args in positions]
         self.buf, self.labels = buffers, labels
         emb = model.tok_embeddings
         self.vocab = emb.num_embeddings
         x = buffers["x"][0]  # the step's first input: the token's row (a quantized table's dequantized) lands there
         if isinstance(emb, nn.Embedding):
-            self.embed_into = lambda t: x.copy_(emb.weight[t])
+            embed = lambda t: x.copy_(emb.weight[t])  # noqa: E731
         else:
             glue, params = keep[0], [_handle(t) for t in (emb.codes, emb.scales, emb.zeros) if t is not None]
             x_handle = _handle(buffers["x"])
-            self.embed_into = lambda t: glue.embed(*params, t, x_handle)
+            embed = lambda t: glue.embed(*params, t, x_handle)  # noqa: E731
+        scale = model.config.embed_scale
+        self.embed_into = embed if scale == 1.0 else lambda t: (embed(t), x.mul_(scale))  # Gemma: × √dim
         self._keep = keep  # the glue library and the scratch tensors the handles in ``calls`` point into
 
     @classmethod
@@ -158,49 +167,67 @@ class DecodePlan:
         act_quant = any(isinstance(m, ActivationQuantized) for m in model.modules())
         glue = runtime.load_kernels(glue_spec(cfg, act_quant, isa, model.kv_dtype, model.tok_embeddings), isa)
         q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-        names = {"x": cfg.dim, "delta": cfg.dim, "zero": cfg.dim, "xn": cfg.dim, "qkv": q_dim + 2 * kv_dim,
+        names = {"x": cfg.dim, "delta": cfg.dim, "post": cfg.dim, "zero": cfg.dim, "xn": cfg.dim,
+                 "qkv": q_dim + 2 * kv_dim,
                  "att": q_dim, "att_n": q_dim, "gu": 2 * cfg.ffn_dim, "hid": cfg.ffn_dim, "hid_n": cfg.ffn_dim,
                  "logits": cfg.vocab_size}
         buf = {name: torch.zeros((1, n)) for name, n in names.items()}
         scores = torch.zeros((cfg.n_heads, model.cache_v.shape[2]))  # the cache's positions, whole key blocks
         tables: dict = {}
         h = {name: _handle(t) for name, t in buf.items()}
-        cos, sin, sc = _handle(model.cos), _handle(model.sin), _handle(scores)
+        sc = _handle(scores)
+        ropes = {}  # id(cos table) → the handles of (cos, sin)
         eps = float(cfg.norm_eps)
         calls, positions = [], []
         labels = {id(getattr(glue, name)): name for name in glue.spec.functions}  # id(function) → its name
 
-        def project(module, src: str, dst: str, sub_norm=None, norm_fn=None):
+        biases = []  # the q/k/v biases attend adds, as one row each
+
+        def project(module, src: str, dst: str, sub_norm=None, norm_fn=None, biased=False):
             if cfg.sub_norms and sub_norm is not None:  # BitNet's norm before the output and down projections
                 calls.append((norm_fn, [h[src], _norm(sub_norm), eps, h[src + "_n"]]))
                 src += "_n"
             if isinstance(module, ActivationQuantized):  # the input is consumed only here: quantize it in place
                 calls.append((getattr(glue, QUANTIZE[src]), [h[src]]))
                 module = module.linear
-            calls.extend(_projection(module, buf[src], buf[dst], tables, labels))
+            calls.extend(_projection(module, buf[src], buf[dst], tables, labels, biased))
 
+        def post_norm(fn, norm) -> str:
+            """The buffer the residual adds: the projection's output, or Gemma's norm of it."""
+            if not cfg.post_norms:
+                return "delta"
+            calls.append((fn, [h["delta"], _norm(norm), eps, h["post"]]))
+            return "post"
+
+        residual = "zero"
         for i, layer in enumerate(model.layers):
             attn, ffn = layer.attention, layer.feed_forward
-            norms = (attn.out_norm, ffn.hidden_norm)
-            if ffn.act is not ACTIVATION_FUNCTIONS[cfg.activation] or not all(
-                    isinstance(n, RMSNorm if cfg.sub_norms else nn.Identity) for n in norms):
-                raise _Unsupported("a layer with other norms or activation")
-            named = dict(qkv=h["qkv"], cos=cos, sin=sin, cache_k=_handle(model.cache_k[i]),
-                         cache_v=_handle(model.cache_v[i]), scores=sc, pos=0, out=h["att"])
-            attend = [named[name] for name in ATTEND_ARGS]
+            _check_layer(cfg, layer)
+            cos, sin = model.rope(i)
+            if id(cos) not in ropes:
+                ropes[id(cos)] = (_handle(cos), _handle(sin))
+            named = dict(qkv=h["qkv"], cos=ropes[id(cos)][0], sin=ropes[id(cos)][1], cache_k=_handle(model.cache_k[i]),
+                         cache_v=_handle(model.cache_v[i]), scores=sc, pos=0, window=attn.window, out=h["att"])
+            if cfg.qkv_bias:
+                biases.append(_qkv_bias(attn.wqkv))
+                named["bias"] = _handle(biases[-1])
+            if cfg.qk_norm:
+                named.update(q_norm=_norm(attn.q_norm), k_norm=_norm(attn.k_norm), eps=eps)
+            attend = [named[name] for name in glue.spec.attend_args]
             positions.append(attend)
-            calls.append((glue.norm_in, [h["x"], h["zero" if i == 0 else "delta"], _norm(layer.attention_norm), eps,
-                                         h["xn"]]))
-            project(attn.wqkv, "xn", "qkv")
+            calls.append((glue.norm_in, [h["x"], h[residual], _norm(layer.attention_norm), eps, h["xn"]]))
+            project(attn.wqkv, "xn", "qkv", biased=cfg.qkv_bias)
             calls.append((glue.attend, attend))
             project(attn.wo, "att", "delta", attn.out_norm, getattr(glue, "norm_attn", None))
-            calls.append((glue.norm_in, [h["x"], h["delta"], _norm(layer.ffn_norm), eps, h["xn"]]))
+            residual = post_norm(getattr(glue, "norm_post_attn", None), layer.post_attention_norm)
+            calls.append((glue.norm_in, [h["x"], h[residual], _norm(layer.ffn_norm), eps, h["xn"]]))
             project(ffn.w13, "xn", "gu")
             calls.append((glue.gated_act, [h["gu"], h["hid"]]))
             project(ffn.w2, "hid", "delta", ffn.hidden_norm, getattr(glue, "norm_hidden", None))
-        calls.append((glue.norm_final, [h["x"], h["delta"], _norm(model.norm), eps, h["xn"]]))
+            residual = post_norm(getattr(glue, "norm_post_ffn", None), layer.post_ffn_norm)
+        calls.append((glue.norm_final, [h["x"], h[residual], _norm(model.norm), eps, h["xn"]]))
         project(model.output, "xn", "logits")
-        return cls(model, calls, positions, buf, labels, (glue, scores, tables))
+        return cls(model, calls, positions, buf, labels, (glue, scores, tables, biases))
 
     def step(self, token: int, pos: int, sequence=None) -> torch.Tensor:
         """Logits ``[vocab]`` of ``token`` at position ``pos`` of ``sequence`` (a ``Sequence``, whose cache holds
@@ -213,8 +240,9 @@ class DecodePlan:
             raise ValueError(f"token id {token} is outside the vocabulary [0, {self.vocab})")
         runtime.apply_threads()
         caches = self.own_cache if sequence is None else _sequence_handles(sequence)
+        at_pos, at_keys, at_values = self.slots
         for args, (keys, values) in zip(self.positions, caches):
-            args[POS], args[CACHE_K], args[CACHE_V] = pos, keys, values
+            args[at_pos], args[at_keys], args[at_values] = pos, keys, values
         self.embed_into(token)
         for fn, args in self.calls:
             fn(*args)
@@ -238,6 +266,27 @@ class DecodePlan:
                 spent[self.labels[id(fn)]] = spent.get(self.labels[id(fn)], 0.0) + time.perf_counter() - t0
             splits.append(spent)
         return {"step": min(steps), **min(splits, key=lambda d: sum(d.values()))}
+
+
+def _check_layer(cfg, layer) -> None:
+    """The layer is what the config says (the plan derives its calls from the config): its activation, and each
+    optional norm there exactly when the config has it."""
+    attn, ffn = layer.attention, layer.feed_forward
+    optional = ((attn.out_norm, cfg.sub_norms), (ffn.hidden_norm, cfg.sub_norms), (attn.q_norm, cfg.qk_norm),
+                (attn.k_norm, cfg.qk_norm), (layer.post_attention_norm, cfg.post_norms),
+                (layer.post_ffn_norm, cfg.post_norms))
+    if ffn.act is not ACTIVATION_FUNCTIONS[cfg.activation] or not all(
+            isinstance(n, RMSNorm if present else nn.Identity) for n, present in optional):
+        raise _Unsupported("a layer with other norms or activation")
+
+
+def _qkv_bias(module: nn.Module) -> torch.Tensor:
+    """The fused q/k/v projection's bias as one float32 row (its parts' biases, concatenated)."""
+    module = module.linear if isinstance(module, ActivationQuantized) else module
+    parts = list(module.parts) if isinstance(module, Concat) else [module]
+    if any(getattr(p, "bias", None) is None for p in parts):
+        raise _Unsupported("a q/k/v projection without its bias")
+    return torch.cat([p.bias.detach().float() for p in parts]).contiguous()[None]
 
 
 def _norm(norm: nn.Module):

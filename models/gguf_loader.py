@@ -1,4 +1,5 @@
-"""GGUF files (llama architecture): config, tokenizer and weights, read lazily from the memory-mapped file.
+"""GGUF files of every family ``tmac.models.arch`` lists: config, tokenizer and weights, read lazily from the
+memory-mapped file. The record says which tensors and metadata keys a family has.
 
 Weights come back as ``QuantizedWeight`` when the caller wants the file's own weights (``exact``): imported exactly
 where the type allows (``tmac.formats.GGUF_EXACT``: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, the K-quants Q2_K to Q6_K,
@@ -25,23 +26,12 @@ from tmac.formats import GGUF_EXACT, GGUF_FLOAT_TYPES, Q8_0_LAYOUT
 from tmac.quantize import import_gguf, quantize_weight
 from tmac.qweight import QuantizedWeight
 
+from .arch import BY_GGUF, tensor_names
 from .gguf_file import GGUFFile
 from .llama import LlamaConfig
 from .tokenizer import Tokenizer
 
-ARCHITECTURES = ("llama",)
 DEQUANT_ROWS = 1024
-
-# our parameter names ← GGUF tensor names (per layer: {i})
-LAYER_TENSORS = {
-    "attention_norm.weight": "attn_norm.weight", "ffn_norm.weight": "ffn_norm.weight",
-    "attention.wq.weight": "attn_q.weight", "attention.wk.weight": "attn_k.weight",
-    "attention.wv.weight": "attn_v.weight", "attention.wo.weight": "attn_output.weight",
-    "feed_forward.w1.weight": "ffn_gate.weight", "feed_forward.w3.weight": "ffn_up.weight",
-    "feed_forward.w2.weight": "ffn_down.weight",
-}
-GLOBAL_TENSORS = {"tok_embeddings.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
-                  "output.weight": "output.weight"}
 
 
 class GGUFModel:
@@ -57,44 +47,65 @@ class GGUFModel:
         self.tokenizer = Tokenizer.from_gguf_metadata(self.meta, path, self.config.vocab_size)
 
     def _config(self) -> LlamaConfig:
-        arch = self.meta.get("general.architecture")
-        if arch not in ARCHITECTURES:
-            raise ModelFormatError(f"{self.path}: architecture {arch!r} is not supported; supported: "
-                                   f"{', '.join(ARCHITECTURES)}")
+        name = self.meta.get("general.architecture")
+        arch = self.arch = BY_GGUF.get(name)
+        if arch is None:
+            raise ModelFormatError(f"{self.path}: architecture {name!r:.40} is not supported; supported: "
+                                   f"{', '.join(BY_GGUF)}")
 
         def get(key, kind, default=None):
-            value = self.meta.get(f"{arch}.{key}", default)
+            value = self.meta.get(f"{name}.{key}", default)
             if value is None:
-                raise ModelFormatError(f"{self.path}: metadata {arch}.{key} is missing")
+                raise ModelFormatError(f"{self.path}: metadata {name}.{key} is missing")
             if kind is int and type(value) is not int or kind is float and not isinstance(value, (int, float)):
-                raise ModelFormatError(f"{self.path}: metadata {arch}.{key}={value!r:.50} is not a {kind.__name__}")
+                raise ModelFormatError(f"{self.path}: metadata {name}.{key}={value!r:.50} is not a {kind.__name__}")
             return kind(value)
 
         n_heads = get("attention.head_count", int)
         embd = self.tensors.get("token_embd.weight")
         if embd is None:
             raise ModelFormatError(f"{self.path}: tensor token_embd.weight is missing")
+        scales = [t for t in self.tensors if t.endswith(".scale")]
+        if scales:  # BitNet conversions that keep a per-tensor scale apart (llama.cpp's wq_scale …)
+            raise ModelFormatError(f"{self.path}: tensor {scales[0]} (a projection's separate scale) is not supported")
+        n_layers, dim = get("block_count", int), get("embedding_length", int)
+        head_dim = get("attention.key_length", int, 0)
+        window = get("attention.sliding_window", int, 0) if arch.gguf_swa_every else 0
+        scaling = self.meta.get(f"{name}.rope.scaling.type")
         try:
             return LlamaConfig(
-                vocab_size=embd.shape[0], dim=get("embedding_length", int), n_layers=get("block_count", int),
-                n_heads=n_heads, n_kv_heads=get("attention.head_count_kv", int, n_heads),
-                ffn_dim=get("feed_forward_length", int),
-                head_dim=get("attention.key_length", int, 0),
-                norm_eps=get("attention.layer_norm_rms_epsilon", float, 1e-5),
-                rope_theta=get("rope.freq_base", float, 10000.0), rope_factors=self._rope_factors(),
+                vocab_size=embd.shape[0], dim=dim, n_layers=n_layers, n_heads=n_heads,
+                n_kv_heads=get("attention.head_count_kv", int, n_heads), ffn_dim=get("feed_forward_length", int),
+                head_dim=head_dim, norm_eps=get("attention.layer_norm_rms_epsilon", float, 1e-5),
+                rope_theta=get("rope.freq_base", float, 10000.0),
+                rope_scaling={"rope_type": "linear", "factor": get("rope.scaling.factor", float)}
+                if scaling == "linear" and get("rope.scaling.factor", float, 1.0) != 1.0 else None,
                 context_length=get("context_length", int, 2048),
-                tie_embeddings="output.weight" not in self.tensors)
+                tie_embeddings="output.weight" not in self.tensors, activation=arch.gguf_activation,
+                sub_norms=arch.sub_norms, arch=arch.name, qkv_bias=arch.qkv_bias, qk_norm=arch.qk_norm,
+                post_norms=arch.post_norms, embed_scale=float(dim) ** 0.5 if arch.embed_scale else 1.0,
+                rotary_dim=get("rope.dimension_count", int, 0), sliding_window=window,
+                sliding_layers=[i for i in range(n_layers) if (i + 1) % arch.gguf_swa_every] if window else None,
+                rope_local_theta=arch.gguf_local_rope_theta if window else 0.0, **self._rope_factors(get))
         except ValueError as e:
             raise ModelFormatError(f"{self.path}: {e}") from None
 
     def names(self) -> list[str]:
         """Our parameter names the file provides."""
-        names = [n for n, g in GLOBAL_TENSORS.items() if g in self.tensors]
-        return names + [f"layers.{i}.{n}" for i in range(self.config.n_layers) for n in LAYER_TENSORS]
+        names = [n for n in ("tok_embeddings.weight", "norm.weight", "output.weight") if self.has(n)]
+        return names + [f"layers.{i}.{n}" for i in range(self.config.n_layers) for n in self.arch.layer_tensors()]
+
+    def stored_name(self, name: str) -> str:
+        """The file's name of our parameter ``name``."""
+        return tensor_names(self.arch, name)[0]
+
+    def has(self, name: str) -> bool:
+        """Whether the file stores our parameter ``name``."""
+        return tensor_names(self.arch, name)[0] in self.tensors
 
     def weight(self, name: str, exact: bool = False) -> torch.Tensor | QuantizedWeight:
         """The tensor ``name`` (our naming); a ``QuantizedWeight`` when ``exact`` and the file stores it quantized."""
-        gname = _gguf_name(name)
+        gname = tensor_names(self.arch, name)[0]
         t = self.tensors.get(gname)
         if t is None:
             raise ModelFormatError(f"{self.path}: tensor {gname} is missing")
@@ -109,30 +120,48 @@ class GGUFModel:
         if value is None:
             if exact and matrix and type_name not in GGUF_FLOAT_TYPES:
                 return quantize_weight(self.weight(name), **Q8_0_LAYOUT)
-            if matrix and _rope_heads(self.config, name) == 0:
+            if matrix and self._rope_heads(name) == 0:
                 return DequantizedRows(self, t)
             with _naming(self.path, t):
                 value = _as_torch(t.data, type_name, shape)
         self.file.release(t)  # converted: its pages need not stay resident
         return self._unpermute(name, value)
 
-    def _rope_factors(self) -> list | None:
-        """Llama 3.1+ RoPE scaling as llama.cpp's converter stores it: ``rope_freqs.weight``, a divisor for each
-        frequency (F32, head_dim/2 of them; LlamaConfig checks the count)."""
-        t = self.tensors.get("rope_freqs.weight")
+    def _rope_factors(self, get) -> dict:
+        """RoPE frequency divisors as llama.cpp's converter stores them: Llama 3.1+'s ``rope_freqs.weight``; LongRoPE's
+        ``rope_factors_short``/``_long`` (Phi-3.5, Phi-4-mini) with the context between them and the factor on cos and
+        sin. F32, rotary_dim/2 of them (LlamaConfig checks the count)."""
+        factors = {name: self._factors(f"{name}.weight")
+                   for name in ("rope_freqs", "rope_factors_short", "rope_factors_long")}
+        if factors["rope_factors_long"] is None:
+            return {"rope_factors": factors["rope_freqs"] or factors["rope_factors_short"]}
+        return dict(rope_factors=factors["rope_factors_short"] or factors["rope_factors_long"],
+                    rope_factors_long=factors["rope_factors_long"],
+                    rope_original_context=get("rope.scaling.original_context_length", int),
+                    rope_attn_factor=get("rope.scaling.attn_factor", float, 1.0))
+
+    def _factors(self, gname: str) -> list | None:
+        t = self.tensors.get(gname)
         if t is None:
             return None
         if t.type_name != "F32" or len(t.shape) != 1 or t.shape[0] > 1 << 12:
-            raise ModelFormatError(f"{self.path}: tensor rope_freqs.weight is {t.type_name} {list(t.shape)}; "
-                                   f"expected F32 [head_dim/2]")
+            raise ModelFormatError(f"{self.path}: tensor {gname} is {t.type_name} {list(t.shape)}; expected F32 "
+                                   f"[rotary_dim/2]")
         factors = t.data.view(np.float32).astype(np.float64)
         if not np.isfinite(factors).all() or (factors <= 0).any():
-            raise ModelFormatError(f"{self.path}: tensor rope_freqs.weight holds factors that are not positive")
+            raise ModelFormatError(f"{self.path}: tensor {gname} holds factors that are not positive")
         return factors.tolist()
+
+    def _rope_heads(self, name: str) -> int:
+        """Heads whose rows the file interleaves for llama.cpp's RoPE (llama's q and k projections), else 0."""
+        cfg = self.config
+        if not self.arch.gguf_interleaved_qk:
+            return 0
+        return cfg.n_heads if name.endswith("wq.weight") else cfg.n_kv_heads if name.endswith("wk.weight") else 0
 
     def _unpermute(self, name, value):
         cfg = self.config
-        heads = _rope_heads(cfg, name)
+        heads = self._rope_heads(name)
         if not heads:
             return value
         rows = value.shape[0]
@@ -183,18 +212,6 @@ def _naming(path: str, t):
     except NotImplementedError:  # a GGML type the gguf package has no dequantizer for (Q8_1, Q8_K: never weights)
         raise ModelFormatError(f"{path}: tensor {t.name} has the type {t.type_name}, which no GGUF model stores "
                                f"weights in") from None
-
-
-def _rope_heads(cfg: LlamaConfig, name: str) -> int:
-    """Heads whose rows GGUF interleaves for llama.cpp's RoPE (q and k projections), else 0."""
-    return cfg.n_heads if name.endswith("wq.weight") else cfg.n_kv_heads if name.endswith("wk.weight") else 0
-
-
-def _gguf_name(name: str) -> str:
-    if name in GLOBAL_TENSORS:
-        return GLOBAL_TENSORS[name]
-    _, i, rest = name.split(".", 2)
-    return f"blk.{i}.{LAYER_TENSORS[rest]}"
 
 
 INTEGER_TYPES = ("I8", "I16", "I32", "I64")  # GGML types of indices and counts, never of a model's weights

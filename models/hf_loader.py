@@ -1,6 +1,7 @@
 """Hugging Face model directories: ``config.json`` + safetensors (single file or sharded index).
 
-Float ``LlamaForCausalLM`` and ``BitNetForCausalLM``, and BitNet's packed ternary checkpoints ("offline"
+Float checkpoints of every family ``tmac.models.arch`` lists (the record names its classes and tensors), GPTQ ones,
+and BitNet's packed ternary checkpoints ("offline"
 ``bitlinear``): uint8 ``[out/4, in]`` whose 2-bit fields hold w+1, packed row r holding rows r, r+R, r+2R,
 r+3R (R = out/4) at bits 0, 2, 4, 6, and a scalar ``weight_scale`` that the reference *divides* by
 (``y = x·Wq / weight_scale``), so the imported scale is 1/weight_scale. Tensors are read one at a time from
@@ -10,6 +11,7 @@ time when they are requantized.
 
 from __future__ import annotations
 
+import math
 import os
 
 import numpy as np
@@ -21,25 +23,13 @@ from tmac.float_linear import all_finite
 from tmac.formats import BITS, PER_TENSOR, WeightFormat
 from tmac.qweight import QuantizedWeight
 
+from .arch import BY_HF, HF_ACTIVATIONS, tensor_names
 from .gptq import VERSIONS as GPTQ_VERSIONS
 from .jsonfile import read_json
 from .llama import LlamaConfig
 from .tokenizer import Tokenizer
 
-# architecture → (activation, sub_norms): what LlamaConfig says of the model
-ARCHITECTURES = {"LlamaForCausalLM": ("silu", False), "BitNetForCausalLM": ("relu2", True)}
-
-LAYER_TENSORS = {
-    "attention_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attention.wq.weight": "self_attn.q_proj.weight", "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight", "attention.wo.weight": "self_attn.o_proj.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight", "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-}
-BITNET_TENSORS = {"attention.out_norm.weight": "self_attn.attn_sub_norm.weight",
-                  "feed_forward.hidden_norm.weight": "mlp.ffn_sub_norm.weight"}
-GLOBAL_TENSORS = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-                  "output.weight": "lm_head.weight"}
+ROPE_TYPES = ("default", "llama3", "linear", "longrope")
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names of the float dtypes
 
 
@@ -107,14 +97,19 @@ class HFModel:
 
     def _parse_config(self, c: dict) -> LlamaConfig:
         archs = c.get("architectures")
-        arch = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
-        if arch not in ARCHITECTURES:
-            raise ModelFormatError(f"{self.path}/config.json: architecture {arch!r} is not supported; supported: "
-                                   f"{', '.join(ARCHITECTURES)}")
-        act, sub_norms = ARCHITECTURES[arch]
-        if c.get("hidden_act", act) != act:
-            raise ModelFormatError(f"{self.path}/config.json: hidden_act {c.get('hidden_act')!r} is not supported "
-                                   f"for {arch} (expected {act!r})")
+        name = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
+        arch = self.arch = BY_HF.get(name)
+        if arch is None:
+            raise ModelFormatError(f"{self.path}/config.json: architecture {name!r} is not supported; supported: "
+                                   f"{', '.join(BY_HF)}")
+        hidden_act = c.get("hidden_activation") or c.get("hidden_act") or arch.hf_activations[0]
+        if hidden_act not in arch.hf_activations:
+            raise ModelFormatError(f"{self.path}/config.json: hidden_act {hidden_act!r:.40} is not supported for "
+                                   f"{name} (supported: {', '.join(arch.hf_activations)})")
+        for key, want in arch.hf_variants.items():
+            if c.get(key, want) != want:
+                raise ModelFormatError(f"{self.path}/config.json: {key}={c.get(key)!r:.40} is not supported for "
+                                       f"{name} (only {want!r})")
         quant = c.get("quantization_config")
         method = quant.get("quant_method") if isinstance(quant, dict) else None
         self.packed_ternary = method == "bitnet" and quant.get("linear_class", "bitlinear") == "bitlinear" \
@@ -136,27 +131,87 @@ class HFModel:
         elif quant is not None and not self.packed_ternary:
             raise ModelFormatError(f"{self.path}/config.json: quantization_config {quant!r:.120} is not supported; "
                                    f"supported: none (float), GPTQ, BitNet offline bitlinear (packed ternary)")
-        rope = c.get("rope_parameters") or c.get("rope_scaling") or {}  # transformers 5 / 4 spelling
-        rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else None
-        if rope_type not in ("default", "llama3"):
-            raise ModelFormatError(f"{self.path}/config.json: RoPE type {rope_type!r} is not supported; supported: "
-                                   f"default, llama3")
         heads = c["num_attention_heads"]
+        head_dim = c.get("head_dim") or c["hidden_size"] // heads
+        rope, local_theta = self._rope(c)
+        partial = c.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
+        window, sliding = self._sliding(c)
+        query_scalar = c.get("query_pre_attn_scalar")
         return LlamaConfig(
             vocab_size=c["vocab_size"], dim=c["hidden_size"], n_layers=c["num_hidden_layers"], n_heads=heads,
             n_kv_heads=c.get("num_key_value_heads") or heads, ffn_dim=c["intermediate_size"],
-            head_dim=c.get("head_dim") or 0, norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+            head_dim=head_dim, norm_eps=float(c.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
-            rope_scaling=rope if rope_type == "llama3" else None,
+            rope_scaling=rope if rope.get("rope_type") in ("llama3", "linear") else None,
             context_length=c.get("max_position_embeddings", 2048),
             tie_embeddings=bool(c.get("tie_word_embeddings", False)) or "lm_head.weight" not in self.files,
-            activation=act, sub_norms=sub_norms)
+            activation=HF_ACTIVATIONS[hidden_act], sub_norms=arch.sub_norms, arch=arch.name, qkv_bias=arch.qkv_bias,
+            qk_norm=arch.qk_norm, post_norms=arch.post_norms,
+            embed_scale=float(c["hidden_size"]) ** 0.5 if arch.embed_scale else 1.0,
+            attn_scale=float(query_scalar) ** -0.5 if query_scalar else 0.0, rotary_dim=int(head_dim * partial),
+            sliding_window=window, sliding_layers=sliding, rope_local_theta=local_theta,
+            **self._longrope(c, rope, int(head_dim * partial)))
+
+    def _rope(self, c: dict) -> tuple[dict, float]:
+        """The global layers' RoPE parameters (``rope_type`` always set) and the sliding layers' base (0: the same).
+        transformers 5 writes ``rope_parameters`` (per layer type where they differ), 4 ``rope_scaling`` and
+        ``rope_theta`` (``rope_local_base_freq``)."""
+        rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+        if not isinstance(rope, dict):
+            raise ModelFormatError(f"{self.path}/config.json: rope parameters {rope!r:.60} are not an object")
+        local = rope.get("sliding_attention")
+        rope = rope.get("full_attention", rope)
+        rope = {**rope, "rope_type": rope.get("rope_type", rope.get("type", "default"))}
+        if rope["rope_type"] not in ROPE_TYPES:
+            raise ModelFormatError(f"{self.path}/config.json: RoPE type {rope['rope_type']!r:.40} is not supported; "
+                                   f"supported: {', '.join(ROPE_TYPES)}")
+        if isinstance(local, dict) and local.get("rope_type", "default") != "default":
+            raise ModelFormatError(f"{self.path}/config.json: sliding layers' RoPE type {local.get('rope_type')!r:.40}"
+                                   f" is not supported")
+        local_theta = local.get("rope_theta", 0.0) if isinstance(local, dict) else c.get("rope_local_base_freq", 0.0)
+        return rope, float(local_theta)
+
+    def _sliding(self, c: dict) -> tuple[int, list | None]:
+        """The sliding window and the layers that have one: Gemma 3's ``layer_types`` (or its older
+        ``sliding_window_pattern``), Mistral's window on every layer; none where the family turns it off."""
+        window = c.get("sliding_window") or 0
+        if not window or self.arch.hf_variants.get("use_sliding_window") is False:
+            return 0, None
+        types = c.get("layer_types")
+        if isinstance(types, list):
+            return window, [i for i, t in enumerate(types) if t == "sliding_attention"]
+        every = c.get("sliding_window_pattern") or c.get("_sliding_window_pattern")
+        if every:
+            return window, [i for i in range(c["num_hidden_layers"]) if (i + 1) % every]
+        return window, None
+
+    def _longrope(self, c: dict, rope: dict, rotary_dim: int) -> dict:
+        """LongRoPE (Phi-3.5, Phi-4-mini): the short and long frequency divisors, the context that separates them,
+        and the factor on cos and sin (given, or √(1 + ln(factor) / ln(original context)))."""
+        if rope["rope_type"] != "longrope":
+            return {}
+        original = rope.get("original_max_position_embeddings") or c.get("original_max_position_embeddings")
+        short, long = rope.get("short_factor"), rope.get("long_factor")
+        if type(original) is not int or original < 2 or not isinstance(short, list) or not isinstance(long, list):
+            raise ModelFormatError(f"{self.path}/config.json: longrope needs short_factor, long_factor and "
+                                   f"original_max_position_embeddings")
+        factor = rope.get("factor") or c.get("max_position_embeddings", original) / original
+        attention = rope.get("attention_factor") or (math.sqrt(1 + math.log(factor) / math.log(original))
+                                                     if factor > 1 else 1.0)
+        return dict(rope_factors=short, rope_factors_long=long, rope_original_context=original,
+                    rope_attn_factor=attention)
+
+    def stored_name(self, name: str) -> str:
+        """The file's name of our parameter ``name``."""
+        return tensor_names(self.arch, name)[1]
+
+    def has(self, name: str) -> bool:
+        """Whether the checkpoint stores our parameter ``name``."""
+        hf = tensor_names(self.arch, name)[1]
+        return hf in self.files or hf[:-len(".weight")] + ".qweight" in self.files
 
     def weight(self, name: str, exact: bool = False) -> torch.Tensor | QuantizedWeight:
-        hf = GLOBAL_TENSORS.get(name)
-        if hf is None:
-            _, i, rest = name.split(".", 2)
-            hf = f"model.layers.{i}.{LAYER_TENSORS.get(rest) or BITNET_TENSORS[rest]}"
+        hf = tensor_names(self.arch, name)[1]
         prefix = hf[:-len(".weight")]
         if self.gptq and prefix + ".qweight" in self.files:
             return self._gptq(prefix)
@@ -173,7 +228,10 @@ class HFModel:
             return t
         if t.dtype == torch.uint8 and self.packed_ternary:
             return self._ternary(hf, t)
-        return self._float(hf, t)
+        t = self._float(hf, t)
+        if self.arch.hf_norm_shift and name.endswith("norm.weight"):  # stored as w − shift (Gemma's (1 + w))
+            t = t.float() + self.arch.hf_norm_shift
+        return t
 
     def _float(self, hf: str, t: torch.Tensor) -> torch.Tensor:
         """``t`` checked to be float and finite, in the file's dtype: users widen what they keep."""

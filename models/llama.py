@@ -1,6 +1,8 @@
-"""The Llama family in plain PyTorch (gpt-fast style): RMSNorm, RoPE (with Llama-3 scaling), GQA, SwiGLU; and
-BitNet b1.58, which the config describes (``activation="relu2"``, ``sub_norms``: RMSNorms before the attention
-output and the down projection; its activation quantization wraps the ternary projections, ``tmac.models.bitnet``).
+"""The decoder every supported family shares, in plain PyTorch (gpt-fast style): RMSNorm, RoPE (Llama-3 and
+LongRoPE scaling, partial rotary), grouped-query attention (q/k/v biases, per-head q/k norms, sliding windows), a
+gated FFN; and the variations the config names, which an architecture record sets (``tmac.models.arch``): BitNet's
+sub-norms (its activation quantization wraps the ternary projections, ``tmac.models.bitnet``), Gemma's norms after
+attention and FFN, and its scaled embeddings.
 
 One sequence at a time (batch 1). Tensors follow the Hugging Face layout (q/k rows in "rotate half" order);
 loaders convert other layouts (GGUF's interleaved q/k rows) when they read a file. Each layer runs two
@@ -31,9 +33,14 @@ LIMITS = {"vocab_size": 1 << 22, "dim": 1 << 16, "n_layers": 1 << 10, "n_heads":
           "ffn_dim": 1 << 18, "head_dim": 1 << 12, "context_length": 1 << 24}
 
 
-def _valid_llama3_scaling(s) -> bool:
+def _valid_rope_scaling(s) -> bool:
+    """Llama 3's (by wavelength) or linear scaling, with the numbers each needs."""
+    kind = s.get("rope_type", s.get("type")) if isinstance(s, dict) else None
+    if kind == "linear":
+        factor = s.get("factor")
+        return isinstance(factor, (int, float)) and not isinstance(factor, bool) and 0 < factor < 1e6
     keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-    if not isinstance(s, dict) or not all(isinstance(s.get(k), (int, float)) and not isinstance(s.get(k), bool)
+    if kind != "llama3" or not all(isinstance(s.get(k), (int, float)) and not isinstance(s.get(k), bool)
                                           and 0 < s[k] < 1e30 for k in keys):
         return False
     return s["low_freq_factor"] < s["high_freq_factor"]
@@ -55,16 +62,30 @@ class LlamaConfig:
     head_dim: int = 0  # 0: dim // n_heads
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    rope_scaling: dict | None = None  # Llama 3: factor, low_freq_factor, high_freq_factor, original_max_position_embeddings
+    rope_scaling: dict | None = None  # rope_type llama3 (factor, low_freq_factor, high_freq_factor,
+    # original_max_position_embeddings) or linear (factor)
     rope_factors: list | None = None  # [head_dim/2] divisors of the RoPE frequencies (a GGUF's rope_freqs.weight)
     context_length: int = 2048  # what the model was trained for
     tie_embeddings: bool = False
     activation: str = "silu"  # of the gated FFN: one of tmac.glue.ACTIVATIONS (BitNet: relu2, squared ReLU)
     sub_norms: bool = False  # BitNet: an RMSNorm before the attention output and before the down projection
+    arch: str = "llama"  # the architecture record (tmac.models.arch) the rest follows from
+    qkv_bias: bool = False  # Qwen2: biases on the q, k and v projections
+    qk_norm: bool = False  # Qwen3, Gemma 3: an RMSNorm over each head of q and k, before RoPE
+    post_norms: bool = False  # Gemma: RMSNorms on the attention's and the FFN's outputs, before the residual
+    embed_scale: float = 1.0  # Gemma: the token embeddings times √dim
+    attn_scale: float = 0.0  # the scores' scale; 0: head_dim^-½
+    rotary_dim: int = 0  # leading dimensions of each head that RoPE turns; 0: all
+    sliding_window: int = 0  # positions a sliding-window layer sees (itself included); 0: none
+    sliding_layers: list | None = None  # the layers with a sliding window (Gemma 3: five of every six)
+    rope_local_theta: float = 0.0  # the sliding layers' RoPE base; 0: rope_theta
+    rope_factors_long: list | None = None  # LongRoPE: the divisors past rope_original_context (rope_factors below)
+    rope_original_context: int = 0
+    rope_attn_factor: float = 1.0  # LongRoPE: cos and sin scaled by it
 
     @property
     def family(self) -> str:
-        return "bitnet" if self.sub_norms else "llama"
+        return self.arch
 
     def __post_init__(self):
         problems = [f"{name}={getattr(self, name)!r:.40}" for name, most in LIMITS.items()
@@ -81,18 +102,55 @@ class LlamaConfig:
         if self.activation not in ACTIVATIONS or type(self.sub_norms) is not bool or type(self.tie_embeddings) is not bool:
             problems.append(f"activation={self.activation!r:.40} (one of {ACTIVATIONS}), sub_norms={self.sub_norms!r:.20}, "
                             f"tie_embeddings={self.tie_embeddings!r:.20}")
-        if self.rope_factors is not None and not _valid_rope_factors(self.rope_factors, self.head_dim):
-            problems.append(f"rope_factors={self.rope_factors!r:.80} (head_dim/2 = {self.head_dim // 2} positive "
-                            f"finite numbers)")
-        if self.rope_scaling is not None and not _valid_llama3_scaling(self.rope_scaling):
-            problems.append(f"rope_scaling={self.rope_scaling!r:.200} (llama3 needs numbers factor, "
+        problems += self._check_variations()
+        if not problems and not self.rotary_dim:
+            self.rotary_dim = self.head_dim
+        for name in ("rope_factors", "rope_factors_long"):
+            if getattr(self, name) is not None and not _valid_rope_factors(getattr(self, name), self.rotary_dim):
+                problems.append(f"{name}={getattr(self, name)!r:.80} (rotary_dim/2 = {self.rotary_dim // 2} positive "
+                                f"finite numbers)")
+        if self.rope_scaling is not None and not _valid_rope_scaling(self.rope_scaling):
+            problems.append(f"rope_scaling={self.rope_scaling!r:.200} (linear needs a factor; llama3 numbers factor, "
                             f"low_freq_factor < high_freq_factor, original_max_position_embeddings)")
         if not problems and self.n_heads % self.n_kv_heads:
             problems.append(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
-        if not problems and self.head_dim % 2:
-            problems.append(f"head_dim={self.head_dim} must be even for RoPE")
+        if not problems and (self.head_dim % 2 or self.rotary_dim % 2 or self.rotary_dim > self.head_dim):
+            problems.append(f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}: RoPE turns an even number of "
+                            f"a head's dimensions")
         if problems:
-            raise ValueError("invalid Llama config: " + ", ".join(problems))
+            raise ValueError("invalid model config: " + ", ".join(problems))
+
+    def _check_variations(self) -> list[str]:
+        from .arch import ARCHITECTURES
+
+        problems = []
+        if self.arch not in ARCHITECTURES:
+            problems.append(f"arch={self.arch!r:.40} (one of {', '.join(ARCHITECTURES)})")
+        for name in ("qkv_bias", "qk_norm", "post_norms"):
+            if type(getattr(self, name)) is not bool:
+                problems.append(f"{name}={getattr(self, name)!r:.20}")
+        for name, low, most in (("embed_scale", 0.0, 1e4), ("attn_scale", -1e-30, 10.0), ("rope_local_theta", -1e-30, 1e12),
+                                ("rope_attn_factor", 0.0, 100.0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not low < value <= most:
+                problems.append(f"{name}={value!r:.40}")
+            else:
+                setattr(self, name, float(value))
+        for name in ("rotary_dim", "sliding_window", "rope_original_context"):
+            value = getattr(self, name)
+            if type(value) is not int or not 0 <= value <= LIMITS["context_length"]:
+                problems.append(f"{name}={value!r:.40}")
+        layers = self.sliding_layers
+        if layers is not None and (not isinstance(layers, list) or len(layers) > LIMITS["n_layers"] or not all(
+                type(i) is int and 0 <= i < self.n_layers for i in layers) or not self.sliding_window):
+            problems.append(f"sliding_layers={layers!r:.60} (layer indices below n_layers, with a sliding_window)")
+        return problems
+
+    def window(self, layer: int) -> int:
+        """The positions layer ``layer`` attends to (0: all)."""
+        if not self.sliding_window:
+            return 0
+        return self.sliding_window if self.sliding_layers is None or layer in self.sliding_layers else 0
 
 
 def expected_shape(cfg: LlamaConfig, name: str) -> tuple[int, ...]:
@@ -104,7 +162,11 @@ def expected_shape(cfg: LlamaConfig, name: str) -> tuple[int, ...]:
               "attention.wv.weight": (kv, cfg.dim), "attention.wo.weight": (cfg.dim, q),
               "feed_forward.w1.weight": (cfg.ffn_dim, cfg.dim), "feed_forward.w3.weight": (cfg.ffn_dim, cfg.dim),
               "feed_forward.w2.weight": (cfg.dim, cfg.ffn_dim), "attention.out_norm.weight": (q,),
-              "feed_forward.hidden_norm.weight": (cfg.ffn_dim,)}
+              "feed_forward.hidden_norm.weight": (cfg.ffn_dim,), "attention.wq.bias": (q,), "attention.wk.bias": (kv,),
+              "attention.wv.bias": (kv,), "attention.q_norm.weight": (cfg.head_dim,),
+              "attention.k_norm.weight": (cfg.head_dim,), "post_attention_norm.weight": (cfg.dim,),
+              "post_ffn_norm.weight": (cfg.dim,), "attention.wqkv.weight": (q + 2 * kv, cfg.dim),
+              "feed_forward.w13.weight": (2 * cfg.ffn_dim, cfg.dim)}
     return shapes[name.split(".", 2)[2] if name.startswith("layers.") else name]
 
 
@@ -118,12 +180,18 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
-def rope_frequencies(cfg: LlamaConfig) -> torch.Tensor:
-    """Inverse frequencies ``[head_dim/2]`` (float64), with Llama-3 frequency-dependent scaling when configured
-    (``rope_scaling`` from Hugging Face, or the per-frequency ``rope_factors`` a GGUF stores)."""
-    inv = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim)
-    s = cfg.rope_scaling
-    if s and s.get("rope_type", s.get("type")) == "llama3":
+def rope_frequencies(cfg: LlamaConfig, local: bool = False, context: int = 0) -> torch.Tensor:
+    """Inverse frequencies ``[rotary_dim/2]`` (float64) of a global layer, or of a sliding-window one (``local``:
+    its own base, unscaled), for a cache of ``context`` positions: with the scaling configured — ``rope_scaling``
+    from Hugging Face (``llama3``: by wavelength; ``linear``: every frequency divided by the factor), or the
+    per-frequency divisors a file gives (``rope_factors``; LongRoPE's long ones past ``rope_original_context``)."""
+    theta = cfg.rope_local_theta if local and cfg.rope_local_theta else cfg.rope_theta
+    inv = 1.0 / theta ** (torch.arange(0, cfg.rotary_dim, 2, dtype=torch.float64) / cfg.rotary_dim)
+    if local:
+        return inv
+    s = cfg.rope_scaling or {}
+    kind = s.get("rope_type", s.get("type"))
+    if kind == "llama3":
         factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
         old = s["original_max_position_embeddings"]
         wavelen = 2 * math.pi / inv
@@ -131,13 +199,30 @@ def rope_frequencies(cfg: LlamaConfig) -> torch.Tensor:
         scaled = torch.where(wavelen > old / low, inv / factor, inv)
         mid = (wavelen <= old / low) & (wavelen >= old / high)
         inv = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
-    if cfg.rope_factors is not None:  # as llama.cpp applies rope_freqs.weight: each frequency divided by its factor
-        inv = inv / torch.tensor(cfg.rope_factors, dtype=torch.float64)
+    elif kind == "linear":
+        inv = inv / s["factor"]
+    factors = cfg.rope_factors
+    if cfg.rope_factors_long is not None and context > cfg.rope_original_context:
+        factors = cfg.rope_factors_long
+    if factors is not None:  # as llama.cpp applies rope_freqs.weight: each frequency divided by its factor
+        inv = inv / torch.tensor(factors, dtype=torch.float64)
     return inv
 
 
+def rope_table(cfg: LlamaConfig, context: int, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin ``[context, 1, rotary_dim]`` (float32), each frequency twice ("rotate half" pairs)."""
+    angles = torch.arange(context, dtype=torch.float64)[:, None] * rope_frequencies(cfg, local, context)[None]
+    angles = torch.cat((angles, angles), dim=-1)[:, None, :]
+    scale = 1.0 if local else cfg.rope_attn_factor
+    return (angles.cos() * scale).float(), (angles.sin() * scale).float()
+
+
 def apply_rope(x, cos, sin):
-    """``x [T, heads, head_dim]`` rotated by position: the "rotate half" pairing (i, i + head_dim/2)."""
+    """``x [T, heads, head_dim]`` rotated by position: the "rotate half" pairing (i, i + rotary_dim/2) over the
+    leading ``rotary_dim`` (cos's width) dimensions; the rest pass through."""
+    rot = cos.shape[-1]
+    if rot < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
@@ -161,39 +246,60 @@ def relu2(x):
     return F.relu(x).square()
 
 
-ACTIVATION_FUNCTIONS = {"silu": F.silu, "relu2": relu2}  # LlamaConfig.activation → its function
+def gelu_tanh(x):
+    return F.gelu(x, approximate="tanh")
+
+
+# LlamaConfig.activation → its function
+ACTIVATION_FUNCTIONS = {"silu": F.silu, "relu2": relu2, "gelu_tanh": gelu_tanh}
+
+
+def _norm_or_none(present: bool, dim: int, eps: float) -> nn.Module:
+    return RMSNorm(dim, eps) if present else nn.Identity()
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, layer: int = 0):
         super().__init__()
         self.n_heads, self.n_kv, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.wqkv = FloatLinear(cfg.dim, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, bias=False)
+        self.scale = cfg.attn_scale or cfg.head_dim ** -0.5
+        self.window = cfg.window(layer)
+        self.local = bool(self.window) and cfg.rope_local_theta > 0
+        self.wqkv = FloatLinear(cfg.dim, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, bias=cfg.qkv_bias)
         self.wo = FloatLinear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
-        self.out_norm = RMSNorm(cfg.n_heads * cfg.head_dim, cfg.norm_eps) if cfg.sub_norms else nn.Identity()
+        self.q_norm = _norm_or_none(cfg.qk_norm, cfg.head_dim, cfg.norm_eps)
+        self.k_norm = _norm_or_none(cfg.qk_norm, cfg.head_dim, cfg.norm_eps)
+        self.out_norm = _norm_or_none(cfg.sub_norms, cfg.n_heads * cfg.head_dim, cfg.norm_eps)
 
     def forward(self, x, cos, sin, cache_k, cache_v, start: int):
-        t = x.shape[0]
-        qk_width = (self.n_heads + self.n_kv) * self.hd
+        t, h = x.shape[0], self.n_heads
+        qk_width = (h + self.n_kv) * self.hd
         qkv = self.wqkv(x)
-        qk = apply_rope(qkv[:, :qk_width].view(t, self.n_heads + self.n_kv, self.hd), cos, sin)  # q and k at once
-        q, k = qk[:, :self.n_heads], qk[:, self.n_heads:]
+        qk = qkv[:, :qk_width].view(t, h + self.n_kv, self.hd)
+        if not isinstance(self.q_norm, nn.Identity):
+            qk = torch.cat((self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])), dim=1)
+        qk = apply_rope(qk, cos, sin)  # q and k at once
+        q, k = qk[:, :h], qk[:, h:]
         end = start + t
         write_keys(cache_k, start, k.transpose(0, 1))
         cache_v[:, start:end] = qkv[:, qk_width:].view(t, self.n_kv, self.hd).transpose(0, 1)
-        keys, values = read_keys(cache_k, end)[None], cache_v[None, :, :end].float()
+        first = max(0, end - self.window) if self.window and t == 1 else 0  # what a sliding window still sees
+        keys, values = read_keys(cache_k, end)[None, :, first:], cache_v[None, :, first:end].float()
         if t == 1:  # one new token sees everything cached: no mask, and plain matmuls beat SDPA's setup
-            group = self.n_heads // self.n_kv
-            scores = (q.view(self.n_kv, group, self.hd) * self.hd ** -0.5) @ keys[0].transpose(1, 2)
-            out = (scores.softmax(-1) @ values[0]).view(1, self.n_heads * self.hd)
+            group = h // self.n_kv
+            scores = (q.view(self.n_kv, group, self.hd) * self.scale) @ keys[0].transpose(1, 2)
+            out = (scores.softmax(-1) @ values[0]).view(1, h * self.hd)
             return self.wo(self.out_norm(out))
         q = q.transpose(0, 1)[None]
-        if start == 0:
-            out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=True)
-        else:  # a chunk after cached tokens: causal with an offset
-            mask = torch.ones(t, end, dtype=torch.bool).tril(diagonal=start)
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
-        return self.wo(self.out_norm(out[0].transpose(0, 1).reshape(t, self.n_heads * self.hd)))
+        if start == 0 and not self.window:
+            out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=True, scale=self.scale)
+        else:  # a chunk after cached tokens, or a sliding window: causal with an offset, maybe a window
+            rows, cols = torch.arange(start, end)[:, None], torch.arange(end)[None]
+            mask = cols <= rows
+            if self.window:
+                mask &= cols > rows - self.window
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True, scale=self.scale)
+        return self.wo(self.out_norm(out[0].transpose(0, 1).reshape(t, h * self.hd)))
 
 
 class FeedForward(nn.Module):
@@ -203,7 +309,7 @@ class FeedForward(nn.Module):
         self.w13 = FloatLinear(cfg.dim, 2 * cfg.ffn_dim, bias=False)  # gate rows, then up rows
         self.w2 = FloatLinear(cfg.ffn_dim, cfg.dim, bias=False)
         self.act = ACTIVATION_FUNCTIONS[cfg.activation]
-        self.hidden_norm = RMSNorm(cfg.ffn_dim, cfg.norm_eps) if cfg.sub_norms else nn.Identity()
+        self.hidden_norm = _norm_or_none(cfg.sub_norms, cfg.ffn_dim, cfg.norm_eps)
 
     def forward(self, x):
         gate, up = self.w13(x).split(self.ffn_dim, dim=-1)
@@ -211,16 +317,18 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, layer: int = 0):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attention = Attention(cfg)
+        self.attention = Attention(cfg, layer)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
+        self.post_attention_norm = _norm_or_none(cfg.post_norms, cfg.dim, cfg.norm_eps)
+        self.post_ffn_norm = _norm_or_none(cfg.post_norms, cfg.dim, cfg.norm_eps)
 
     def forward(self, x, cos, sin, cache_k, cache_v, start):
-        h = x + self.attention(self.attention_norm(x), cos, sin, cache_k, cache_v, start)
-        return h + self.feed_forward(self.ffn_norm(h))
+        h = x + self.post_attention_norm(self.attention(self.attention_norm(x), cos, sin, cache_k, cache_v, start))
+        return h + self.post_ffn_norm(self.feed_forward(self.ffn_norm(h)))
 
 
 class Transformer(nn.Module):
@@ -230,14 +338,14 @@ class Transformer(nn.Module):
         self.tokenizer = None  # set by the loader
         self.cache_owner = None  # a weak reference to the Sequence that holds this model's own cache (models/sequence.py)
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = FloatLinear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.context = 0
         self.kv_dtype = "float16"
-        self.cache_k = self.cache_v = self.cos = self.sin = None
+        self.cache_k = self.cache_v = self.cos = self.sin = self.cos_local = self.sin_local = None
 
     @classmethod
     def skeleton(cls, cfg: LlamaConfig) -> "Transformer":
@@ -255,8 +363,8 @@ class Transformer(nn.Module):
                 setattr(nn.init, n, f)
 
     def setup_cache(self, context: int, kv_dtype: str = "float16") -> None:
-        """Preallocate the model's own KV cache (``kv_dtype``: float16 or float32) and the RoPE table for ``context``
-        positions: the most any ``Sequence`` of this model holds."""
+        """Preallocate the model's own KV cache (``kv_dtype``: float16 or float32) and the RoPE tables for
+        ``context`` positions: the most any ``Sequence`` of this model holds."""
         check_kv_dtype(kv_dtype)
         if (self.context, self.kv_dtype) == (context, kv_dtype) and self.cache_k is not None:
             return
@@ -268,10 +376,16 @@ class Transformer(nn.Module):
         self.cache_k, self.cache_v = self.new_kv(context, kv_dtype, freed)
         self.kv_dtype = kv_dtype
         self.cache_owner = None  # a new cache holds nothing
-        angles = torch.arange(context, dtype=torch.float64)[:, None] * rope_frequencies(self.config)[None]
-        angles = torch.cat((angles, angles), dim=-1)[:, None, :]  # [context, 1, head_dim]
-        self.cos, self.sin = angles.cos().float(), angles.sin().float()
+        self.cos, self.sin = rope_table(self.config, context)
+        if any(layer.attention.local for layer in self.layers):
+            self.cos_local, self.sin_local = rope_table(self.config, context, local=True)
         self.context = context
+
+    def rope(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cos and sin tables layer ``layer`` turns q and k with."""
+        if self.layers[layer].attention.local:
+            return self.cos_local, self.sin_local
+        return self.cos, self.sin
 
     def new_kv(self, context: int, kv_dtype: str, freed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """A KV cache of ``context`` positions: keys ``[layers, kv heads, blocks, head_dim, KV_BLOCK]`` and values
@@ -292,6 +406,10 @@ class Transformer(nn.Module):
     def cache_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.cache_k, self.cache_v) if t is not None)
 
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.tok_embeddings(ids).float()  # loaders may keep the table in float16
+        return x * self.config.embed_scale if self.config.embed_scale != 1.0 else x
+
     def forward(self, ids: torch.Tensor, start: int = 0, last_only: bool = False, cache=None) -> torch.Tensor:
         """Logits ``[T, vocab]`` (or ``[1, vocab]`` with ``last_only``) for tokens ``ids [T]`` at positions
         ``start .. start+T-1`` of the sequence whose KV cache is ``cache`` (a ``Sequence``; default: the model's
@@ -301,10 +419,10 @@ class Transformer(nn.Module):
             (cache.k, cache.v, cache.context)
         if start + t > context:
             raise ValueError(f"{start + t} positions exceed the context of {context} tokens")
-        x = self.tok_embeddings(ids).float()  # loaders may keep the table in float16
-        cos, sin = self.cos[start:start + t], self.sin[start:start + t]
+        x = self.embed(ids)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache_k[i], cache_v[i], start)
+            cos, sin = self.rope(i)
+            x = layer(x, cos[start:start + t], sin[start:start + t], cache_k[i], cache_v[i], start)
         if last_only:
             x = x[-1:]
         return self.output(self.norm(x)).float()

@@ -28,6 +28,7 @@ from tmac.quantize import quantize_weight
 from tmac.qweight import QuantizedWeight, stack_rows
 from tmac.runtime import get_num_threads
 
+from .arch import ARCHITECTURES, FUSED
 from .bitnet import ActivationQuantized
 from .hub import resolve
 from .llama import Transformer, expected_shape
@@ -93,7 +94,7 @@ def load_model(source: str | os.PathLike | None = None, *, bits: int | None = No
     model.norm.weight = _param(weight("norm.weight"))
 
     with Progress(f"loading {os.path.basename(path)}", cfg.n_layers + 1, progress) as bar:
-        _load_layers(model, weight, opts, bar)
+        _load_layers(model, weight, src.has, src.stored_name, opts, bar)
         head_name = "tok_embeddings.weight" if cfg.tie_embeddings else "output.weight"
         head = tied if tied is not None and head_bits is None else weight(head_name, exact=head_bits is None)
         del tied
@@ -122,25 +123,35 @@ def _check_arguments(bits, head_bits, group_size, context, kv_dtype) -> None:
     check_kv_dtype(kv_dtype)
 
 
-def _load_layers(model: Transformer, weight, opts: dict, bar) -> None:
+def _load_layers(model: Transformer, weight, has, stored_name, opts: dict, bar) -> None:
     """Every layer's weights, read, converted and packed on every thread tmac computes with: decoding and packing
     are numpy work that releases the GIL (docs/decisions.md, "Models load on every kernel thread"); a layer's
     temporaries live only while a thread builds it. On an error the layers not yet started are dropped, not built."""
     cfg = model.config
 
+    arch = ARCHITECTURES[cfg.arch]
+
     def projections(i: int) -> dict[str, nn.Module]:
         get = lambda name, exact=opts["bits"] is None: weight(f"layers.{i}.{name}", exact)  # noqa: E731
-        built = {"attention_norm.weight": _param(get("attention_norm.weight", False)),
-                 "ffn_norm.weight": _param(get("ffn_norm.weight", False)),
-                 "attention.wqkv": make_linear([get("attention.wq.weight"), get("attention.wk.weight"),
-                                                get("attention.wv.weight")], **opts),
-                 "attention.wo": make_linear([get("attention.wo.weight")], **opts),
-                 "feed_forward.w13": make_linear([get("feed_forward.w1.weight"), get("feed_forward.w3.weight")],
-                                                 **opts),
-                 "feed_forward.w2": make_linear([get("feed_forward.w2.weight")], **opts)}
-        if cfg.sub_norms:
-            for name in ("attention.out_norm.weight", "feed_forward.hidden_norm.weight"):
-                built[name] = _param(get(name, False))
+
+        def fused(name: str) -> list:  # a fused projection's parts as the file stores them: stacked, or apart
+            if arch.fused and has(f"layers.{i}.{name}"):
+                return [get(name)]
+            try:
+                return [get(part) for part in FUSED[name]]
+            except ModelFormatError as e:
+                if not arch.fused:
+                    raise
+                raise ModelFormatError(f"{e}, and so is the fused {stored_name(f'layers.{i}.{name}')}") from None
+
+        bias = None
+        if cfg.qkv_bias:
+            bias = torch.cat([_float_tensor(get(f"attention.w{p}.bias", False)).float() for p in "qkv"])
+        built = {norm: _param(get(norm, False)) for norm in arch.norms()}
+        built.update({"attention.wqkv": make_linear(fused("attention.wqkv.weight"), bias=bias, **opts),
+                      "attention.wo": make_linear([get("attention.wo.weight")], **opts),
+                      "feed_forward.w13": make_linear(fused("feed_forward.w13.weight"), **opts),
+                      "feed_forward.w2": make_linear([get("feed_forward.w2.weight")], **opts)})
         return built
 
     pool = ThreadPoolExecutor(get_num_threads())
@@ -187,7 +198,7 @@ def open_source(path: str):
         from .gguf_loader import GGUFModel
 
         return GGUFModel(path)
-    raise ModelFormatError(f"{path}: not a model; supported: GGUF files (llama architecture), Hugging Face "
+    raise ModelFormatError(f"{path}: not a model; supported: GGUF files, Hugging Face "
                            f"directories (config.json + safetensors) and .tmac files (tmac convert)")
 
 
@@ -202,24 +213,29 @@ def _shape_checked(src):
 
 
 def make_linear(parts: list, bits: int | None, group_size: int | None, symmetric: bool, isa: str | None,
-                kernel_dir: str | None) -> nn.Module:
-    """One layer computing the concatenated outputs of ``parts`` (float tensors or ``QuantizedWeight``).
-    Ternary (BitNet) weights get BitNet's activation quantization in front, as the reference computes them."""
+                kernel_dir: str | None, bias: torch.Tensor | None = None) -> nn.Module:
+    """One layer computing the concatenated outputs of ``parts`` (float tensors or ``QuantizedWeight``), plus
+    ``bias`` (float32, all outputs). Ternary (BitNet) weights get BitNet's activation quantization in front, as
+    the reference computes them."""
     if bits is None and all(isinstance(p, QuantizedWeight) and p.format.ternary for p in parts):
-        return ActivationQuantized(_make_linear(parts, bits, group_size, symmetric, isa, kernel_dir))
-    return _make_linear(parts, bits, group_size, symmetric, isa, kernel_dir)
+        return ActivationQuantized(_make_linear(parts, bits, group_size, symmetric, isa, kernel_dir, bias))
+    return _make_linear(parts, bits, group_size, symmetric, isa, kernel_dir, bias)
 
 
-def _make_linear(parts, bits, group_size, symmetric, isa, kernel_dir) -> nn.Module:
+def _make_linear(parts, bits, group_size, symmetric, isa, kernel_dir, bias=None) -> nn.Module:
     if bits is None and all(isinstance(p, QuantizedWeight) for p in parts):
         try:
             stacked = stack_rows(parts)
         except ValueError:  # different formats: keep each exact
+            if bias is not None:  # a part's bias is its slice of the whole
+                at = [0, *torch.tensor([p.shape[0] for p in parts]).cumsum(0).tolist()]
+                return Concat([_make_linear([p], bits, group_size, symmetric, isa, kernel_dir, bias[a:b])
+                               for p, a, b in zip(parts, at, at[1:])])
             return Concat([_make_linear([p], bits, group_size, symmetric, isa, kernel_dir) for p in parts])
-        return Linear.from_quantized(stacked, isa=isa, kernel_dir=kernel_dir)
+        return Linear.from_quantized(stacked, bias, isa=isa, kernel_dir=kernel_dir)
     if bits is None:
         floats = [_float_tensor(p) for p in parts]
-        return float_linear(torch.cat(floats) if len(floats) > 1 else floats[0])
+        return float_linear(torch.cat(floats) if len(floats) > 1 else floats[0], bias)
     k = parts[0].shape[1]
     group = group_size or default_group_size(k)
     if group is None or k % group:
@@ -235,19 +251,21 @@ def _make_linear(parts, bits, group_size, symmetric, isa, kernel_dir) -> nn.Modu
     qws = [quantized(p) for p in parts]
     if len({q.format for q in qws}) > 1:
         qws = [quantized(torch.cat([_float_tensor(p) for p in parts]))]
-    return Linear.from_quantized(stack_rows(qws), isa=isa, kernel_dir=kernel_dir)
+    return Linear.from_quantized(stack_rows(qws), bias, isa=isa, kernel_dir=kernel_dir)
 
 
-def float_linear(weight: torch.Tensor) -> FloatLinear:
+def float_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> FloatLinear:
     """A float projection: a 16-bit file's weight stays 16-bit (bfloat16 as float16 where that is exact: torch
     multiplies float16 fastest), anything else becomes float32."""
-    layer = FloatLinear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    layer = FloatLinear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
     if weight.dtype == torch.bfloat16:
         half = exactly_in(weight, torch.float16)
         weight = weight if half is None else half
     elif weight.dtype != torch.float16:
         weight = weight.float()
     layer.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
+    if bias is not None:
+        layer.bias = nn.Parameter(bias.float().contiguous(), requires_grad=False)
     return layer
 
 

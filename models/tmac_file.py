@@ -19,6 +19,7 @@ from tmac.float_linear import FloatLinear
 from tmac.linear import Linear
 from tmac.serialize import load, read_model_info, save
 
+from .arch import ARCHITECTURES
 from .bitnet import ActivationQuantized
 from .llama import Concat, LlamaConfig, Transformer, expected_shape
 from .tokenizer import Tokenizer
@@ -97,10 +98,11 @@ def load_model_file(path: str) -> Transformer:
         if info.get("version") != FORMAT_VERSION:
             raise ValueError(f"format version {info.get('version')!r}, this tmac reads {FORMAT_VERSION}")
         family, wrappers, config = info["family"], info["wrappers"], info["config"]
-        if family not in ("llama", "bitnet") or not isinstance(wrappers, dict) or not isinstance(config, dict):
-            raise ValueError(f"unknown family {family!r}, or malformed wrappers or config")
+        if family not in ARCHITECTURES or not isinstance(wrappers, dict) or not isinstance(config, dict):
+            raise ValueError(f"unknown family {family!r:.40}, or malformed wrappers or config")
         if family == "bitnet" and "sub_norms" not in config:  # written before the config described BitNet
             config = {**config, "activation": "relu2", "sub_norms": True}
+        config = {"arch": family, **config}  # written before the config named its architecture
         cfg = LlamaConfig(**config)
         if cfg.family != family:
             raise ValueError(f"family {family!r} but a config of the {cfg.family} family")

@@ -12,7 +12,7 @@ import tmac
 from conftest import rel_l2, runnable_isas
 from tmac import runtime
 from tmac.codegen.attention import PARALLEL_ATTENTION_WORK
-from tmac.glue import ATTEND_ARGS, GlueSpec
+from tmac.glue import GlueSpec
 from tmac.kernels import isa_by_name
 from tmac.models.decode import DecodePlan
 
@@ -88,23 +88,33 @@ def test_norms_and_activations_match_their_math(isa, rng):
         np.testing.assert_allclose(out_a.numpy(), ref(g64[:, :80]) * g64[:, 80:], rtol=2e-6, atol=1e-6)
 
 
-def _attend_ref(qkv, cos, sin, ck, cv, pos, h, kv, hd):
-    """RoPE ("rotate half"), the cache write at ``pos`` (rounded to the caches' dtype) and grouped-query attention
-    over ``0..pos``, in float64. Caches ``[kv, positions, head_dim]``."""
+def _attend_ref(qkv, cos, sin, ck, cv, pos, h, kv, hd, bias=None, norms=None, window=0, scale=None):
+    """The q/k/v biases and per-head q/k RMSNorms (``norms``: q weights, k weights, eps) where given, RoPE ("rotate
+    half") over cos's width of each head, the cache write at ``pos`` (rounded to the caches' dtype) and
+    grouped-query attention over ``0..pos`` (the last ``window`` positions, where given), in float64. Caches
+    ``[kv, positions, head_dim]``."""
     qkv, cos, sin = (a.astype(np.float64) for a in (qkv[0], cos[pos, 0], sin[pos, 0]))
+    if bias is not None:
+        qkv = qkv + bias[0]
     heads = qkv[:(h + kv) * hd].reshape(h + kv, hd)
-    rot = np.concatenate([-heads[:, hd // 2:], heads[:, :hd // 2]], axis=1)
-    roped = heads * cos + rot * sin
+    if norms is not None:
+        wq, wk, eps = norms
+        heads = heads / np.sqrt(np.mean(heads * heads, axis=1, keepdims=True) + eps) * \
+            np.concatenate([np.tile(wq, (h, 1)), np.tile(wk, (kv, 1))])
+    r = cos.shape[-1]
+    rot = np.concatenate([-heads[:, r // 2:r], heads[:, :r // 2]], axis=1)
+    roped = np.concatenate([heads[:, :r] * cos + rot * sin, heads[:, r:]], axis=1)
     ck, cv = ck.copy(), cv.copy()
     ck[:, pos] = roped[h:]
     cv[:, pos] = qkv[(h + kv) * hd:].reshape(kv, hd)
     ck, cv = ck.astype(np.float64), cv.astype(np.float64)
     out = np.empty((h, hd))
+    first = max(0, pos + 1 - window) if window else 0
     for head in range(h):
         kh = head // (h // kv)
-        s = ck[kh, :pos + 1] @ roped[head] / np.sqrt(hd)
+        s = ck[kh, first:pos + 1] @ roped[head] * (scale or hd ** -0.5)
         p = np.exp(s - s.max())
-        out[head] = (p / p.sum()) @ cv[kh, :pos + 1]
+        out[head] = (p / p.sum()) @ cv[kh, first:pos + 1]
     return out.reshape(1, -1), ck, cv
 
 
@@ -150,13 +160,54 @@ def test_attend_matches_its_math(isa, heads, kv_dtype, rng):
         np.testing.assert_allclose(out.numpy(), ref, rtol=1e-4, atol=1e-5)
 
 
-def test_attend_takes_its_arguments_in_the_order_the_decode_plan_passes_them():
+@pytest.mark.parametrize("variant", [{"qkv_bias": True}, {"qk_norm": True}, {"window": True}, {"rotary_dim": 12},
+                                     {"attn_scale": 0.3}, {"qkv_bias": True, "qk_norm": True, "window": True,
+                                                           "rotary_dim": 8, "attn_scale": 0.2}],
+                         ids=["bias", "qk_norm", "window", "rotary12", "scale", "all"])
+def test_attend_variants_match_their_math(variant, rng):
+    """Qwen2's biases, Qwen3's and Gemma's q/k norms, sliding windows (shorter, longer and not a multiple of the key
+    blocks), partial rotary dimensions and a given scale, each against the float64 statement."""
+    isa = runnable_isas()[0]
+    h, kv, hd = 6, 2, 16
+    spec, g = _glue(isa, **variant)
+    ctx = 70
+    cached = -(-ctx // 16) * 16
+    rot = variant.get("rotary_dim", hd)
+    angles = np.arange(cached)[:, None, None] * rng.uniform(0.01, 1, rot // 2)
+    angles = np.concatenate([angles, angles], axis=-1)
+    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    for pos, window in ((0, 5), (3, 5), (20, 5), (40, 17), (69, 32), (69, 0), (50, 100)):
+        if not variant.get("window") and window:
+            continue
+        qkv = rng.standard_normal((1, (h + 2 * kv) * hd)).astype(np.float32)
+        bias = rng.standard_normal((1, (h + 2 * kv) * hd)).astype(np.float32)
+        wq, wk = rng.uniform(0.5, 1.5, (2, hd)).astype(np.float32)
+        ck, cv = rng.standard_normal((2, kv, cached, hd)).astype(np.float16)
+        ref, ref_k, _ = _attend_ref(qkv, cos, sin, ck, cv, pos, h, kv, hd,
+                                    bias if spec.qkv_bias else None, (wq, wk, 1e-6) if spec.qk_norm else None,
+                                    window if spec.window else 0, spec.attn_scale or None)
+        tk, out = torch.from_numpy(_key_blocks(ck)), torch.zeros(1, h * hd)
+        named = dict(qkv=torch.from_numpy(qkv), bias=torch.from_numpy(bias), q_norm=torch.from_numpy(wq),
+                     k_norm=torch.from_numpy(wk), eps=1e-6, cos=torch.from_numpy(cos), sin=torch.from_numpy(sin),
+                     cache_k=tk, cache_v=torch.from_numpy(cv.copy()), scores=torch.zeros(h, cached), pos=pos,
+                     window=window, out=out)
+        g.attend(*[named[n] for n in spec.attend_args])
+        np.testing.assert_allclose(_keys_of_blocks(tk.numpy(), cached)[:, pos], ref_k[:, pos], rtol=1e-3, atol=1e-6)
+        np.testing.assert_allclose(out.numpy(), ref, rtol=1e-4, atol=2e-5, err_msg=f"pos {pos}, window {window}")
+
+
+@pytest.mark.parametrize("variant", [{}, {"qkv_bias": True}, {"qk_norm": True}, {"window": True},
+                                     {"qkv_bias": True, "qk_norm": True, "window": True, "rotary_dim": 8}])
+def test_attend_takes_its_arguments_in_the_order_the_decode_plan_passes_them(variant):
     from tmac.codegen.attention import attend_func
 
-    params = attend_func(GlueSpec("avx2", 96, 6, 2, 16, 80, "silu", False, False), 8, 16).params
-    assert len(params) == len(ATTEND_ARGS)  # (buffers are unnamed in TIR; the one scalar is the position)
-    assert [i for i, p in enumerate(params) if str(p.ty) == "int32"] == [ATTEND_ARGS.index("pos")]
-    assert params[ATTEND_ARGS.index("pos")].name == "pos"
+    spec = GlueSpec("avx2", 96, 6, 2, 16, 80, "silu", False, False, **variant)
+    params, names = attend_func(spec, 8, 16).params, spec.attend_args
+    assert len(params) == len(names)  # (buffers are unnamed in TIR; the scalars are named)
+    scalars = {"pos": "int32", "window": "int32", "eps": "float32"}
+    assert {i: str(p.ty) for i, p in enumerate(params) if str(p.ty) in ("int32", "float32")} == \
+        {i: scalars[n] for i, n in enumerate(names) if n in scalars}
+    assert [params[i].name for i, n in enumerate(names) if n in scalars] == [n for n in names if n in scalars]
 
 
 def test_attend_refuses_positions_outside_the_cache():

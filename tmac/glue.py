@@ -10,9 +10,13 @@ glue kernels do each of those stretches in one call (``tmac.codegen.glue`` gener
   (``sub_norms``);
 - ``quantize_dim(x)``, ``quantize_q``, ``quantize_ffn``: int8 absmax fake-quantization in place, in front of
   projections that carry it (BitNet and llama.cpp's ternary types; ``act_quant``);
-- ``attend(qkv, cos, sin, cache_k, cache_v, scores, pos, out)``: RoPE on q and k, the cache write at ``pos``,
-  and attention of every head over positions ``0..pos`` (grouped-query);
-- ``gated_act(gate_up, out)``: ``act(gate)·up`` (SiLU for Llama, squared ReLU for BitNet);
+- ``attend(qkv, [bias,] [q_norm, k_norm, eps,] cos, sin, cache_k, cache_v, scores, pos, [window,] out)``
+  (``GlueSpec.attend_args``): the q/k/v biases added and q and k normalized per head where the family has them,
+  RoPE on q and k (on their leading ``rotary_dim`` dimensions), the cache write at ``pos``, and attention of every
+  head over positions ``0..pos`` (grouped-query), or the last ``window`` of them;
+- ``norm_post_attn(delta, w, eps, out)``, ``norm_post_ffn``: Gemma's norms on the attention's and the FFN's
+  outputs (``post_norms``);
+- ``gated_act(gate_up, out)``: ``act(gate)·up`` (SiLU for Llama, squared ReLU for BitNet, GeLU-tanh for Gemma);
 - ``embed(codes, scales[, zeros], token, out)``: row ``token`` of a quantized token table (``tmac.Embedding``,
   described by the ``embed_*`` fields) dequantized into ``out``: one call instead of a dozen torch or numpy
   operations, slow right after the weight stream has evicted the interpreter's working set.
@@ -20,11 +24,12 @@ glue kernels do each of those stretches in one call (``tmac.codegen.glue`` gener
 
 from __future__ import annotations
 
+import struct
 from dataclasses import asdict, dataclass
 
 from .formats import PARAM_DTYPES, STORAGE_BITS
 
-ACTIVATIONS = ("silu", "relu2")
+ACTIVATIONS = ("silu", "relu2", "gelu_tanh")
 KV_DTYPES = ("float16", "float32")
 # The KV cache layout, shared by the glue and the eager model: values ``[kv heads, positions, head_dim]``; keys in
 # blocks of KV_BLOCK positions, transposed, ``[kv heads, positions / KV_BLOCK, head_dim, KV_BLOCK]``, so that a
@@ -32,7 +37,6 @@ KV_DTYPES = ("float16", "float32")
 # ``head_dim``-long dot product across lanes for every position. Positions are allocated in whole blocks.
 KV_BLOCK = 16
 
-ATTEND_ARGS = ("qkv", "cos", "sin", "cache_k", "cache_v", "scores", "pos", "out")  # of ``attend``, in order
 
 
 def check_kv_dtype(kv_dtype) -> None:
@@ -56,6 +60,12 @@ class GlueSpec:
     embed_groups: int = 0  # its scale groups a row; 0: one scale for the whole table
     embed_scale: str = "float32"  # the storage of its scales, and of its zeros ("" without)
     embed_zero: str = ""
+    qkv_bias: bool = False  # ``attend`` adds the q/k/v biases (Qwen2)
+    qk_norm: bool = False  # ``attend`` normalizes each q and k head before RoPE (Qwen3, Gemma 3)
+    rotary_dim: int = 0  # dimensions of a head RoPE turns; 0: all
+    attn_scale: float = 0.0  # the scores' scale; 0: head_dim^-½
+    window: bool = False  # ``attend`` takes a sliding window (0: none)
+    post_norms: bool = False  # Gemma's norms on the attention's and the FFN's outputs
 
     def __post_init__(self):
         sizes = (self.dim, self.n_heads, self.n_kv_heads, self.head_dim, self.ffn_dim)
@@ -64,6 +74,10 @@ class GlueSpec:
         if self.act not in ACTIVATIONS:
             raise ValueError(f"activation {self.act!r} has no glue kernel; known: {ACTIVATIONS}")
         check_kv_dtype(self.kv_dtype)
+        if type(self.rotary_dim) is not int or self.rotary_dim % 2 or not 0 <= self.rotary_dim <= self.head_dim or \
+                not 0 <= self.attn_scale <= 10:
+            raise ValueError(f"invalid glue spec RoPE: rotary_dim {self.rotary_dim!r:.20} of head_dim {self.head_dim}, "
+                             f"attention scale {self.attn_scale!r:.20}")
         if self.embed_bits and (self.embed_bits not in STORAGE_BITS or self.embed_groups < 0 or
                                 self.embed_groups and self.dim % self.embed_groups or
                                 self.embed_scale not in PARAM_DTYPES or self.embed_zero not in ("", *PARAM_DTYPES)):
@@ -74,7 +88,20 @@ class GlueSpec:
     def name(self) -> str:
         return (f"glue_{self.isa}_d{self.dim}_h{self.n_heads}x{self.n_kv_heads}x{self.head_dim}_f{self.ffn_dim}"
                 f"_{self.act}{'_subnorms' if self.sub_norms else ''}{'_aq' if self.act_quant else ''}"
-                f"{'_kvh' if self.kv_dtype == 'float16' else ''}{self._embed_suffix}")
+                f"{'_kvh' if self.kv_dtype == 'float16' else ''}{self._embed_suffix}{self._attention_suffix}")
+
+    @property
+    def _attention_suffix(self) -> str:
+        rot = self.rotary_dim not in (0, self.head_dim)
+        scale = struct.pack(">f", self.attn_scale).hex() if self.attn_scale else ""  # float32 bits: exact, no dots
+        return (f"{'_qb' if self.qkv_bias else ''}{'_qkn' if self.qk_norm else ''}{f'_r{self.rotary_dim}' if rot else ''}"
+                f"{f'_s{scale}' if scale else ''}{'_win' if self.window else ''}{'_post' if self.post_norms else ''}")
+
+    @property
+    def attend_args(self) -> tuple[str, ...]:
+        """The names of ``attend``'s arguments, in order."""
+        return ("qkv", *self.qkv_bias * ("bias",), *self.qk_norm * ("q_norm", "k_norm", "eps"), "cos", "sin",
+                "cache_k", "cache_v", "scores", "pos", *self.window * ("window",), "out")
 
     @property
     def _embed_suffix(self) -> str:
@@ -87,6 +114,7 @@ class GlueSpec:
     @property
     def functions(self) -> tuple[str, ...]:
         return ("norm_in", "norm_final", "attend", "gated_act", *self.sub_norms * ("norm_attn", "norm_hidden"),
+                *self.post_norms * ("norm_post_attn", "norm_post_ffn"),
                 *self.act_quant * ("quantize_dim", "quantize_q", "quantize_ffn"), *bool(self.embed_bits) * ("embed",))
 
     def to_dict(self) -> dict:
