@@ -80,10 +80,10 @@ class Architecture:
 
 
 ARCHITECTURES = {a.name: a for a in (
-    Architecture("llama", "Llama 2/3/3.1/3.2, SmolLM, Mistral 7B, Falcon 3, TinyLlama", "llama",
+    Architecture("llama", "Llama 2 to 3.2, SmolLM, Mistral, Falcon 3", "llama",
                  ("LlamaForCausalLM", "MistralForCausalLM"), gguf_interleaved_qk=True),
     # llama.cpp's "bitnet" is 1bitLLM's BitNet b1.58 (SiLU); BitNet b1.58 2B4T (Microsoft's) uses squared ReLU
-    Architecture("bitnet", "BitNet b1.58 (TQ1_0/TQ2_0 GGUF, packed or float checkpoints)", "bitnet",
+    Architecture("bitnet", "BitNet b1.58", "bitnet",
                  ("BitNetForCausalLM", "BitnetForCausalLM"), hf_activations=("relu2", "silu"), sub_norms=True),
     Architecture("qwen2", "Qwen2, Qwen2.5", "qwen2", ("Qwen2ForCausalLM",), qkv_bias=True,
                  hf_variants={"use_sliding_window": False}),
@@ -110,7 +110,7 @@ def tensor_names(arch: Architecture, name: str) -> tuple[str, str]:
 
 def model_table() -> str:
     """The README's table of supported families (markdown)."""
-    rows = ["| family | models | GGUF `general.architecture` | Hugging Face `architectures` |", "|---|---|---|---|"]
+    rows = ["| family | models | GGUF | Hugging Face |", "|---|---|---|---|"]
     rows += [f"| {a.name} | {a.models} | `{a.gguf}` | {', '.join(f'`{h}`' for h in a.hf)} |"
              for a in ARCHITECTURES.values()]
     return "\n".join(rows)

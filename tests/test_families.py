@@ -163,3 +163,19 @@ def test_an_unknown_architecture_lists_the_supported_ones(models, tmp_path):
     reader_arch.write_bytes(data)
     with pytest.raises(tmac.ModelFormatError, match="'mamba'.*" + ".*".join(a.gguf for a in ARCHITECTURES.values())):
         tmac.load_model(str(reader_arch), progress=False)
+
+
+def test_which_kernels_a_model_needs_has_one_answer(models, tmp_path):
+    """``tmac tune --model`` times the formats of the projections the loaded model has — the kernels ``tmac compile
+    --model`` builds — whatever the source (here a Q4_0 Qwen2 GGUF with a float32 token table and head)."""
+    from tmac import cli
+    from tmac.kernels import best_isa
+    from tmac.models.kernel_specs import model_kernel_specs
+
+    write_gguf(_hf(models, "qwen2"), "qwen2", tmp_path / "m.gguf", "Q4_0")
+    model = tmac.load_model(str(tmp_path / "m.gguf"), progress=False)
+    have = {(m.format, m.in_features) for m in model.modules() if isinstance(m, tmac.Linear)}
+    work = cli.tune_work(cli.build_parser().parse_args(["tune", "--model", str(tmp_path / "m.gguf")]))
+    assert set(work) == have and len(work) == len(have)
+    specs = model_kernel_specs(str(tmp_path / "m.gguf"), best_isa())
+    assert {(s.bits, s.k) for s in specs if hasattr(s, "k")} == {(f.bits, k) for f, k in have}

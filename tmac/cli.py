@@ -254,36 +254,6 @@ def resolve_isa(arch: str | None, isa_name: str | None):
     return isa
 
 
-def model_layers(path: str) -> tuple[list[tuple[str, int]], tuple[str, int]]:
-    """(GGML type, K) of the 2-D weight tensors of a GGUF model, distinct — what its linear layers need — and of
-    its head."""
-    from .models.gguf_file import GGUFFile
-
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"model file not found: {path}")
-    tensors = GGUFFile(path).tensors
-    head = "output.weight" if "output.weight" in tensors else "token_embd.weight"  # tied: the embedding is the head
-    layers = {(t.type_name, t.shape[1]) for t in tensors.values() if len(t.shape) == 2 and t.name.endswith(".weight")
-              and (t.name != "token_embd.weight" or head == "token_embd.weight")}
-    if not layers:
-        raise ValueError(f"{path}: no 2-D weight tensors found")
-    return sorted(layers), (tensors[head].type_name, tensors[head].shape[1])
-
-
-def model_formats(path: str) -> list[tuple[WeightFormat, int]]:
-    """(format, K) of every kernel a GGUF model's own weights load with (what ``tmac tune --model`` tunes)."""
-    from .formats import GGUF_EXACT, GGUF_FLOAT_TYPES, Q8_0_LAYOUT
-
-    eight = WeightFormat.rtn(**Q8_0_LAYOUT)  # exact imports; other quantized types at 8 bits
-    pairs = [(GGUF_EXACT.get(t, eight), k) for t, k in model_layers(path)[0] if t not in GGUF_FLOAT_TYPES]
-    if not pairs:
-        raise ValueError(f"{path}: every tensor is float; nothing to tune")
-    # ternary rows whose blocks share one scale import per row (ternary triples), zeros that all are float16
-    # values import as float16; which tensors do is in the blocks, not the header, so both kernels are tuned
-    return pairs + [(fmt.per_row(), k) for fmt, k in pairs if fmt.ternary] + \
-        [(fmt.with_half_zeros(), k) for fmt, k in pairs if fmt.takes_half_zeros]
-
-
 def cmd_compile(args) -> int:
     from . import cache
     from .codegen.link import find_linker
@@ -359,7 +329,13 @@ def _shape_specs(args, isa):
 def tune_work(args) -> list:
     """The (format, K) pairs ``tmac tune`` times: a model's, or --bits × --k with each K's group size."""
     if args.model:
-        return model_formats(args.model)
+        from .kernels import best_isa
+        from .models.kernel_specs import model_formats
+
+        work = model_formats(args.model, best_isa())
+        if not work:
+            raise ValueError(f"{args.model}: every projection is float; nothing to tune")
+        return work
     work = []
     for k in _int_list(args.k, "--k"):
         group = parse_group_size(args.group_size) if args.group_size else default_group_size(k)

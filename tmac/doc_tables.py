@@ -1,4 +1,5 @@
-"""The README's tables of formats and ISAs, made from the format table and the ISA descriptions.
+"""The README's tables of formats, ISAs and model families, made from the format table, the ISA descriptions and
+the architecture records.
 
 ``python -m tmac.doc_tables README.md`` rewrites the tables between their markers; a test checks the README
 holds what this module makes, so the manual cannot drift from the code.
@@ -34,7 +35,13 @@ def isas_table() -> str:
     return "\n".join(rows)
 
 
-TABLES = {"formats": formats_table, "isas": isas_table}
+def families_table() -> str:
+    from tmac.models.arch import model_table
+
+    return model_table()
+
+
+TABLES = {"formats": formats_table, "isas": isas_table, "families": families_table}
 
 
 def render(text: str) -> str:
