@@ -8,7 +8,7 @@ from __future__ import annotations
 from tmac.glue import KV_BLOCK, GlueSpec
 
 from .tir import arg, prim_func
-from .vectors import F32, bcast, exp, f32, lane_fold, lanes_of, spans_of, vec
+from .vectors import F32, bcast, exp, f32, lane_fold, lanes_of, rms_scale, spans_of, vec
 
 # TVM keeps a scratch buffer smaller than this on the stack; a larger one comes from its workspace allocator, memory
 # LLVM cannot tell from the arguments, so an accumulator kept there is stored back on every loop iteration
@@ -91,7 +91,6 @@ class _Attend:
 
     def emit_biases_and_norms(self) -> None:
         """q, k and v plus their biases; then each q and k head normalized (RMSNorm with its weights), in place."""
-        from tvm import tirx
         from tvm.script.ir_builder import tirx as T
 
         h, kv, hd, widest = self.h, self.kv, self.hd, self.widest
@@ -106,10 +105,8 @@ class _Attend:
         lanes = lanes_of(hd, widest)
         for first, count, weight in ((0, h, self.QN), (h, kv, self.KN)):
             with T.serial(first, first + count) as head:
-                scale = T.alloc_buffer((1,), F32, scope="global")
-                total = lane_fold(T, hd, lanes, lambda a, b: a + b,
-                                  lambda at: self.QKV[0, head * hd + at] * self.QKV[0, head * hd + at])
-                T.buffer_store(scale, f32(1.0) / tirx.sqrt(total / f32(float(hd)) + self.eps), [0])
+                scale = rms_scale(T, hd, lanes, lambda at: self.QKV[0, head * hd + at] * self.QKV[0, head * hd + at],
+                                  self.eps)
                 with T.serial(0, hd // lanes) as c:
                     at = vec(c * lanes, lanes)
                     T.buffer_store(self.QKV, self.QKV[0, head * hd + at] * bcast(scale[0], lanes) * weight[at],

@@ -13,11 +13,10 @@ from tmac.glue import GlueSpec
 
 from .attention import attend_func
 from .tir import arg, prim_func
-from .vectors import F32, bcast, exp, f32, lane_fold, lanes_of, vec
+from .vectors import F32, bcast, exp, f32, lane_fold, lanes_of, rms_scale, vec
 
 
 def rms_norm_func(name: str, n: int, widest: int, residual: bool):
-    from tvm import tirx
     from tvm.script.ir_builder import tirx as T
 
     lanes = lanes_of(n, widest)
@@ -27,15 +26,13 @@ def rms_norm_func(name: str, n: int, widest: int, residual: bool):
         W = arg("w", (n,))
         eps = T.arg("eps", T.float32())
         OUT = arg("out", (1, n))
-        scale = T.alloc_buffer((1,), F32, scope="global")
 
         def square(at):
             if residual:
                 T.buffer_store(X, X[0, at] + D[0, at], [0, at])
             return X[0, at] * X[0, at]
 
-        total = lane_fold(T, n, lanes, lambda a, b: a + b, square)
-        T.buffer_store(scale, f32(1.0) / tirx.sqrt(total / f32(float(n)) + eps), [0])
+        scale = rms_scale(T, n, lanes, square, eps)
         with T.serial(0, n // lanes) as c:
             at = vec(c * lanes, lanes)
             T.buffer_store(OUT, X[0, at] * bcast(scale[0], lanes) * W[at], [0, at])

@@ -87,3 +87,14 @@ def lane_fold(T, n, lanes: int, op, term, init: float = 0.0, start=0):
     with T.serial(start // lanes, n // lanes) as c:
         T.buffer_store(acc, op(acc[vec(0, lanes)], term(vec(c * lanes, lanes))), [vec(0, lanes)])
     return fold(acc[vec(0, lanes)], lanes, op)
+
+
+def rms_scale(T, n: int, lanes: int, square, eps):
+    """A one-float buffer holding RMSNorm's ``1 / √(mean(x²) + eps)`` over ``n`` floats, ``square(at)`` giving
+    ``x²`` of the vector at ``at`` (it may also emit stores, as ``lane_fold``'s ``term``)."""
+    from tvm import tirx
+
+    scale = T.alloc_buffer((1,), F32, scope="global")
+    total = lane_fold(T, n, lanes, lambda a, b: a + b, square)
+    T.buffer_store(scale, f32(1.0) / tirx.sqrt(total / f32(float(n)) + eps), [0])
+    return scale

@@ -71,15 +71,15 @@ class GGUFModel:
         n_layers, dim = get("block_count", int), get("embedding_length", int)
         head_dim = get("attention.key_length", int, 0)
         window = get("attention.sliding_window", int, 0) if arch.gguf_swa_every else 0
-        scaling = self.meta.get(f"{name}.rope.scaling.type")
+        linear = get("rope.scaling.factor", float, 1.0) if self.meta.get(f"{name}.rope.scaling.type") == "linear" \
+            else 1.0
         try:
             return LlamaConfig(
                 vocab_size=embd.shape[0], dim=dim, n_layers=n_layers, n_heads=n_heads,
                 n_kv_heads=get("attention.head_count_kv", int, n_heads), ffn_dim=get("feed_forward_length", int),
                 head_dim=head_dim, norm_eps=get("attention.layer_norm_rms_epsilon", float, 1e-5),
                 rope_theta=get("rope.freq_base", float, 10000.0),
-                rope_scaling={"rope_type": "linear", "factor": get("rope.scaling.factor", float)}
-                if scaling == "linear" and get("rope.scaling.factor", float, 1.0) != 1.0 else None,
+                rope_scaling={"rope_type": "linear", "factor": linear} if linear != 1.0 else None,
                 context_length=get("context_length", int, 2048),
                 tie_embeddings="output.weight" not in self.tensors, activation=arch.gguf_activation,
                 sub_norms=arch.sub_norms, arch=arch.name, qkv_bias=arch.qkv_bias, qk_norm=arch.qk_norm,
@@ -89,11 +89,6 @@ class GGUFModel:
                 rope_local_theta=arch.gguf_local_rope_theta if window else 0.0, **self._rope_factors(get))
         except ValueError as e:
             raise ModelFormatError(f"{self.path}: {e}") from None
-
-    def names(self) -> list[str]:
-        """Our parameter names the file provides."""
-        names = [n for n in ("tok_embeddings.weight", "norm.weight", "output.weight") if self.has(n)]
-        return names + [f"layers.{i}.{n}" for i in range(self.config.n_layers) for n in self.arch.layer_tensors()]
 
     def stored_name(self, name: str) -> str:
         """The file's name of our parameter ``name``."""

@@ -19,9 +19,10 @@ def model_kernel_specs(path: str, isa, *, bits: int | None = None, group_size: i
     """The ``KernelSpec``s of every LUT projection (head included) and the decode glue (both KV cache dtypes) that
     ``load_model(path, bits=..., ...)`` runs on a machine whose kernels are ``isa``'s — any source ``load_model``
     takes. The model is loaded here (packed for ``isa``; nothing runs), so this costs what a load does."""
-    model = _load(path, isa, bits, group_size, symmetric, head_bits)
-    specs = [m.spec if m.spec.isa == isa.name else respec(m.format, m.spec, isa, m.out_features)
-             for m in model.modules() if isinstance(m, Linear)]
+    model, converted = _load(path, isa, bits, group_size, symmetric, head_bits)
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    # a converted file is packed for the ISA it was converted on: its layers as loading repacks them for ``isa``
+    specs = [respec(m.format, m.spec, isa, m.out_features) if converted else m.spec for m in linears]
     if specs:  # the decode plan runs the glue once projections are LUT layers
         act_quant = any(isinstance(m, ActivationQuantized) for m in model.modules())
         specs += [glue_spec(model.config, act_quant, isa, kv, model.tok_embeddings) for kv in KV_DTYPES]
@@ -32,17 +33,17 @@ def model_formats(path: str, isa, *, bits: int | None = None, group_size: int | 
                   symmetric: bool = False, head_bits: int | str | None = None) -> list:
     """The distinct (``WeightFormat``, K) of every LUT projection ``load_model(path, ...)`` builds: what ``tmac tune
     --model`` times (the same answer as ``model_kernel_specs``: the model is loaded)."""
-    model = _load(path, isa, bits, group_size, symmetric, head_bits)
+    model, _ = _load(path, isa, bits, group_size, symmetric, head_bits)
     return list(dict.fromkeys((m.format, m.in_features) for m in model.modules() if isinstance(m, Linear)))
 
 
 def _load(path, isa, bits, group_size, symmetric, head_bits):
-    """The model as ``load_model`` builds it for ``isa`` (a .tmac file as stored: it is already packed)."""
+    """The model as ``load_model`` builds it for ``isa`` (a .tmac file as stored), and whether it is a .tmac file."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"no such model file or directory: {path}")
     if os.path.isfile(path) and is_tmac_file(path):
         if bits is not None or group_size is not None or head_bits is not None:
             raise ValueError(f"{path} is already converted (pre-packed); bits/group_size/head_bits do not apply")
-        return load_model_file(path)
+        return load_model_file(path), True
     return load_model(path, bits=bits, group_size=group_size, symmetric=symmetric, head_bits=head_bits,
-                      isa=isa.name, context=KV_BLOCK, progress=False)
+                      isa=isa.name, context=KV_BLOCK), False

@@ -94,7 +94,7 @@ def load_model(source: str | os.PathLike | None = None, *, bits: int | None = No
     model.norm.weight = _param(weight("norm.weight"))
 
     with Progress(f"loading {os.path.basename(path)}", cfg.n_layers + 1, progress) as bar:
-        _load_layers(model, weight, src.has, src.stored_name, opts, bar)
+        _load_layers(model, weight, src, opts, bar)
         head_name = "tok_embeddings.weight" if cfg.tie_embeddings else "output.weight"
         head = tied if tied is not None and head_bits is None else weight(head_name, exact=head_bits is None)
         del tied
@@ -123,26 +123,25 @@ def _check_arguments(bits, head_bits, group_size, context, kv_dtype) -> None:
     check_kv_dtype(kv_dtype)
 
 
-def _load_layers(model: Transformer, weight, has, stored_name, opts: dict, bar) -> None:
+def _load_layers(model: Transformer, weight, src, opts: dict, bar) -> None:
     """Every layer's weights, read, converted and packed on every thread tmac computes with: decoding and packing
     are numpy work that releases the GIL (docs/decisions.md, "Models load on every kernel thread"); a layer's
     temporaries live only while a thread builds it. On an error the layers not yet started are dropped, not built."""
     cfg = model.config
-
     arch = ARCHITECTURES[cfg.arch]
 
     def projections(i: int) -> dict[str, nn.Module]:
         get = lambda name, exact=opts["bits"] is None: weight(f"layers.{i}.{name}", exact)  # noqa: E731
 
         def fused(name: str) -> list:  # a fused projection's parts as the file stores them: stacked, or apart
-            if arch.fused and has(f"layers.{i}.{name}"):
+            if arch.fused and src.has(f"layers.{i}.{name}"):
                 return [get(name)]
             try:
                 return [get(part) for part in FUSED[name]]
             except ModelFormatError as e:
                 if not arch.fused:
                     raise
-                raise ModelFormatError(f"{e}, and so is the fused {stored_name(f'layers.{i}.{name}')}") from None
+                raise ModelFormatError(f"{e}, and so is the fused {src.stored_name(f'layers.{i}.{name}')}") from None
 
         bias = None
         if cfg.qkv_bias:

@@ -19,7 +19,7 @@ from tmac.float_linear import FloatLinear
 from tmac.linear import Linear
 from tmac.serialize import load, read_model_info, save
 
-from .arch import ARCHITECTURES
+from .arch import ARCHITECTURES, FUSED
 from .bitnet import ActivationQuantized
 from .llama import Concat, LlamaConfig, Transformer, expected_shape
 from .tokenizer import Tokenizer
@@ -142,10 +142,9 @@ def load_model_file(path: str) -> Transformer:
     return model
 
 
-# fused projection → the unfused weights whose rows it stacks
-FUSED = {"attention.wqkv": ("attention.wq.weight", "attention.wk.weight", "attention.wv.weight"),
-         "attention.wo": ("attention.wo.weight",), "feed_forward.w13": ("feed_forward.w1.weight", "feed_forward.w3.weight"),
-         "feed_forward.w2": ("feed_forward.w2.weight",)}
+# every projection module → the unfused weights whose rows it stacks
+PROJECTIONS = {**{name.removesuffix(".weight"): parts for name, parts in FUSED.items()},
+               "attention.wo": ("attention.wo.weight",), "feed_forward.w2": ("feed_forward.w2.weight",)}
 
 
 def features(module: nn.Module) -> tuple[int, int]:
@@ -173,7 +172,7 @@ def check_structure(model: Transformer) -> None:
         if tuple(param.shape) != want:
             problems.append(f"{name} has shape {tuple(param.shape)}, the config implies {want}")
     for i, layer in enumerate(model.layers):
-        for fused, parts in FUSED.items():
+        for fused, parts in PROJECTIONS.items():
             shapes = [expected_shape(cfg, f"layers.{i}.{p}") for p in parts]
             want = (shapes[0][1], sum(s[0] for s in shapes))
             got = features(layer.get_submodule(fused))
