@@ -4,6 +4,9 @@ very same file. Example:
     .venv/bin/python bench/make_synthetic_gguf.py llama-1b --type Q4_0 -o /tmp/llama-1b-q4_0.gguf
     .venv/bin/tmac bench /tmp/llama-1b-q4_0.gguf --bits 2
 
+``--family`` writes another architecture's tensors at the same shape (qwen2's biases, gemma3's norms and sliding
+window, phi3's fused projections …), so each family's decode speed compares with llama's on the same bytes.
+
 ``--type`` is one GGML type for every matrix, or ``Q4_K_M``: llama.cpp's usual mixture of Q4_K and Q6_K.
 
 Shapes: ``llama-1b`` (hidden 2048, ffn 8192, 16 layers, 32/8 heads, vocab 49152) and ``bitnet-3b-llama``
@@ -14,6 +17,7 @@ import argparse
 import sys
 import time
 
+from tmac.models.arch import ARCHITECTURES
 from tmac.models.llama import LlamaConfig
 from tmac.models.synthetic import write_random_gguf
 from tmac.progress import Progress
@@ -61,15 +65,21 @@ def main() -> int:
                                                   "TQ1_0, F16, ...) or Q4_K_M; the embedding follows it unless "
                                                   "--embd-type")
     p.add_argument("--embd-type", help="GGML type of the token embedding (default: as --type)")
+    p.add_argument("--family", default="llama", choices=sorted(ARCHITECTURES),
+                   help="architecture record whose tensors the file holds (default llama)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("-o", "--output", required=True)
     args = p.parse_args()
     cfg = SHAPES[args.shape]
-    total = 2 + (not cfg.tie_embeddings) + cfg.n_layers * 9
+    arch = ARCHITECTURES[args.family]
+    per_layer = len(arch.layer_tensors()) - (3 if arch.fused else 0)
+    total = 2 + (not cfg.tie_embeddings) + cfg.n_layers * per_layer
     t0 = time.perf_counter()
     with Progress(f"writing {args.output}", total, True) as bar:
-        write_random_gguf(args.output, cfg, weight_types(cfg, args.type, args.embd_type), args.seed, bar.advance)
-    print(f"wrote {args.output} ({args.shape}, {args.type}) in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+        write_random_gguf(args.output, cfg, weight_types(cfg, args.type, args.embd_type), args.seed, bar.advance,
+                          args.family)
+    print(f"wrote {args.output} ({args.family} {args.shape}, {args.type}) in {time.perf_counter() - t0:.0f} s",
+          file=sys.stderr)
     return 0
 
 

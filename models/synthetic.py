@@ -1,5 +1,6 @@
-"""Seeded random Llama-architecture GGUF files: benchmark models of real shapes without downloading any, and small
-models for tests. tmac and llama.cpp read the very same file, so their speeds compare like for like.
+"""Seeded random GGUF files of any supported family (``models.arch``): benchmark models of real shapes without
+downloading any, and small models for tests. tmac and llama.cpp read the very same file, so their speeds compare
+like for like.
 
 The tokenizer is a byte-level BPE (GPT-2's 256 byte tokens, a few merges, filler tokens up to the vocabulary
 size and an end-of-text token), enough for both to tokenize and generate.
@@ -20,6 +21,18 @@ LAYER_MATRICES = {
     "ffn_gate": lambda c: (c.ffn_dim, c.dim), "ffn_up": lambda c: (c.ffn_dim, c.dim),
     "ffn_down": lambda c: (c.dim, c.ffn_dim),
 }
+# a family's other per-layer tensors (GGUF name) → their shape; norms not named here are (dim,)
+LAYER_VECTORS = {
+    "attn_q.bias": lambda c: (c.n_heads * c.head_dim,), "attn_k.bias": lambda c: (c.n_kv_heads * c.head_dim,),
+    "attn_v.bias": lambda c: (c.n_kv_heads * c.head_dim,), "attn_q_norm.weight": lambda c: (c.head_dim,),
+    "attn_k_norm.weight": lambda c: (c.head_dim,), "ffn_sub_norm.weight": lambda c: (c.ffn_dim,),
+}
+FUSED_MATRICES = {  # the fused layout (Phi-3): one tensor for q|k|v and one for gate|up
+    "attn_qkv": lambda c: ((c.n_heads + 2 * c.n_kv_heads) * c.head_dim, c.dim),
+    "ffn_up": lambda c: (2 * c.ffn_dim, c.dim), "ffn_down": LAYER_MATRICES["ffn_down"],
+    "attn_output": LAYER_MATRICES["attn_output"],
+}
+SLIDING_WINDOW = 512  # Gemma 3's
 
 
 def byte_tokens() -> list[str]:
@@ -67,10 +80,11 @@ TERNARY_TYPES = ("TQ1_0", "TQ2_0")
 TERNARY_SCALE = 0.0200042724609375  # a float16 value, so every block's d holds it exactly
 
 
-def add_llama_metadata(w, cfg: LlamaConfig) -> None:
-    """A llama GGUF's metadata for ``cfg`` on writer ``w``, with a byte-level BPE tokenizer of ``cfg.vocab_size``
-    tokens (the 256 bytes, "he", "ll", "hell", fillers, and an end-of-text token) and a plain chat template."""
-    if cfg.vocab_size < 260:
+def add_llama_metadata(w, cfg: LlamaConfig, tokenizer: bool = True) -> None:
+    """A llama GGUF's metadata for ``cfg`` on writer ``w``, with (unless not ``tokenizer``) a byte-level BPE
+    tokenizer of ``cfg.vocab_size`` tokens (the 256 bytes, "he", "ll", "hell", fillers, and an end-of-text token)
+    and a plain chat template."""
+    if tokenizer and cfg.vocab_size < 260:
         raise ValueError(f"vocab_size={cfg.vocab_size}: a byte-level tokenizer needs at least 260 tokens")
     tokens = byte_tokens() + ["he", "ll", "hell"]
     tokens += [f"<filler{i}>" for i in range(cfg.vocab_size - len(tokens) - 1)] + ["<|endoftext|>"]
@@ -82,6 +96,8 @@ def add_llama_metadata(w, cfg: LlamaConfig) -> None:
     w.add_head_count_kv(cfg.n_kv_heads)
     w.add_layer_norm_rms_eps(cfg.norm_eps)
     w.add_rope_freq_base(cfg.rope_theta)
+    if not tokenizer:
+        return
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("gpt-2")  # the name llama.cpp knows the GPT-2 pre-tokenizer by
     w.add_token_list(tokens)
@@ -92,21 +108,27 @@ def add_llama_metadata(w, cfg: LlamaConfig) -> None:
 
 
 def write_random_gguf(path: str, cfg: LlamaConfig, weight_type: str | Callable[[str], str] = "Q4_0",
-                      seed: int = 0, progress: Callable[[str], object] | None = None) -> None:
-    """Write a llama GGUF of shape ``cfg`` whose matrices hold N(0, 0.02) weights in ``weight_type`` (a GGML type
-    name, or a function of the GGUF tensor name giving one) and whose norms are F32 ones. Ternary types get
-    uniformly random ternary weights times one per-tensor scale, as converted BitNet models have."""
+                      seed: int = 0, progress: Callable[[str], object] | None = None, family: str = "llama") -> None:
+    """Write a GGUF of ``family`` (a ``models.arch`` record) and shape ``cfg`` whose matrices hold N(0, 0.02)
+    weights in ``weight_type`` (a GGML type name, or a function of the GGUF tensor name giving one), norms F32 ones
+    and biases F32 zeros. Ternary types get uniformly random ternary weights times one per-tensor scale, as
+    converted BitNet models have."""
     import gguf
 
+    from .arch import ARCHITECTURES
+
+    arch = ARCHITECTURES[family]
     type_of = weight_type if callable(weight_type) else (lambda name: weight_type)
     rng = np.random.default_rng(seed)
-    w = gguf.GGUFWriter(path, "llama")
+    w = gguf.GGUFWriter(path, arch.gguf)
     add_llama_metadata(w, cfg)
+    if arch.gguf_swa_every:
+        w.add_sliding_window(SLIDING_WINDOW)
 
     def add(name: str, shape: tuple[int, ...]) -> None:
         kind = type_of(name) if len(shape) == 2 else "F32"
         if len(shape) == 1:
-            data = np.ones(shape, np.float32)
+            data = np.zeros(shape, np.float32) if name.endswith(".bias") else np.ones(shape, np.float32)
         elif kind in TERNARY_TYPES:  # as BitNet conversions hold them: ternary, one scale repeated in every block
             data = (rng.integers(-1, 2, shape) * TERNARY_SCALE).astype(np.float32)
         else:
@@ -125,10 +147,12 @@ def write_random_gguf(path: str, cfg: LlamaConfig, weight_type: str | Callable[[
     add("output_norm.weight", (cfg.dim,))
     if not cfg.tie_embeddings:
         add("output.weight", (cfg.vocab_size, cfg.dim))
+    vectors = [g for g, _ in arch.layer_tensors().values() if g.removesuffix(".weight") not in LAYER_MATRICES]
+    matrices = FUSED_MATRICES if arch.fused else LAYER_MATRICES
     for i in range(cfg.n_layers):
-        add(f"blk.{i}.attn_norm.weight", (cfg.dim,))
-        add(f"blk.{i}.ffn_norm.weight", (cfg.dim,))
-        for name, shape in LAYER_MATRICES.items():
+        for name in vectors:
+            add(f"blk.{i}.{name}", LAYER_VECTORS.get(name, lambda c: (c.dim,))(cfg))
+        for name, shape in matrices.items():
             add(f"blk.{i}.{name}.weight", shape(cfg))
     w.write_header_to_file()
     w.write_kv_data_to_file()

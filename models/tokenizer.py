@@ -1,7 +1,8 @@
 """Tokenizer: Hugging Face ``tokenizers`` built from GGUF metadata or a ``tokenizer.json``, plus the chat template.
 
 From GGUF, a byte-level BPE (``tokenizer.ggml.model == "gpt2"``) is rebuilt from the vocabulary and merges,
-with the pre-tokenizer llama.cpp uses for ``tokenizer.ggml.pre`` (the table below), so ids equal llama.cpp's.
+with the pre-tokenizer llama.cpp uses for ``tokenizer.ggml.pre`` (the table below), and a SentencePiece BPE
+(``"llama"``: Llama 2, Gemma, Phi-3, BitNet) from the pieces and their scores, so ids equal llama.cpp's.
 Control and user-defined tokens become special added tokens: they are matched whole in the text, as llama.cpp
 does when parsing special tokens. Chat templates render in jinja2's immutable sandbox: a template is data
 from a model file and must not execute anything.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -33,7 +35,9 @@ PRE_TOKENIZERS = {  # name → the regexes applied in turn (each splits the piec
     "llama3": (_LLAMA3,), "llama-bpe": (_LLAMA3,), "llama-v3": (_LLAMA3,), "falcon3": (_LLAMA3,),
     "qwen2": (_QWEN2,), "deepseek-r1-qwen": (_QWEN2,),
 }
-CONTROL, USER_DEFINED = 3, 4  # llama.cpp token types that are special
+NORMAL, CONTROL, USER_DEFINED = 1, 3, 4  # llama.cpp's token types (control and user-defined ones are special)
+VOCABULARIES = {"gpt2": "byte-level BPE", "llama": "SentencePiece BPE"}  # tokenizer.ggml.model
+SPACE = "\u2581"  # SentencePiece's visible space
 
 
 @dataclass
@@ -89,57 +93,37 @@ class Tokenizer:
     def from_gguf_metadata(cls, meta: dict, source: str = "GGUF", vocab_size: int | None = None) -> "Tokenizer":
         """The tokenizer a GGUF's metadata describes; ``vocab_size``: the model's token rows, which it may not
         exceed (a token past them could only crash or be garbage)."""
-        from tokenizers import AddedToken, Regex
-        from tokenizers import Tokenizer as HFTokenizer
-        from tokenizers import decoders, models, pre_tokenizers
+        from tokenizers import AddedToken
 
         model = meta.get("tokenizer.ggml.model")
-        if model != "gpt2":
+        if model not in VOCABULARIES:
             raise ModelFormatError(f"{source}: tokenizer.ggml.model={model!r} is not supported; supported: "
-                                   f"'gpt2' (byte-level BPE)")
-        pre = meta.get("tokenizer.ggml.pre", "gpt2")
-        if not isinstance(pre, str) or pre not in PRE_TOKENIZERS:
-            raise ModelFormatError(f"{source}: tokenizer.ggml.pre={pre!r} is not supported; supported: "
-                                   f"{sorted(PRE_TOKENIZERS)}")
+                                   + ", ".join(f"{k!r} ({v})" for k, v in VOCABULARIES.items()))
         tokens = meta.get("tokenizer.ggml.tokens")
-        merges = meta.get("tokenizer.ggml.merges")
         if not isinstance(tokens, list) or not tokens:
             raise ModelFormatError(f"{source}: tokenizer.ggml.tokens missing or not an array of strings")
         check_vocab(len(tokens), vocab_size, f"{source}: tokenizer.ggml.tokens")
         if not all(isinstance(t, str) for t in tokens):
             raise ModelFormatError(f"{source}: tokenizer.ggml.tokens missing or not an array of strings")
-        if not isinstance(merges, list) or not all(isinstance(m, str) for m in merges):
-            raise ModelFormatError(f"{source}: tokenizer.ggml.merges missing or not an array of strings")
-        types = meta.get("tokenizer.ggml.token_type", [1] * len(tokens))
+        types = meta.get("tokenizer.ggml.token_type", [NORMAL] * len(tokens))
         if not isinstance(types, list) or not all(type(t) is int for t in types):
             raise ModelFormatError(f"{source}: tokenizer.ggml.token_type is not an array of integers")
         if len(types) != len(tokens):
             raise ModelFormatError(f"{source}: {len(types)} token types for {len(tokens)} tokens")
-        vocab = {t: i for i, t in enumerate(tokens)}
-        pairs = []
-        for merge in merges:
-            left, sep, right = merge.partition(" ")
-            if not sep:
-                raise ModelFormatError(f"{source}: malformed BPE merge {merge[:40]!r}")
-            pairs.append((left, right))
-        try:
-            backend = HFTokenizer(models.BPE(vocab, pairs, fuse_unk=False, ignore_merges=False))
-        except Exception as e:  # tokenizers raises a bare Exception, e.g. for a merge of unknown tokens
-            raise ModelFormatError(f"{source}: tokenizer.ggml.merges: {e}") from None
-        splits = [pre_tokenizers.Split(Regex(rx), behavior="isolated") for rx in PRE_TOKENIZERS[pre]]
-        backend.pre_tokenizer = pre_tokenizers.Sequence(splits + [pre_tokenizers.ByteLevel(add_prefix_space=False,
-                                                                                            use_regex=False)])
-        backend.decoder = decoders.ByteLevel()
+        spm = model == "llama"
+        backend = _spm_backend(meta, tokens, types, source) if spm else _bpe_backend(meta, tokens, source)
         special = [t for t, ty in zip(tokens, types) if ty in (CONTROL, USER_DEFINED)]
         if any(len(t) > MAX_ADDED_TOKEN for t in special):
             raise ModelFormatError(f"{source}: a special token of tokenizer.ggml.tokens is over {MAX_ADDED_TOKEN} "
                                    f"characters long")
         backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
-        bos, eos = _token_id(meta, "bos", len(tokens), source), _token_id(meta, "eos", len(tokens), source)
+        # llama.cpp's defaults for a SentencePiece vocabulary whose file names none: BOS 1 and EOS 2, BOS added
+        bos = _token_id(meta, "bos", len(tokens), source, 1 if spm else None)
+        eos = _token_id(meta, "eos", len(tokens), source, 2 if spm else None)
         eot = _token_id(meta, "eot", len(tokens), source)
         stop = {i for i in (eos, eot) if i is not None}
         template = meta.get("tokenizer.chat_template")
-        return cls(backend, bos, eos, bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        return cls(backend, bos, eos, bool(meta.get("tokenizer.ggml.add_bos_token", spm)),
                    template if isinstance(template, str) else None, frozenset(stop), source)
 
     @classmethod
@@ -185,6 +169,9 @@ MAX_REPLACEMENT = 256  # characters a normalizer may put in (a Replace's content
 # characters of a special token: they are matched whole in every text, and building the matcher for a token of
 # megabytes takes hundreds of MB (real ones are tens of characters)
 MAX_ADDED_TOKEN = 4096
+# characters of a SentencePiece piece that merging can form: finding its halves costs its length squared, and
+# real pieces are short (SentencePiece's trainer caps them at 16 characters unless told otherwise)
+MAX_JOINED_PIECE = 64
 
 
 def hf_backend(text: str | bytes, where: str):
@@ -232,10 +219,78 @@ def _check_normalizer(node, where: str) -> None:
             _check_normalizer(node.get(key), where)
 
 
-def _token_id(meta: dict, name: str, vocab: int, source: str) -> int | None:
+def _bpe_backend(meta: dict, tokens: list[str], source: str):
+    """Byte-level BPE from the vocabulary and merges, pre-tokenized as llama.cpp does for ``tokenizer.ggml.pre``."""
+    from tokenizers import Regex, decoders, pre_tokenizers
+
+    pre = meta.get("tokenizer.ggml.pre", "gpt2")
+    if not isinstance(pre, str) or pre not in PRE_TOKENIZERS:
+        raise ModelFormatError(f"{source}: tokenizer.ggml.pre={pre!r} is not supported; supported: "
+                               f"{sorted(PRE_TOKENIZERS)}")
+    merges = meta.get("tokenizer.ggml.merges")
+    if not isinstance(merges, list) or not all(isinstance(m, str) for m in merges):
+        raise ModelFormatError(f"{source}: tokenizer.ggml.merges missing or not an array of strings")
+    pairs = []
+    for merge in merges:
+        left, sep, right = merge.partition(" ")
+        if not sep:
+            raise ModelFormatError(f"{source}: malformed BPE merge {merge[:40]!r}")
+        pairs.append((left, right))
+    backend = _bpe_model({t: i for i, t in enumerate(tokens)}, pairs, source)
+    splits = [pre_tokenizers.Split(Regex(rx), behavior="isolated") for rx in PRE_TOKENIZERS[pre]]
+    backend.pre_tokenizer = pre_tokenizers.Sequence(splits + [pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                                                                        use_regex=False)])
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _spm_backend(meta: dict, tokens: list[str], types: list[int], source: str):
+    """SentencePiece BPE as llama.cpp runs it: spaces become U+2581 (one prefixed to each text between special
+    tokens when ``tokenizer.ggml.add_space_prefix``, default true), then the adjacent pair whose joined piece has
+    the highest score merges first, and characters no piece holds fall back to ``<0xXX>`` byte tokens. Each piece
+    joinable from two others becomes a merge ranked by its score, so a BPE model runs the same algorithm."""
+    from tokenizers import decoders, normalizers
+
+    scores = meta.get("tokenizer.ggml.scores")
+    if not isinstance(scores, list) or len(scores) != len(tokens) or \
+            not all(type(x) in (int, float) and math.isfinite(x) for x in scores):
+        raise ModelFormatError(f"{source}: tokenizer.ggml.scores must be a finite number for each of the "
+                               f"{len(tokens)} tokens of a SentencePiece vocabulary")
+    vocab = {}
+    for i, t in enumerate(tokens):
+        vocab.setdefault(t, i)  # llama.cpp keeps a repeated piece's first id
+    joined = []
+    for i, t in enumerate(tokens):
+        if types[i] in (NORMAL, USER_DEFINED) and vocab[t] == i and len(t) <= MAX_JOINED_PIECE:
+            joined += [(-scores[i], i, k) for k in range(1, len(t)) if t[:k] in vocab and t[k:] in vocab]
+    joined.sort()
+    pairs = [(tokens[i][:k], tokens[i][k:]) for _, i, k in joined]
+    unk = _token_id(meta, "unknown", len(tokens), source, 0)
+    backend = _bpe_model(vocab, pairs, source, unk_token=tokens[unk], byte_fallback=True)
+    space = meta.get("tokenizer.ggml.add_space_prefix", True)
+    if type(space) is not bool:
+        raise ModelFormatError(f"{source}: tokenizer.ggml.add_space_prefix={space!r:.40} is not a boolean")
+    escape = normalizers.Replace(" ", SPACE)
+    backend.normalizer = normalizers.Sequence([escape, normalizers.Prepend(SPACE)]) if space else escape
+    backend.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+                                        + ([decoders.Strip(" ", 1, 0)] if space else []))
+    return backend
+
+
+def _bpe_model(vocab: dict, pairs: list, source: str, **options):
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models
+
+    try:
+        return HFTokenizer(models.BPE(vocab, pairs, fuse_unk=False, ignore_merges=False, **options))
+    except Exception as e:  # tokenizers raises a bare Exception, e.g. for a merge of unknown tokens
+        raise ModelFormatError(f"{source}: tokenizer.ggml.merges: {e}") from None
+
+
+def _token_id(meta: dict, name: str, vocab: int, source: str, default: int | None = None) -> int | None:
     value = meta.get(f"tokenizer.ggml.{name}_token_id")
     if value is None:
-        return None
+        return default if default is not None and default < vocab else None
     if type(value) is not int or not 0 <= value < vocab:
         raise ModelFormatError(f"{source}: tokenizer.ggml.{name}_token_id={value!r} is not a token id < {vocab}")
     return value

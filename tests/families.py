@@ -1,10 +1,15 @@
 """Tiny models of every family as transformers builds them (the parity oracle), and the same weights written as
 llama.cpp's converter writes GGUF files: tensor names from gguf-py's own name map, metadata keys through its
-writer, llama's q/k rows permuted for llama.cpp's RoPE, Gemma's norm weights shifted by one."""
+writer, llama's q/k rows permuted for llama.cpp's RoPE, Gemma's norm weights shifted by one; Gemma's, Phi-3's and
+BitNet's with a SentencePiece vocabulary, as theirs are."""
 from __future__ import annotations
+
+import functools
+import io
 
 import gguf
 import numpy as np
+import sentencepiece
 import torch
 import transformers
 
@@ -93,6 +98,50 @@ def _sub_norm(hf: str) -> str | None:
     return None
 
 
+# the families whose GGUFs carry a SentencePiece vocabulary, and whether llama.cpp's converter sets its space prefix
+SENTENCEPIECE = {"gemma3": False, "phi3": True, "bitnet": True, "bitnet-silu": True}
+CORPUS = ("the quick brown fox jumps over the lazy dog", "hello world, hello there", "a hello to the world",
+          "Beautiful is better than ugly. Explicit is better than implicit. Simple is better than complex.")
+
+
+@functools.lru_cache(maxsize=None)
+def sentencepiece_vocabulary(vocab_size: int, space_prefix: bool, special: tuple[str, ...] = (),
+                             corpus: tuple[str, ...] = CORPUS):
+    """A SentencePiece BPE model trained on ``corpus`` (byte fallback, no normalization: Llama's and Gemma's
+    settings), and its GGUF tokenizer metadata as llama.cpp's converter writes it."""
+    proto = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(corpus * 4), model_writer=proto, vocab_size=vocab_size, model_type="bpe",
+        byte_fallback=True, normalization_rule_name="identity", remove_extra_whitespaces=False,
+        add_dummy_prefix=space_prefix, hard_vocab_limit=False, user_defined_symbols=list(special), minloglevel=2)
+    sp = sentencepiece.SentencePieceProcessor(model_proto=proto.getvalue())
+    tokens = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
+
+    def kind(i):  # llama.cpp's token types
+        return (2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 6 if sp.is_byte(i) else 5 if sp.is_unused(i)
+                else 4 if tokens[i] in special else 1)
+
+    meta = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.scores": [sp.get_score(i) for i in range(len(tokens))],
+            "tokenizer.ggml.token_type": [kind(i) for i in range(len(tokens))],
+            "tokenizer.ggml.bos_token_id": sp.bos_id(), "tokenizer.ggml.eos_token_id": sp.eos_id(),
+            "tokenizer.ggml.unknown_token_id": sp.unk_id(), "tokenizer.ggml.add_bos_token": True,
+            "tokenizer.ggml.add_space_prefix": space_prefix}
+    return sp, meta
+
+
+def _add_sentencepiece(w, meta: dict) -> None:
+    w.add_tokenizer_model("llama")
+    w.add_token_list(meta["tokenizer.ggml.tokens"])
+    w.add_token_scores(meta["tokenizer.ggml.scores"])
+    w.add_token_types(meta["tokenizer.ggml.token_type"])
+    w.add_bos_token_id(meta["tokenizer.ggml.bos_token_id"])
+    w.add_eos_token_id(meta["tokenizer.ggml.eos_token_id"])
+    w.add_unk_token_id(meta["tokenizer.ggml.unknown_token_id"])
+    w.add_add_bos_token(True)
+    w.add_add_space_prefix(meta["tokenizer.ggml.add_space_prefix"])
+
+
 def write_gguf(model, family: str, path, weight_type: str = "F32") -> dict:
     """``model``'s weights as a GGUF of ``family``'s architecture, its matrices in ``weight_type`` (ternary types:
     the projections only, the token table F16, as BitNet conversions have it). Returns the weights the file holds,
@@ -104,7 +153,10 @@ def write_gguf(model, family: str, path, weight_type: str = "F32") -> dict:
     add_llama_metadata(w, LlamaConfig(vocab_size=c.vocab_size, dim=c.hidden_size, n_layers=c.num_hidden_layers,
                                       n_heads=c.num_attention_heads, n_kv_heads=c.num_key_value_heads,
                                       ffn_dim=c.intermediate_size, norm_eps=c.rms_norm_eps,
-                                      rope_theta=rope["rope_theta"], context_length=c.max_position_embeddings))
+                                      rope_theta=rope["rope_theta"], context_length=c.max_position_embeddings),
+                       tokenizer=family not in SENTENCEPIECE)
+    if family in SENTENCEPIECE:
+        _add_sentencepiece(w, sentencepiece_vocabulary(c.vocab_size, SENTENCEPIECE[family])[1])
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)

@@ -179,3 +179,18 @@ def test_which_kernels_a_model_needs_has_one_answer(models, tmp_path):
     assert set(work) == have and len(work) == len(have)
     specs = model_kernel_specs(str(tmp_path / "m.gguf"), best_isa())
     assert {(s.bits, s.k) for s in specs if hasattr(s, "k")} == {(f.bits, k) for f, k in have}
+
+
+@pytest.mark.parametrize("family", sorted(ARCHITECTURES))
+def test_a_synthetic_file_of_each_family_holds_what_the_record_names(family, tmp_path):
+    """``write_random_gguf(family=)`` (the per-family speed rows of ``bench/make_synthetic_gguf.py``) writes the
+    record's tensors at the config's shapes: the file loads, and decodes on the static plan."""
+    from tmac.models.llama import LlamaConfig
+    from tmac.models.synthetic import write_random_gguf
+
+    cfg = LlamaConfig(vocab_size=512, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=512, context_length=64)
+    write_random_gguf(str(tmp_path / "m.gguf"), cfg, "TQ2_0" if family == "bitnet" else "Q4_0", family=family)
+    model = tmac.load_model(str(tmp_path / "m.gguf"), progress=False)
+    assert model.config.arch == family
+    assert DecodePlan.build(model) is not None
+    assert len(tmac.Session(model).generate([1, 2, 3], max_new_tokens=4, stop_on_eos=False)) == 4
