@@ -111,7 +111,7 @@ class GGUFModel:
         if exact and matrix and type_name in GGUF_EXACT:
             # a rare block the format cannot hold exactly (InexactImport): the tensor comes at 8 bits below
             with contextlib.suppress(InexactImport), _naming(self.path, t):
-                value = import_gguf(t.data, type_name, shape)
+                value = import_gguf(t.data, type_name, shape, lambda: self.file.release(t))
         if value is None:
             if exact and matrix and type_name not in GGUF_FLOAT_TYPES:
                 return quantize_weight(self.weight(name), **Q8_0_LAYOUT)

@@ -92,43 +92,88 @@ def test_peak_rss_is_a_process_own_not_inherited_from_its_parent():
     del held
 
 
+def _gguf_blocks(type_name: str, rows: int, k: int):
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    from tmac.models.synthetic import K_QUANT_TYPES, k_quant_blocks
+
+    if type_name in K_QUANT_TYPES:  # (gguf-py has no K-quant quantizer)
+        return k_quant_blocks(np.random.default_rng(0), rows, k, type_name)
+    w = np.random.default_rng(0).standard_normal((rows, k)).astype(np.float32)
+    return quantize(np.sign(w) if type_name.startswith("TQ") else w, GGMLQuantizationType[type_name])
+
+
 @pytest.mark.parametrize("type_name", ["Q8_0", "TQ2_0"])
-def test_a_large_tensor_converts_without_copies_of_its_codes(monkeypatch, type_name):
-    """A 49152-row head's codes are 100 MB: importing it (in row slices), packing it for the kernels and keeping
-    an 8-bit token table must each add at most small slices on top of the codes and the result — measured by
-    tracemalloc, which sees numpy's allocations."""
+@pytest.mark.parametrize("streamed", [True, False], ids=["streamed", "held"])
+def test_a_large_tensor_converts_without_copies_of_its_codes(monkeypatch, type_name, streamed):
+    """A 49152-row head's codes are 100 MB: importing it, packing it for the kernels and keeping a token table
+    must each add at most small slices on top of the result — measured by tracemalloc, which sees numpy's
+    allocations. A matrix of ``STREAM_CODES`` codes and more keeps them in the file until packed (``RowCodes``);
+    a smaller one holds them, and an 8-bit table then shares them."""
     import tracemalloc
 
     import numpy as np
-    from gguf.quants import quantize
 
+    import tmac.embedding as embedding
     import tmac.packing as packing
     import tmac.quantize as q
     from models.load import make_linear
+    from tmac.qweight import RowCodes
 
     monkeypatch.setattr(q, "QUANTIZE_CHUNK", 1 << 16)  # slices of 16 rows below
     monkeypatch.setattr(packing, "PACK_WEIGHTS", 1 << 16)
+    monkeypatch.setattr(embedding, "PACK_SLICE", 1 << 16)
     rows, k = 2048, 4096
-    w = np.random.default_rng(0).standard_normal((rows, k)).astype(np.float32)
-    blocks = quantize(np.sign(w) if type_name.startswith("TQ") else w, getattr(__import__("gguf").GGMLQuantizationType,
-                                                                               type_name))
     codes = rows * k  # bytes: one per weight
+    monkeypatch.setattr(q, "STREAM_CODES", codes if streamed else codes + 1)
+    blocks = _gguf_blocks(type_name, rows, k)
     tracemalloc.start()
     try:
         qw = tmac.import_gguf(blocks, type_name, (rows, k))
-        assert tracemalloc.get_traced_memory()[1] < 1.5 * codes  # codes, scales (1/8 of them) and one slice's
+        assert isinstance(qw.codes, RowCodes) == streamed
+        held = 0 if streamed else codes
+        assert tracemalloc.get_traced_memory()[1] < held + 0.5 * codes  # scales (1/8 of the codes) and one slice's
         tracemalloc.reset_peak()
         before = tracemalloc.get_traced_memory()[0]
         layer = make_linear([qw], None, None, False, None, None)
         packed = sum(t.nbytes for t in layer.buffers())
         assert tracemalloc.get_traced_memory()[1] - before < packed + 0.5 * codes  # no second copy of the codes
-        if type_name == "Q8_0":  # the token table of a Q8_0 file: its codes are stored as they are
-            tracemalloc.reset_peak()
-            table = tmac.Embedding(qw)
-            assert tracemalloc.get_traced_memory()[1] - tracemalloc.get_traced_memory()[0] < 0.5 * codes
+        tracemalloc.reset_peak()
+        table = tmac.Embedding(qw)
+        assert tracemalloc.get_traced_memory()[1] - tracemalloc.get_traced_memory()[0] < 0.5 * codes
+        if type_name == "Q8_0" and not streamed:  # an 8-bit table stores the codes it holds as they are
             assert np.shares_memory(table.codes.numpy(), qw.codes)
     finally:
         tracemalloc.stop()
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q6_K", "TQ2_0"])
+def test_a_streamed_import_packs_what_the_held_one_packs(monkeypatch, type_name):
+    """Codes decoded again a slice at a time as the packing reads them (and a fused projection's parts read in
+    place) give the very buffers of codes held whole, and the same codes."""
+    import numpy as np
+
+    import tmac.quantize as q
+    import tmac.qweight as qweight
+    from models.load import make_linear
+
+    rows, k = 96, 512
+    parts = [_gguf_blocks(type_name, rows, k), _gguf_blocks(type_name, rows // 2, k)]
+
+    def build(streamed: bool):
+        monkeypatch.setattr(q, "STREAM_CODES", 0 if streamed else 1 << 40)
+        monkeypatch.setattr(qweight, "STACK_COPY", 0 if streamed else 1 << 40)
+        qws = [tmac.import_gguf(b, type_name, (len(b), k)) for b in parts]
+        return qws, make_linear(qws, None, None, False, None, None), tmac.Embedding(qws[0])
+
+    (held, layer, table), (streamed, s_layer, s_table) = build(False), build(True)
+    for a, b in zip(held, streamed):
+        assert np.array_equal(np.asarray(b.codes), a.codes) and np.array_equal(b.scales, a.scales)
+    for module, other in ((layer, s_layer), (table, s_table)):
+        for (name, x), (_, y) in zip(module.named_buffers(), other.named_buffers()):
+            assert torch.equal(x, y), name
 
 
 def test_huge_page_copies_lie_in_order_in_one_arena_and_equal_the_originals():

@@ -132,17 +132,26 @@ class Embedding(nn.Module):
             error_msgs.append(f"{prefix or 'tmac.Embedding '}: {e}")
 
 
-def _pack_codes(codes: np.ndarray, bits: int) -> torch.Tensor:
+def _pack_codes(codes, bits: int) -> torch.Tensor:
+    """Codes (an array or ``RowCodes``) at ``STORAGE_BITS`` each, row-major, a row slice at a time."""
     slot = STORAGE_BITS[bits]
     per = 8 // slot
-    if per == 1:  # 8-bit codes are their own packing: shared, not copied (a 49152-row Q8_0 table's are 100 MB)
+    if per == 1 and isinstance(codes, np.ndarray):  # 8-bit codes are their own packing: shared, not copied
         out = np.ascontiguousarray(codes, dtype=np.uint8)
         return torch.from_numpy(out if out.flags.writeable else out.copy())
-    c = codes.reshape(codes.shape[0], -1, per)
-    out = c[..., 0].astype(np.uint8)
-    for j in range(1, per):
-        out |= c[..., j] << np.uint8(j * slot)
+    m, k = codes.shape
+    out = np.empty((m, k // per), np.uint8)
+    step = max(1, PACK_SLICE // k)
+    for r0 in range(0, m, step):
+        c = np.asarray(codes[r0:r0 + step]).reshape(-1, k // per, per)
+        part = c[..., 0].astype(np.uint8)
+        for j in range(1, per):
+            part |= c[..., j] << np.uint8(j * slot)
+        out[r0:r0 + step] = part
     return torch.from_numpy(out)
+
+
+PACK_SLICE = 1 << 22  # codes packed at a time
 
 
 def _shapes(fmt: WeightFormat, v: int, d: int) -> dict:

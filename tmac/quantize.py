@@ -20,11 +20,13 @@ its normal range) get the float32 variant of the format instead.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
 from .errors import InexactImport
 from .formats import GGUF_EXACT, PER_TENSOR, WeightFormat, check_bits
-from .qweight import QuantizedWeight, all_float16
+from .qweight import QuantizedWeight, RowCodes, all_float16
 
 
 def quantize_weight(w, bits: int = 4, group_size: int | str = 128, symmetric: bool = False,
@@ -66,6 +68,7 @@ def quantize_weight(w, bits: int = 4, group_size: int | str = 128, symmetric: bo
 
 
 QUANTIZE_CHUNK = 1 << 22  # weights quantized at a time: float64 temporaries of 32 MiB each, not of a whole head
+STREAM_CODES = 1 << 22  # codes of an imported matrix from which they stay in the file until packed
 
 
 def _quantize(w: np.ndarray, fmt: WeightFormat, symmetric: bool, search: bool) -> QuantizedWeight:
@@ -230,13 +233,15 @@ def _grouped(w: np.ndarray, fmt: WeightFormat) -> np.ndarray:
 
 # ---- exact GGUF importers ------------------------------------------------------------------------------
 
-def import_gguf(data, type_name: str, shape: tuple[int, int]) -> QuantizedWeight:
+def import_gguf(data, type_name: str, shape: tuple[int, int], decoded_pages: Callable[[], object] | None = None
+                ) -> QuantizedWeight:
     """Import a GGUF tensor of an exactly importable type (``tmac.formats.GGUF_EXACT``) without requantizing.
 
     ``data`` holds the raw blocks (bytes or a uint8 array, as ``gguf.GGUFReader`` gives them); ``shape`` is
     ``(rows, row_length)`` — numpy order, i.e. GGUF's ``ne`` reversed. ``.dequantize()`` of the result equals
     ``gguf.quants.dequantize`` bit for bit; ``InexactImport`` where it could not (a block's zero that is not a
-    float32 value).
+    float32 value). ``decoded_pages`` is called after each later decoding of a streamed matrix's rows (the
+    loader releases the file's pages there).
     """
     fmt = GGUF_EXACT.get(type_name)
     if fmt is None:
@@ -252,13 +257,30 @@ def import_gguf(data, type_name: str, shape: tuple[int, int]) -> QuantizedWeight
         raise ValueError(f"GGUF {type_name} tensor of shape {shape} needs {nblocks * blk.type_size} bytes, "
                          f"got {raw.size}")
     blocks = raw.reshape(m, k // blk.block_size, blk.type_size)
-    # row slices: the decoders' temporaries (several times the codes) stay small beside a 49152-row head
-    rows = max(1, QUANTIZE_CHUNK // k)
-    codes, scales, zeros = np.empty((m, k), np.uint8), np.empty((m, k // fmt.group_size), np.float32), None
-    for r0 in range(0, m, rows):
+
+    def decoded(r0: int, r1: int):
         with np.errstate(invalid="ignore", over="ignore"):  # NaN/inf scales are refused by name below
-            c, d, z = blk.decoder()(blocks[r0:r0 + rows].reshape(-1, blk.type_size), fmt.offset)
-        codes[r0:r0 + rows], scales[r0:r0 + rows] = c.reshape(-1, k), d.reshape(-1, scales.shape[1])
+            return blk.decoder()(blocks[r0:r1].reshape(-1, blk.type_size), fmt.offset)
+
+    def decoded_codes(r0: int, r1: int) -> np.ndarray:
+        codes = decoded(r0, r1)[0].reshape(-1, k)
+        if decoded_pages is not None:
+            decoded_pages()
+        return codes
+
+    # row slices: the decoders' temporaries (several times the codes) stay small beside a 49152-row head; a
+    # matrix of STREAM_CODES codes and more keeps its codes in the file, decoded again a slice at a time as the
+    # packing reads them
+    rows = max(1, QUANTIZE_CHUNK // k)
+    streamed = m * k >= STREAM_CODES
+    codes = RowCodes((m, k), decoded_codes) if streamed else \
+        np.empty((m, k), np.uint8)
+    scales, zeros = np.empty((m, k // fmt.group_size), np.float32), None
+    for r0 in range(0, m, rows):
+        c, d, z = decoded(r0, r0 + rows)
+        scales[r0:r0 + rows] = d.reshape(-1, scales.shape[1])
+        if not streamed:
+            codes[r0:r0 + rows] = c.reshape(-1, k)
         if z is not None:
             z = z.reshape(-1, scales.shape[1])  # float64, from the decoders
             zeros = np.empty(scales.shape, np.float32) if zeros is None else zeros

@@ -4,34 +4,72 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
 from .formats import PER_TENSOR, WeightFormat
 
 
+class RowCodes:
+    """Codes ``[M, K]`` decoded a row slice at a time from a file's blocks, for a matrix too large to hold
+    unpacked at once (a vocabulary table: 100 MB at a byte a code, beside 25 MB packed). ``codes[r0:r1]`` decodes
+    those rows; anything else (``np.asarray``, an index array) decodes the whole."""
+
+    dtype = np.dtype(np.uint8)
+    ndim = 2
+    SLICE = 1 << 22  # codes decoded at a time where the whole is asked for
+
+    def __init__(self, shape: tuple[int, int], rows: Callable[[int, int], np.ndarray]):
+        self.shape, self._rows = tuple(shape), rows
+
+    @property
+    def size(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, key):
+        if isinstance(key, slice) and key.step in (None, 1):
+            r0, r1, _ = key.indices(self.shape[0])
+            return self._rows(r0, max(r0, r1))
+        return np.asarray(self)[key]
+
+    def __array__(self, dtype=None, copy=None):
+        out = np.empty(self.shape, np.uint8)
+        step = max(1, self.SLICE // max(1, self.shape[1]))
+        for r0 in range(0, self.shape[0], step):
+            out[r0:r0 + step] = self._rows(r0, min(self.shape[0], r0 + step))
+        return out if dtype is None else out.astype(dtype)
+
+    def astype(self, dtype) -> np.ndarray:
+        return np.asarray(self).astype(dtype)
+
+
 @dataclass(frozen=True)
 class QuantizedWeight:
     """A weight matrix ``[M, K]`` (out_features × in_features) as codes and group parameters.
 
-    ``codes`` is uint8 ``[M, K]``; ``scales`` (and ``zeros`` when the format has them) are float32 or float64
+    ``codes`` is uint8 ``[M, K]`` (or ``RowCodes``, whose decoder keeps them in range); ``scales`` (and ``zeros`` when the format has them) are float32 or float64
     ``format.scale_shape(M, K)``. Float64 is kept where an importer needs it to be exact (GGUF Q4_1's zero
     ``−(m + 8d)`` is not always representable in float32); kernels use float32 copies.
     """
 
-    codes: np.ndarray
+    codes: np.ndarray | RowCodes
     scales: np.ndarray
     zeros: np.ndarray | None
     format: WeightFormat
 
     def __post_init__(self):
         codes, fmt = self.codes, self.format
-        if not isinstance(codes, np.ndarray) or codes.dtype != np.uint8 or codes.ndim != 2:
+        streamed = isinstance(codes, RowCodes)
+        if not streamed and (not isinstance(codes, np.ndarray) or codes.dtype != np.uint8 or codes.ndim != 2):
             raise TypeError(f"codes must be a 2-D uint8 numpy array, got {_describe(codes)}")
         m, k = codes.shape
         fmt.groups_per_row(k)  # raises when the group size does not divide K
         lo, hi = fmt.code_range
-        if codes.size and (int(codes.min()) < lo or int(codes.max()) > hi):
+        if not streamed and codes.size and (int(codes.min()) < lo or int(codes.max()) > hi):
             raise ValueError(f"codes of format {fmt.name} must lie in [{lo}, {hi}], got [{codes.min()}, {codes.max()}]")
         _check_params("scales", self.scales, fmt.scale_shape(m, k), fmt.scale_dtype)
         if fmt.has_zeros:
@@ -85,7 +123,25 @@ def stack_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
 
     scales = np.concatenate([per_row(p, p.scales).astype(np.float64) for p in parts])
     zeros = None if fmt.has_zeros is False else np.concatenate([per_row(p, p.zeros).astype(np.float64) for p in parts])
-    return QuantizedWeight(np.concatenate([p.codes for p in parts]), scales, zeros, fmt)
+    return QuantizedWeight(_stacked_codes(parts), scales, zeros, fmt)
+
+
+def _stacked_codes(parts: list[QuantizedWeight]) -> np.ndarray | RowCodes:
+    """The parts' codes one after another: an array for small parts, else ``RowCodes`` reading each part's rows
+    where they are asked for (no copy of a fused gate|up's codes, 32 MB at a 1B model's shape)."""
+    if sum(p.codes.size for p in parts) < STACK_COPY:
+        return np.concatenate([np.asarray(p.codes) for p in parts])
+    starts = np.cumsum([0] + [p.shape[0] for p in parts])
+
+    def rows(r0: int, r1: int) -> np.ndarray:
+        pieces = [p.codes[max(r0 - a, 0):min(r1, b) - a] for p, a, b in zip(parts, starts, starts[1:])
+                  if a < r1 and r0 < b]
+        return np.concatenate([np.asarray(x) for x in pieces]) if len(pieces) != 1 else np.asarray(pieces[0])
+
+    return RowCodes((int(starts[-1]), parts[0].shape[1]), rows)
+
+
+STACK_COPY = 1 << 20  # codes of parts below which stacking copies them
 
 
 def _check_params(name: str, a, shape: tuple[int, int], storage: str) -> None:
