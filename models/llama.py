@@ -272,9 +272,21 @@ class Attention(nn.Module):
         self.out_norm = _norm_or_none(cfg.sub_norms, cfg.n_heads * cfg.head_dim, cfg.norm_eps)
 
     def forward(self, x, cos, sin, cache_k, cache_v, start: int):
-        t, h = x.shape[0], self.n_heads
-        qk_width = (h + self.n_kv) * self.hd
+        return self.wo(self.out_norm(self.attend(self.wqkv(x), cos, sin, cache_k, cache_v, start)))
+
+    def forward_rows(self, x, cos, sin, caches_k: list, caches_v: list, starts: list[int]):
+        """Row r of ``x`` is the new token of its own sequence (cache ``caches_k[r]``, position ``starts[r]``): the
+        projections run once for all rows, attention row by row."""
         qkv = self.wqkv(x)
+        out = torch.cat([self.attend(qkv[r:r + 1], cos[r:r + 1], sin[r:r + 1], caches_k[r], caches_v[r], start)
+                         for r, start in enumerate(starts)])
+        return self.wo(self.out_norm(out))
+
+    def attend(self, qkv, cos, sin, cache_k, cache_v, start: int):
+        """The heads' outputs ``[t, heads·head_dim]`` of projected rows ``qkv`` at positions ``start …``, their keys
+        and values written to the cache."""
+        t, h = qkv.shape[0], self.n_heads
+        qk_width = (h + self.n_kv) * self.hd
         qk = qkv[:, :qk_width].view(t, h + self.n_kv, self.hd)
         if not isinstance(self.q_norm, nn.Identity):
             qk = torch.cat((self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])), dim=1)
@@ -288,8 +300,7 @@ class Attention(nn.Module):
         if t == 1:  # one new token sees everything cached: no mask, and plain matmuls beat SDPA's setup
             group = h // self.n_kv
             scores = (q.view(self.n_kv, group, self.hd) * self.scale) @ keys[0].transpose(1, 2)
-            out = (scores.softmax(-1) @ values[0]).view(1, h * self.hd)
-            return self.wo(self.out_norm(out))
+            return (scores.softmax(-1) @ values[0]).view(1, h * self.hd)
         q = q.transpose(0, 1)[None]
         if start == 0 and not self.window:
             out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=True, scale=self.scale)
@@ -299,7 +310,7 @@ class Attention(nn.Module):
             if self.window:
                 mask &= cols > rows - self.window
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True, scale=self.scale)
-        return self.wo(self.out_norm(out[0].transpose(0, 1).reshape(t, h * self.hd)))
+        return out[0].transpose(0, 1).reshape(t, h * self.hd)
 
 
 class FeedForward(nn.Module):
@@ -328,6 +339,11 @@ class Block(nn.Module):
 
     def forward(self, x, cos, sin, cache_k, cache_v, start):
         h = x + self.post_attention_norm(self.attention(self.attention_norm(x), cos, sin, cache_k, cache_v, start))
+        return h + self.post_ffn_norm(self.feed_forward(self.ffn_norm(h)))
+
+    def forward_rows(self, x, cos, sin, caches_k, caches_v, starts):
+        h = x + self.post_attention_norm(self.attention.forward_rows(self.attention_norm(x), cos, sin, caches_k,
+                                                                     caches_v, starts))
         return h + self.post_ffn_norm(self.feed_forward(self.ffn_norm(h)))
 
 
@@ -425,6 +441,22 @@ class Transformer(nn.Module):
             x = layer(x, cos[start:start + t], sin[start:start + t], cache_k[i], cache_v[i], start)
         if last_only:
             x = x[-1:]
+        return self.output(self.norm(x)).float()
+
+    def forward_rows(self, ids: torch.Tensor, starts: list[int], caches: list) -> torch.Tensor:
+        """Logits ``[n, vocab]`` of one new token for each of n sequences: ``ids[r]`` at position ``starts[r]`` of
+        ``caches[r]`` (a ``Sequence``, holding the positions before it). One step of continuous batching: every
+        projection runs once for all the rows (the LUT GEMM reads each weight once for them), attention per row."""
+        if not len(ids) == len(starts) == len(caches):
+            raise ValueError(f"{len(ids)} ids, {len(starts)} positions and {len(caches)} caches: one each per row")
+        for start, cache in zip(starts, caches):
+            if not 0 <= start < cache.context:
+                raise ValueError(f"position {start} is outside a sequence's context of {cache.context} tokens")
+        x = self.embed(ids)
+        at = torch.tensor(starts)
+        for i, layer in enumerate(self.layers):
+            cos, sin = self.rope(i)
+            x = layer.forward_rows(x, cos[at], sin[at], [c.k[i] for c in caches], [c.v[i] for c in caches], starts)
         return self.output(self.norm(x)).float()
 
 

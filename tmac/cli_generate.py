@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import time
@@ -34,6 +35,18 @@ def add_parsers(sub, common) -> None:
     _model_args(c)
     c.set_defaults(func=cmd_chat, chat=True)
 
+    s = sub.add_parser("serve", parents=[common], help="an OpenAI-compatible HTTP API (chat and completions, "
+                                                       "streamed or whole), requests batched continuously")
+    _load_args(s)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
+    s.add_argument("--port", type=int, default=8080, help="(default: 8080)")
+    s.add_argument("--api-key", default=os.environ.get("TMAC_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/ (default: $TMAC_API_KEY, else none)")
+    s.add_argument("--max-batch", type=int, default=4, help="requests generated together at most (default: 4)")
+    s.add_argument("--max-queue", type=int, default=16,
+                   help="requests waiting beyond those at most; more get 503 (default: 16)")
+    s.set_defaults(func=cmd_serve)
+
 
 MODEL_HELP = ("a GGUF file, a Hugging Face directory, a .tmac file (tmac convert), or a Hugging Face repo id "
               "(ORG/NAME, or ORG/NAME:FILE.gguf for one GGUF of a repo; downloaded once into the Hugging Face "
@@ -50,7 +63,7 @@ def head_bits_arg(text: str) -> int | str:
     raise argparse.ArgumentTypeError(f"expected one of {', '.join(map(str, BITS))} or float, got {text!r}")
 
 
-def _model_args(p) -> None:
+def _load_args(p) -> None:
     p.add_argument("model", nargs="?", default=None, help=MODEL_HELP)
     p.add_argument("--bits", type=int, choices=BITS, help="requantize the projections to this many bits")
     p.add_argument("--group-size", type=int, choices=GROUP_SIZES, help="group size with --bits")
@@ -58,6 +71,10 @@ def _model_args(p) -> None:
     p.add_argument("--threads", "-t", type=int, help="kernel and torch threads (default: physical cores)")
     p.add_argument("--context", type=int, help="context size in tokens (default: the model's, at most 4096)")
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default="float16", help="KV cache dtype (default: float16)")
+
+
+def _model_args(p) -> None:
+    _load_args(p)
     p.add_argument("--max-new-tokens", "-n", type=int, default=256, help="tokens to generate at most (default: 256)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest tokens (default: 0 = off)")
@@ -288,3 +305,22 @@ def _chat_turn(model, session, args, messages: list[dict]) -> bool:
             session.stats["stop_reason"] = "interrupted"
     messages.append({"role": "assistant", "content": streamer.finish()})
     return True
+
+
+def cmd_serve(args) -> int:
+    try:
+        import uvicorn
+
+        from .serve import create_app, model_name
+    except ImportError as e:
+        raise ValueError(f"tmac serve needs FastAPI and uvicorn ({e}); pip install fastapi uvicorn") from None
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    model, _ = _load(args)
+    name = model_name(model.source)
+    app = create_app(model, name, args.api_key, args.max_batch, args.max_queue)
+    print(f"tmac: serving {name} at http://{args.host}:{args.port}/v1 (OpenAI API; context {model.context} tokens, "
+          f"up to {args.max_batch} requests at once{', API key required' if args.api_key else ''}); Ctrl-C stops",
+          file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0

@@ -1,0 +1,230 @@
+"""Continuous batching: many generations over one model, stepped together on a thread of their own.
+
+Each running request holds a ``Sequence`` (a KV cache of the model's context, kept for the next request when it
+ends: at most ``max_batch`` of them, made as they are first needed). A new request is
+prefilled alone at a step boundary and joins the batch; every step then feeds the last token of each active
+sequence through the model's ``DecodePlan``, one sequence after another, so that each gets exactly the logits it
+gets alone (``tmac run``'s); a model without a plan (float projections) steps all of them at once through
+``Transformer.forward_rows``, each projection once for all the rows, which gives each row what it gives alone. A request that finishes, is cancelled or whose consumer went away leaves at the next boundary and
+frees its cache. Results go back through a callback per request (the server hands them to its event loop).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from tmac import runtime
+
+from .decode import DecodePlan
+from .generate import PREFILL_CHUNK, _check_sampling, check_ids, next_token
+from .sequence import Sequence
+from .text import TextStream, check_stop
+
+
+class Busy(Exception):
+    """The queue is full: try again later."""
+
+
+@dataclass
+class Request:
+    """One generation. ``emit(piece, finish_reason)`` is called from the batching thread with each new text piece
+    (``finish_reason`` None until the last call: ``"stop"`` or ``"length"``, or ``"error"`` with the message as
+    the piece)."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    emit: Callable[[str, str | None], object]
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ids: list[int] = field(default_factory=list)  # generated so far
+    cancelled: bool = False  # set by the consumer: the request leaves at the next step
+    submitted: float = field(default_factory=time.perf_counter)
+    first_token_s: float | None = None
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class _Active:
+    def __init__(self, request: Request, sequence: Sequence, text: TextStream, generator):
+        self.request, self.sequence, self.text, self.generator = request, sequence, text, generator
+        self.history = list(request.prompt_ids)
+        self.next_id: int | None = None  # sampled, not yet fed
+        self.finish: str | None = None  # why it ended, once it has
+        self.tail = ""  # the text its last token completed, handed out with the finish
+
+
+class Batcher:
+    """Runs the requests it is given (``submit``) on one thread, ``max_batch`` sequences at a time, with at most
+    ``max_queue`` more waiting (``submit`` raises ``Busy`` past that). ``close()`` stops the thread."""
+
+    def __init__(self, model, max_batch: int = 4, max_queue: int = 16):
+        if type(max_batch) is not int or max_batch < 1 or type(max_queue) is not int or max_queue < 0:
+            raise ValueError(f"max_batch must be an int >= 1 and max_queue an int >= 0, got {max_batch!r}, "
+                             f"{max_queue!r}")
+        if model.tokenizer is None:
+            raise ValueError("serving text needs the model's tokenizer, and this model was loaded without one")
+        self.model, self.max_batch, self.max_queue = model, max_batch, max_queue
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.active: list[_Active] = []
+        self.steps = 0
+        self.widest = 0  # the most sequences one step has served
+        self._wake = threading.Condition()
+        self._closed = False
+        self._plan = None
+        self._free: list[Sequence] = []  # the caches of finished requests, for the next ones
+        self._thread = threading.Thread(target=self._loop, name="tmac-batcher", daemon=True)
+        self._thread.start()
+
+    # ---- the consumer's side ---------------------------------------------------------------------------------
+    def check(self, prompt_ids: list[int], max_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
+              seed: int | None = None, stop=()) -> tuple[str, ...]:
+        """``ValueError`` naming what a request may not ask for; its stop strings, checked."""
+        check_ids(prompt_ids, self.model.config.vocab_size)
+        if not prompt_ids:
+            raise ValueError("the prompt is empty: generation needs at least one token")
+        if type(max_tokens) is not int or max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int of at least 1, got {max_tokens!r:.40}")
+        _check_sampling(max_tokens, temperature, 0, top_p, 1.0, 0)
+        if len(prompt_ids) + max_tokens > self.model.context:
+            raise ValueError(f"the prompt ({len(prompt_ids)} tokens) and max_tokens ({max_tokens}) exceed the "
+                             f"context of {self.model.context} tokens")
+        if seed is not None and (type(seed) is not int or not 0 <= seed < 2 ** 63):
+            raise ValueError(f"seed must be an int in [0, 2**63), got {seed!r:.40}")
+        return check_stop(stop)
+
+    def submit(self, request: Request) -> None:
+        request.stop = self.check(request.prompt_ids, request.max_tokens, request.temperature, request.top_p,
+                                  request.seed, request.stop)
+        with self._wake:
+            if self._closed:
+                raise RuntimeError("the batcher is closed")
+            if len(self.waiting) >= self.max_queue + max(0, self.max_batch - len(self.active)):
+                raise Busy(f"{len(self.active)} requests running and {len(self.waiting)} waiting")
+            self.waiting.append(request)
+            self._wake.notify()
+
+    def close(self) -> None:
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+        self._thread.join()
+
+    def load(self) -> dict:
+        return {"running": len(self.active), "waiting": len(self.waiting), "max_batch": self.max_batch,
+                "max_queue": self.max_queue, "steps": self.steps, "widest": self.widest}
+
+    # ---- the batching thread ---------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._closed and not self.waiting and not self.active:
+                    self._wake.wait()
+                if self._closed:
+                    for a in self.active:
+                        a.request.emit("the server is shutting down", "error")
+                    for r in self.waiting:
+                        r.emit("the server is shutting down", "error")
+                    return
+                joining = []
+                while self.waiting and len(self.active) + len(joining) < self.max_batch:
+                    joining.append(self.waiting.popleft())
+            for request in joining:
+                self._admit(request)
+            self._step()
+
+    def _admit(self, request: Request) -> None:
+        """Prefill ``request`` alone and sample its first token."""
+        if request.cancelled:
+            return
+        try:
+            with torch.inference_mode(), runtime.torch_single_threaded():
+                sequence = self._free.pop() if self._free else Sequence(self.model, adopt=False)
+                ids = request.prompt_ids
+                for start in range(0, len(ids), PREFILL_CHUNK):
+                    logits = self.model(torch.tensor(ids[start:start + PREFILL_CHUNK]), start, last_only=True,
+                                        cache=sequence)[-1]
+                sequence.ids = list(ids)
+                generator = torch.Generator().manual_seed(request.seed) if request.seed is not None else None
+                active = _Active(request, sequence, TextStream(self.model.tokenizer, request.stop), generator)
+                self._take(active, logits)
+        except Exception as e:  # a request's failure is its own: the others go on
+            request.emit(f"{type(e).__name__}: {e}", "error")
+            return
+        self.active.append(active)
+        if self._finished(active):
+            self._leave([active])
+
+    def _take(self, a: _Active, logits: torch.Tensor) -> None:
+        """Sample the next token of ``a`` from its logits and hand out the text it completes."""
+        r = a.request
+        token = next_token(logits, a.history, temperature=r.temperature, top_p=r.top_p, generator=a.generator)
+        if r.first_token_s is None:
+            r.first_token_s = time.perf_counter() - r.submitted
+        r.ids.append(token)
+        a.history.append(token)
+        a.next_id = token
+        if token in self.model.tokenizer.stop_ids:
+            a.finish = "stop"
+            return
+        piece = a.text.push(token)
+        a.finish = "stop" if a.text.stopped else "length" if len(r.ids) >= r.max_tokens else None
+        if a.finish is None:
+            if piece:
+                r.emit(piece, None)
+        else:
+            a.tail = piece
+
+    def _finished(self, a: _Active) -> bool:
+        """Whether ``a`` is done (its last piece and reason handed out)."""
+        if a.request.cancelled:
+            return True
+        if a.finish is None:
+            return False
+        a.request.emit(a.tail + a.text.finish(), a.finish)
+        return True
+
+    def _step(self) -> None:
+        self._leave([a for a in self.active if a.request.cancelled])
+        if not self.active:
+            return
+        batch = self.active
+        try:
+            with torch.inference_mode(), runtime.torch_single_threaded():
+                if (plan := self._decode_plan()) is not None:  # each sequence as it runs alone: the same logits
+                    rows = [plan.step(a.next_id, len(a.sequence.ids), a.sequence).clone() for a in batch]
+                else:
+                    rows = self.model.forward_rows(torch.tensor([a.next_id for a in batch]),
+                                                   [len(a.sequence.ids) for a in batch], [a.sequence for a in batch])
+                for a, logits in zip(batch, rows):
+                    a.sequence.ids.append(a.next_id)
+                    self._take(a, logits)
+        except Exception as e:
+            for a in batch:
+                a.request.emit(f"{type(e).__name__}: {e}", "error")
+            self._leave(batch)
+            return
+        self.steps += 1
+        self.widest = max(self.widest, len(batch))
+        self._leave([a for a in batch if self._finished(a)])
+
+    def _leave(self, done: list[_Active]) -> None:
+        """``done`` out of the batch, their caches kept for the next requests."""
+        if done:
+            self.active = [a for a in self.active if a not in done]
+            for a in done:
+                a.sequence.ids = []
+                self._free.append(a.sequence)
+
+    def _decode_plan(self):
+        if self._plan is None:
+            self._plan = (DecodePlan.build(self.model),)
+        return self._plan[0]

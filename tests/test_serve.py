@@ -1,0 +1,271 @@
+"""``tmac serve`` through the official ``openai`` client (and raw HTTP for what a client would not send), against
+servers on free loopback ports with the default model: chat and completions, streamed and whole, stop strings,
+greedy text equal to ``tmac run``'s, auth, 4xx answers with OpenAI-style bodies, a client leaving mid-stream,
+concurrent clients each getting what it gets alone, and a full queue's 503."""
+import contextlib
+import http.client
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import openai
+import pytest
+import uvicorn
+
+import tmac
+from conftest import smollm2_path
+from tmac.serve import create_app, model_name
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+PROMPTS = ["Tell me a story about a lighthouse keeper.", "Name three fruits.", "Write a haiku about the sea.",
+           "Who wrote Hamlet?"]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tmac.load_model(smollm2_path(), context=512, progress=False)
+
+
+@contextlib.contextmanager
+def serving(model, **options):
+    """A server on a free loopback port for the block's duration: its base URL."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    app = create_app(model, model_name(model.source), **options)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    with serving(model, max_batch=4) as url:
+        yield url
+
+
+def call(url, method, path, body=None, headers=None):
+    """(status, headers, parsed JSON body) of one plain HTTP request."""
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=120)
+    try:
+        content = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+        conn.request(method, path, content, {"content-type": "application/json", **(headers or {})})
+        r = conn.getresponse()
+        return r.status, {k.lower(): v for k, v in r.getheaders()}, json.loads(r.read() or b"null")
+    finally:
+        conn.close()
+
+
+@contextlib.contextmanager
+def streaming(url, path, body):
+    """The lines of a streamed answer, read as they come; leaving the block closes the connection."""
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=120)
+    try:
+        conn.request("POST", path, json.dumps(body).encode(), {"content-type": "application/json"})
+        r = conn.getresponse()
+        yield iter(lambda: r.fp.readline().decode(), "")
+    finally:
+        conn.close()
+
+
+def health(url):
+    return call(url, "GET", "/health")[2]
+
+
+def client(url, key="unused"):
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
+
+
+def name(url):
+    return client(url).models.list().data[0].id
+
+
+def chat(url, messages=QUESTION, **kw):
+    return client(url).chat.completions.create(model=name(url), messages=messages, **{"temperature": 0, **kw})
+
+
+def test_models_and_health(server, model):
+    models = client(server).models.list().data
+    assert [m.id for m in models] == ["SmolLM2-135M-Instruct.Q4_1"] and models[0].object == "model"
+    h = health(server)
+    assert h["status"] == "ok" and h["max_batch"] == 4
+
+
+def test_greedy_chat_is_tmac_runs_answer(server):
+    run = subprocess.run([sys.executable, "-m", "tmac", "run", "--context", "512", "-p", QUESTION[0]["content"],
+                          "-n", "32", "--json"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    expected = json.loads(run.stdout)
+    r = chat(server, max_tokens=32)
+    assert r.choices[0].message.content == expected["text"] and "Paris" in expected["text"]
+    assert r.choices[0].finish_reason == "stop" and r.object == "chat.completion"
+    assert r.usage.completion_tokens == expected["generated_tokens"]
+    assert r.usage.prompt_tokens == expected["prompt_tokens"]
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_streamed_text_is_the_whole_answer_in_pieces(server):
+    whole = chat(server, max_tokens=24).choices[0].message.content
+    chunks = list(chat(server, max_tokens=24, stream=True, stream_options={"include_usage": True}))
+    pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len(pieces) > 1 and "".join(pieces) == whole
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].usage.completion_tokens == chat(server, max_tokens=24).usage.completion_tokens
+
+
+def test_completions_whole_and_streamed_with_length_and_stop(server, model):
+    c = client(server)
+    r = c.completions.create(model=name(server), prompt="The three primary colors are", max_tokens=12, temperature=0)
+    text = r.choices[0].text
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 12
+    ids = tmac.Session(model).generate(model.tokenizer.encode("The three primary colors are"), max_new_tokens=12,
+                                       stop_on_eos=False)
+    assert text == model.tokenizer.decode(ids, skip_special=True)
+    streamed = "".join(p.choices[0].text for p in c.completions.create(
+        model=name(server), prompt="The three primary colors are", max_tokens=12, temperature=0, stream=True))
+    assert streamed == text
+    stop = text.split()[2]
+    cut = c.completions.create(model=name(server), prompt="The three primary colors are", max_tokens=12,
+                               temperature=0, stop=[stop])
+    assert cut.choices[0].text == text[:text.index(stop)] and cut.choices[0].finish_reason == "stop"
+
+
+def test_seeded_sampling_repeats(server):
+    a, b = (chat(server, max_tokens=16, temperature=1.0, top_p=0.9, seed=7).choices[0].message.content
+            for _ in range(2))
+    assert a == b
+
+
+@pytest.mark.parametrize("body, status, says", [
+    (b"{not json", 400, "JSON"),
+    ({"model": "M", "messages": "hi"}, 400, "messages"),
+    ({"model": "M", "messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, 400, "temperature"),
+    ({"model": "M", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": "M", "messages": [{"role": "user", "content": "x"}], "max_tokens": 10 ** 9}, 400, "context"),
+    ({"model": "M", "messages": [{"role": "user", "content": "x"}], "max_tokens": -5}, 400, "max_tokens"),
+    ({"model": "M", "messages": [{"role": "user", "content": "x"}], "n": 3}, 400, "n"),
+    ({"model": "M", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"1": 5}}, 400, "logit_bias"),
+    ({"model": "M", "messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
+    ({"model": "M", "messages": []}, 400, "messages"),
+    ({"model": "M", "messages": [{"role": "user", "content": "x " * 5000}]}, 400, "context"),
+    ({"model": "M", "messages": [{"role": "user", "content": "x"}], "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ({"model": "M", "messages": [{"role": "user", "content": "x"}], "stop": [""]}, 400, "stop"),
+    ({"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]}, 404, "gpt-4"),
+    ({"model": "M", "prompt": 5}, 400, "prompt"),
+])
+def test_bad_requests_get_openai_errors_and_the_server_goes_on(server, body, status, says):
+    if isinstance(body, dict):
+        body = {k: name(server) if v == "M" else v for k, v in body.items()}
+    path = "/v1/completions" if isinstance(body, dict) and "prompt" in body else "/v1/chat/completions"
+    code, _, answer = call(server, "POST", path, body)
+    assert code == status, answer
+    error = answer["error"]
+    assert says in error["message"] and error["type"]
+    assert chat(server, max_tokens=4).choices[0].message.content  # still serving
+
+
+def test_unknown_routes_and_methods_are_4xx(server):
+    assert call(server, "GET", "/v1/nothing")[0] == 404
+    assert call(server, "GET", "/v1/chat/completions")[0] == 405
+
+
+def long_story(url) -> dict:
+    """A streamed completion that runs long: a story's opening, 480 tokens."""
+    return {"model": name(url), "prompt": STORY, "max_tokens": 480, "temperature": 0, "stream": True}
+
+
+STORY = "Once upon a time, in a small village by the sea, there lived"
+
+
+def test_a_client_leaving_mid_stream_frees_its_slot(server):
+    whole = client(server).completions.create(**{**long_story(server), "stream": False})
+    assert whole.usage.completion_tokens > 300  # what the request runs to, unless left
+    steps = health(server)["steps"]
+    with streaming(server, "/v1/completions", long_story(server)) as lines:
+        for line in lines:
+            if line.startswith("data: ") and '"text": ""' not in line:
+                break  # one piece read, then gone
+    deadline = time.monotonic() + 30
+    while health(server)["running"]:
+        assert time.monotonic() < deadline, "the abandoned request still runs"
+        time.sleep(0.1)
+    assert health(server)["steps"] - steps < 150  # it left long before the end
+    assert chat(server, max_tokens=4).choices[0].message.content
+
+
+def test_concurrent_clients_each_get_what_they_get_alone(server):
+    alone = [chat(server, [{"role": "user", "content": p}], max_tokens=24).choices[0].message.content
+             for p in PROMPTS]
+    together = [None] * len(PROMPTS)
+
+    def ask(i):
+        together[i] = chat(server, [{"role": "user", "content": PROMPTS[i]}], max_tokens=24).choices[0].message.content
+
+    steps = health(server)["steps"]
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert together == alone
+    h = health(server)
+    assert h["widest"] >= 2  # they shared steps
+    assert h["steps"] > steps
+
+
+def test_an_api_key_is_required_when_set(model):
+    with serving(model, api_key="sesame") as url:
+        with pytest.raises(openai.AuthenticationError):
+            client(url, "wrong").models.list()
+        status, _, answer = call(url, "POST", "/v1/chat/completions", {"model": "x", "messages": QUESTION})
+        assert status == 401 and answer["error"]["code"] == "invalid_api_key"
+        assert call(url, "GET", "/health")[0] == 200
+        assert client(url, "sesame").chat.completions.create(model=model_name(model.source), messages=QUESTION,
+                                                             max_tokens=4).choices[0].message.content
+
+
+def test_a_full_queue_answers_503_with_retry_after(model):
+    with serving(model, max_batch=1, max_queue=0) as url:
+        with streaming(url, "/v1/completions", long_story(url)) as first:
+            next(first)
+            status, headers, answer = call(url, "POST", "/v1/chat/completions",
+                                           {"model": name(url), "messages": QUESTION})
+            assert status == 503 and headers["retry-after"] and answer["error"]["code"] == "busy"
+
+
+def test_forward_rows_gives_each_row_what_a_one_row_forward_gives(model):
+    """One step for several sequences at once (each projection once for all the rows) — the batcher's path for a
+    model without a decode plan — equals each sequence's own step, bit for bit."""
+    import torch
+
+    from tmac.models.sequence import Sequence
+
+    prompts = [[1, 2, 3, 4, 5], [10, 20, 30], [7, 8, 9, 10, 11, 12, 13]]
+    new = [42, 43, 44]
+    with torch.inference_mode():
+        batched, alone = [Sequence(model, 64, adopt=False) for _ in prompts], []
+        for p, s in zip(prompts, batched):
+            model(torch.tensor(p), 0, cache=s)
+        rows = model.forward_rows(torch.tensor(new), [len(p) for p in prompts], batched)
+        for p, t in zip(prompts, new):
+            s = Sequence(model, 64, adopt=False)
+            model(torch.tensor(p), 0, cache=s)
+            alone.append(model(torch.tensor([t]), len(p), last_only=True, cache=s)[0])
+    assert torch.equal(rows, torch.stack(alone))
+    with pytest.raises(ValueError, match="outside a sequence's context"):
+        model.forward_rows(torch.tensor([1]), [64], batched[:1])

@@ -1,0 +1,283 @@
+"""``tmac serve``: an OpenAI-compatible HTTP API over one model (FastAPI on uvicorn), its generations batched
+continuously (``tmac.models.batching``).
+
+``POST /v1/chat/completions`` (the model's chat template), ``POST /v1/completions``, ``GET /v1/models`` and
+``GET /health``; streamed as server-sent events ending ``data: [DONE]``, or whole. Bad requests get a 4xx with an
+OpenAI-style error body; a full queue 503 with ``Retry-After``; with an API key, a request without
+``Authorization: Bearer KEY`` 401. Imported only by the CLI: ``import tmac`` imports neither FastAPI nor TVM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import secrets
+import time
+import uuid
+from typing import Literal, Union
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+
+from .models.batching import Batcher, Busy
+from .models.batching import Request as Generation
+from .models.text import check_prompt_size
+
+MAX_STOPS = 4  # as OpenAI's API
+TYPE_TAGS = {"int", "float", "str", "bool", "dict", "list", "literal"}  # pydantic's union branches in a location
+Number = Union[StrictInt, StrictFloat]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: StrictStr
+    max_tokens: StrictInt | None = None
+    temperature: Number = 1.0
+    top_p: Number = 1.0
+    n: StrictInt = 1
+    stop: StrictStr | list[StrictStr] | None = None
+    seed: StrictInt | None = None
+    stream: StrictBool = False
+    stream_options: dict | None = None
+    user: StrictStr | None = None
+    presence_penalty: Number = 0.0
+    frequency_penalty: Number = 0.0
+
+
+class CompletionBody(_Body):
+    prompt: StrictStr | list[StrictStr]
+    max_tokens: StrictInt | None = 16  # OpenAI's default for completions
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text"]
+    text: StrictStr
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    role: Literal["system", "developer", "user", "assistant"]
+    content: StrictStr | list[TextPart]
+    name: StrictStr | None = None
+
+
+class ChatBody(_Body):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: StrictInt | None = None
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None,
+                 param: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.code, self.param, self.headers = \
+            status, message, kind, code, param, headers
+
+
+def _error(status: int, message: str, kind: str, code=None, param=None, headers=None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status,
+                        headers=headers)
+
+
+def create_app(model, model_name: str, api_key: str | None = None, max_batch: int = 4, max_queue: int = 16) -> FastAPI:
+    """The API over ``model`` (a loaded tmac model with its tokenizer), answering to ``model_name``."""
+    batcher = Batcher(model, max_batch, max_queue)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        batcher.close()
+
+    app = FastAPI(title="tmac", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app.state.batcher = batcher
+    created = int(time.time())
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, e: APIError):
+        return _error(e.status, e.message, e.kind, e.code, e.param, e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request, e: RequestValidationError):
+        first = e.errors()[0] if e.errors() else {}
+        where = ".".join(str(x) for x in first.get("loc", ())[1:] if str(x) not in TYPE_TAGS
+                         and not str(x).startswith(("list[", "function-"))) or None
+        return _error(400, f"{where or 'body'}: {first.get('msg', 'invalid request')}", "invalid_request_error",
+                      param=where)
+
+    @app.exception_handler(404)
+    async def _not_found(request, e):
+        return _error(404, f"no route {request.method} {request.url.path}", "invalid_request_error")
+
+    @app.exception_handler(405)
+    async def _not_allowed(request, e):
+        return _error(405, f"method {request.method} is not allowed on {request.url.path}", "invalid_request_error")
+
+    @app.middleware("http")
+    async def _authorize(request: Request, call_next):
+        if api_key is not None and request.url.path.startswith("/v1/"):
+            scheme, _, given = request.headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not secrets.compare_digest(given.encode(), api_key.encode()):
+                return _error(401, "a valid API key is needed: Authorization: Bearer KEY", "invalid_request_error",
+                              "invalid_api_key")
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", **batcher.load()}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [_model_card(model_name, created)]}
+
+    @app.get("/v1/models/{name}")
+    async def one_model(name: str):
+        _check_model(name, model_name)
+        return _model_card(model_name, created)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionBody, request: Request):
+        prompt = body.prompt
+        if isinstance(prompt, list):
+            if len(prompt) != 1:
+                raise APIError(400, "prompt: one prompt per request (n = 1)", param="prompt")
+            prompt = prompt[0]
+        _check_model(body.model, model_name)
+        check_prompt_size_or_400(model, len(prompt))
+        ids = model.tokenizer.encode(prompt)
+        return await _generate(request, body, ids, body.max_tokens, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatBody, request: Request):
+        _check_model(body.model, model_name)
+        messages = [{"role": "system" if m.role == "developer" else m.role,
+                     "content": m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)}
+                    for m in body.messages]
+        check_prompt_size_or_400(model, sum(len(m["content"]) for m in messages))
+        try:
+            ids = model.tokenizer.encode(model.tokenizer.render_chat(messages))
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from None
+        limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        return await _generate(request, body, ids, limit, chat=True)
+
+    async def _generate(http: Request, body: _Body, ids: list[int], max_tokens: int | None, chat: bool):
+        if body.n != 1:
+            raise APIError(400, "n: only n = 1 is served", param="n")
+        if body.presence_penalty or body.frequency_penalty:
+            raise APIError(400, "presence_penalty and frequency_penalty are not supported (give 0)")
+        stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
+        if len(stop) > MAX_STOPS:
+            raise APIError(400, f"stop: at most {MAX_STOPS} strings", param="stop")
+        if len(ids) >= model.context:
+            raise APIError(400, f"the prompt ({len(ids)} tokens) leaves no room in the context of {model.context} "
+                                f"tokens", code="context_length_exceeded")
+        if max_tokens is None:
+            max_tokens = model.context - len(ids)
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        generation = Generation(ids, max_tokens, lambda piece, end: loop.call_soon_threadsafe(
+            events.put_nowait, (piece, end)), temperature=float(body.temperature), top_p=float(body.top_p),
+            seed=body.seed, stop=tuple(stop))
+        try:
+            batcher.submit(generation)
+        except Busy as e:
+            raise APIError(503, f"the server is busy ({e}); try again shortly", "server_error", "busy",
+                           headers={"Retry-After": "1"}) from None
+        except (ValueError, TypeError) as e:
+            code = "context_length_exceeded" if "context" in str(e) else None
+            raise APIError(400, str(e), code=code) from None
+        ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        meta = dict(id=ident, created=int(time.time()), model=model_name)
+        usage = lambda: {"prompt_tokens": len(ids), "completion_tokens": len(generation.ids),  # noqa: E731
+                         "total_tokens": len(ids) + len(generation.ids)}
+        if body.stream:
+            include_usage = bool((body.stream_options or {}).get("include_usage"))
+            return StreamingResponse(_stream(generation, events, meta, chat, usage, include_usage),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        text, finish = [], None
+        try:
+            while finish is None:
+                try:
+                    piece, finish = await asyncio.wait_for(events.get(), timeout=1.0)
+                except asyncio.TimeoutError:
+                    if await http.is_disconnected():
+                        generation.cancel()
+                        return JSONResponse({}, 499)
+                    continue
+                text.append(piece)
+        finally:
+            if finish is None:
+                generation.cancel()
+        if finish == "error":
+            raise APIError(500, "".join(text), "server_error")
+        content = "".join(text)
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": content, "finish_reason": finish, "logprobs": None}
+        return {**meta, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
+                "usage": usage()}
+
+    return app
+
+
+async def _stream(generation, events: asyncio.Queue, meta: dict, chat: bool, usage, include_usage: bool):
+    kind = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(piece: str | None, finish: str | None, first: bool = False) -> str:
+        if chat:
+            delta = ({"role": "assistant"} if first else {}) | ({"content": piece} if piece else {})
+            choice = {"index": 0, "delta": delta, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": piece or "", "finish_reason": finish, "logprobs": None}
+        body = {**meta, "object": kind, "choices": [choice]}
+        if include_usage:
+            body["usage"] = None
+        return f"data: {json.dumps(body)}\n\n"
+
+    finish = None
+    try:
+        if chat:
+            yield chunk("", None, first=True)
+        while finish is None:
+            piece, finish = await events.get()
+            if finish == "error":
+                yield f"data: {json.dumps({'error': {'message': piece, 'type': 'server_error'}})}\n\n"
+                break
+            if piece or finish:
+                yield chunk(piece, finish)
+        if include_usage and finish != "error":
+            yield f"data: {json.dumps({**meta, 'object': kind, 'choices': [], 'usage': usage()})}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:  # a client gone mid-stream: its sequence leaves the batch at the next step
+        if finish is None:
+            generation.cancel()
+
+
+def _model_card(name: str, created: int) -> dict:
+    return {"id": name, "object": "model", "created": created, "owned_by": "tmac"}
+
+
+def _check_model(name: str, served: str) -> None:
+    if name != served:
+        raise APIError(404, f"the model {name!r} does not exist; this server serves {served!r}", code="model_not_found",
+                       param="model")
+
+
+def check_prompt_size_or_400(model, chars: int) -> None:
+    try:
+        check_prompt_size(model.tokenizer, chars, model.context)
+    except ValueError as e:
+        raise APIError(400, str(e), code="context_length_exceeded") from None
+
+
+def model_name(path: str) -> str:
+    """What the API calls a model: its file name without the extension, or its directory's name."""
+    base = os.path.basename(os.path.normpath(path))
+    return base.removesuffix(".gguf").removesuffix(".tmac") or base
