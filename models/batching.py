@@ -3,9 +3,10 @@
 Each running request holds a ``Sequence`` (a KV cache of the model's context, kept for the next request when it
 ends: at most ``max_batch`` of them, made as they are first needed). A new request is
 prefilled alone at a step boundary and joins the batch; every step then feeds the last token of each active
-sequence through the model's ``DecodePlan``, one sequence after another, so that each gets exactly the logits it
-gets alone (``tmac run``'s); a model without a plan (float projections) steps all of them at once through
-``Transformer.forward_rows``, each projection once for all the rows, which gives each row what it gives alone. A request that finishes, is cancelled or whose consumer went away leaves at the next boundary and
+sequence through the model's ``DecodePlan`` for that many rows: the glue row by row, each projection once for all
+of them (the LUT GEMM reads each weight once for all the rows), so that each gets exactly the logits it gets alone
+(``tmac run``'s). A model without such a plan steps the sequences one after another through its one-row plan, or
+all at once through ``Transformer.forward_rows``. A request that finishes, is cancelled or whose consumer went away leaves at the next boundary and
 frees its cache. Results go back through a callback per request (the server hands them to its event loop).
 """
 
@@ -79,7 +80,7 @@ class Batcher:
         self.widest = 0  # the most sequences one step has served
         self._wake = threading.Condition()
         self._closed = False
-        self._plan = None
+        self._plans: dict = {}  # rows → DecodePlan (or None)
         self._free: list[Sequence] = []  # the caches of finished requests, for the next ones
         self._thread = threading.Thread(target=self._loop, name="tmac-batcher", daemon=True)
         self._thread.start()
@@ -199,11 +200,14 @@ class Batcher:
         batch = self.active
         try:
             with torch.inference_mode(), runtime.torch_single_threaded():
-                if (plan := self._decode_plan()) is not None:  # each sequence as it runs alone: the same logits
-                    rows = [plan.step(a.next_id, len(a.sequence.ids), a.sequence).clone() for a in batch]
+                tokens, positions = [a.next_id for a in batch], [len(a.sequence.ids) for a in batch]
+                sequences = [a.sequence for a in batch]
+                if (plan := self._decode_plan(len(batch))) is not None:  # every projection once for all
+                    rows = plan.step_rows(tokens, positions, sequences)
+                elif (plan := self._decode_plan(1)) is not None:  # one sequence after another
+                    rows = [plan.step(t, p, q).clone() for t, p, q in zip(tokens, positions, sequences)]
                 else:
-                    rows = self.model.forward_rows(torch.tensor([a.next_id for a in batch]),
-                                                   [len(a.sequence.ids) for a in batch], [a.sequence for a in batch])
+                    rows = self.model.forward_rows(torch.tensor(tokens), positions, sequences)
                 for a, logits in zip(batch, rows):
                     a.sequence.ids.append(a.next_id)
                     self._take(a, logits)
@@ -224,7 +228,8 @@ class Batcher:
                 a.sequence.ids = []
                 self._free.append(a.sequence)
 
-    def _decode_plan(self):
-        if self._plan is None:
-            self._plan = (DecodePlan.build(self.model),)
-        return self._plan[0]
+    def _decode_plan(self, rows: int):
+        """The model's plan for ``rows`` sequences (built on first need, kept; None where the model has none)."""
+        if rows not in self._plans:
+            self._plans[rows] = DecodePlan.build(self.model, rows)
+        return self._plans[rows]

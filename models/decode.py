@@ -42,8 +42,13 @@ def _projection(module: nn.Module, x: torch.Tensor, out: torch.Tensor, tables: d
                 biased: bool = False) -> list:
     """The calls computing ``out = x @ Wᵀ`` for one fused projection: LUT parts one ``lut_gemv`` (tables and
     GEMV in one call), float parts one ``torch.mm``, each into its column slice of ``out`` (contiguous: one row).
+    Several rows: the tables of all, then one ``lut_gemm`` reading each weight once for all of them (a row's
+    result is the GEMV's, bit for bit); one part only, since a column slice of several rows is not contiguous.
     ``biased``: the projection's bias is added by the glue that reads ``out`` (``attend``: the q/k/v biases)."""
     parts = list(module.parts) if isinstance(module, Concat) else [module]
+    rows = x.shape[0]
+    if rows > 1:
+        return _projection_rows(parts, x, out, tables, labels, biased)
     calls, start = [], 0
     for part in parts:
         m = part.out_features
@@ -77,6 +82,33 @@ def _projection(module: nn.Module, x: torch.Tensor, out: torch.Tensor, tables: d
     if start != out.shape[1]:
         raise _Unsupported("projection widths do not add up")
     return calls
+
+
+def _projection_rows(parts: list, x: torch.Tensor, out: torch.Tensor, tables: dict, labels: dict, biased: bool) -> list:
+    if len(parts) != 1:
+        raise _Unsupported("a projection of several parts, for several rows")
+    part = parts[0]
+    if isinstance(part, Linear):
+        spec = part.spec
+        check_packed(spec, part.out_features, part.qweight, part.scales, part.zeros, part.bias)
+        if part.bias is not None and not biased:
+            raise _Unsupported("a LUT projection with a bias")
+        kernels = kernels_for(spec, part.kernel_dir)
+        key = spec.table_shapes(spec.padded_rows(x.shape[0]))
+        if key not in tables:
+            tables[key] = table_buffers(spec, spec.padded_rows(x.shape[0]))
+        lut = [_handle(t) for t in tables[key]]
+        params = [_handle(t) for t in (part.qweight, part.scales, part.zeros) if t is not None]
+        labels[id(kernels.build_tables)] = "build_tables"
+        labels[id(kernels.lut_gemm)] = "lut_gemm"
+        return [(kernels.build_tables, [_handle(x), *lut]), (kernels.lut_gemm, [*params, *lut, _handle(out)])]
+    if part.bias is not None and not biased:
+        raise _Unsupported("a float projection with a bias")
+    if type(part) in FLOAT_LINEARS and part.weight.dtype == torch.float32:
+        mm = functools.partial(torch.mm, out=out)
+        labels[id(mm)] = "float projection (torch.mm)"
+        return [(mm, [x, part.weight.detach().t()])]
+    raise _Unsupported(f"projection part {type(part).__name__}, for several rows")
 
 
 def glue_spec(cfg, act_quant: bool, isa, kv_dtype: str = "float16", table=None) -> GlueSpec:
@@ -127,34 +159,46 @@ class DecodePlan:
     def __init__(self, model, calls: list, positions: list, buffers: dict, labels: dict, keep: tuple):
         # no reference to the model: a session keeps the model and its plan, and a cycle would leave a deleted
         # model's gigabytes to the cyclic garbage collector
-        self.context, self.calls, self.positions = model.context, calls, positions
+        self.context, self.calls = model.context, calls
+        self.rows_positions = positions  # per row, per layer: the attend call's arguments
+        self.positions = positions[0]
+        self.rows = len(positions)
         names = keep[0].spec.attend_args
         self.slots = tuple(names.index(name) for name in ("pos", "cache_k", "cache_v"))  # what a step sets
-        self.own_cache = [(args[self.slots[1]], args[self.slots[2]]) for args in positions]
+        self.own_cache = [(args[self.slots[1]], args[self.slots[2]]) for args in self.positions]
         self.buf, self.labels = buffers, labels
         emb = model.tok_embeddings
         self.vocab = emb.num_embeddings
-        x = buffers["x"][0]  # the step's first input: the token's row (a quantized table's dequantized) lands there
-        if isinstance(emb, nn.Embedding):
-            embed = lambda t: x.copy_(emb.weight[t])  # noqa: E731
-        else:
-            glue, params = keep[0], [_handle(t) for t in (emb.codes, emb.scales, emb.zeros) if t is not None]
-            x_handle = _handle(buffers["x"])
-            embed = lambda t: glue.embed(*params, t, x_handle)  # noqa: E731
-        scale = model.config.embed_scale
-        self.embed_into = embed if scale == 1.0 else lambda t: (embed(t), x.mul_(scale))  # Gemma: × √dim
+        self.embed_rows = [self._embedder(model, buffers["x"][r:r + 1], keep[0]) for r in range(self.rows)]
+        self.embed_into = self.embed_rows[0]
         self._keep = keep  # the glue library and the scratch tensors the handles in ``calls`` point into
 
+    @staticmethod
+    def _embedder(model, x: torch.Tensor, glue):
+        """A function writing token ``t``'s row into ``x [1, dim]`` (the step's first input; a quantized table's
+        row dequantized)."""
+        emb, row = model.tok_embeddings, x[0]
+        if isinstance(emb, nn.Embedding):
+            embed = lambda t: row.copy_(emb.weight[t])  # noqa: E731
+        else:
+            params = [_handle(t) for t in (emb.codes, emb.scales, emb.zeros) if t is not None]
+            x_handle = _handle(x)
+            embed = lambda t: glue.embed(*params, t, x_handle)  # noqa: E731
+        scale = model.config.embed_scale
+        return embed if scale == 1.0 else lambda t: (embed(t), row.mul_(scale))  # Gemma: × √dim
+
     @classmethod
-    def build(cls, model) -> "DecodePlan | None":
-        """The plan for ``model`` with its current cache, or ``None`` when some part needs the eager path."""
+    def build(cls, model, rows: int = 1) -> "DecodePlan | None":
+        """The plan for ``model`` with its current cache, or ``None`` when some part needs the eager path.
+        ``rows``: sequences a step serves (``step_rows``), each with its own token, position and cache: the glue
+        row by row, each projection once for all."""
         try:
-            return cls._build(model)
+            return cls._build(model, rows)
         except _Unsupported:
             return None
 
     @classmethod
-    def _build(cls, model) -> "DecodePlan":
+    def _build(cls, model, rows: int = 1) -> "DecodePlan":
         cfg = model.config
         if model.cache_k is None or not isinstance(model.tok_embeddings, (nn.Embedding, Embedding)):
             raise _Unsupported("no cache or another embedding module")
@@ -171,24 +215,29 @@ class DecodePlan:
                  "qkv": q_dim + 2 * kv_dim,
                  "att": q_dim, "att_n": q_dim, "gu": 2 * cfg.ffn_dim, "hid": cfg.ffn_dim, "hid_n": cfg.ffn_dim,
                  "logits": cfg.vocab_size}
-        buf = {name: torch.zeros((1, n)) for name, n in names.items()}
+        buf = {name: torch.zeros((rows, n)) for name, n in names.items()}
         scores = torch.zeros((cfg.n_heads, model.cache_v.shape[2]))  # the cache's positions, whole key blocks
         tables: dict = {}
-        h = {name: _handle(t) for name, t in buf.items()}
+        row_handles = [{name: _handle(t[r:r + 1]) for name, t in buf.items()} for r in range(rows)]
         sc = _handle(scores)
         ropes = {}  # id(cos table) → the handles of (cos, sin)
         eps = float(cfg.norm_eps)
-        calls, positions = [], []
+        calls, positions = [], [[] for _ in range(rows)]
         labels = {id(getattr(glue, name)): name for name in glue.spec.functions}  # id(function) → its name
 
         biases = []  # the q/k/v biases attend adds, as one row each
 
+        def each_row(fn, *args) -> None:
+            """A glue call on every row: ``args`` are buffer names, or values passed as they are."""
+            for h in row_handles:
+                calls.append((fn, [h[a] if isinstance(a, str) else a for a in args]))
+
         def project(module, src: str, dst: str, sub_norm=None, norm_fn=None, biased=False):
             if cfg.sub_norms and sub_norm is not None:  # BitNet's norm before the output and down projections
-                calls.append((norm_fn, [h[src], _norm(sub_norm), eps, h[src + "_n"]]))
+                each_row(norm_fn, src, _norm(sub_norm), eps, src + "_n")
                 src += "_n"
             if isinstance(module, ActivationQuantized):  # the input is consumed only here: quantize it in place
-                calls.append((getattr(glue, QUANTIZE[src]), [h[src]]))
+                each_row(getattr(glue, QUANTIZE[src]), src)
                 module = module.linear
             calls.extend(_projection(module, buf[src], buf[dst], tables, labels, biased))
 
@@ -196,7 +245,7 @@ class DecodePlan:
             """The buffer the residual adds: the projection's output, or Gemma's norm of it."""
             if not cfg.post_norms:
                 return "delta"
-            calls.append((fn, [h["delta"], _norm(norm), eps, h["post"]]))
+            each_row(fn, "delta", _norm(norm), eps, "post")
             return "post"
 
         residual = "zero"
@@ -206,26 +255,27 @@ class DecodePlan:
             cos, sin = model.rope(i)
             if id(cos) not in ropes:
                 ropes[id(cos)] = (_handle(cos), _handle(sin))
-            named = dict(qkv=h["qkv"], cos=ropes[id(cos)][0], sin=ropes[id(cos)][1], cache_k=_handle(model.cache_k[i]),
-                         cache_v=_handle(model.cache_v[i]), scores=sc, pos=0, window=attn.window, out=h["att"])
+            shared = dict(cos=ropes[id(cos)][0], sin=ropes[id(cos)][1], cache_k=_handle(model.cache_k[i]),
+                          cache_v=_handle(model.cache_v[i]), scores=sc, pos=0, window=attn.window)
             if cfg.qkv_bias:
                 biases.append(_qkv_bias(attn.wqkv))
-                named["bias"] = _handle(biases[-1])
+                shared["bias"] = _handle(biases[-1])
             if cfg.qk_norm:
-                named.update(q_norm=_norm(attn.q_norm), k_norm=_norm(attn.k_norm), eps=eps)
-            attend = [named[name] for name in glue.spec.attend_args]
-            positions.append(attend)
-            calls.append((glue.norm_in, [h["x"], h[residual], _norm(layer.attention_norm), eps, h["xn"]]))
+                shared.update(q_norm=_norm(attn.q_norm), k_norm=_norm(attn.k_norm), eps=eps)
+            each_row(glue.norm_in, "x", residual, _norm(layer.attention_norm), eps, "xn")
             project(attn.wqkv, "xn", "qkv", biased=cfg.qkv_bias)
-            calls.append((glue.attend, attend))
+            for r, h in enumerate(row_handles):  # each row's attention: its own position and cache (set by a step)
+                named = dict(shared, qkv=h["qkv"], out=h["att"])
+                positions[r].append([named[name] for name in glue.spec.attend_args])
+                calls.append((glue.attend, positions[r][-1]))
             project(attn.wo, "att", "delta", attn.out_norm, getattr(glue, "norm_attn", None))
             residual = post_norm(getattr(glue, "norm_post_attn", None), layer.post_attention_norm)
-            calls.append((glue.norm_in, [h["x"], h[residual], _norm(layer.ffn_norm), eps, h["xn"]]))
+            each_row(glue.norm_in, "x", residual, _norm(layer.ffn_norm), eps, "xn")
             project(ffn.w13, "xn", "gu")
-            calls.append((glue.gated_act, [h["gu"], h["hid"]]))
+            each_row(glue.gated_act, "gu", "hid")
             project(ffn.w2, "hid", "delta", ffn.hidden_norm, getattr(glue, "norm_hidden", None))
             residual = post_norm(getattr(glue, "norm_post_ffn", None), layer.post_ffn_norm)
-        calls.append((glue.norm_final, [h["x"], h[residual], _norm(model.norm), eps, h["xn"]]))
+        each_row(glue.norm_final, "x", residual, _norm(model.norm), eps, "xn")
         project(model.output, "xn", "logits")
         return cls(model, calls, positions, buf, labels, (glue, scores, tables, biases))
 
@@ -247,6 +297,28 @@ class DecodePlan:
         for fn, args in self.calls:
             fn(*args)
         return self.buf["logits"][0]
+
+    def step_rows(self, tokens: list[int], positions: list[int], sequences: list) -> torch.Tensor:
+        """Logits ``[rows, vocab]`` of one step for each of the plan's ``rows`` sequences: ``tokens[r]`` at
+        ``positions[r]`` of ``sequences[r]`` (``Sequence``s). Each row's logits are those ``step`` gives it alone.
+        The returned tensor is the plan's buffer."""
+        if not len(tokens) == len(positions) == len(sequences) == self.rows:
+            raise ValueError(f"this plan steps {self.rows} sequences; got {len(tokens)} tokens, {len(positions)} "
+                             f"positions and {len(sequences)} sequences")
+        at_pos, at_keys, at_values = self.slots
+        for r, (token, pos, sequence) in enumerate(zip(tokens, positions, sequences)):
+            if not 0 <= pos < sequence.context:
+                raise ValueError(f"position {pos} is outside the context of {sequence.context} tokens")
+            if not 0 <= token < self.vocab:
+                raise ValueError(f"token id {token} is outside the vocabulary [0, {self.vocab})")
+            for args, (keys, values) in zip(self.rows_positions[r], _sequence_handles(sequence)):
+                args[at_pos], args[at_keys], args[at_values] = pos, keys, values
+        runtime.apply_threads()
+        for r, token in enumerate(tokens):
+            self.embed_rows[r](token)
+        for fn, args in self.calls:
+            fn(*args)
+        return self.buf["logits"]
 
     def profile(self, token: int, pos: int, rounds: int = 5) -> dict[str, float]:
         """Seconds per step in each kind of call (glue function, ``build_tables``, ``lut_gemv``, float projection),
