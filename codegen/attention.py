@@ -175,7 +175,15 @@ class _Attend:
                     total = accs[0][vec(g * blk, blk)]
                     for acc in accs[1:]:
                         total = total + acc[vec(g * blk, blk)]
-                    T.buffer_store(self.SC, total, [kp * hq + g, vec(b * blk, blk)])
+                    T.buffer_store(self.SC, self.capped(total, blk), [kp * hq + g, vec(b * blk, blk)])
+
+    def capped(self, s, lanes: int):
+        """Gemma 2's soft cap of scores ``s``: c·tanh(s/c) = c − 2c/(e^(2s/c) + 1), which saturates to ±c."""
+        cap = self.spec.softcap
+        if not cap:
+            return s
+        e = exp(s * bcast(f32(2.0 / cap), lanes), lanes)
+        return bcast(f32(cap), lanes) - bcast(f32(2.0 * cap), lanes) / (e + bcast(f32(1.0), lanes))
 
     def emit_softmax(self, loop) -> None:
         """Each head's scores up to ``pos`` in place: whole vectors of the positions, then the rest one by one."""

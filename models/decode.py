@@ -126,7 +126,7 @@ def glue_spec(cfg, act_quant: bool, isa, kv_dtype: str = "float16", table=None) 
                     cfg.activation, cfg.sub_norms, act_quant, kv_dtype, **embed, qkv_bias=cfg.qkv_bias,
                     qk_norm=cfg.qk_norm, rotary_dim=0 if cfg.rotary_dim == cfg.head_dim else cfg.rotary_dim,
                     attn_scale=0.0 if default_scale else cfg.attn_scale, window=bool(cfg.sliding_window),
-                    post_norms=cfg.post_norms)
+                    post_norms=cfg.post_norms, softcap=cfg.attn_softcap)
 
 
 def plan_key(model) -> tuple:
@@ -277,6 +277,10 @@ class DecodePlan:
             residual = post_norm(getattr(glue, "norm_post_ffn", None), layer.post_ffn_norm)
         each_row(glue.norm_final, "x", residual, _norm(model.norm), eps, "xn")
         project(model.output, "xn", "logits")
+        if cfg.final_softcap:  # Gemma 2's capped logits: c·tanh(l/c), in place
+            cap, logits = cfg.final_softcap, buf["logits"]
+            calls += [(logits.div_, [cap]), (torch.tanh_, [logits]), (logits.mul_, [cap])]
+            labels.update({id(fn): "logit soft cap" for fn, _ in calls[-3:]})
         return cls(model, calls, positions, buf, labels, (glue, scores, tables, biases))
 
     def step(self, token: int, pos: int, sequence=None) -> torch.Tensor:

@@ -82,6 +82,8 @@ class LlamaConfig:
     rope_factors_long: list | None = None  # LongRoPE: the divisors past rope_original_context (rope_factors below)
     rope_original_context: int = 0
     rope_attn_factor: float = 1.0  # LongRoPE: cos and sin scaled by it
+    attn_softcap: float = 0.0  # Gemma 2: attention scores s become c·tanh(s/c); 0: none
+    final_softcap: float = 0.0  # Gemma 2: logits likewise
 
     @property
     def family(self) -> str:
@@ -130,7 +132,8 @@ class LlamaConfig:
             if type(getattr(self, name)) is not bool:
                 problems.append(f"{name}={getattr(self, name)!r:.20}")
         for name, low, most in (("embed_scale", 0.0, 1e4), ("attn_scale", -1e-30, 10.0), ("rope_local_theta", -1e-30, 1e12),
-                                ("rope_attn_factor", 0.0, 100.0)):
+                                ("rope_attn_factor", 0.0, 100.0), ("attn_softcap", -1e-30, 1e4),
+                                ("final_softcap", -1e-30, 1e4)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not low < value <= most:
                 problems.append(f"{name}={value!r:.40}")
@@ -263,6 +266,7 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.scale = cfg.attn_scale or cfg.head_dim ** -0.5
+        self.softcap = cfg.attn_softcap
         self.window = cfg.window(layer)
         self.local = bool(self.window) and cfg.rope_local_theta > 0
         self.wqkv = FloatLinear(cfg.dim, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, bias=cfg.qkv_bias)
@@ -282,6 +286,9 @@ class Attention(nn.Module):
                          for r, start in enumerate(starts)])
         return self.wo(self.out_norm(out))
 
+    def _capped(self, scores):
+        return scores if not self.softcap else torch.tanh(scores / self.softcap) * self.softcap
+
     def attend(self, qkv, cos, sin, cache_k, cache_v, start: int):
         """The heads' outputs ``[t, heads·head_dim]`` of projected rows ``qkv`` at positions ``start …``, their keys
         and values written to the cache."""
@@ -300,9 +307,16 @@ class Attention(nn.Module):
         if t == 1:  # one new token sees everything cached: no mask, and plain matmuls beat SDPA's setup
             group = h // self.n_kv
             scores = (q.view(self.n_kv, group, self.hd) * self.scale) @ keys[0].transpose(1, 2)
-            return (scores.softmax(-1) @ values[0]).view(1, h * self.hd)
+            return (self._capped(scores).softmax(-1) @ values[0]).view(1, h * self.hd)
         q = q.transpose(0, 1)[None]
-        if start == 0 and not self.window:
+        if self.softcap:  # Gemma 2: scores capped before the mask, which SDPA cannot do
+            group = h // self.n_kv
+            scores = (q[0].reshape(self.n_kv, group, t, self.hd) * self.scale) @ keys[0][:, None].transpose(2, 3)
+            rows, cols = torch.arange(start, end)[:, None], torch.arange(first, end)[None]
+            mask = (cols <= rows) & ((cols > rows - self.window) if self.window else True)
+            scores = self._capped(scores).masked_fill(~mask, float("-inf"))
+            out = (scores.softmax(-1) @ values[0][:, None]).view(h, t, self.hd)[None]
+        elif start == 0 and not self.window:
             out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=True, scale=self.scale)
         else:  # a chunk after cached tokens, or a sliding window: causal with an offset, maybe a window
             rows, cols = torch.arange(start, end)[:, None], torch.arange(end)[None]
@@ -441,7 +455,13 @@ class Transformer(nn.Module):
             x = layer(x, cos[start:start + t], sin[start:start + t], cache_k[i], cache_v[i], start)
         if last_only:
             x = x[-1:]
-        return self.output(self.norm(x)).float()
+        return self.logits(x)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The head's float32 logits of the last layer's output ``x`` (Gemma 2: capped)."""
+        out = self.output(self.norm(x)).float()
+        cap = self.config.final_softcap
+        return out if not cap else torch.tanh(out / cap) * cap
 
     def forward_rows(self, ids: torch.Tensor, starts: list[int], caches: list) -> torch.Tensor:
         """Logits ``[n, vocab]`` of one new token for each of n sequences: ``ids[r]`` at position ``starts[r]`` of
@@ -457,7 +477,7 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.layers):
             cos, sin = self.rope(i)
             x = layer.forward_rows(x, cos[at], sin[at], [c.k[i] for c in caches], [c.v[i] for c in caches], starts)
-        return self.output(self.norm(x)).float()
+        return self.logits(x)
 
 
 class Concat(nn.Module):

@@ -47,6 +47,12 @@ def hf_config(family: str):
         return transformers.Qwen2Config(**SIZES, rope_theta=10000.0)
     if family == "qwen3":
         return transformers.Qwen3Config(**SIZES, head_dim=HEAD_DIM, rope_theta=10000.0)
+    if family == "gemma2":  # soft caps small enough to bite on a tiny model's scores and logits
+        return transformers.Gemma2Config(**{**SIZES, "tie_word_embeddings": True, "num_hidden_layers": 4},
+                                         head_dim=HEAD_DIM, query_pre_attn_scalar=HEAD_DIM, sliding_window=WINDOW,
+                                         attn_logit_softcapping=1.0, final_logit_softcapping=1.0,
+                                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                                         attn_implementation="eager")
     if family == "gemma3":
         # six layers: llama.cpp's pattern, five sliding and a full one
         return transformers.Gemma3TextConfig(**{**SIZES, "tie_word_embeddings": True, "num_hidden_layers": 6},
@@ -64,10 +70,11 @@ def hf_config(family: str):
 
 CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "bitnet": "BitNetForCausalLM",
            "bitnet-silu": "BitNetForCausalLM",
-           "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+           "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+           "gemma3": "Gemma3ForCausalLM",
            "phi3": "Phi3ForCausalLM"}
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "bitnet": "bitnet", "bitnet-silu": "bitnet", "qwen2": "qwen2", "qwen3": "qwen3",
-             "gemma3": "gemma3", "phi3": "phi3"}
+             "gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3"}
 
 
 def hf_model(family: str, seed: int = 0):
@@ -78,7 +85,7 @@ def hf_model(family: str, seed: int = 0):
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
-                p.copy_(1 + 0.2 * torch.randn_like(p) if family != "gemma3" else 0.2 * torch.randn_like(p))
+                p.copy_(1 + 0.2 * torch.randn_like(p) if not family.startswith("gemma") else 0.2 * torch.randn_like(p))
             elif name.endswith(".bias"):
                 p.copy_(0.1 * torch.randn_like(p))
     return model
@@ -99,7 +106,7 @@ def _sub_norm(hf: str) -> str | None:
 
 
 # the families whose GGUFs carry a SentencePiece vocabulary, and whether llama.cpp's converter sets its space prefix
-SENTENCEPIECE = {"gemma3": False, "phi3": True, "bitnet": True, "bitnet-silu": True}
+SENTENCEPIECE = {"gemma2": False, "gemma3": False, "phi3": True, "bitnet": True, "bitnet-silu": True}
 CORPUS = ("the quick brown fox jumps over the lazy dog", "hello world, hello there", "a hello to the world",
           "Beautiful is better than ugly. Explicit is better than implicit. Simple is better than complex.")
 
@@ -161,8 +168,11 @@ def write_gguf(model, family: str, path, weight_type: str = "F32") -> dict:
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
     w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
-    if family == "gemma3":
+    if family in ("gemma2", "gemma3"):
         w.add_sliding_window(c.sliding_window)
+    if family == "gemma2":
+        w.add_attn_logit_softcapping(c.attn_logit_softcapping)
+        w.add_final_logit_softcapping(c.final_logit_softcapping)
     if family == "phi3":
         w.add_rope_scaling_attn_factors(float(np.sqrt(1 + np.log(c.max_position_embeddings / ORIGINAL_CONTEXT)
                                                       / np.log(ORIGINAL_CONTEXT))))
@@ -187,7 +197,7 @@ def write_gguf(model, family: str, path, weight_type: str = "F32") -> dict:
             qtype = gguf.GGMLQuantizationType[kind]
             held[hf] = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(np.ascontiguousarray(t), qtype),
                                                                qtype).reshape(t.shape))
-        if family == "gemma3" and hf.endswith("norm.weight"):
+        if family.startswith("gemma") and hf.endswith("norm.weight"):
             t = t + 1  # llama.cpp's converter: Gemma's (1 + w) stored as the weight
         if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
             t = _permute(t, c.num_attention_heads if "attn_q" in name else c.num_key_value_heads)

@@ -199,10 +199,12 @@ def test_bench_end_to_end_on_the_default_model():
     assert r.returncode == 0, r.stderr
     own, row = sorted(json.loads(r.stdout)["rows"], key=lambda row: row["candidate"] != "tmac file's own")
     assert own["candidate"] == "tmac file's own" and own["value"] > 0  # the Q4_1 file as imported
-    profile = next(p for p in json.loads(r.stdout)["profiles"] if p["candidate"] == row["candidate"])
-    spent = profile["seconds"]  # every kind of call of the static decode step, the float head included
+    profiles = {p["phase"]: p for p in json.loads(r.stdout)["profiles"] if p["candidate"] == row["candidate"]}
+    spent = profiles["decode"]["seconds"]  # every kind of call of the static decode step, the float head included
     assert {"lut_gemv (tables included)", "attend", "norm_in", "gated_act", "float projection (torch.mm)"} <= set(spent)
     assert all(v > 0 for v in spent.values())
+    parts = profiles["prefill"]["seconds"]  # the prompt's prefill: the LUT projections and attention within it
+    assert 0 < parts["LUT projections (tables + GEMM)"] + parts["attention (RoPE, KV writes, scores)"] < parts["step"]
     assert row["candidate"] == "tmac W2, float head" and row["threads"] == 1 and row["value"] > 0
     assert row["extra"]["prefill tok/s"] > 0 and 20 < row["extra"]["model MiB"] < 400
     # measured in a process of its own: the model plus torch and the kernels, far below this test process's own

@@ -88,7 +88,7 @@ def test_norms_and_activations_match_their_math(isa, rng):
         np.testing.assert_allclose(out_a.numpy(), ref(g64[:, :80]) * g64[:, 80:], rtol=2e-6, atol=1e-6)
 
 
-def _attend_ref(qkv, cos, sin, ck, cv, pos, h, kv, hd, bias=None, norms=None, window=0, scale=None):
+def _attend_ref(qkv, cos, sin, ck, cv, pos, h, kv, hd, bias=None, norms=None, window=0, scale=None, softcap=0.0):
     """The q/k/v biases and per-head q/k RMSNorms (``norms``: q weights, k weights, eps) where given, RoPE ("rotate
     half") over cos's width of each head, the cache write at ``pos`` (rounded to the caches' dtype) and
     grouped-query attention over ``0..pos`` (the last ``window`` positions, where given), in float64. Caches
@@ -113,6 +113,7 @@ def _attend_ref(qkv, cos, sin, ck, cv, pos, h, kv, hd, bias=None, norms=None, wi
     for head in range(h):
         kh = head // (h // kv)
         s = ck[kh, first:pos + 1] @ roped[head] * (scale or hd ** -0.5)
+        s = softcap * np.tanh(s / softcap) if softcap else s
         p = np.exp(s - s.max())
         out[head] = (p / p.sum()) @ cv[kh, first:pos + 1]
     return out.reshape(1, -1), ck, cv
@@ -161,12 +162,13 @@ def test_attend_matches_its_math(isa, heads, kv_dtype, rng):
 
 
 @pytest.mark.parametrize("variant", [{"qkv_bias": True}, {"qk_norm": True}, {"window": True}, {"rotary_dim": 12},
-                                     {"attn_scale": 0.3}, {"qkv_bias": True, "qk_norm": True, "window": True,
-                                                           "rotary_dim": 8, "attn_scale": 0.2}],
-                         ids=["bias", "qk_norm", "window", "rotary12", "scale", "all"])
+                                     {"attn_scale": 0.3}, {"softcap": 0.7}, {"window": True, "softcap": 2.5},
+                                     {"qkv_bias": True, "qk_norm": True, "window": True, "rotary_dim": 8,
+                                      "attn_scale": 0.2}],
+                         ids=["bias", "qk_norm", "window", "rotary12", "scale", "softcap", "window-softcap", "all"])
 def test_attend_variants_match_their_math(variant, rng):
     """Qwen2's biases, Qwen3's and Gemma's q/k norms, sliding windows (shorter, longer and not a multiple of the key
-    blocks), partial rotary dimensions and a given scale, each against the float64 statement."""
+    blocks), partial rotary dimensions, a given scale and Gemma 2's soft cap, each against the float64 statement."""
     isa = runnable_isas()[0]
     h, kv, hd = 6, 2, 16
     spec, g = _glue(isa, **variant)
@@ -185,7 +187,7 @@ def test_attend_variants_match_their_math(variant, rng):
         ck, cv = rng.standard_normal((2, kv, cached, hd)).astype(np.float16)
         ref, ref_k, _ = _attend_ref(qkv, cos, sin, ck, cv, pos, h, kv, hd,
                                     bias if spec.qkv_bias else None, (wq, wk, 1e-6) if spec.qk_norm else None,
-                                    window if spec.window else 0, spec.attn_scale or None)
+                                    window if spec.window else 0, spec.attn_scale or None, spec.softcap)
         tk, out = torch.from_numpy(_key_blocks(ck)), torch.zeros(1, h * hd)
         named = dict(qkv=torch.from_numpy(qkv), bias=torch.from_numpy(bias), q_norm=torch.from_numpy(wq),
                      k_norm=torch.from_numpy(wk), eps=1e-6, cos=torch.from_numpy(cos), sin=torch.from_numpy(sin),

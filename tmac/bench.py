@@ -144,8 +144,9 @@ def e2e_bench(source, variants, threads_list, notes: list[str], prompt_tokens=64
     read probe timed before every run (its median: ``probe GB/s``), the bandwidth the host lent, and ``ceiling
     tok/s`` what that bandwidth allows (probe / weight bytes a token reads): a ratio to llama.cpp above tmac's
     ceiling over llama.cpp's tok/s cannot be reached in that run. With
-    ``profiles``, each variant's decode step at every thread count is broken down by call (``DecodePlan.profile``)
-    into it as ``(label, threads, {call: seconds})``."""
+    ``profiles``, each variant's decode step at every thread count is broken down by call (``DecodePlan.profile``),
+    and its prefill of the prompt by part (``prefill_profile``), into it as ``(label, threads, "decode" or
+    "prefill", {part: seconds})``."""
     path = str(source) if source is not None else None
     prompt = [(i * 7919) % 1000 + 100 for i in range(prompt_tokens)]  # fixed ids inside any real vocabulary
     models = [_tmac_candidate(path, bits, head_bits, prompt, gen_tokens) for bits, head_bits in variants]
@@ -178,8 +179,9 @@ def e2e_bench(source, variants, threads_list, notes: list[str], prompt_tokens=64
                 "ceiling tok/s": dram * 1e9 / c.streamed,
                 "prefill tok/s": statistics.median(prefill for prefill, _ in runs[c.label])}))
             if profiles is not None and c.model is not None:
-                profiles.append((c.label, threads, decode_profile(c.model, prompt[0], prompt_tokens + gen_tokens,
-                                                                   notes)))
+                profiles.append((c.label, threads, "decode", decode_profile(c.model, prompt[0],
+                                                                            prompt_tokens + gen_tokens, notes)))
+                profiles.append((c.label, threads, "prefill", prefill_profile(c.model, prompt)))
             if progress:
                 progress.advance(f"{c.label} {threads}t")
     return rows
@@ -279,13 +281,67 @@ def decode_profile(model, token: int, pos: int, notes: list[str]) -> dict[str, f
         return plan.profile(token, pos)
 
 
-def profile_rows(spent: dict[str, float]) -> list[tuple[str, str, str]]:
-    """One decode-step breakdown as table rows: each kind of call, the rest and the step, in ms and share."""
+def prefill_profile(model, prompt: list[int], rounds: int = 3) -> dict[str, float]:
+    """Seconds of one prefill of ``prompt`` (a fresh sequence, in ``PREFILL_CHUNK``s as a session runs it) by part:
+    the LUT projections (tables and GEMM: the kernels, on the thread pool), attention apart from its projections
+    (RoPE, KV writes, scores: torch ops), and ``"step"``, the whole, from the round that took least. What is not a
+    LUT projection runs on one thread: at 1 thread, its share is the serial fraction."""
+    import time
+
+    import torch
+
+    from .linear import Linear
+    from .models.generate import PREFILL_CHUNK
+    from .models.llama import Attention
+    from .models.sequence import Sequence
+
+    spent = dict.fromkeys(("lut", "attention", "lut_in_attention"), 0.0)
+    started: dict[int, float] = {}
+    inside = [0]  # attention modules running: their projections are counted apart from them
+
+    def enter(module, args):
+        inside[0] += isinstance(module, Attention)
+        started[id(module)] = time.perf_counter()
+
+    def leave(module, args, out):
+        took = time.perf_counter() - started.pop(id(module))
+        if isinstance(module, Attention):
+            spent["attention"] += took
+            inside[0] -= 1
+        else:
+            spent["lut"] += took
+            spent["lut_in_attention"] += took if inside[0] else 0.0
+
+    hooks = [h for m in model.modules() if isinstance(m, (Linear, Attention))
+             for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))]
+    best = None
+    try:
+        sequence = Sequence(model, adopt=False)
+        with torch.inference_mode():
+            for _ in range(rounds):
+                spent.update(dict.fromkeys(spent, 0.0))
+                t0 = time.perf_counter()
+                for start in range(0, len(prompt), PREFILL_CHUNK):
+                    model(torch.tensor(prompt[start:start + PREFILL_CHUNK]), start, last_only=True, cache=sequence)
+                total = time.perf_counter() - t0
+                if best is None or total < best["step"]:
+                    best = {"LUT projections (tables + GEMM)": spent["lut"],
+                            "attention (RoPE, KV writes, scores)": spent["attention"] - spent["lut_in_attention"],
+                            "step": total}
+    finally:
+        for h in hooks:
+            h.remove()
+    return best
+
+
+def profile_rows(spent: dict[str, float], whole: str = "step") -> list[tuple[str, str, str]]:
+    """One step's breakdown as table rows: each kind of call, the rest and the whole (``whole``), in ms and
+    share."""
     step = spent["step"]
     calls = sorted(((k, v) for k, v in spent.items() if k != "step"), key=lambda kv: -kv[1])
     rest = max(step - sum(v for _, v in calls), 0.0)
     return [(k, f"{v * 1e3:.2f}", f"{v / step:.0%}") for k, v in [*calls, ("Python loop and the rest", rest)]] + \
-        [("step", f"{step * 1e3:.2f}", "100%")]
+        [(whole, f"{step * 1e3:.2f}", "100%")]
 
 
 def streamed_bytes(model) -> int:

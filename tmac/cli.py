@@ -113,7 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                       "benchmarks against torch and, when installed, llama.cpp")
     b.add_argument("model", nargs="?", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)")
     b.add_argument("--e2e", action="store_true", help="end-to-end generation of MODEL (what runs without --shape)")
-    b.add_argument("--profile", action="store_true", help="end to end: also break one decode step down by call")
+    b.add_argument("--profile", action="store_true", help="end to end: also break one decode step down by call, and "
+                                                          "the prompt's prefill by part")
     b.add_argument("--shape", nargs="+", action="extend", metavar="MxK", help="benchmark GEMV kernels at these shapes")
     b.add_argument("--cold", action="store_true", help="kernels: stream the weights from DRAM (1 GiB of copies, as in "
                                                        "a model) instead of one cache-resident matrix")
@@ -419,14 +420,16 @@ def cmd_bench(args) -> int:
         unit, baseline, ylabel = "tok/s", rows[0].candidate if rows else "", "generated tokens/s (higher is better)"
     if args.json:
         print(json.dumps({"unit": unit, "notes": notes, "rows": [dataclasses.asdict(r) for r in rows],
-                          "profiles": [{"candidate": c, "threads": t, "seconds": p} for c, t, p in profiles or []]}))
+                          "profiles": [{"candidate": c, "threads": t, "phase": phase, "seconds": p}
+                                       for c, t, phase, p in profiles or []]}))
     else:
         print(bench.table(rows, unit, baseline))
-        for candidate, t, spent in profiles or []:
+        for candidate, t, phase, spent in profiles or []:
             if spent:
                 print()
-                _print_table(bench.profile_rows(spent), header=(f"{candidate}, {t} thread{'s' if t > 1 else ''}",
-                                                                 "ms/token", "share"))
+                title = f"{candidate}, {t} thread{'s' if t > 1 else ''}, {phase}"
+                _print_table(bench.profile_rows(spent, phase),
+                             header=(title, "ms/token" if phase == "decode" else "ms", "share"))
         for note in dict.fromkeys(notes):
             print(f"note: {note}")
     if args.plot:

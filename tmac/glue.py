@@ -13,7 +13,8 @@ glue kernels do each of those stretches in one call (``tmac.codegen.glue`` gener
 - ``attend(qkv, [bias,] [q_norm, k_norm, eps,] cos, sin, cache_k, cache_v, scores, pos, [window,] out)``
   (``GlueSpec.attend_args``): the q/k/v biases added and q and k normalized per head where the family has them,
   RoPE on q and k (on their leading ``rotary_dim`` dimensions), the cache write at ``pos``, and attention of every
-  head over positions ``0..pos`` (grouped-query), or the last ``window`` of them;
+  head over positions ``0..pos`` (grouped-query), or the last ``window`` of them, scores soft-capped where the
+  family caps them (``softcap``, Gemma 2);
 - ``norm_post_attn(delta, w, eps, out)``, ``norm_post_ffn``: Gemma's norms on the attention's and the FFN's
   outputs (``post_norms``);
 - ``gated_act(gate_up, out)``: ``act(gate)·up`` (SiLU for Llama, squared ReLU for BitNet, GeLU-tanh for Gemma);
@@ -66,6 +67,7 @@ class GlueSpec:
     attn_scale: float = 0.0  # the scores' scale; 0: head_dim^-½
     window: bool = False  # ``attend`` takes a sliding window (0: none)
     post_norms: bool = False  # Gemma's norms on the attention's and the FFN's outputs
+    softcap: float = 0.0  # Gemma 2: ``attend`` caps the scores s to c·tanh(s/c); 0: none
 
     def __post_init__(self):
         sizes = (self.dim, self.n_heads, self.n_kv_heads, self.head_dim, self.ffn_dim)
@@ -75,9 +77,9 @@ class GlueSpec:
             raise ValueError(f"activation {self.act!r} has no glue kernel; known: {ACTIVATIONS}")
         check_kv_dtype(self.kv_dtype)
         if type(self.rotary_dim) is not int or self.rotary_dim % 2 or not 0 <= self.rotary_dim <= self.head_dim or \
-                not 0 <= self.attn_scale <= 10:
-            raise ValueError(f"invalid glue spec RoPE: rotary_dim {self.rotary_dim!r:.20} of head_dim {self.head_dim}, "
-                             f"attention scale {self.attn_scale!r:.20}")
+                not 0 <= self.attn_scale <= 10 or not 0 <= self.softcap <= 1e4:
+            raise ValueError(f"invalid glue spec attention: rotary_dim {self.rotary_dim!r:.20} of head_dim "
+                             f"{self.head_dim}, scale {self.attn_scale!r:.20}, soft cap {self.softcap!r:.20}")
         if self.embed_bits and (self.embed_bits not in STORAGE_BITS or self.embed_groups < 0 or
                                 self.embed_groups and self.dim % self.embed_groups or
                                 self.embed_scale not in PARAM_DTYPES or self.embed_zero not in ("", *PARAM_DTYPES)):
@@ -94,8 +96,10 @@ class GlueSpec:
     def _attention_suffix(self) -> str:
         rot = self.rotary_dim not in (0, self.head_dim)
         scale = struct.pack(">f", self.attn_scale).hex() if self.attn_scale else ""  # float32 bits: exact, no dots
+        cap = struct.pack(">f", self.softcap).hex() if self.softcap else ""
         return (f"{'_qb' if self.qkv_bias else ''}{'_qkn' if self.qk_norm else ''}{f'_r{self.rotary_dim}' if rot else ''}"
-                f"{f'_s{scale}' if scale else ''}{'_win' if self.window else ''}{'_post' if self.post_norms else ''}")
+                f"{f'_s{scale}' if scale else ''}{'_win' if self.window else ''}{'_post' if self.post_norms else ''}"
+                f"{f'_c{cap}' if cap else ''}")
 
     @property
     def attend_args(self) -> tuple[str, ...]:
