@@ -7,6 +7,8 @@ most, a different story opening each), through the official ``openai`` client; e
 run ends by itself. The server stops at the end.
 
 Run: ``python bench/serve_load.py [MODEL] [--levels 1,2,4,8] [--rounds 2] [--tokens 64] [--threads 1] [--json]``.
+``--url URL`` measures a server already running there instead (llama.cpp's: ``python -m llama_cpp.server --model
+FILE --n_threads 1 --port 8081``, from the ``peer`` extra with its ``server`` dependencies), the same way.
 """
 from __future__ import annotations
 
@@ -52,14 +54,18 @@ def start_server(model: str | None, port: int, threads: int, max_batch: int) -> 
 
 def one_request(client, model: str, prompt: str, tokens: int) -> dict:
     t0 = time.perf_counter()
-    first, generated = None, 0
+    first, generated, pieces = None, None, 0
     stream = client.completions.create(model=model, prompt=prompt, max_tokens=tokens, temperature=0, stream=True,
                                        stream_options={"include_usage": True}, timeout=300)
     for chunk in stream:
-        if chunk.choices and chunk.choices[0].text and first is None:
-            first = time.perf_counter() - t0
+        if chunk.choices and chunk.choices[0].text:
+            pieces += 1
+            if first is None:
+                first = time.perf_counter() - t0
         if chunk.usage is not None:
             generated = chunk.usage.completion_tokens
+    if generated is None:  # a server that does not report usage in streams: a piece a token, as they send them
+        generated = pieces
     return {"latency": time.perf_counter() - t0, "ttft": first if first is not None else float("nan"),
             "tokens": generated}
 
@@ -95,6 +101,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=2, help="requests each client sends in turn (default 2)")
     p.add_argument("--tokens", type=int, default=64, help="max_tokens of each request (default 64)")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--url", help="an OpenAI-compatible server already running (its base, without /v1)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     import openai
@@ -103,9 +110,9 @@ def main() -> int:
     if not levels or min(levels) < 1 or max(levels) > 64 or not 1 <= args.rounds <= 100 or not 1 <= args.tokens <= 1024:
         raise SystemExit("levels 1..64, rounds 1..100, tokens 1..1024")
     port = free_port()
-    server = start_server(args.model, port, args.threads, max(levels))
+    server = None if args.url else start_server(args.model, port, args.threads, max(levels))
     try:
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        client = openai.OpenAI(base_url=f"{args.url or f'http://127.0.0.1:{port}'}/v1", api_key="none", max_retries=0)
         model = client.models.list().data[0].id
         one_request(client, model, OPENINGS[0], 4)  # warm-up: the plans and kernels load here
         rows = []
@@ -113,8 +120,9 @@ def main() -> int:
             rows.append(level(client, model, n, args.rounds, args.tokens))
             print(f"{n} clients: {rows[-1]['aggregate_tok_s']:.1f} tok/s", file=sys.stderr)
     finally:
-        server.terminate()
-        server.wait(30)
+        if server is not None:
+            server.terminate()
+            server.wait(30)
     base = rows[0]["aggregate_tok_s"]
     if args.json:
         print(json.dumps({"model": model, "threads": args.threads, "tokens": args.tokens, "rounds": args.rounds,

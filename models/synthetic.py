@@ -33,6 +33,7 @@ FUSED_MATRICES = {  # the fused layout (Phi-3): one tensor for q|k|v and one for
     "attn_output": LAYER_MATRICES["attn_output"],
 }
 SLIDING_WINDOW = 512  # Gemma 3's
+SOFT_CAPS = {"gemma2": (50.0, 30.0)}  # a family's attention and logit soft caps, as its real files have them
 
 
 def byte_tokens() -> list[str]:
@@ -124,6 +125,9 @@ def write_random_gguf(path: str, cfg: LlamaConfig, weight_type: str | Callable[[
     add_llama_metadata(w, cfg)
     if arch.gguf_swa_every:
         w.add_sliding_window(SLIDING_WINDOW)
+    if family in SOFT_CAPS:
+        w.add_attn_logit_softcapping(SOFT_CAPS[family][0])
+        w.add_final_logit_softcapping(SOFT_CAPS[family][1])
 
     def add(name: str, shape: tuple[int, ...]) -> None:
         kind = type_of(name) if len(shape) == 2 else "F32"
