@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import collections
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -47,8 +46,6 @@ class Request:
     stop: tuple[str, ...] = ()
     ids: list[int] = field(default_factory=list)  # generated so far
     cancelled: bool = False  # set by the consumer: the request leaves at the next step
-    submitted: float = field(default_factory=time.perf_counter)
-    first_token_s: float | None = None
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -146,6 +143,7 @@ class Batcher:
         """Prefill ``request`` alone and sample its first token."""
         if request.cancelled:
             return
+        sequence = None
         try:
             with torch.inference_mode(), runtime.torch_single_threaded():
                 sequence = self._free.pop() if self._free else Sequence(self.model, adopt=False)
@@ -158,6 +156,9 @@ class Batcher:
                 active = _Active(request, sequence, TextStream(self.model.tokenizer, request.stop), generator)
                 self._take(active, logits)
         except Exception as e:  # a request's failure is its own: the others go on
+            if sequence is not None:
+                sequence.ids = []
+                self._free.append(sequence)
             request.emit(f"{type(e).__name__}: {e}", "error")
             return
         self.active.append(active)
@@ -168,8 +169,6 @@ class Batcher:
         """Sample the next token of ``a`` from its logits and hand out the text it completes."""
         r = a.request
         token = next_token(logits, a.history, temperature=r.temperature, top_p=r.top_p, generator=a.generator)
-        if r.first_token_s is None:
-            r.first_token_s = time.perf_counter() - r.submitted
         r.ids.append(token)
         a.history.append(token)
         a.next_id = token

@@ -181,9 +181,14 @@ def create_app(model, model_name: str, api_key: str | None = None, max_batch: in
             max_tokens = model.context - len(ids)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
-        generation = Generation(ids, max_tokens, lambda piece, end: loop.call_soon_threadsafe(
-            events.put_nowait, (piece, end)), temperature=float(body.temperature), top_p=float(body.top_p),
-            seed=body.seed, stop=tuple(stop))
+        def emit(piece: str, end: str | None) -> None:  # from the batching thread
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, (piece, end))
+            except RuntimeError:  # the event loop is gone (the server stopping): nobody reads this any more
+                generation.cancel()
+
+        generation = Generation(ids, max_tokens, emit, temperature=float(body.temperature), top_p=float(body.top_p),
+                                seed=body.seed, stop=tuple(stop))
         try:
             batcher.submit(generation)
         except Busy as e:
