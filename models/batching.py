@@ -6,8 +6,8 @@ prefilled alone at a step boundary and joins the batch; every step then feeds th
 sequence through the model's ``DecodePlan`` for that many rows: the glue row by row, each projection once for all
 of them (the LUT GEMM reads each weight once for all the rows), so that each gets exactly the logits it gets alone
 (``tmac run``'s). A model without such a plan steps the sequences one after another through its one-row plan, or
-all at once through ``Transformer.forward_rows``. A request that finishes, is cancelled or whose consumer went away leaves at the next boundary and
-frees its cache. Results go back through a callback per request (the server hands them to its event loop).
+all at once through ``Transformer.forward_rows``. A request that finishes, is cancelled or whose consumer went
+away leaves at the next boundary and frees its cache. Results go back through a callback per request (the server hands them to its event loop).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 from tmac import runtime
 
 from .decode import DecodePlan
-from .generate import PREFILL_CHUNK, _check_sampling, check_ids, next_token
+from .generate import _check_sampling, check_prompt, check_seed, next_token, prefill
 from .sequence import Sequence
 from .text import TextStream, check_stop
 
@@ -86,17 +86,14 @@ class Batcher:
     def check(self, prompt_ids: list[int], max_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
               seed: int | None = None, stop=()) -> tuple[str, ...]:
         """``ValueError`` naming what a request may not ask for; its stop strings, checked."""
-        check_ids(prompt_ids, self.model.config.vocab_size)
-        if not prompt_ids:
-            raise ValueError("the prompt is empty: generation needs at least one token")
+        check_prompt(prompt_ids, self.model.config.vocab_size)
         if type(max_tokens) is not int or max_tokens < 1:
             raise ValueError(f"max_tokens must be an int of at least 1, got {max_tokens!r:.40}")
         _check_sampling(max_tokens, temperature, 0, top_p, 1.0, 0)
         if len(prompt_ids) + max_tokens > self.model.context:
             raise ValueError(f"the prompt ({len(prompt_ids)} tokens) and max_tokens ({max_tokens}) exceed the "
                              f"context of {self.model.context} tokens")
-        if seed is not None and (type(seed) is not int or not 0 <= seed < 2 ** 63):
-            raise ValueError(f"seed must be an int in [0, 2**63), got {seed!r:.40}")
+        check_seed(seed)
         return check_stop(stop)
 
     def submit(self, request: Request) -> None:
@@ -147,11 +144,9 @@ class Batcher:
         try:
             with torch.inference_mode(), runtime.torch_single_threaded():
                 sequence = self._free.pop() if self._free else Sequence(self.model, adopt=False)
-                ids = request.prompt_ids
-                for start in range(0, len(ids), PREFILL_CHUNK):
-                    logits = self.model(torch.tensor(ids[start:start + PREFILL_CHUNK]), start, last_only=True,
-                                        cache=sequence)[-1]
-                sequence.ids = list(ids)
+                for _, chunk_logits in prefill(self.model, request.prompt_ids, sequence, last_only=True):
+                    logits = chunk_logits[-1]
+                sequence.ids = list(request.prompt_ids)
                 generator = torch.Generator().manual_seed(request.seed) if request.seed is not None else None
                 active = _Active(request, sequence, TextStream(self.model.tokenizer, request.stop), generator)
                 self._take(active, logits)

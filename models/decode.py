@@ -47,27 +47,31 @@ def _projection(module: nn.Module, x: torch.Tensor, out: torch.Tensor, tables: d
     ``biased``: the projection's bias is added by the glue that reads ``out`` (``attend``: the q/k/v biases)."""
     parts = list(module.parts) if isinstance(module, Concat) else [module]
     rows = x.shape[0]
-    if rows > 1:
-        return _projection_rows(parts, x, out, tables, labels, biased)
+    if rows > 1 and len(parts) != 1:
+        raise _Unsupported("a projection of several parts, for several rows")
     calls, start = [], 0
     for part in parts:
         m = part.out_features
         dest = out[:, start:start + m]
+        if part.bias is not None and not biased:
+            raise _Unsupported(f"a projection with a bias ({type(part).__name__})")
         if isinstance(part, Linear):
             spec = part.spec
             check_packed(spec, m, part.qweight, part.scales, part.zeros, part.bias)
-            if part.bias is not None and not biased:
-                raise _Unsupported("a LUT projection with a bias")
             kernels = kernels_for(spec, part.kernel_dir)
-            key = spec.table_shapes(1)
+            table_rows = 1 if rows == 1 else spec.padded_rows(rows)
+            key = spec.table_shapes(table_rows)
             if key not in tables:
-                tables[key] = table_buffers(spec, 1)
+                tables[key] = table_buffers(spec, table_rows)
             lut = [_handle(t) for t in tables[key]]
             params = [_handle(t) for t in (part.qweight, part.scales, part.zeros) if t is not None]
-            calls.append((kernels.lut_gemv, [_handle(x), *params, *lut, _handle(dest)]))
-            labels[id(kernels.lut_gemv)] = "lut_gemv (tables included)"
-        elif part.bias is not None and not biased:
-            raise _Unsupported("a float projection with a bias")
+            if rows == 1:
+                calls.append((kernels.lut_gemv, [_handle(x), *params, *lut, _handle(dest)]))
+                labels[id(kernels.lut_gemv)] = "lut_gemv (tables included)"
+            else:
+                calls += [(kernels.build_tables, [_handle(x), *lut]),
+                          (kernels.lut_gemm, [*params, *lut, _handle(dest)])]
+                labels.update({id(kernels.build_tables): "build_tables", id(kernels.lut_gemm): "lut_gemm"})
         elif type(part) in FLOAT_LINEARS and part.weight.dtype == torch.float32:
             calls.append((functools.partial(torch.mm, out=dest), [x, part.weight.detach().t()]))
             labels[id(calls[-1][0])] = "float projection (torch.mm)"
@@ -82,33 +86,6 @@ def _projection(module: nn.Module, x: torch.Tensor, out: torch.Tensor, tables: d
     if start != out.shape[1]:
         raise _Unsupported("projection widths do not add up")
     return calls
-
-
-def _projection_rows(parts: list, x: torch.Tensor, out: torch.Tensor, tables: dict, labels: dict, biased: bool) -> list:
-    if len(parts) != 1:
-        raise _Unsupported("a projection of several parts, for several rows")
-    part = parts[0]
-    if isinstance(part, Linear):
-        spec = part.spec
-        check_packed(spec, part.out_features, part.qweight, part.scales, part.zeros, part.bias)
-        if part.bias is not None and not biased:
-            raise _Unsupported("a LUT projection with a bias")
-        kernels = kernels_for(spec, part.kernel_dir)
-        key = spec.table_shapes(spec.padded_rows(x.shape[0]))
-        if key not in tables:
-            tables[key] = table_buffers(spec, spec.padded_rows(x.shape[0]))
-        lut = [_handle(t) for t in tables[key]]
-        params = [_handle(t) for t in (part.qweight, part.scales, part.zeros) if t is not None]
-        labels[id(kernels.build_tables)] = "build_tables"
-        labels[id(kernels.lut_gemm)] = "lut_gemm"
-        return [(kernels.build_tables, [_handle(x), *lut]), (kernels.lut_gemm, [*params, *lut, _handle(out)])]
-    if part.bias is not None and not biased:
-        raise _Unsupported("a float projection with a bias")
-    if type(part) in FLOAT_LINEARS and part.weight.dtype == torch.float32:
-        mm = functools.partial(torch.mm, out=out)
-        labels[id(mm)] = "float projection (torch.mm)"
-        return [(mm, [x, part.weight.detach().t()])]
-    raise _Unsupported(f"projection part {type(part).__name__}, for several rows")
 
 
 def glue_spec(cfg, act_quant: bool, isa, kv_dtype: str = "float16", table=None) -> GlueSpec:
@@ -161,11 +138,10 @@ class DecodePlan:
         # model's gigabytes to the cyclic garbage collector
         self.context, self.calls = model.context, calls
         self.rows_positions = positions  # per row, per layer: the attend call's arguments
-        self.positions = positions[0]
         self.rows = len(positions)
         names = keep[0].spec.attend_args
         self.slots = tuple(names.index(name) for name in ("pos", "cache_k", "cache_v"))  # what a step sets
-        self.own_cache = [(args[self.slots[1]], args[self.slots[2]]) for args in self.positions]
+        self.own_cache = [(args[self.slots[1]], args[self.slots[2]]) for args in positions[0]]
         self.buf, self.labels = buffers, labels
         emb = model.tok_embeddings
         self.vocab = emb.num_embeddings
@@ -287,16 +263,8 @@ class DecodePlan:
         """Logits ``[vocab]`` of ``token`` at position ``pos`` of ``sequence`` (a ``Sequence``, whose cache holds
         positions ``< pos``; default: the model's own cache). The returned tensor is the plan's buffer: the next
         step overwrites it."""
-        context = self.context if sequence is None else sequence.context
-        if not 0 <= pos < context:
-            raise ValueError(f"position {pos} is outside the context of {context} tokens")
-        if not 0 <= token < self.vocab:
-            raise ValueError(f"token id {token} is outside the vocabulary [0, {self.vocab})")
+        self._place(0, token, pos, sequence)
         runtime.apply_threads()
-        caches = self.own_cache if sequence is None else _sequence_handles(sequence)
-        at_pos, at_keys, at_values = self.slots
-        for args, (keys, values) in zip(self.positions, caches):
-            args[at_pos], args[at_keys], args[at_values] = pos, keys, values
         self.embed_into(token)
         for fn, args in self.calls:
             fn(*args)
@@ -309,20 +277,27 @@ class DecodePlan:
         if not len(tokens) == len(positions) == len(sequences) == self.rows:
             raise ValueError(f"this plan steps {self.rows} sequences; got {len(tokens)} tokens, {len(positions)} "
                              f"positions and {len(sequences)} sequences")
-        at_pos, at_keys, at_values = self.slots
         for r, (token, pos, sequence) in enumerate(zip(tokens, positions, sequences)):
-            if not 0 <= pos < sequence.context:
-                raise ValueError(f"position {pos} is outside the context of {sequence.context} tokens")
-            if not 0 <= token < self.vocab:
-                raise ValueError(f"token id {token} is outside the vocabulary [0, {self.vocab})")
-            for args, (keys, values) in zip(self.rows_positions[r], _sequence_handles(sequence)):
-                args[at_pos], args[at_keys], args[at_values] = pos, keys, values
+            self._place(r, token, pos, sequence)
         runtime.apply_threads()
         for r, token in enumerate(tokens):
             self.embed_rows[r](token)
         for fn, args in self.calls:
             fn(*args)
         return self.buf["logits"]
+
+    def _place(self, row: int, token: int, pos: int, sequence) -> None:
+        """Point row ``row``'s attention at position ``pos`` of ``sequence`` (None: the model's own cache), checked
+        with ``token`` against the context and the vocabulary."""
+        context = self.context if sequence is None else sequence.context
+        if not 0 <= pos < context:
+            raise ValueError(f"position {pos} is outside the context of {context} tokens")
+        if not 0 <= token < self.vocab:
+            raise ValueError(f"token id {token} is outside the vocabulary [0, {self.vocab})")
+        caches = self.own_cache if sequence is None else _sequence_handles(sequence)
+        at_pos, at_keys, at_values = self.slots
+        for args, (keys, values) in zip(self.rows_positions[row], caches):
+            args[at_pos], args[at_keys], args[at_values] = pos, keys, values
 
     def profile(self, token: int, pos: int, rounds: int = 5) -> dict[str, float]:
         """Seconds per step in each kind of call (glue function, ``build_tables``, ``lut_gemv``, float projection),

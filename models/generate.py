@@ -28,6 +28,14 @@ from .text import TextStream, check_prompt_size, check_stop
 PREFILL_CHUNK = 256
 
 
+def prefill(model, ids: list[int], sequence: Sequence, first: int = 0, last_only: bool = False):
+    """Feed ``ids[first:]`` into ``sequence`` (which holds ``ids[:first]``), ``PREFILL_CHUNK`` tokens at a time:
+    yields each chunk's end and its logits (the last row's alone with ``last_only``)."""
+    for start in range(first, len(ids), PREFILL_CHUNK):
+        end = min(start + PREFILL_CHUNK, len(ids))
+        yield end, model(torch.tensor(ids[start:end]), start, last_only=last_only, cache=sequence)
+
+
 def check_ids(ids, vocab: int, what: str = "prompt_ids") -> list[int]:
     if isinstance(ids, torch.Tensor):
         ids = ids.tolist()
@@ -114,11 +122,7 @@ class Session:
         return out
 
     def _prefill(self, ids: list[int], first: int, last_only: bool = False):
-        """Feed ``ids[first:]`` (``ids[:first]`` cached) ``PREFILL_CHUNK`` tokens at a time: yields each chunk's
-        end and its logits."""
-        for start in range(first, len(ids), PREFILL_CHUNK):
-            end = min(start + PREFILL_CHUNK, len(ids))
-            yield end, self.model(torch.tensor(ids[start:end]), start, last_only=last_only, cache=self.sequence)
+        return prefill(self.model, ids, self.sequence, first, last_only)
 
     def generate(self, prompt, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, repetition_penalty: float = 1.0, repeat_last_n: int = 64,
@@ -171,13 +175,10 @@ class Session:
                 top_p: float = 1.0, repetition_penalty: float = 1.0, repeat_last_n: int = 64,
                 seed: int | None = None, stop=(), stop_on_eos: bool = True) -> Iterator[int]:
         """The arguments checked, then an iterator of the new ids."""
-        prompt = check_ids(prompt_ids, self.model.config.vocab_size)
-        if not prompt:
-            raise ValueError("the prompt is empty: generation needs at least one token")
+        prompt = check_prompt(prompt_ids, self.model.config.vocab_size)
         _check_sampling(max_new_tokens, temperature, top_k, top_p, repetition_penalty, repeat_last_n)
         stop = check_stop(stop)
-        if seed is not None and (type(seed) is not int or not 0 <= seed < 2 ** 63):
-            raise ValueError(f"seed must be None or an int in [0, 2**63), got {seed!r:.40}")
+        check_seed(seed)
         self._check_room(len(prompt), max_new_tokens)
         if stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this model was loaded without one")
@@ -264,6 +265,19 @@ class Session:
             raise ValueError(f"prompt ({prompt} tokens) + max_new_tokens ({new}) exceed the context of "
                              f"{context} tokens; shorten the prompt, lower max_new_tokens or load with a "
                              f"larger context (model maximum: {self.model.config.context_length})")
+
+
+def check_prompt(ids, vocab: int) -> list[int]:
+    """The prompt's ids as a list, checked: in the vocabulary, and at least one."""
+    prompt = check_ids(ids, vocab)
+    if not prompt:
+        raise ValueError("the prompt is empty: generation needs at least one token")
+    return prompt
+
+
+def check_seed(seed) -> None:
+    if seed is not None and (type(seed) is not int or not 0 <= seed < 2 ** 63):
+        raise ValueError(f"seed must be None or an int in [0, 2**63), got {seed!r:.40}")
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

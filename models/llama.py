@@ -309,21 +309,21 @@ class Attention(nn.Module):
             scores = (q.view(self.n_kv, group, self.hd) * self.scale) @ keys[0].transpose(1, 2)
             return (self._capped(scores).softmax(-1) @ values[0]).view(1, h * self.hd)
         q = q.transpose(0, 1)[None]
-        if self.softcap:  # Gemma 2: scores capped before the mask, which SDPA cannot do
-            group = h // self.n_kv
-            scores = (q[0].reshape(self.n_kv, group, t, self.hd) * self.scale) @ keys[0][:, None].transpose(2, 3)
-            rows, cols = torch.arange(start, end)[:, None], torch.arange(first, end)[None]
-            mask = (cols <= rows) & ((cols > rows - self.window) if self.window else True)
-            scores = self._capped(scores).masked_fill(~mask, float("-inf"))
-            out = (scores.softmax(-1) @ values[0][:, None]).view(h, t, self.hd)[None]
-        elif start == 0 and not self.window:
+        if start == 0 and not self.window and not self.softcap:
             out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=True, scale=self.scale)
-        else:  # a chunk after cached tokens, or a sliding window: causal with an offset, maybe a window
+        else:  # a chunk after cached tokens, a sliding window or capped scores: causal with an offset, maybe a window
             rows, cols = torch.arange(start, end)[:, None], torch.arange(end)[None]
             mask = cols <= rows
             if self.window:
                 mask &= cols > rows - self.window
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True, scale=self.scale)
+            if self.softcap:  # Gemma 2: scores capped before the mask, which SDPA cannot do
+                group = h // self.n_kv
+                scores = (q[0].reshape(self.n_kv, group, t, self.hd) * self.scale) @ keys[0][:, None].transpose(2, 3)
+                scores = self._capped(scores).masked_fill(~mask, float("-inf"))
+                out = (scores.softmax(-1) @ values[0][:, None]).view(h, t, self.hd)[None]
+            else:
+                out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True,
+                                                     scale=self.scale)
         return out[0].transpose(0, 1).reshape(t, h * self.hd)
 
 

@@ -291,7 +291,7 @@ def prefill_profile(model, prompt: list[int], rounds: int = 3) -> dict[str, floa
     import torch
 
     from .linear import Linear
-    from .models.generate import PREFILL_CHUNK
+    from .models.generate import prefill
     from .models.llama import Attention
     from .models.sequence import Sequence
 
@@ -321,8 +321,8 @@ def prefill_profile(model, prompt: list[int], rounds: int = 3) -> dict[str, floa
             for _ in range(rounds):
                 spent.update(dict.fromkeys(spent, 0.0))
                 t0 = time.perf_counter()
-                for start in range(0, len(prompt), PREFILL_CHUNK):
-                    model(torch.tensor(prompt[start:start + PREFILL_CHUNK]), start, last_only=True, cache=sequence)
+                for _ in prefill(model, prompt, sequence, last_only=True):
+                    pass
                 total = time.perf_counter() - t0
                 if best is None or total < best["step"]:
                     best = {"LUT projections (tables + GEMM)": spent["lut"],
