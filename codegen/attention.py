@@ -5,7 +5,7 @@ one."""
 
 from __future__ import annotations
 
-from tmac.glue import KV_BLOCK, GlueSpec
+from tmac.glue import KV_BLOCK, PARALLEL_ATTENTION_WORK, GlueSpec
 
 from .tir import arg, prim_func
 from .vectors import F32, bcast, exp, f32, lane_fold, lanes_of, rms_scale, spans_of, vec
@@ -13,9 +13,6 @@ from .vectors import F32, bcast, exp, f32, lane_fold, lanes_of, rms_scale, spans
 # TVM keeps a scratch buffer smaller than this on the stack; a larger one comes from its workspace allocator, memory
 # LLVM cannot tell from the arguments, so an accumulator kept there is stored back on every loop iteration
 STACK_BYTES = 1024
-# query-key products (positions × heads × head_dim) from which attention's phases run in parallel: from position
-# 170 for SmolLM2's 9 heads of 64, 47 for the 1B shape's 32
-PARALLEL_ATTENTION_WORK = 96 * 1024
 
 
 def _heads_per_pass(group: int, vectors_per_head: int, sums: int, floats_per_buffer: int = 0) -> int:

@@ -9,78 +9,114 @@ run in vector lanes and are folded once at the end.
 from __future__ import annotations
 
 from tmac.formats import STORAGE_BITS, code_offset
-from tmac.glue import GlueSpec
+from tmac.glue import ROWS, GlueSpec
 
 from .attention import attend_func
 from .tir import arg, prim_func
 from .vectors import F32, bcast, exp, f32, lane_fold, lanes_of, rms_scale, vec
 
 
-def rms_norm_func(name: str, n: int, widest: int, residual: bool):
+def _rows(batched: bool):
+    """The row count of a glue function's buffers: 1, or (``batched``, the ``_rows`` variant) a runtime value."""
+    from tvm.script.ir_builder import tirx as T
+
+    return T.int32() if batched else 1
+
+
+def _each_row(rows, body) -> None:
+    """``body(row)`` for row 0 of a one-row function, or for every row of a batched one in parallel (each task with
+    its own scratch buffers)."""
+    from tvm.script.ir_builder import tirx as T
+
+    if isinstance(rows, int):
+        body(0)
+        return
+    with T.parallel(0, rows) as row:
+        body(row)
+
+
+def rms_norm_func(name: str, n: int, widest: int, residual: bool, batched: bool = False):
     from tvm.script.ir_builder import tirx as T
 
     lanes = lanes_of(n, widest)
     with prim_func(name) as ib:
-        X = arg("x", (1, n))
-        D = arg("delta", (1, n)) if residual else None
+        rows = _rows(batched)
+        X = arg("x", (rows, n))
+        D = arg("delta", (rows, n)) if residual else None
         W = arg("w", (n,))
         eps = T.arg("eps", T.float32())
-        OUT = arg("out", (1, n))
+        OUT = arg("out", (rows, n))
 
-        def square(at):
-            if residual:
-                T.buffer_store(X, X[0, at] + D[0, at], [0, at])
-            return X[0, at] * X[0, at]
+        def norm(row):
+            def square(at):
+                if residual:
+                    T.buffer_store(X, X[row, at] + D[row, at], [row, at])
+                return X[row, at] * X[row, at]
 
-        scale = rms_scale(T, n, lanes, square, eps)
-        with T.serial(0, n // lanes) as c:
-            at = vec(c * lanes, lanes)
-            T.buffer_store(OUT, X[0, at] * bcast(scale[0], lanes) * W[at], [0, at])
+            scale = rms_scale(T, n, lanes, square, eps)
+            with T.serial(0, n // lanes) as c:
+                at = vec(c * lanes, lanes)
+                T.buffer_store(OUT, X[row, at] * bcast(scale[0], lanes) * W[at], [row, at])
+
+        _each_row(rows, norm)
     return ib.get()
 
 
-def quantize_func(name: str, n: int, widest: int):
+def quantize_func(name: str, n: int, widest: int, batched: bool = False):
     """Per-token absmax int8 fake-quantization in place: ``x·s`` rounded half-to-even, clamped, divided back."""
     from tvm import tirx
     from tvm.script.ir_builder import tirx as T
 
     lanes = lanes_of(n, widest)
     with prim_func(name) as ib:
-        X = arg("x", (1, n))
-        scale = T.alloc_buffer((1,), F32, scope="global")
-        amax = lane_fold(T, n, lanes, tirx.max, lambda at: tirx.abs(X[0, at]))
-        T.buffer_store(scale, f32(127.0) / tirx.max(amax, f32(1e-5)), [0])
-        with T.serial(0, n // lanes) as c:
-            at = vec(c * lanes, lanes)
-            s = bcast(scale[0], lanes)
-            q = tirx.min(tirx.max(tirx.nearbyint(X[0, at] * s), bcast(f32(-128.0), lanes)),
-                         bcast(f32(127.0), lanes))
-            T.buffer_store(X, q / s, [0, at])
+        rows = _rows(batched)
+        X = arg("x", (rows, n))
+
+        def quantize(row):
+            scale = T.alloc_buffer((1,), F32, scope="global")
+            amax = lane_fold(T, n, lanes, tirx.max, lambda at: tirx.abs(X[row, at]))
+            T.buffer_store(scale, f32(127.0) / tirx.max(amax, f32(1e-5)), [0])
+            with T.serial(0, n // lanes) as c:
+                at = vec(c * lanes, lanes)
+                s = bcast(scale[0], lanes)
+                q = tirx.min(tirx.max(tirx.nearbyint(X[row, at] * s), bcast(f32(-128.0), lanes)),
+                             bcast(f32(127.0), lanes))
+                T.buffer_store(X, q / s, [row, at])
+
+        _each_row(rows, quantize)
     return ib.get()
 
 
-def gated_act_func(spec: GlueSpec, widest: int):
+def gated_act_func(spec: GlueSpec, widest: int, batched: bool = False):
     from tvm import tirx
     from tvm.script.ir_builder import tirx as T
 
     f = spec.ffn_dim
     lanes = lanes_of(f, widest)
-    with prim_func("gated_act") as ib:
-        GU = arg("gate_up", (1, 2 * f))
-        OUT = arg("out", (1, f))
-        with T.serial(0, f // lanes) as c:
-            g, u = GU[0, vec(c * lanes, lanes)], GU[0, vec(f + c * lanes, lanes)]
-            one = bcast(f32(1.0), lanes)
-            if spec.act == "silu":
-                a = g / (one + exp(bcast(f32(0.0), lanes) - g, lanes))
-            elif spec.act == "gelu_tanh":  # ½g(1 + tanh(√(2/π)(g + 0.044715g³))), tanh(y) = 1 − 2/(e^2y + 1)
-                two_y = bcast(f32(2 * 0.7978845608028654), lanes) * (g + bcast(f32(0.044715), lanes) * g * g * g)
-                a = bcast(f32(0.5), lanes) * g * (one + one - bcast(f32(2.0), lanes) / (exp(two_y, lanes) + one))
-            else:  # relu2
-                r = tirx.max(g, bcast(f32(0.0), lanes))
-                a = r * r
-            T.buffer_store(OUT, a * u, [0, vec(c * lanes, lanes)])
+    with prim_func("gated_act" + ROWS * batched) as ib:
+        rows = _rows(batched)
+        GU = arg("gate_up", (rows, 2 * f))
+        OUT = arg("out", (rows, f))
+        _each_row(rows, lambda row: _gated_act(spec, f, lanes, GU, OUT, row))
     return ib.get()
+
+
+def _gated_act(spec: GlueSpec, f: int, lanes: int, GU, OUT, row) -> None:
+    from tvm import tirx
+    from tvm.script.ir_builder import tirx as T
+
+    with T.serial(0, f // lanes) as c:
+        g, u = GU[row, vec(c * lanes, lanes)], GU[row, vec(f + c * lanes, lanes)]
+        one = bcast(f32(1.0), lanes)
+        if spec.act == "silu":
+            a = g / (one + exp(bcast(f32(0.0), lanes) - g, lanes))
+        elif spec.act == "gelu_tanh":  # ½g(1 + tanh(√(2/π)(g + 0.044715g³))), tanh(y) = 1 − 2/(e^2y + 1)
+            two_y = bcast(f32(2 * 0.7978845608028654), lanes) * (g + bcast(f32(0.044715), lanes) * g * g * g)
+            a = bcast(f32(0.5), lanes) * g * (one + one - bcast(f32(2.0), lanes) / (exp(two_y, lanes) + one))
+        else:  # relu2
+            r = tirx.max(g, bcast(f32(0.0), lanes))
+            a = r * r
+        T.buffer_store(OUT, a * u, [row, vec(c * lanes, lanes)])
 
 
 def embed_func(spec: GlueSpec):
@@ -116,18 +152,22 @@ def module(spec: GlueSpec, isa):
 
     widest = max(isa.vector_bytes // 4, 4)
     q_dim = spec.n_heads * spec.head_dim
-    funcs = {"norm_in": rms_norm_func("norm_in", spec.dim, widest, True),
-             "norm_final": rms_norm_func("norm_final", spec.dim, widest, True),
-             "attend": attend_func(spec, widest, isa.sum_vectors), "gated_act": gated_act_func(spec, widest)}
-    if spec.post_norms:
-        for name in ("norm_post_attn", "norm_post_ffn"):
-            funcs[name] = rms_norm_func(name, spec.dim, widest, False)
-    if spec.sub_norms:
-        funcs["norm_attn"] = rms_norm_func("norm_attn", q_dim, widest, False)
-        funcs["norm_hidden"] = rms_norm_func("norm_hidden", spec.ffn_dim, widest, False)
-    if spec.act_quant:
-        for name, n in (("dim", spec.dim), ("q", q_dim), ("ffn", spec.ffn_dim)):
-            funcs[f"quantize_{name}"] = quantize_func(f"quantize_{name}", n, widest)
+    funcs = {"norm_final": rms_norm_func("norm_final", spec.dim, widest, True),
+             "attend": attend_func(spec, widest, isa.sum_vectors)}
+    for batched in (False, True):  # each function of one row, and its _rows variant
+        suffix = ROWS * batched
+        funcs["norm_in" + suffix] = rms_norm_func("norm_in" + suffix, spec.dim, widest, True, batched)
+        funcs["gated_act" + suffix] = gated_act_func(spec, widest, batched)
+        if spec.post_norms:
+            for name in ("norm_post_attn", "norm_post_ffn"):
+                funcs[name + suffix] = rms_norm_func(name + suffix, spec.dim, widest, False, batched)
+        if spec.sub_norms:
+            funcs["norm_attn" + suffix] = rms_norm_func("norm_attn" + suffix, q_dim, widest, False, batched)
+            funcs["norm_hidden" + suffix] = rms_norm_func("norm_hidden" + suffix, spec.ffn_dim, widest, False,
+                                                          batched)
+        if spec.act_quant:
+            for name, n in (("dim", spec.dim), ("q", q_dim), ("ffn", spec.ffn_dim)):
+                funcs[f"quantize_{name}{suffix}"] = quantize_func(f"quantize_{name}{suffix}", n, widest, batched)
     if spec.embed_bits:
         funcs["embed"] = embed_func(spec)
     return tvm.IRModule({name: f.with_attr("global_symbol", name) for name, f in funcs.items()})

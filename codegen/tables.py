@@ -3,7 +3,7 @@ float operations of ``tmac.reference``; ``emit_tables`` also opens ``lut_gemv``,
 
 from __future__ import annotations
 
-from tmac.spec import KernelSpec
+from tmac.spec import PARALLEL_TABLE_ROWS, KernelSpec
 
 from .tir import arg, prim_func
 
@@ -15,12 +15,35 @@ def build_tables_func(spec: KernelSpec):
         n, np_ = T.int32(), T.int32()
         lut_shape, ls_shape, xs_shape = spec.table_shapes(np_)
         X = arg("x", (n, spec.k))
-        emit_tables(spec, X, arg("lut", lut_shape, "int8"), arg("ls", ls_shape), arg("xs", xs_shape), n, np_)
+        emit_tables(spec, X, arg("lut", lut_shape, "int8"), arg("ls", ls_shape), arg("xs", xs_shape), n, np_,
+                    parallel=True)
     return ib.get()
 
 
-def emit_tables(spec: KernelSpec, X, LUT, LS, XS, n, np_) -> None:
-    """The body of ``build_tables``, into the function being built."""
+def emit_tables(spec: KernelSpec, X, LUT, LS, XS, n, np_, parallel: bool = False) -> None:
+    """The body of ``build_tables``, into the function being built; with ``parallel``, the rows of a batch of at
+    least ``PARALLEL_TABLE_ROWS`` on the thread pool (a prefill's tables are otherwise a serial share of it)."""
+    from tvm import tirx
+    from tvm.script.ir_builder import tirx as T
+
+    # the checks the Python wrappers make too; a raw call must still not write past the tables
+    with T.Assert(n <= np_, "build_tables: the table buffers have fewer rows than the activations",
+                  "ValueError"):
+        if not parallel:
+            with T.serial(0, n) as row:
+                _emit_row(spec, X, LUT, LS, XS, row)
+            return
+        with T.If(n >= PARALLEL_TABLE_ROWS):
+            with T.Then():
+                with T.parallel(0, n) as row:
+                    _emit_row(spec, X, LUT, LS, XS, row)
+            with T.Else():
+                with T.serial(0, n) as row:
+                    _emit_row(spec, X, LUT, LS, XS, row)
+
+
+def _emit_row(spec: KernelSpec, X, LUT, LS, XS, row) -> None:
+    """The tables of activation row ``row``, with scratch buffers of its own (a parallel task's)."""
     from tvm import tirx
     from tvm.script.ir_builder import tirx as T
 
@@ -49,7 +72,7 @@ def emit_tables(spec: KernelSpec, X, LUT, LS, XS, n, np_) -> None:
     def largest(xa, lanes=1):  # |entry| of the all-signs-agree entry, the largest of a table (of `lanes` tables)
         return codes.table_sum(xa, half if lanes == 1 else tirx.Broadcast(half, lanes))
 
-    def lut_group(row, g, padded: bool):
+    def lut_group(g, padded: bool):
         def x_at(i):  # past K, a zero activation; the load itself stays in bounds
             return tirx.if_then_else(i < k, X[row, i], zero) if padded else X[row, i]
 
@@ -77,20 +100,16 @@ def emit_tables(spec: KernelSpec, X, LUT, LS, XS, n, np_) -> None:
                            [row, g * (lg // per) + t, tirx.Ramp(0, 1, 16)])
         T.buffer_store(LS, amax[0] / tirx.FloatImm(f32, 127.0), [row, g])
 
-    # the Python wrappers check this too; a raw call must still not write past the tables
-    with T.Assert(n <= np_, "build_tables: the table buffers have fewer rows than the activations",
-                  "ValueError"):
-        with T.serial(0, n) as row:
-            with T.serial(0, k // lg) as g:
-                lut_group(row, g, padded=False)
-            if kp != k:  # triples pad K with zero activations, in the last lut group only
-                lut_group(row, k // lg, padded=True)
-            with T.serial(0, k // wg) as g:  # activation sums: 16 running lanes, then their total
-                with T.vectorized(0, 16) as p:
-                    T.buffer_store(lanes, X[row, g * wg + p], [p])
-                with T.serial(1, wg // 16) as i:
-                    with T.vectorized(0, 16) as p:
-                        T.buffer_store(lanes, lanes[p] + X[row, g * wg + i * 16 + p], [p])
-                T.buffer_store(XS, tirx.FloatImm(f32, 0.0), [row, g])
-                with T.serial(0, 16) as p:
-                    T.buffer_store(XS, XS[row, g] + lanes[p], [row, g])
+    with T.serial(0, k // lg) as g:
+        lut_group(g, padded=False)
+    if kp != k:  # triples pad K with zero activations, in the last lut group only
+        lut_group(k // lg, padded=True)
+    with T.serial(0, k // wg) as g:  # activation sums: 16 running lanes, then their total
+        with T.vectorized(0, 16) as p:
+            T.buffer_store(lanes, X[row, g * wg + p], [p])
+        with T.serial(1, wg // 16) as i:
+            with T.vectorized(0, 16) as p:
+                T.buffer_store(lanes, lanes[p] + X[row, g * wg + i * 16 + p], [p])
+        T.buffer_store(XS, tirx.FloatImm(f32, 0.0), [row, g])
+        with T.serial(0, 16) as p:
+            T.buffer_store(XS, XS[row, g] + lanes[p], [row, g])

@@ -21,7 +21,7 @@ import torch
 
 from tmac import runtime
 
-from .decode import DecodePlan
+from .decode import Plans
 from .generate import _check_sampling, check_prompt, check_seed, next_token, prefill
 from .sequence import Sequence
 from .text import TextStream, check_stop
@@ -77,7 +77,7 @@ class Batcher:
         self.widest = 0  # the most sequences one step has served
         self._wake = threading.Condition()
         self._closed = False
-        self._plans: dict = {}  # rows → DecodePlan (or None)
+        self._plans = Plans(model).current()  # (the model stays as it is while served)
         self._free: list[Sequence] = []  # the caches of finished requests, for the next ones
         self._thread = threading.Thread(target=self._loop, name="tmac-batcher", daemon=True)
         self._thread.start()
@@ -144,7 +144,8 @@ class Batcher:
         try:
             with torch.inference_mode(), runtime.torch_single_threaded():
                 sequence = self._free.pop() if self._free else Sequence(self.model, adopt=False)
-                for _, chunk_logits in prefill(self.model, request.prompt_ids, sequence, last_only=True):
+                chunks = prefill(self.model, request.prompt_ids, sequence, last_only=True, plans=self._plans)
+                for _, chunk_logits in chunks:
                     logits = chunk_logits[-1]
                 sequence.ids = list(request.prompt_ids)
                 generator = torch.Generator().manual_seed(request.seed) if request.seed is not None else None
@@ -196,9 +197,9 @@ class Batcher:
             with torch.inference_mode(), runtime.torch_single_threaded():
                 tokens, positions = [a.next_id for a in batch], [len(a.sequence.ids) for a in batch]
                 sequences = [a.sequence for a in batch]
-                if (plan := self._decode_plan(len(batch))) is not None:  # every projection once for all
+                if (plan := self._plans.decode(len(batch))) is not None:  # every projection once for all
                     rows = plan.step_rows(tokens, positions, sequences)
-                elif (plan := self._decode_plan(1)) is not None:  # one sequence after another
+                elif (plan := self._plans.decode(1)) is not None:  # one sequence after another
                     rows = [plan.step(t, p, q).clone() for t, p, q in zip(tokens, positions, sequences)]
                 else:
                     rows = self.model.forward_rows(torch.tensor(tokens), positions, sequences)
@@ -221,9 +222,3 @@ class Batcher:
             for a in done:
                 a.sequence.ids = []
                 self._free.append(a.sequence)
-
-    def _decode_plan(self, rows: int):
-        """The model's plan for ``rows`` sequences (built on first need, kept; None where the model has none)."""
-        if rows not in self._plans:
-            self._plans[rows] = DecodePlan.build(self.model, rows)
-        return self._plans[rows]

@@ -20,10 +20,11 @@ from tmac import runtime
 from tmac.embedding import Embedding
 from tmac.float_linear import FLOAT_LINEARS, FloatLinear
 from tmac.formats import PER_TENSOR
-from tmac.glue import GlueSpec
+from tmac.glue import PARALLEL_ATTENTION_WORK, ROWS, GlueSpec
 from tmac.kernels import isa_by_name
 from tmac.linear import Linear
 from tmac.lut_ops import check_packed, kernels_for, table_buffers
+from tmac.spec import PARALLEL_TABLE_ROWS
 
 from .bitnet import ActivationQuantized
 from .llama import ACTIVATION_FUNCTIONS, Concat, RMSNorm
@@ -164,17 +165,18 @@ class DecodePlan:
         return embed if scale == 1.0 else lambda t: (embed(t), row.mul_(scale))  # Gemma: × √dim
 
     @classmethod
-    def build(cls, model, rows: int = 1) -> "DecodePlan | None":
+    def build(cls, model, rows: int = 1, prefill: bool = False) -> "DecodePlan | None":
         """The plan for ``model`` with its current cache, or ``None`` when some part needs the eager path.
         ``rows``: sequences a step serves (``step_rows``), each with its own token, position and cache: the glue
-        row by row, each projection once for all."""
+        row by row, each projection once for all. ``prefill``: the rows are consecutive positions of one sequence
+        (``prefill``), and the head runs on the last row alone."""
         try:
-            return cls._build(model, rows)
+            return cls._build(model, rows, prefill)
         except _Unsupported:
             return None
 
     @classmethod
-    def _build(cls, model, rows: int = 1) -> "DecodePlan":
+    def _build(cls, model, rows: int = 1, prefill: bool = False) -> "DecodePlan":
         cfg = model.config
         if model.cache_k is None or not isinstance(model.tok_embeddings, (nn.Embedding, Embedding)):
             raise _Unsupported("no cache or another embedding module")
@@ -191,7 +193,7 @@ class DecodePlan:
                  "qkv": q_dim + 2 * kv_dim,
                  "att": q_dim, "att_n": q_dim, "gu": 2 * cfg.ffn_dim, "hid": cfg.ffn_dim, "hid_n": cfg.ffn_dim,
                  "logits": cfg.vocab_size}
-        buf = {name: torch.zeros((rows, n)) for name, n in names.items()}
+        buf = {name: torch.zeros((1 if prefill and name == "logits" else rows, n)) for name, n in names.items()}
         scores = torch.zeros((cfg.n_heads, model.cache_v.shape[2]))  # the cache's positions, whole key blocks
         tables: dict = {}
         row_handles = [{name: _handle(t[r:r + 1]) for name, t in buf.items()} for r in range(rows)]
@@ -203,19 +205,31 @@ class DecodePlan:
 
         biases = []  # the q/k/v biases attend adds, as one row each
 
+        whole = {name: _handle(t) for name, t in buf.items()}
+
         def each_row(fn, *args) -> None:
-            """A glue call on every row: ``args`` are buffer names, or values passed as they are."""
+            """A glue call on every row: ``args`` are buffer names, or values passed as they are. From
+            ``PARALLEL_TABLE_ROWS`` rows, one call of the function's ``_rows`` variant, the rows on the pool."""
+            if rows >= PARALLEL_TABLE_ROWS:
+                calls.append((getattr(glue, labels[id(fn)] + ROWS), [whole.get(a, a) if isinstance(a, str) else a
+                                                                     for a in args]))
+                return
             for h in row_handles:
                 calls.append((fn, [h[a] if isinstance(a, str) else a for a in args]))
 
-        def project(module, src: str, dst: str, sub_norm=None, norm_fn=None, biased=False):
+        def project(module, src: str, dst: str, sub_norm=None, norm_fn=None, biased=False, last=False):
+            """``dst = src @ Wᵀ``, of the last row alone with ``last``."""
             if cfg.sub_norms and sub_norm is not None:  # BitNet's norm before the output and down projections
                 each_row(norm_fn, src, _norm(sub_norm), eps, src + "_n")
                 src += "_n"
             if isinstance(module, ActivationQuantized):  # the input is consumed only here: quantize it in place
-                each_row(getattr(glue, QUANTIZE[src]), src)
+                quantize = getattr(glue, QUANTIZE[src])
+                if last:
+                    calls.append((quantize, [row_handles[-1][src]]))
+                else:
+                    each_row(quantize, src)
                 module = module.linear
-            calls.extend(_projection(module, buf[src], buf[dst], tables, labels, biased))
+            calls.extend(_projection(module, buf[src][-1:] if last else buf[src], buf[dst], tables, labels, biased))
 
         def post_norm(fn, norm) -> str:
             """The buffer the residual adds: the projection's output, or Gemma's norm of it."""
@@ -251,8 +265,13 @@ class DecodePlan:
             each_row(glue.gated_act, "gu", "hid")
             project(ffn.w2, "hid", "delta", ffn.hidden_norm, getattr(glue, "norm_hidden", None))
             residual = post_norm(getattr(glue, "norm_post_ffn", None), layer.post_ffn_norm)
-        each_row(glue.norm_final, "x", residual, _norm(model.norm), eps, "xn")
-        project(model.output, "xn", "logits")
+        if prefill:  # only the last position's logits
+            last = row_handles[-1]
+            calls.append((glue.norm_final, [last["x"], last[residual], _norm(model.norm), eps, last["xn"]]))
+            project(model.output, "xn", "logits", last=True)
+        else:
+            each_row(glue.norm_final, "x", residual, _norm(model.norm), eps, "xn")
+            project(model.output, "xn", "logits")
         if cfg.final_softcap:  # Gemma 2's capped logits: c·tanh(l/c), in place
             cap, logits = cfg.final_softcap, buf["logits"]
             calls += [(logits.div_, [cap]), (torch.tanh_, [logits]), (logits.mul_, [cap])]
@@ -266,8 +285,7 @@ class DecodePlan:
         self._place(0, token, pos, sequence)
         runtime.apply_threads()
         self.embed_into(token)
-        for fn, args in self.calls:
-            fn(*args)
+        self._run()
         return self.buf["logits"][0]
 
     def step_rows(self, tokens: list[int], positions: list[int], sequences: list) -> torch.Tensor:
@@ -282,9 +300,52 @@ class DecodePlan:
         runtime.apply_threads()
         for r, token in enumerate(tokens):
             self.embed_rows[r](token)
-        for fn, args in self.calls:
-            fn(*args)
+        self._run()
         return self.buf["logits"]
+
+    def prefill(self, tokens: list[int], start: int, sequence=None, spent: dict | None = None) -> torch.Tensor:
+        """Logits ``[vocab]`` of the last of ``tokens`` (at most the plan's ``rows``), fed at positions ``start …``
+        of ``sequence`` (default: the model's own cache), whose cache holds the positions before: what as many
+        ``step``s give, bit for bit, the projections run once for all the tokens. A plan built with ``prefill``.
+        Rows past the tokens repeat the last one at its position: they write the same keys and values to the same
+        place, so that one plan serves every count up to its rows."""
+        n = len(tokens)
+        if not 0 < n <= self.rows or self.buf["logits"].shape[0] != 1:  # (a one-row decode plan is one)
+            raise ValueError(f"a prefill plan of {self.rows} rows takes 1 to {self.rows} tokens, got {n}")
+        for r in range(self.rows):
+            self._place(r, tokens[min(r, n - 1)], start + min(r, n - 1), sequence)
+        runtime.apply_threads()
+        for r in range(self.rows):
+            self.embed_rows[r](tokens[min(r, n - 1)])
+        self._run(spent)
+        return self.buf["logits"][0]
+
+    def _run(self, spent: dict | None = None) -> None:
+        """The calls in order; with ``spent``, each timed into its kind's entry (``kind``)."""
+        if spent is None:
+            for fn, args in self.calls:
+                fn(*args)
+            return
+        for fn, args in self.calls:
+            t0 = time.perf_counter()
+            fn(*args)
+            took = time.perf_counter() - t0
+            kind = self.kind(fn, args)
+            spent[kind] = spent.get(kind, 0.0) + took
+
+    def kind(self, fn, args) -> str:
+        """What a call is, for a profile: the glue function, ``build_tables``, ``lut_gemv``/``lut_gemm`` or a float
+        projection, marked ``runtime.ON_POOL`` where it runs on the kernels' thread pool (the LUT kernels; the tables of
+        ``PARALLEL_TABLE_ROWS`` rows or more; attention over ``PARALLEL_ATTENTION_WORK`` or more)."""
+        name = self.labels[id(fn)]
+        if name == "attend":
+            spec = self._keep[0].spec
+            parallel = (args[self.slots[0]] + 1) * spec.n_heads * spec.head_dim >= PARALLEL_ATTENTION_WORK
+        elif name == "build_tables":
+            parallel = self.rows >= PARALLEL_TABLE_ROWS
+        else:
+            parallel = name.startswith("lut_") or name.endswith(ROWS)
+        return name + runtime.ON_POOL if parallel else name
 
     def _place(self, row: int, token: int, pos: int, sequence) -> None:
         """Point row ``row``'s attention at position ``pos`` of ``sequence`` (None: the model's own cache), checked
@@ -300,9 +361,8 @@ class DecodePlan:
             args[at_pos], args[at_keys], args[at_values] = pos, keys, values
 
     def profile(self, token: int, pos: int, rounds: int = 5) -> dict[str, float]:
-        """Seconds per step in each kind of call (glue function, ``build_tables``, ``lut_gemv``, float projection),
-        each call timed in place, from the round whose calls sum lowest; ``"step"``: the fastest untimed step.
-        Like ``step``, it writes the KV cache at ``pos``."""
+        """Seconds per step in each kind of call (``kind``), each call timed in place, from the round whose calls
+        sum lowest; ``"step"``: the fastest untimed step. Like ``step``, it writes the KV cache at ``pos``."""
         steps, splits = [], []
         self.step(token, pos)
         for _ in range(rounds):
@@ -311,12 +371,52 @@ class DecodePlan:
             steps.append(time.perf_counter() - t0)
             self.embed_into(token)
             spent: dict[str, float] = {}
-            for fn, args in self.calls:
-                t0 = time.perf_counter()
-                fn(*args)
-                spent[self.labels[id(fn)]] = spent.get(self.labels[id(fn)], 0.0) + time.perf_counter() - t0
+            self._run(spent)
             splits.append(spent)
         return {"step": min(steps), **min(splits, key=lambda d: sum(d.values()))}
+
+
+PREFILL_PLANS_KEPT = 2  # a prompt's full chunks and its last, shorter one
+
+
+def prefill_rows(tokens: int) -> int:
+    """The rows of the prefill plan that feeds ``tokens`` tokens: a power of two up to 16, then a multiple of 16
+    (few plans for every prompt length, at most 15 rows repeated)."""
+    return 1 << (tokens - 1).bit_length() if tokens <= 16 else -(-tokens // 16) * 16
+
+
+class Plans:
+    """The plans of one model, built on first need and kept while its modules, tensors and cache stay the ones they
+    were built from (``plan_key``, checked by ``current``): a decode plan per row count, and prefill plans for the
+    last ``PREFILL_PLANS_KEPT`` sizes (``prefill_rows``). A plan the model cannot have is ``None``."""
+
+    def __init__(self, model):
+        self.model = model
+        self._key = None
+        self._decode: dict = {}
+        self._prefill: dict = {}
+
+    def current(self) -> "Plans":
+        key = plan_key(self.model)
+        if key != self._key:
+            self._key, self._decode, self._prefill = key, {}, {}
+        return self
+
+    def decode(self, rows: int = 1) -> DecodePlan | None:
+        if rows not in self._decode:
+            self._decode[rows] = DecodePlan.build(self.model, rows)
+        return self._decode[rows]
+
+    def prefill(self, tokens: int) -> DecodePlan | None:
+        """The plan that prefills ``tokens`` tokens at once (one token: the one-row decode plan)."""
+        if tokens == 1:
+            return self.decode(1)
+        rows = prefill_rows(tokens)
+        plan = self._prefill.pop(rows, None) if rows in self._prefill else DecodePlan.build(self.model, rows, True)
+        self._prefill[rows] = plan  # the most recent last
+        while len(self._prefill) > PREFILL_PLANS_KEPT:
+            del self._prefill[next(iter(self._prefill))]
+        return plan
 
 
 def _check_layer(cfg, layer) -> None:

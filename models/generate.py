@@ -19,7 +19,7 @@ import torch
 from tmac import runtime
 from tmac.linear import Linear
 
-from .decode import DecodePlan, plan_key
+from .decode import DecodePlan, Plans
 from .sequence import Sequence
 from .text import TextStream, check_prompt_size, check_stop
 
@@ -28,12 +28,20 @@ from .text import TextStream, check_prompt_size, check_stop
 PREFILL_CHUNK = 256
 
 
-def prefill(model, ids: list[int], sequence: Sequence, first: int = 0, last_only: bool = False):
+def prefill(model, ids: list[int], sequence: Sequence, first: int = 0, last_only: bool = False,
+            plans: Plans | None = None, spent: dict | None = None):
     """Feed ``ids[first:]`` into ``sequence`` (which holds ``ids[:first]``), ``PREFILL_CHUNK`` tokens at a time:
-    yields each chunk's end and its logits (the last row's alone with ``last_only``)."""
+    yields each chunk's end and its logits (the last row's alone with ``last_only``). With ``plans`` (current) and
+    ``last_only``, a chunk runs through its prefill plan where the model has one: every projection once for the
+    chunk, everything else compiled glue, and the logits those of a token-by-token decode (``spent``: seconds by
+    kind of call added to it, ``DecodePlan.kind``)."""
     for start in range(first, len(ids), PREFILL_CHUNK):
         end = min(start + PREFILL_CHUNK, len(ids))
-        yield end, model(torch.tensor(ids[start:end]), start, last_only=last_only, cache=sequence)
+        plan = plans.prefill(end - start) if plans is not None and last_only else None
+        if plan is None:
+            yield end, model(torch.tensor(ids[start:end]), start, last_only=last_only, cache=sequence)
+        else:
+            yield end, plan.prefill(ids[start:end], start, sequence, spent)[None]
 
 
 def check_ids(ids, vocab: int, what: str = "prompt_ids") -> list[int]:
@@ -88,7 +96,7 @@ class Session:
         self.static_decode = static_decode
         self.stats: dict = {}
         self._sequence = sequence
-        self._plan = None  # (plan_key, DecodePlan), kept while the model stays the one it was built from
+        self._plans = Plans(model)
 
     @property
     def sequence(self) -> Sequence:
@@ -122,7 +130,7 @@ class Session:
         return out
 
     def _prefill(self, ids: list[int], first: int, last_only: bool = False):
-        return prefill(self.model, ids, self.sequence, first, last_only)
+        return prefill(self.model, ids, self.sequence, first, last_only, self._plans if self.static_decode else None)
 
     def generate(self, prompt, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, repetition_penalty: float = 1.0, repeat_last_n: int = 64,
@@ -196,7 +204,8 @@ class Session:
                               "decode_s": 0.0, "stop_reason": "length"}
         with torch.inference_mode(), self._torch_threads(prefill=True):
             t0 = time.perf_counter()
-            plan = self.decode_plan() if self.static_decode and max_new_tokens > 1 else None
+            plans = self._plans.current() if self.static_decode else None  # (the prefill's too)
+            plan = plans.decode(1) if plans is not None and max_new_tokens > 1 else None
             stats["setup_s"] = time.perf_counter() - t0
             t0 = time.perf_counter()
             self.cached_ids = prompt[:reuse]
@@ -212,10 +221,7 @@ class Session:
         """The model's ``DecodePlan`` (or ``None``: eager decoding), built on the first generation and kept while
         the model's modules, tensors and cache stay the ones it was built from. Building it loads every kernel the
         model runs, compiling what the cache lacks, before anything is timed."""
-        key = plan_key(self.model)
-        if self._plan is None or self._plan[0] != key:
-            self._plan = (key, DecodePlan.build(self.model))
-        return self._plan[1]
+        return self._plans.current().decode(1)
 
     def _torch_threads(self, prefill: bool = False):
         """torch on one thread while LUT layers run: the torch ops beside them are small or (a float head) slower

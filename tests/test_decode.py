@@ -11,7 +11,7 @@ import transformers
 import tmac
 from conftest import rel_l2, runnable_isas
 from tmac import runtime
-from tmac.codegen.attention import PARALLEL_ATTENTION_WORK
+from tmac.glue import PARALLEL_ATTENTION_WORK
 from tmac.glue import GlueSpec
 from tmac.kernels import isa_by_name
 from tmac.models.decode import DecodePlan
@@ -421,3 +421,46 @@ def test_a_plan_for_several_sequences_gives_each_what_it_gives_alone(tmp_path, f
             tokens = [int(r.argmax()) for r in rows]
         with pytest.raises(ValueError, match="steps 3 sequences"):
             three.step_rows(tokens[:2], at[:2], together[:2])
+
+
+@pytest.mark.parametrize("family, weight_type", [("llama", "Q4_0"), ("bitnet", "TQ2_0"), ("qwen2", "Q4_1"),
+                                                 ("gemma2", "Q8_0"), ("gemma3", "Q4_0")])
+def test_a_prefill_plan_gives_what_a_token_by_token_decode_gives(tmp_path, family, weight_type):
+    """A prompt prefilled through the model's prefill plans (``generate.prefill`` with ``Plans``: every projection
+    once for a chunk, the glue's ``_rows`` variants on the pool, attention row by row) leaves the logits and the KV
+    cache that feeding it one token at a time through the one-row plan leaves, bit for bit: for one token, a power
+    of two, a count whose plan repeats its last row, and a prompt of two chunks past Gemma 3's window. Against the
+    eager model, within the plan's usual distance."""
+    from tmac.models.decode import Plans
+    from tmac.models.generate import PREFILL_CHUNK, prefill
+    from tmac.models.llama import LlamaConfig
+    from tmac.models.sequence import Sequence
+    from tmac.models.synthetic import write_random_gguf
+
+    cfg = LlamaConfig(vocab_size=512, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=512, context_length=640)
+    write_random_gguf(str(tmp_path / "m.gguf"), cfg, weight_type, family=family)
+    model = tmac.load_model(str(tmp_path / "m.gguf"), context=640, progress=False)
+    plans = Plans(model).current()
+    with torch.inference_mode(), runtime.torch_single_threaded():
+        one = plans.decode(1)
+        for n in (1, 16, 37, PREFILL_CHUNK + 44):
+            prompt = [(i * 37 + n) % 500 + 3 for i in range(n)]
+            chunked, stepped = Sequence(model, adopt=False), Sequence(model, adopt=False)
+            chunks = [(end, logits[-1].clone()) for end, logits in prefill(model, prompt, chunked, last_only=True,
+                                                                            plans=plans)]
+            assert [end for end, _ in chunks] == list(range(min(n, PREFILL_CHUNK), n, PREFILL_CHUNK)) + [n]
+            last = chunks[-1][1]
+            for pos, token in enumerate(prompt):
+                expected = one.step(token, pos, stepped)
+            assert torch.equal(last, expected), n
+            assert _same_positions(chunked, stepped, n), n
+            eager = model(torch.tensor(prompt), 0, last_only=True, cache=Sequence(model, adopt=False))[-1]
+            assert float((last - eager).norm() / eager.norm()) < (0.07 if weight_type == "TQ2_0" else 0.04), n
+        if n > 16:
+            assert plans.prefill(37).rows == 48 and plans.prefill(37) is plans.prefill(40)  # kept, one per size
+
+
+def _same_positions(a, b, n: int) -> bool:
+    """The keys and values of positions ``0 .. n-1`` equal in two sequences' caches."""
+    keys = lambda s: s.k.transpose(-1, -2).flatten(2, 3)[:, :, :n]  # noqa: E731  [layers, kv, positions, hd]
+    return torch.equal(keys(a), keys(b)) and torch.equal(a.v[:, :, :n], b.v[:, :, :n])

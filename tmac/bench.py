@@ -181,7 +181,7 @@ def e2e_bench(source, variants, threads_list, notes: list[str], prompt_tokens=64
             if profiles is not None and c.model is not None:
                 profiles.append((c.label, threads, "decode", decode_profile(c.model, prompt[0],
                                                                             prompt_tokens + gen_tokens, notes)))
-                profiles.append((c.label, threads, "prefill", prefill_profile(c.model, prompt)))
+                profiles.append((c.label, threads, "prefill", prefill_profile(c.model, prompt, notes)))
             if progress:
                 progress.advance(f"{c.label} {threads}t")
     return rows
@@ -281,67 +281,48 @@ def decode_profile(model, token: int, pos: int, notes: list[str]) -> dict[str, f
         return plan.profile(token, pos)
 
 
-def prefill_profile(model, prompt: list[int], rounds: int = 3) -> dict[str, float]:
-    """Seconds of one prefill of ``prompt`` (a fresh sequence, in ``PREFILL_CHUNK``s as a session runs it) by part:
-    the LUT projections (tables and GEMM: the kernels, on the thread pool), attention apart from its projections
-    (RoPE, KV writes, scores: torch ops), and ``"step"``, the whole, from the round that took least. What is not a
-    LUT projection runs on one thread: at 1 thread, its share is the serial fraction."""
+def prefill_profile(model, prompt: list[int], notes: list[str], rounds: int = 3) -> dict[str, float]:
+    """Seconds of one prefill of ``prompt`` (a fresh sequence, in ``PREFILL_CHUNK``s as a session runs it) by kind
+    of call (``DecodePlan.kind``), from the round that took least, and ``"step"``, the whole ({} when the model
+    prefills on the eager path)."""
     import time
 
     import torch
 
-    from .linear import Linear
+    from . import runtime
+    from .models.decode import Plans
     from .models.generate import prefill
-    from .models.llama import Attention
     from .models.sequence import Sequence
 
-    spent = dict.fromkeys(("lut", "attention", "lut_in_attention"), 0.0)
-    started: dict[int, float] = {}
-    inside = [0]  # attention modules running: their projections are counted apart from them
-
-    def enter(module, args):
-        inside[0] += isinstance(module, Attention)
-        started[id(module)] = time.perf_counter()
-
-    def leave(module, args, out):
-        took = time.perf_counter() - started.pop(id(module))
-        if isinstance(module, Attention):
-            spent["attention"] += took
-            inside[0] -= 1
-        else:
-            spent["lut"] += took
-            spent["lut_in_attention"] += took if inside[0] else 0.0
-
-    hooks = [h for m in model.modules() if isinstance(m, (Linear, Attention))
-             for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))]
-    best = None
-    try:
-        sequence = Sequence(model, adopt=False)
-        with torch.inference_mode():
-            for _ in range(rounds):
-                spent.update(dict.fromkeys(spent, 0.0))
-                t0 = time.perf_counter()
-                for _ in prefill(model, prompt, sequence, last_only=True):
-                    pass
-                total = time.perf_counter() - t0
-                if best is None or total < best["step"]:
-                    best = {"LUT projections (tables + GEMM)": spent["lut"],
-                            "attention (RoPE, KV writes, scores)": spent["attention"] - spent["lut_in_attention"],
-                            "step": total}
-    finally:
-        for h in hooks:
-            h.remove()
+    plans = Plans(model).current()
+    if plans.prefill(len(prompt)) is None:
+        notes.append("no prefill profile: this model prefills on the eager path")
+        return {}
+    best, sequence = None, Sequence(model, adopt=False)  # (each round writes the same positions)
+    with torch.inference_mode(), runtime.torch_single_threaded():
+        for _ in range(rounds):
+            spent: dict[str, float] = {}
+            t0 = time.perf_counter()
+            for _ in prefill(model, prompt, sequence, last_only=True, plans=plans, spent=spent):
+                pass
+            spent["step"] = time.perf_counter() - t0
+            if best is None or spent["step"] < best["step"]:
+                best = spent
     return best
 
 
 def profile_rows(spent: dict[str, float], whole: str = "step") -> list[tuple[str, str, str]]:
     """One step's breakdown as table rows: each kind of call, the rest and the whole (``whole``), in ms and
-    share."""
+    share; then the serial part, all that does not run on the thread pool (at 1 thread: the serial fraction)."""
+    from .runtime import ON_POOL
+
     step = spent["step"]
     calls = sorted(((k, v) for k, v in spent.items() if k != "step"), key=lambda kv: -kv[1])
     rest = max(step - sum(v for _, v in calls), 0.0)
-    return [(k, f"{v * 1e3:.2f}", f"{v / step:.0%}") for k, v in [*calls, ("Python loop and the rest", rest)]] + \
-        [(whole, f"{step * 1e3:.2f}", "100%")]
+    serial = step - sum(v for k, v in calls if k.endswith(ON_POOL))
+    return [(k, f"{v * 1e3:.2f}", f"{v / step:.1%}") for k, v in [*calls, ("Python loop and the rest", rest)]] + \
+        [(whole, f"{step * 1e3:.2f}", "100%"), ("serial: not on the thread pool", f"{serial * 1e3:.2f}",
+                                                 f"{serial / step:.1%}")]
 
 
 def streamed_bytes(model) -> int:

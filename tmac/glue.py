@@ -18,6 +18,8 @@ glue kernels do each of those stretches in one call (``tmac.codegen.glue`` gener
 - ``norm_post_attn(delta, w, eps, out)``, ``norm_post_ffn``: Gemma's norms on the attention's and the FFN's
   outputs (``post_norms``);
 - ``gated_act(gate_up, out)``: ``act(gate)·up`` (SiLU for Llama, squared ReLU for BitNet, GeLU-tanh for Gemma);
+- ``NAME_rows``, for each function of one row above but ``norm_final``: the same on every row of ``[rows, n]``
+  buffers, rows in parallel (a prefill's chunk);
 - ``embed(codes, scales[, zeros], token, out)``: row ``token`` of a quantized token table (``tmac.Embedding``,
   described by the ``embed_*`` fields) dequantized into ``out``: one call instead of a dozen torch or numpy
   operations, slow right after the weight stream has evicted the interpreter's working set.
@@ -37,7 +39,13 @@ KV_DTYPES = ("float16", "float32")
 # query scores a block's positions as one vector (a multiply-add per head dimension) instead of folding a
 # ``head_dim``-long dot product across lanes for every position. Positions are allocated in whole blocks.
 KV_BLOCK = 16
+# query-key products (positions × heads × head_dim) from which ``attend``'s phases run on the thread pool: from
+# position 170 for SmolLM2's 9 heads of 64, 47 for the 1B shape's 32
+PARALLEL_ATTENTION_WORK = 96 * 1024
 
+
+
+ROWS = "_rows"  # the suffix of a glue function's batched variant (``GlueSpec.row_functions``)
 
 
 def check_kv_dtype(kv_dtype) -> None:
@@ -116,10 +124,17 @@ class GlueSpec:
                 + (f"z{half[self.embed_zero]}" if self.embed_zero else ""))
 
     @property
-    def functions(self) -> tuple[str, ...]:
-        return ("norm_in", "norm_final", "attend", "gated_act", *self.sub_norms * ("norm_attn", "norm_hidden"),
+    def row_functions(self) -> tuple[str, ...]:
+        """The functions of one row that also come batched: ``NAME_rows``, the same over every row of its
+        ``[rows, n]`` buffers, the rows on the thread pool (a prefill's)."""
+        return ("norm_in", "gated_act", *self.sub_norms * ("norm_attn", "norm_hidden"),
                 *self.post_norms * ("norm_post_attn", "norm_post_ffn"),
-                *self.act_quant * ("quantize_dim", "quantize_q", "quantize_ffn"), *bool(self.embed_bits) * ("embed",))
+                *self.act_quant * ("quantize_dim", "quantize_q", "quantize_ffn"))
+
+    @property
+    def functions(self) -> tuple[str, ...]:
+        return (*self.row_functions, *(name + ROWS for name in self.row_functions), "norm_final", "attend",
+                *bool(self.embed_bits) * ("embed",))
 
     def to_dict(self) -> dict:
         return asdict(self)

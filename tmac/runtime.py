@@ -57,6 +57,9 @@ def env_int(name: str, low: int, high: int) -> int:
     return value
 
 
+ON_POOL = ", on the pool"  # marks the kinds of call a profile lists that run on the kernels' thread pool
+
+
 def clamp_threads(n: int, what: str) -> int:
     """``n`` threads, or the CPUs this process may use where it asks for more (each thread would only wait for a
     CPU, and thousands exhaust the machine's process IDs), with a warning naming ``what``."""

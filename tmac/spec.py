@@ -14,6 +14,10 @@ from .kernels import ISAS
 from .layout import Layout, layout_of
 from .reference import padded_k
 
+# activation rows from which ``build_tables`` runs on the thread pool: a parallel launch costs more than one row's
+# tables take (the few rows of a batched decode step stay serial; a prefill's go parallel)
+PARALLEL_TABLE_ROWS = 16
+
 
 @dataclass(frozen=True)
 class KernelSpec:
