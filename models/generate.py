@@ -204,8 +204,11 @@ class Session:
                               "decode_s": 0.0, "stop_reason": "length"}
         with torch.inference_mode(), self._torch_threads(prefill=True):
             t0 = time.perf_counter()
-            plans = self._plans.current() if self.static_decode else None  # (the prefill's too)
+            plans = self._plans.current() if self.static_decode else None
             plan = plans.decode(1) if plans is not None and max_new_tokens > 1 else None
+            if plans is not None:  # the prefill's plans (of its chunks' sizes) are set-up too
+                for size in {min(PREFILL_CHUNK, len(prompt) - s) for s in range(reuse, len(prompt), PREFILL_CHUNK)}:
+                    plans.prefill(size)
             stats["setup_s"] = time.perf_counter() - t0
             t0 = time.perf_counter()
             self.cached_ids = prompt[:reuse]
@@ -225,11 +228,13 @@ class Session:
 
     def _torch_threads(self, prefill: bool = False):
         """torch on one thread while LUT layers run: the torch ops beside them are small or (a float head) slower
-        sharing the cores with the kernels' pool than alone; a float model keeps torch's threads. So does a
-        ``prefill`` where torch's idle OpenMP workers sleep (``OMP_WAIT_POLICY=PASSIVE``, set by tmac when imported
-        before torch): attention over a long prompt is its largest torch op (docs/decisions.md, "torch runs on one thread")."""
+        sharing the cores with the kernels' pool than alone; a float model keeps torch's threads. So does an eager
+        ``prefill`` (no plans) where torch's idle OpenMP workers sleep (``OMP_WAIT_POLICY=PASSIVE``, set by tmac
+        when imported before torch): attention over a long prompt is its largest torch op (docs/decisions.md,
+        "torch runs on one thread")."""
         passive = os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"
-        if not any(isinstance(m, Linear) for m in self.model.modules()) or prefill and passive:
+        if not any(isinstance(m, Linear) for m in self.model.modules()) or \
+                prefill and passive and not self.static_decode:
             return contextlib.nullcontext()
         return runtime.torch_single_threaded()
 

@@ -221,7 +221,7 @@ def _tmac_candidate(path, bits, head_bits, prompt, gen_tokens) -> _Candidate:
     session = Session(model)
 
     def run():
-        session.generate(prompt[:8], max_new_tokens=4, stop_on_eos=False)  # warm-up: kernels, thread pools
+        session.generate(prompt, max_new_tokens=2, stop_on_eos=False)  # warm-up: kernels, plans, thread pools
         session.cached_ids = []  # prefill the whole prompt
         session.generate(prompt, max_new_tokens=gen_tokens, stop_on_eos=False)
         s = session.stats
