@@ -146,6 +146,30 @@ def embed_func(spec: GlueSpec):
     return ib.get()
 
 
+def embed_q8_0_func(spec: GlueSpec):
+    """Row ``token`` of a GGUF Q8_0 table read from its own blocks (34 bytes: a float16 scale, 32 int8 codes) as
+    ``code·scale`` in float32: ``gguf.quants.dequantize``'s row, bit for bit."""
+    from tvm import tirx
+    from tvm.script.ir_builder import tirx as T
+
+    d = spec.dim
+    row = d // 32 * 34
+    with prim_func("embed") as ib:
+        vocab = T.int32()
+        B = arg("blocks", (vocab, row), "uint8")
+        token = T.arg("token", T.int32())
+        OUT = arg("out", (1, d))
+        codes = T.decl_buffer((vocab * row,), "int8", data=B.data)
+        halves = T.decl_buffer((vocab * row // 2,), "float16", data=B.data)  # (blocks start 2-byte aligned)
+        with T.Assert(tirx.all(0 <= token, token < vocab), "embed: token id outside the table", "ValueError"):
+            with T.serial(0, d // 32) as g:
+                at = token * row + g * 34
+                scale = tirx.Cast(F32, halves[at // 2])
+                with T.vectorized(0, 32) as i:
+                    T.buffer_store(OUT, tirx.Cast(F32, codes[at + 2 + i]) * scale, [0, g * 32 + i])
+    return ib.get()
+
+
 def module(spec: GlueSpec, isa):
     """The IRModule of ``spec``'s glue functions."""
     import tvm
@@ -170,4 +194,6 @@ def module(spec: GlueSpec, isa):
                 funcs[f"quantize_{name}{suffix}"] = quantize_func(f"quantize_{name}{suffix}", n, widest, batched)
     if spec.embed_bits:
         funcs["embed"] = embed_func(spec)
+    elif spec.embed_blocks:
+        funcs["embed"] = embed_q8_0_func(spec)
     return tvm.IRModule({name: f.with_attr("global_symbol", name) for name, f in funcs.items()})

@@ -17,10 +17,10 @@ import torch
 from torch import nn
 
 from tmac import runtime
-from tmac.embedding import Embedding
+from tmac.embedding import Embedding, StreamedEmbedding
 from tmac.float_linear import FLOAT_LINEARS, FloatLinear
 from tmac.formats import PER_TENSOR
-from tmac.glue import PARALLEL_ATTENTION_WORK, ROWS, GlueSpec
+from tmac.glue import EMBED_BLOCKS, PARALLEL_ATTENTION_WORK, ROWS, GlueSpec
 from tmac.kernels import isa_by_name
 from tmac.linear import Linear
 from tmac.lut_ops import check_packed, kernels_for, table_buffers
@@ -94,7 +94,9 @@ def glue_spec(cfg, act_quant: bool, isa, kv_dtype: str = "float16", table=None) 
     ``act_quant``) decodes with on ``isa``, with a KV cache of ``kv_dtype`` and the token table module ``table`` (a
     quantized one gets its lookup compiled)."""
     embed = {}
-    if isinstance(table, Embedding):
+    if isinstance(table, StreamedEmbedding):  # its own blocks, where the glue reads their type
+        embed = dict(embed_blocks=table.blocks_type) if table.blocks_type in EMBED_BLOCKS[1:] else {}
+    elif isinstance(table, Embedding):
         fmt = table.format
         embed = dict(embed_bits=fmt.bits, embed_groups=0 if fmt.group_size == PER_TENSOR else
                      fmt.groups_per_row(table.embedding_dim), embed_scale=fmt.scale_dtype,
@@ -157,6 +159,12 @@ class DecodePlan:
         emb, row = model.tok_embeddings, x[0]
         if isinstance(emb, nn.Embedding):
             embed = lambda t: row.copy_(emb.weight[t])  # noqa: E731
+        elif isinstance(emb, StreamedEmbedding) and glue.spec.embed_blocks:  # the row read from the file's blocks
+            blocks = _handle(emb.blocks)
+            x_handle = _handle(x)
+            embed = lambda t: glue.embed(blocks, t, x_handle)  # noqa: E731
+        elif isinstance(emb, StreamedEmbedding):  # blocks the glue does not read: decoded in Python
+            embed = lambda t: row.copy_(emb.row(t))  # noqa: E731
         else:
             params = [_handle(t) for t in (emb.codes, emb.scales, emb.zeros) if t is not None]
             x_handle = _handle(x)

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from tmac import files
-from tmac.embedding import Embedding
+from tmac.embedding import Embedding, StreamedEmbedding
 from tmac.errors import ModelFormatError
 from tmac.float_linear import FloatLinear, exact_16bit, exactly_in
 from tmac.formats import BITS, Q8_0_LAYOUT, check_bits, check_group_size, default_group_size, kernels_take
@@ -25,7 +25,7 @@ from tmac.linear import gather_packed
 from tmac.memory import release_freed_memory
 from tmac.progress import Progress
 from tmac.quantize import quantize_weight
-from tmac.qweight import QuantizedWeight, stack_rows
+from tmac.qweight import QuantizedWeight, RowCodes, stack_rows
 from tmac.runtime import get_num_threads
 
 from .arch import ARCHITECTURES, FUSED
@@ -281,8 +281,8 @@ def token_embedding(table, requantized: bool) -> nn.Module:
     BitNet checkpoint's 32002×3200 table: 205 MB instead of 410) — or, when the model is requantized, stored at 8
     bits, symmetric, in groups of 32 (Q8_0's layout: a quarter of float32, its rounding far below the
     projections' own). Rows are widened to float32 as they are looked up."""
-    if isinstance(table, QuantizedWeight):
-        return Embedding(table)
+    if isinstance(table, QuantizedWeight):  # a large one read from a file stays there (``StreamedEmbedding``)
+        return StreamedEmbedding(table) if isinstance(table.codes, RowCodes) else Embedding(table)
     if requantized and table.shape[1] % Q8_0_LAYOUT["group_size"] == 0:
         return Embedding(quantize_weight(table, **Q8_0_LAYOUT))
     return nn.Embedding.from_pretrained(exact_16bit(_float_tensor(table)), freeze=True)

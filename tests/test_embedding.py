@@ -61,6 +61,41 @@ def test_smollm2_q8_0_table_is_bit_exact():
     assert emb.codes.numel() + emb.scales.numel() * 2 == shape[0] * shape[1] * 34 // 32  # Q8_0's own size
 
 
+def test_a_gguf_table_stays_in_the_file_and_gives_its_rows():
+    """Loading SmolLM2's GGUF leaves its tied Q8_0 table in the file (``StreamedEmbedding``: rows decoded from the
+    mapped blocks on lookup; the head holds the packed weights): its rows are the gguf package's dequantized rows,
+    bit for bit; a state dict holds the codes, and a plain ``tmac.Embedding`` loaded from it gives the same rows."""
+    from tmac.embedding import StreamedEmbedding
+
+    model = tmac.load_model(smollm2_path(), context=8, progress=False)
+    emb = model.tok_embeddings
+    assert isinstance(emb, StreamedEmbedding) and "codes" not in dict(emb.named_buffers())
+    reader = gguf.GGUFReader(smollm2_path())
+    (t,) = [t for t in reader.tensors if t.name == "token_embd.weight"]
+    shape = tuple(int(d) for d in reversed(t.shape))
+    ids = torch.tensor([0, 1, 2, 1000, 49151, 1000])
+    want = dequantize(t.data, t.tensor_type).reshape(shape)[ids.numpy()]
+    assert np.array_equal(emb(ids).numpy().view(np.uint32), want.astype(np.float32).view(np.uint32))
+    assert torch.equal(emb.row(1000), emb(ids)[3]) and emb(ids[:0]).shape == (0, shape[1])
+    state = emb.state_dict()
+    plain = tmac.Embedding._empty(state["_extra_state"])
+    plain.load_state_dict(state)
+    assert torch.equal(plain(ids), emb(ids))
+    with pytest.raises(TypeError, match="RowCodes"):
+        StreamedEmbedding(import_gguf(np.asarray(t.data).reshape(-1)[:34], "Q8_0", (1, 32)))
+    # the decode plan reads a row from the file's blocks in compiled code (the glue's embed for Q8_0): the same row
+    from tmac.models.decode import DecodePlan
+
+    plan = DecodePlan.build(model)
+    assert plan is not None and plan._keep[0].spec.embed_blocks == "Q8_0"
+    x = plan.buf["x"][0]
+    for token in (0, 1000, 49151):
+        plan.embed_into(token)
+        assert torch.equal(x, emb.row(token)), token
+    with pytest.raises(ValueError, match="outside the table"):
+        plan.embed_into(49152)
+
+
 def test_bad_ids_raise(rng):
     emb = tmac.Embedding(quantize_weight(rng.standard_normal((10, 32)).astype(np.float32), bits=4, group_size=32))
     with pytest.raises(IndexError, match=r"\[0, 10\)"):

@@ -9,12 +9,14 @@ format's dtypes — SmolLM2's Q8_0 table is 30 MB this way instead of 113 MB of 
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 from torch import nn
 
 from .formats import PER_TENSOR, STORAGE_BITS, WeightFormat
-from .qweight import QuantizedWeight
+from .qweight import QuantizedWeight, RowCodes
 
 STATE_VERSION = 1
 
@@ -54,8 +56,12 @@ class Embedding(nn.Module):
         return self._rows(torch.tensor([token]))[0]
 
     def _rows(self, rows: torch.Tensor) -> torch.Tensor:
+        return self._dequantized(rows, self._codes(self.codes[rows]))
+
+    def _dequantized(self, rows: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+        """Float32 rows ``rows`` of the table from their uint8 ``codes`` ``[n, embedding_dim]``."""
         fmt, d = self.format, self.embedding_dim
-        q = self._codes(self.codes[rows]).float() - fmt.offset
+        q = codes.float() - fmt.offset
         per_tensor = fmt.group_size == PER_TENSOR
         groups = 1 if per_tensor else self.scales.shape[1]
 
@@ -130,6 +136,56 @@ class Embedding(nn.Module):
             self.quantized_weight()  # validates codes against the format's range, like any QuantizedWeight
         except (ValueError, TypeError) as e:
             error_msgs.append(f"{prefix or 'tmac.Embedding '}: {e}")
+
+
+class StreamedEmbedding(Embedding):
+    """A ``tmac.Embedding`` whose codes stay in the model file (``RowCodes``: a GGUF's table, decoded a row at a
+    time from the mapped blocks as tokens are looked up); its scales and zeros are held. A tied table is then held
+    once, as the head's packed weights, and an untied one not at all. ``codes`` materializes the packed codes on
+    each access (a checkpoint, a comparison); lookups never do."""
+
+    def __init__(self, qw: QuantizedWeight):
+        if not isinstance(qw, QuantizedWeight) or not isinstance(qw.codes, RowCodes):
+            raise TypeError("StreamedEmbedding takes a QuantizedWeight whose codes stay in a file (RowCodes)")
+        nn.Module.__init__(self)
+        if qw.shape[1] * STORAGE_BITS[qw.format.bits] % 8:
+            raise ValueError(f"embedding_dim {qw.shape[1]} does not fill whole bytes at {qw.format.bits} bits")
+        self._stream = qw.codes
+        self._set(qw.format, qw.shape, None, torch.from_numpy(qw.scales.astype(qw.format.scale_dtype)),
+                  None if qw.zeros is None else torch.from_numpy(qw.zeros.astype(qw.format.zero_dtype)))
+
+    def _set(self, fmt, shape, codes, scales, zeros) -> None:
+        self.format = fmt
+        self.num_embeddings, self.embedding_dim = shape
+        self.register_buffer("scales", scales)
+        self.register_buffer("zeros", zeros)
+
+    @property
+    def codes(self) -> torch.Tensor:
+        return _pack_codes(self._stream, self.format.bits)
+
+    @property
+    def blocks(self) -> torch.Tensor | None:
+        """The file's blocks ``[num_embeddings, row bytes]`` (uint8, read-only), and their GGUF type
+        (``blocks_type``)."""
+        if self._stream.blocks is None:
+            return None
+        with warnings.catch_warnings():  # a read-only mapping: nothing writes to it
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.from_numpy(self._stream.blocks)
+
+    @property
+    def blocks_type(self) -> str:
+        return self._stream.type_name
+
+    def _rows(self, rows: torch.Tensor) -> torch.Tensor:
+        codes = np.concatenate([self._stream[r:r + 1] for r in rows.tolist()]) if len(rows) else \
+            np.empty((0, self.embedding_dim), np.uint8)
+        return self._dequantized(rows, torch.from_numpy(codes))
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "codes"] = self.codes  # a checkpoint holds them (loaded as a plain Embedding)
 
 
 def _pack_codes(codes, bits: int) -> torch.Tensor:

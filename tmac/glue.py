@@ -22,7 +22,8 @@ glue kernels do each of those stretches in one call (``tmac.codegen.glue`` gener
   buffers, rows in parallel (a prefill's chunk);
 - ``embed(codes, scales[, zeros], token, out)``: row ``token`` of a quantized token table (``tmac.Embedding``,
   described by the ``embed_*`` fields) dequantized into ``out``: one call instead of a dozen torch or numpy
-  operations, slow right after the weight stream has evicted the interpreter's working set.
+  operations, slow right after the weight stream has evicted the interpreter's working set; with ``embed_blocks``
+  ``embed(blocks, token, out)`` reads the row from a GGUF table's own blocks (``StreamedEmbedding``: Q8_0).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ PARALLEL_ATTENTION_WORK = 96 * 1024
 
 
 
+EMBED_BLOCKS = ("", "Q8_0")  # the GGUF block types whose rows ``embed`` reads from a file's table
 ROWS = "_rows"  # the suffix of a glue function's batched variant (``GlueSpec.row_functions``)
 
 
@@ -69,6 +71,7 @@ class GlueSpec:
     embed_groups: int = 0  # its scale groups a row; 0: one scale for the whole table
     embed_scale: str = "float32"  # the storage of its scales, and of its zeros ("" without)
     embed_zero: str = ""
+    embed_blocks: str = ""  # "Q8_0": ``embed`` reads a row of a GGUF table's own blocks (``StreamedEmbedding``)
     qkv_bias: bool = False  # ``attend`` adds the q/k/v biases (Qwen2)
     qk_norm: bool = False  # ``attend`` normalizes each q and k head before RoPE (Qwen3, Gemma 3)
     rotary_dim: int = 0  # dimensions of a head RoPE turns; 0: all
@@ -88,6 +91,9 @@ class GlueSpec:
                 not 0 <= self.attn_scale <= 10 or not 0 <= self.softcap <= 1e4:
             raise ValueError(f"invalid glue spec attention: rotary_dim {self.rotary_dim!r:.20} of head_dim "
                              f"{self.head_dim}, scale {self.attn_scale!r:.20}, soft cap {self.softcap!r:.20}")
+        if self.embed_blocks not in EMBED_BLOCKS or self.embed_blocks and self.embed_bits:
+            raise ValueError(f"invalid token table for the glue: blocks {self.embed_blocks!r:.20} (one of "
+                             f"{EMBED_BLOCKS}, without embed_bits)")
         if self.embed_bits and (self.embed_bits not in STORAGE_BITS or self.embed_groups < 0 or
                                 self.embed_groups and self.dim % self.embed_groups or
                                 self.embed_scale not in PARAM_DTYPES or self.embed_zero not in ("", *PARAM_DTYPES)):
@@ -117,6 +123,8 @@ class GlueSpec:
 
     @property
     def _embed_suffix(self) -> str:
+        if self.embed_blocks:
+            return f"_e{self.embed_blocks.lower()}"
         if not self.embed_bits:
             return ""
         half = {"float16": "h", "float32": "f"}
@@ -134,7 +142,7 @@ class GlueSpec:
     @property
     def functions(self) -> tuple[str, ...]:
         return (*self.row_functions, *(name + ROWS for name in self.row_functions), "norm_final", "attend",
-                *bool(self.embed_bits) * ("embed",))
+                *bool(self.embed_bits or self.embed_blocks) * ("embed",))
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # torch loads with the first arena, not with ``tmac info``
 HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14  # <sys/mman.h>, the same on every Linux architecture
 ALIGN = 64  # of each tensor placed in an arena: the kernels' vector loads want cache-line starts
-TRIM_EVERY = 64 << 20  # bytes gathered between handing freed memory back to the OS
+TRIM_EVERY = 8 << 20  # bytes gathered between handing freed memory back to the OS
 
 
 def huge_page_mode() -> str:

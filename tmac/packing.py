@@ -41,7 +41,7 @@ from .kquant import factor_params
 from .qweight import QuantizedWeight
 from .spec import KernelSpec, packed_shapes
 
-PACK_WEIGHTS = 1 << 21  # codes packed at a time: the layout's temporaries, ~15 bytes a code, stay ~30 MiB
+PACK_WEIGHTS = 1 << 19  # codes packed at a time: the layout's temporaries, ~15 bytes a code, stay ~8 MiB
 
 
 def pack_for(qw: QuantizedWeight, isa, **tiling) -> PackedWeight:

@@ -273,7 +273,7 @@ def import_gguf(data, type_name: str, shape: tuple[int, int], decoded_pages: Cal
     # packing reads them
     rows = max(1, QUANTIZE_CHUNK // k)
     streamed = m * k >= STREAM_CODES
-    codes = RowCodes((m, k), decoded_codes) if streamed else \
+    codes = RowCodes((m, k), decoded_codes, blocks.reshape(m, -1), type_name) if streamed else \
         np.empty((m, k), np.uint8)
     scales, zeros = np.empty((m, k // fmt.group_size), np.float32), None
     for r0 in range(0, m, rows):

@@ -20,8 +20,11 @@ class RowCodes:
     ndim = 2
     SLICE = 1 << 22  # codes decoded at a time where the whole is asked for
 
-    def __init__(self, shape: tuple[int, int], rows: Callable[[int, int], np.ndarray]):
+    def __init__(self, shape: tuple[int, int], rows: Callable[[int, int], np.ndarray], blocks: np.ndarray | None = None,
+                 type_name: str = ""):
         self.shape, self._rows = tuple(shape), rows
+        # the file's blocks ``[M, row bytes]`` of GGUF type ``type_name``, where a reader of raw rows wants them
+        self.blocks, self.type_name = blocks, type_name
 
     @property
     def size(self) -> int:
