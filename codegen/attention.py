@@ -5,7 +5,7 @@ one."""
 
 from __future__ import annotations
 
-from tmac.glue import KV_BLOCK, PARALLEL_ATTENTION_WORK, GlueSpec
+from tmac.glue import KV_BLOCK, PARALLEL_ATTENTION_WORK, ROWS, GlueSpec
 
 from .tir import arg, prim_func
 from .vectors import F32, bcast, exp, f32, lane_fold, lanes_of, rms_scale, spans_of, vec
@@ -28,8 +28,9 @@ class _Attend:
     """What the emitters of ``attend`` share: the spec's sizes, the function's buffers (``declare``) and how many
     heads share a pass over the keys and over the values."""
 
-    def __init__(self, spec: GlueSpec, widest: int, sum_vectors: int):
-        self.spec = spec
+    def __init__(self, spec: GlueSpec, widest: int, sum_vectors: int, batched: bool = False):
+        self.spec, self.batched = spec, batched
+        self.row = 0  # the row of ``qkv`` and ``out`` being emitted (a loop variable of the batched variant)
         self.h, self.kv, self.hd, self.kvd, self.blk = spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.kv_dtype, \
             KV_BLOCK
         self.widest, self.sum_vectors = widest, sum_vectors
@@ -60,7 +61,8 @@ class _Attend:
 
         h, kv, hd, kvd, blk = self.h, self.kv, self.hd, self.kvd, self.blk
         self.ctx, self.nb = ctx, nb = T.int32(), T.int32()
-        self.QKV = arg("qkv", (1, (h + 2 * kv) * hd))
+        rows = self.rows = T.int32() if self.batched else 1
+        self.QKV = arg("qkv", (rows, (h + 2 * kv) * hd))
         self.BIAS = arg("bias", (1, (h + 2 * kv) * hd)) if self.spec.qkv_bias else None
         if self.spec.qk_norm:
             self.QN, self.KN = arg("q_norm", (hd,)), arg("k_norm", (hd,))
@@ -69,10 +71,15 @@ class _Attend:
         self.SIN = arg("sin", (ctx, 1, self.rot))
         self.CK = arg("cache_k", (kv, nb, hd, blk), kvd)
         self.CV = arg("cache_v", (kv, nb * blk, hd), kvd)
-        self.SC = arg("scores", (h, nb * blk))
-        self.pos = T.arg("pos", T.int32())
+        if self.batched:  # a scratch of scores per task: the rows' attention runs in ``tasks`` parallel tasks
+            self.tasks = T.int32()
+            self.SCR = arg("scores", (self.tasks, h, nb * blk))
+        else:
+            self.SC = arg("scores", (h, nb * blk))
+        self.pos = self.start = T.arg("pos", T.int32())
+        self.last = T.arg("last", T.int32()) if self.batched else None
         self.window = T.arg("window", T.int32()) if self.spec.window else None
-        self.OUT = arg("out", (1, h * hd))
+        self.OUT = arg("out", (rows, h * hd))
         # the rotated, scaled queries live in ``out`` until the values accumulate there: scratch buffers accessed
         # in more than one vector width segfault TVM 0.27's storage rewrite (argument buffers are fine)
         self.q = self.OUT
@@ -96,29 +103,32 @@ class _Attend:
             lanes = lanes_of(n, widest)
             with T.serial(0, n // lanes) as c:
                 at = vec(c * lanes, lanes)
-                T.buffer_store(self.QKV, self.QKV[0, at] + self.BIAS[0, at], [0, at])
+                T.buffer_store(self.QKV, self.QKV[self.row, at] + self.BIAS[0, at], [self.row, at])
         if not self.spec.qk_norm:
             return
         lanes = lanes_of(hd, widest)
         for first, count, weight in ((0, h, self.QN), (h, kv, self.KN)):
             with T.serial(first, first + count) as head:
-                scale = rms_scale(T, hd, lanes, lambda at: self.QKV[0, head * hd + at] * self.QKV[0, head * hd + at],
+                scale = rms_scale(T, hd, lanes, lambda at: self.QKV[self.row, head * hd + at] *
+                                  self.QKV[self.row, head * hd + at],
                                   self.eps)
                 with T.serial(0, hd // lanes) as c:
                     at = vec(c * lanes, lanes)
-                    T.buffer_store(self.QKV, self.QKV[0, head * hd + at] * bcast(scale[0], lanes) * weight[at],
-                                   [0, head * hd + at])
+                    T.buffer_store(self.QKV, self.QKV[self.row, head * hd + at] * bcast(scale[0], lanes) * weight[at],
+                                   [self.row, head * hd + at])
 
     def rotated(self, head, c):
         """The two rotated halves of vector ``c`` of ``head`` (q heads first, then k heads)."""
         hd, half, lr, pos = self.hd, self.half, self.lr, self.pos
-        x1, x2 = self.QKV[0, vec(head * hd + c * lr, lr)], self.QKV[0, vec(head * hd + half + c * lr, lr)]
+        row = self.row
+        x1, x2 = self.QKV[row, vec(head * hd + c * lr, lr)], self.QKV[row, vec(head * hd + half + c * lr, lr)]
         c1, s1 = self.COS[pos, 0, vec(c * lr, lr)], self.SIN[pos, 0, vec(c * lr, lr)]
         c2, s2 = self.COS[pos, 0, vec(half + c * lr, lr)], self.SIN[pos, 0, vec(half + c * lr, lr)]
         return x1 * c1 + (bcast(f32(0.0), lr) - x2) * s1, x2 * c2 + x1 * s2
 
-    def emit_new_position(self) -> None:
-        """The queries rotated and scaled into ``out``; the new key rotated and the new value into the caches."""
+    def emit_new_position(self, write=None) -> None:
+        """The queries rotated and scaled into ``out``; the new key rotated and the new value into the caches (where
+        ``write`` holds, when given)."""
         from tvm import tirx
         from tvm.script.ir_builder import tirx as T
 
@@ -127,10 +137,21 @@ class _Attend:
         with T.serial(0, h) as head:
             with T.serial(0, half // lr) as c:
                 r1, r2 = self.rotated(head, c)
-                T.buffer_store(self.q, r1 * scale, [0, vec(head * hd + c * lr, lr)])
-                T.buffer_store(self.q, r2 * scale, [0, vec(head * hd + half + c * lr, lr)])
+                T.buffer_store(self.q, r1 * scale, [self.row, vec(head * hd + c * lr, lr)])
+                T.buffer_store(self.q, r2 * scale, [self.row, vec(head * hd + half + c * lr, lr)])
             with T.serial(self.rot, hd) as d:  # dimensions past the rotary ones: scaled only
-                T.buffer_store(self.q, self.QKV[0, head * hd + d] * f32(self.scale), [0, head * hd + d])
+                T.buffer_store(self.q, self.QKV[self.row, head * hd + d] * f32(self.scale), [self.row, head * hd + d])
+        if write is None:
+            self._emit_cache_write(h, kv, hd, half, lr, blk, pos)
+            return
+        with T.If(write):
+            with T.Then():
+                self._emit_cache_write(h, kv, hd, half, lr, blk, pos)
+
+    def _emit_cache_write(self, h, kv, hd, half, lr, blk, pos) -> None:
+        from tvm import tirx
+        from tvm.script.ir_builder import tirx as T
+
         with T.serial(0, kv) as kh:
             key = (kh * self.nb + pos // blk) * hd * blk + pos % blk  # of dimension 0 of the new key
             with T.serial(0, half // lr) as c:
@@ -138,9 +159,10 @@ class _Attend:
                     T.buffer_store(self.keys_flat, self.narrow(r, lr),
                                    [tirx.Ramp(key + d0 * blk, blk, lr) if lr > 1 else key + d0 * blk])
             with T.serial(self.rot, hd) as d:
-                T.buffer_store(self.keys_flat, self.narrow(self.QKV[0, (h + kh) * hd + d], 1), [key + d * blk])
+                T.buffer_store(self.keys_flat, self.narrow(self.QKV[self.row, (h + kh) * hd + d], 1),
+                               [key + d * blk])
             for at, n in self.spans:
-                T.buffer_store(self.CV, self.narrow(self.QKV[0, vec((h + kv + kh) * hd + at, n)], n),
+                T.buffer_store(self.CV, self.narrow(self.QKV[self.row, vec((h + kv + kh) * hd + at, n)], n),
                                [kh, pos, vec(at, n)])
 
     def emit_scores(self, loop) -> None:
@@ -165,7 +187,7 @@ class _Attend:
                         d = dd * sets + j
                         k_d = self.widen(self.CK[kh, b, d, vec(0, blk)], blk)
                         for g in range(hq):
-                            qd = bcast(q[0, (kp * hq + g) * hd + d], blk)
+                            qd = bcast(q[self.row, (kp * hq + g) * hd + d], blk)
                             a = vec(g * blk, blk)
                             T.buffer_store(acc, acc[a] + qd * k_d, [a])
                 for g in range(hq):  # the block's positions past ``pos`` get scores nobody reads
@@ -247,7 +269,7 @@ class _Attend:
             for g in range(hv):
                 for at, n in spans:
                     buf, i = summed(g, at)
-                    T.buffer_store(self.OUT, buf[i], [0, vec((vp * hv + g) * hd + at, n)])
+                    T.buffer_store(self.OUT, buf[i], [self.row, vec((vp * hv + g) * hd + at, n)])
 
     def emit(self) -> None:
         from tvm import tirx
@@ -276,10 +298,43 @@ class _Attend:
                     phases(T.serial)
 
 
-def attend_func(spec: GlueSpec, widest: int, sum_vectors: int):
-    """``attend``: the new position's RoPE and cache update, then scores, softmax and values in three phases."""
-    attend = _Attend(spec, widest, sum_vectors)
-    with prim_func("attend") as ib:
+    def emit_rows(self) -> None:
+        """The batched variant: row r of ``qkv`` is position ``pos + min(r, last)`` of one sequence (rows past
+        ``last`` repeat it). Every row's RoPE (and each new position's cache update) first, in parallel; then each
+        row's attention over the positions up to its own (causal: all written by then), in parallel tasks of rows
+        ``tasks`` apart (a row's work grows with its position), each task with its own scores (``scores[task]``)."""
+        from tvm import tirx
+        from tvm.script.ir_builder import tirx as T
+
+        rows, start, last = self.rows, self.start, self.last
+        with T.Assert(tirx.all(0 <= start, 0 <= last, last < rows, start + last < self.ctx,
+                               start + last < self.nb * self.blk), "attend_rows: positions outside the KV cache",
+                      "ValueError"):
+            with T.parallel(0, rows) as r:
+                self.row, self.pos = r, start + tirx.min(r, last)
+                self.emit_biases_and_norms()
+                self.emit_new_position(write=r <= last)  # (a repeated row's key and value are its original's)
+            per = self.h * self.nb * self.blk
+            with T.parallel(0, self.tasks) as task:  # rows task, task + tasks, …: a mix of short and long ones
+                self.SC = T.decl_buffer((self.h, self.nb * self.blk), F32, data=self.SCR.data, elem_offset=task * per)
+                with T.serial(0, (rows - task + self.tasks - 1) // self.tasks) as j:
+                    self._emit_row_attention(task + j * self.tasks)
+
+    def _emit_row_attention(self, r) -> None:
+        from tvm import tirx
+        from tvm.script.ir_builder import tirx as T
+
+        self.row, self.pos = r, self.start + tirx.min(r, self.last)
+        self.emit_scores(T.serial)
+        self.emit_softmax(T.serial)
+        self.emit_values(T.serial)
+
+
+def attend_func(spec: GlueSpec, widest: int, sum_vectors: int, batched: bool = False):
+    """``attend``: the new position's RoPE and cache update, then scores, softmax and values in three phases;
+    ``batched``: ``attend_rows``, the same for consecutive positions of one sequence (``_Attend.emit_rows``)."""
+    attend = _Attend(spec, widest, sum_vectors, batched)
+    with prim_func("attend" + ROWS * batched) as ib:
         attend.declare()
-        attend.emit()
+        attend.emit_rows() if batched else attend.emit()
     return ib.get()

@@ -177,7 +177,8 @@ def module(spec: GlueSpec, isa):
     widest = max(isa.vector_bytes // 4, 4)
     q_dim = spec.n_heads * spec.head_dim
     funcs = {"norm_final": rms_norm_func("norm_final", spec.dim, widest, True),
-             "attend": attend_func(spec, widest, isa.sum_vectors)}
+             "attend": attend_func(spec, widest, isa.sum_vectors),
+             "attend" + ROWS: attend_func(spec, widest, isa.sum_vectors, batched=True)}
     for batched in (False, True):  # each function of one row, and its _rows variant
         suffix = ROWS * batched
         funcs["norm_in" + suffix] = rms_norm_func("norm_in" + suffix, spec.dim, widest, True, batched)

@@ -30,6 +30,9 @@ from .vectors import vec
 F32 = "float32"
 
 
+GEMM_ROW_SPLITS = 4  # runs of activation-row tiles a GEMM's row block is split into, each a parallel task
+
+
 class _Gemm:
     """What the emitters of one ``lut_gemm``/``lut_gemv`` share: the spec's sizes, the ISA, the function's buffers
     (``declare``) and the loop variables of the block and row tile being emitted (``emit_blocks``)."""
@@ -155,7 +158,13 @@ class _Gemm:
         from tvm.script.ir_builder import tirx as T
 
         spec, n_tile, sb, sg = self.spec, self.n_tile, self.sb, self.sg
-        with T.parallel(0, self.mb) as blk:
+        # the GEMM's tasks: each row block's activation-row tiles in GEMM_ROW_SPLITS runs (a matrix of few blocks,
+        # 576 rows, would otherwise keep some threads idle); each output still has one task and one order of sums
+        splits = 1 if n_tile == 1 else GEMM_ROW_SPLITS
+        tiles = self.np_ // n_tile
+        per_split = (tiles + splits - 1) // splits
+        with T.parallel(0, self.mb * splits) as task:
+            blk = task // splits if splits > 1 else task
             self.blk = blk
             self.out = T.alloc_buffer((n_tile * sb,), F32, scope="global")
             # K-quants: a super group's Σ a·(terms) and Σ b·Σx, per row of the tile
@@ -164,9 +173,10 @@ class _Gemm:
             self.racc = T.alloc_buffer((sb,), "int32", scope="global")
             self.accs = [T.alloc_buffer((nv * n_tile,), self.isa.acc_dtype(p, self.steps), scope="global")
                          for _, p, nv, _, _ in self.chunks]
-            with T.serial(0, self.np_ // n_tile) as nt:
-                self.nt = nt
-                with T.serial(0, self.parts) as part:  # the block's rows, a part at a time
+            with T.serial(0, per_split) as j:
+                nt = self.nt = task % splits * per_split + j if splits > 1 else j
+                parts = self.parts if splits == 1 else tirx.if_then_else(nt < tiles, self.parts, 0)  # (past the tiles)
+                with T.serial(0, parts) as part:  # the block's rows, a part at a time
                     self.part, self.first_row = part, part * sb  # first row of the part in the block
                     for r in range(n_tile):  # later chunks go on from Y: the float sums keep their order
                         row = nt * n_tile + r

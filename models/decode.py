@@ -203,6 +203,9 @@ class DecodePlan:
                  "logits": cfg.vocab_size}
         buf = {name: torch.zeros((1 if prefill and name == "logits" else rows, n)) for name, n in names.items()}
         scores = torch.zeros((cfg.n_heads, model.cache_v.shape[2]))  # the cache's positions, whole key blocks
+        # attend_rows's: one scratch a task, a task a CPU this process may use
+        task_scores = torch.zeros((runtime.usable_cpus(), *scores.shape) if prefill and rows >= PARALLEL_TABLE_ROWS
+                                  else (0,))
         tables: dict = {}
         row_handles = [{name: _handle(t[r:r + 1]) for name, t in buf.items()} for r in range(rows)]
         sc = _handle(scores)
@@ -262,10 +265,16 @@ class DecodePlan:
                 shared.update(q_norm=_norm(attn.q_norm), k_norm=_norm(attn.k_norm), eps=eps)
             each_row(glue.norm_in, "x", residual, _norm(layer.attention_norm), eps, "xn")
             project(attn.wqkv, "xn", "qkv", biased=cfg.qkv_bias)
-            for r, h in enumerate(row_handles):  # each row's attention: its own position and cache (set by a step)
-                named = dict(shared, qkv=h["qkv"], out=h["att"])
-                positions[r].append([named[name] for name in glue.spec.attend_args])
-                calls.append((glue.attend, positions[r][-1]))
+            if prefill and rows >= PARALLEL_TABLE_ROWS:  # the rows' attention in one call, on the pool
+                named = dict(shared, qkv=whole["qkv"], out=whole["att"], last=rows - 1,
+                             scores=_handle(task_scores))
+                positions[0].append([named[name] for name in glue.spec.attend_rows_args])
+                calls.append((getattr(glue, "attend" + ROWS), positions[0][-1]))
+            else:
+                for r, h in enumerate(row_handles):  # each row's attention: its own position and cache (set by a step)
+                    named = dict(shared, qkv=h["qkv"], out=h["att"])
+                    positions[r].append([named[name] for name in glue.spec.attend_args])
+                    calls.append((glue.attend, positions[r][-1]))
             project(attn.wo, "att", "delta", attn.out_norm, getattr(glue, "norm_attn", None))
             residual = post_norm(getattr(glue, "norm_post_attn", None), layer.post_attention_norm)
             each_row(glue.norm_in, "x", residual, _norm(layer.ffn_norm), eps, "xn")
@@ -284,7 +293,7 @@ class DecodePlan:
             cap, logits = cfg.final_softcap, buf["logits"]
             calls += [(logits.div_, [cap]), (torch.tanh_, [logits]), (logits.mul_, [cap])]
             labels.update({id(fn): "logit soft cap" for fn, _ in calls[-3:]})
-        return cls(model, calls, positions, buf, labels, (glue, scores, tables, biases))
+        return cls(model, calls, positions, buf, labels, (glue, scores, tables, biases, task_scores))
 
     def step(self, token: int, pos: int, sequence=None) -> torch.Tensor:
         """Logits ``[vocab]`` of ``token`` at position ``pos`` of ``sequence`` (a ``Sequence``, whose cache holds
@@ -322,6 +331,9 @@ class DecodePlan:
             raise ValueError(f"a prefill plan of {self.rows} rows takes 1 to {self.rows} tokens, got {n}")
         for r in range(self.rows):
             self._place(r, tokens[min(r, n - 1)], start + min(r, n - 1), sequence)
+        if self.rows >= PARALLEL_TABLE_ROWS:  # attend_rows: the rows past the tokens repeat the last
+            for args in self.rows_positions[0]:
+                args[self.slots[0] + 1] = n - 1
         runtime.apply_threads()
         for r in range(self.rows):
             self.embed_rows[r](tokens[min(r, n - 1)])

@@ -19,7 +19,8 @@ glue kernels do each of those stretches in one call (``tmac.codegen.glue`` gener
   outputs (``post_norms``);
 - ``gated_act(gate_up, out)``: ``act(gate)·up`` (SiLU for Llama, squared ReLU for BitNet, GeLU-tanh for Gemma);
 - ``NAME_rows``, for each function of one row above but ``norm_final``: the same on every row of ``[rows, n]``
-  buffers, rows in parallel (a prefill's chunk);
+  buffers, rows in parallel (a prefill's chunk); ``attend_rows(..., pos, last, ...)`` takes row r as position
+  ``pos + min(r, last)`` of one sequence, writes every new position, then attends each row up to its own;
 - ``embed(codes, scales[, zeros], token, out)``: row ``token`` of a quantized token table (``tmac.Embedding``,
   described by the ``embed_*`` fields) dequantized into ``out``: one call instead of a dozen torch or numpy
   operations, slow right after the weight stream has evicted the interpreter's working set; with ``embed_blocks``
@@ -118,8 +119,16 @@ class GlueSpec:
     @property
     def attend_args(self) -> tuple[str, ...]:
         """The names of ``attend``'s arguments, in order."""
+        return self._attend_args(batched=False)
+
+    @property
+    def attend_rows_args(self) -> tuple[str, ...]:
+        """The names of ``attend_rows``'s arguments, in order: ``attend``'s and ``last`` after ``pos``."""
+        return self._attend_args(batched=True)
+
+    def _attend_args(self, batched: bool) -> tuple[str, ...]:
         return ("qkv", *self.qkv_bias * ("bias",), *self.qk_norm * ("q_norm", "k_norm", "eps"), "cos", "sin",
-                "cache_k", "cache_v", "scores", "pos", *self.window * ("window",), "out")
+                "cache_k", "cache_v", "scores", "pos", *batched * ("last",), *self.window * ("window",), "out")
 
     @property
     def _embed_suffix(self) -> str:
@@ -142,7 +151,7 @@ class GlueSpec:
     @property
     def functions(self) -> tuple[str, ...]:
         return (*self.row_functions, *(name + ROWS for name in self.row_functions), "norm_final", "attend",
-                *bool(self.embed_bits or self.embed_blocks) * ("embed",))
+                "attend" + ROWS, *bool(self.embed_bits or self.embed_blocks) * ("embed",))
 
     def to_dict(self) -> dict:
         return asdict(self)
