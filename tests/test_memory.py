@@ -64,8 +64,12 @@ def test_loaded_models_and_quantize_model_use_the_arena():
     model = tmac.load_model(smollm2_path(), context=64, progress=False)
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert len(linears) >= 4 * model.config.n_layers
-    storages = {t.untyped_storage().data_ptr() for m in linears for t in (m.qweight, m.scales)}
-    assert len(storages) == 1
+    # one arena, but for a tensor of IN_PLACE_BYTES and more: made in huge pages of its own (the head's weights)
+    large = [t for m in linears for t in (m.qweight, m.scales) if t.nbytes >= memory.IN_PLACE_BYTES]
+    storages = {t.untyped_storage().data_ptr() for m in linears for t in (m.qweight, m.scales)
+                if t.nbytes < memory.IN_PLACE_BYTES}
+    assert len(storages) == 1 and [t.data_ptr() for t in large] == [model.output.qweight.data_ptr()]
+    assert all(t.data_ptr() % memory.HUGE_PAGE == 0 for t in large)
     assert model.cache_k.data_ptr() % memory.HUGE_PAGE == 0 and model.cache_v.data_ptr() % memory.HUGE_PAGE == 0
     small = tmac.quantize_model(nn.Sequential(nn.Linear(256, 128), nn.Linear(128, 64)), bits=3, skip=None,
                                 progress=False)

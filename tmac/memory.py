@@ -19,11 +19,15 @@ import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # torch loads with the first arena, not with ``tmac info``
+    import numpy as np
     import torch
 
 HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14  # <sys/mman.h>, the same on every Linux architecture
 ALIGN = 64  # of each tensor placed in an arena: the kernels' vector loads want cache-line starts
+# a packed tensor this large is made in huge pages of its own (``packed_empty``) and stays there: copying it into
+# the arena would hold it twice for a moment (a 49152-row head: 28 MiB and more at the load's peak)
+IN_PLACE_BYTES = 16 << 20
 TRIM_EVERY = 8 << 20  # bytes gathered between handing freed memory back to the OS
 
 
@@ -177,10 +181,30 @@ def _copy_into(raw: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return raw.view(t.dtype).view(t.shape).copy_(t)
 
 
+def packed_empty(shape: tuple[int, ...]) -> np.ndarray:
+    """An uninitialized uint8 array for packed weights: from ``IN_PLACE_BYTES`` on, in huge pages of its own (the
+    arena leaves it where it is), else from the heap (to be gathered)."""
+    import numpy as np
+
+    nbytes = math.prod(shape)
+    if nbytes < IN_PLACE_BYTES:
+        return np.empty(shape, np.uint8)
+    return huge_page_empty(nbytes).numpy().reshape(shape)
+
+
+def _in_place(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a ``packed_empty`` allocation of its own huge pages: large and starting on a 2 MiB boundary,
+    which heap blocks never do (their header comes first); a tensor taken for one by chance would only miss the
+    arena."""
+    return t.nbytes >= IN_PLACE_BYTES and t.data_ptr() % HUGE_PAGE == 0
+
+
 def gather_into_arena(owners: list[tuple[object, str]]) -> None:
     """Move the tensors ``getattr(owner, name)`` into one huge-page arena, in the given order (a model's: the order
     a forward pass reads them). Each old tensor is dropped as its copy lands, so memory peaks at about one tensor
-    above the total; a tensor several owners share stays shared."""
+    above the total; a tensor several owners share stays shared; one made in huge pages of its own
+    (``packed_empty``) stays where it is."""
+    owners = [(m, n) for m, n in owners if not _in_place(getattr(m, n))]
     sizes = {id(getattr(m, n)): -(-getattr(m, n).nbytes // ALIGN) * ALIGN for m, n in owners}
     if not sizes:
         return

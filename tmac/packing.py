@@ -38,6 +38,7 @@ import numpy as np
 from .choose import spec_and_factors, super_dtype
 from .formats import PER_TENSOR, WeightFormat
 from .kquant import factor_params
+from .memory import packed_empty
 from .qweight import QuantizedWeight
 from .spec import KernelSpec, packed_shapes
 
@@ -75,7 +76,7 @@ def pack(qw: QuantizedWeight, spec: KernelSpec, factors=None) -> PackedWeight:
         raise ValueError(f"weight (K={k}, bits={fmt.bits}, zeros={fmt.has_zeros}, parameters "
                          f"{fmt.scale_dtype}/{fmt.zero_dtype}) does not match kernel {spec.name}")
     bm, mb = spec.block_rows, spec.blocks(m)
-    weights = np.empty(packed_shapes(spec, m)[0], dtype=np.uint8)
+    weights = packed_empty(packed_shapes(spec, m)[0])  # (a large one in huge pages of its own)
     chunks = chunk_views(weights, spec)
     step = max(1, PACK_WEIGHTS // (bm * k))  # blocks per slice
     for b0 in range(0, mb, step):
