@@ -35,13 +35,17 @@ def prefill(model, ids: list[int], sequence: Sequence, first: int = 0, last_only
     ``last_only``, a chunk runs through its prefill plan where the model has one: every projection once for the
     chunk, everything else compiled glue, and the logits those of a token-by-token decode (``spent``: seconds by
     kind of call added to it, ``DecodePlan.kind``)."""
-    for start in range(first, len(ids), PREFILL_CHUNK):
-        end = min(start + PREFILL_CHUNK, len(ids))
+    for start, end in prefill_chunks(first, len(ids)):
         plan = plans.prefill(end - start) if plans is not None and last_only else None
         if plan is None:
             yield end, model(torch.tensor(ids[start:end]), start, last_only=last_only, cache=sequence)
         else:
             yield end, plan.prefill(ids[start:end], start, sequence, spent)[None]
+
+
+def prefill_chunks(first: int, end: int) -> list[tuple[int, int]]:
+    """The ``(start, end)`` of each chunk a prefill of positions ``first .. end-1`` runs."""
+    return [(start, min(start + PREFILL_CHUNK, end)) for start in range(first, end, PREFILL_CHUNK)]
 
 
 def check_ids(ids, vocab: int, what: str = "prompt_ids") -> list[int]:
@@ -207,7 +211,7 @@ class Session:
             plans = self._plans.current() if self.static_decode else None
             plan = plans.decode(1) if plans is not None and max_new_tokens > 1 else None
             if plans is not None:  # the prefill's plans (of its chunks' sizes) are set-up too
-                for size in {min(PREFILL_CHUNK, len(prompt) - s) for s in range(reuse, len(prompt), PREFILL_CHUNK)}:
+                for size in {end - start for start, end in prefill_chunks(reuse, len(prompt))}:
                     plans.prefill(size)
             stats["setup_s"] = time.perf_counter() - t0
             t0 = time.perf_counter()

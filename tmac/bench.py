@@ -291,11 +291,11 @@ def prefill_profile(model, prompt: list[int], notes: list[str], rounds: int = 3)
 
     from . import runtime
     from .models.decode import Plans
-    from .models.generate import prefill
+    from .models.generate import prefill, prefill_chunks
     from .models.sequence import Sequence
 
     plans = Plans(model).current()
-    if plans.prefill(len(prompt)) is None:
+    if any(plans.prefill(end - start) is None for start, end in prefill_chunks(0, len(prompt))):
         notes.append("no prefill profile: this model prefills on the eager path")
         return {}
     best, sequence = None, Sequence(model, adopt=False)  # (each round writes the same positions)

@@ -28,9 +28,13 @@ class Embedding(nn.Module):
             raise TypeError(f"tmac.Embedding takes a QuantizedWeight, got {type(qw).__name__}")
         if qw.shape[1] * STORAGE_BITS[qw.format.bits] % 8:
             raise ValueError(f"embedding_dim {qw.shape[1]} does not fill whole bytes at {qw.format.bits} bits")
-        self._set(qw.format, qw.shape, _pack_codes(qw.codes, qw.format.bits),
+        self._set(qw.format, qw.shape, self._held_codes(qw),
                   torch.from_numpy(qw.scales.astype(qw.format.scale_dtype)),
                   None if qw.zeros is None else torch.from_numpy(qw.zeros.astype(qw.format.zero_dtype)))
+
+    def _held_codes(self, qw: QuantizedWeight) -> torch.Tensor | None:
+        """The codes this table holds: ``qw``'s, bit-packed."""
+        return _pack_codes(qw.codes, qw.format.bits)
 
     def _set(self, fmt: WeightFormat, shape: tuple[int, int], codes, scales, zeros) -> None:
         self.format = fmt
@@ -144,15 +148,12 @@ class StreamedEmbedding(Embedding):
     once, as the head's packed weights, and an untied one not at all. ``codes`` materializes the packed codes on
     each access (a checkpoint, a comparison); lookups never do."""
 
-    def __init__(self, qw: QuantizedWeight):
-        if not isinstance(qw, QuantizedWeight) or not isinstance(qw.codes, RowCodes):
+    def _held_codes(self, qw: QuantizedWeight) -> None:
+        """None: the codes stay in the file, read through ``qw``'s ``RowCodes``."""
+        if not isinstance(qw.codes, RowCodes):
             raise TypeError("StreamedEmbedding takes a QuantizedWeight whose codes stay in a file (RowCodes)")
-        nn.Module.__init__(self)
-        if qw.shape[1] * STORAGE_BITS[qw.format.bits] % 8:
-            raise ValueError(f"embedding_dim {qw.shape[1]} does not fill whole bytes at {qw.format.bits} bits")
         self._stream = qw.codes
-        self._set(qw.format, qw.shape, None, torch.from_numpy(qw.scales.astype(qw.format.scale_dtype)),
-                  None if qw.zeros is None else torch.from_numpy(qw.zeros.astype(qw.format.zero_dtype)))
+        return None
 
     def _set(self, fmt, shape, codes, scales, zeros) -> None:
         self.format = fmt
