@@ -129,7 +129,6 @@ class _Attend:
     def emit_new_position(self, write=None) -> None:
         """The queries rotated and scaled into ``out``; the new key rotated and the new value into the caches (where
         ``write`` holds, when given)."""
-        from tvm import tirx
         from tvm.script.ir_builder import tirx as T
 
         h, kv, hd, half, lr, blk, pos = self.h, self.kv, self.hd, self.half, self.lr, self.blk, self.pos

@@ -88,9 +88,6 @@ def quantize_func(name: str, n: int, widest: int, batched: bool = False):
 
 
 def gated_act_func(spec: GlueSpec, widest: int, batched: bool = False):
-    from tvm import tirx
-    from tvm.script.ir_builder import tirx as T
-
     f = spec.ffn_dim
     lanes = lanes_of(f, widest)
     with prim_func("gated_act" + ROWS * batched) as ib:

@@ -23,7 +23,6 @@ def build_tables_func(spec: KernelSpec):
 def emit_tables(spec: KernelSpec, X, LUT, LS, XS, n, np_, parallel: bool = False) -> None:
     """The body of ``build_tables``, into the function being built; with ``parallel``, the rows of a batch of at
     least ``PARALLEL_TABLE_ROWS`` on the thread pool (a prefill's tables are otherwise a serial share of it)."""
-    from tvm import tirx
     from tvm.script.ir_builder import tirx as T
 
     # the checks the Python wrappers make too; a raw call must still not write past the tables
