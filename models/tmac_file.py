@@ -17,6 +17,8 @@ from tmac.errors import ModelFormatError
 from tmac.embedding import Embedding
 from tmac.float_linear import FloatLinear
 from tmac.linear import Linear
+from tmac.memory import release_freed_memory
+from tmac.packing import unpack_by_rows
 from tmac.serialize import load, read_model_info, save
 
 from .arch import ARCHITECTURES, FUSED
@@ -132,7 +134,8 @@ def load_model_file(path: str) -> Transformer:
     if table_from_head:
         if not isinstance(model.output, Linear):
             raise ModelFormatError(f"{path}: table_from_head, but the head is not a quantized layer")
-        model.tok_embeddings = Embedding(model.output.quantized_weight())
+        release_freed_memory()  # (the load's temporaries, before the table grows)
+        model.tok_embeddings = Embedding(unpack_by_rows(model.output.packed(), model.output.format))
     try:
         check_structure(model)
     except ValueError as e:

@@ -318,6 +318,58 @@ def test_save_and_load_without_pickle(tmp_path):
         tmac.load(path, other)
 
 
+def test_a_saved_file_is_aligned_safetensors_and_loads_as_views_of_its_mapping(tmp_path, monkeypatch):
+    """Every tensor starts on a cache-line boundary of the file (checked with the safetensors library's own reader),
+    so loading maps the file and the layers use its bytes; a file laid out by safetensors itself (version 1, no
+    alignment) still loads, its unaligned tensors copied."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    import tmac.serialize as serialize
+
+    torch.manual_seed(0)
+    model = tmac.quantize_model(_Tiny(), bits=4, group_size=32)
+    ids = torch.randint(0, 50, (1, 5))
+    with torch.no_grad():
+        ref = model(ids)
+    path = tmp_path / "tiny.safetensors"
+    tmac.save(model, path)
+    n = int.from_bytes(path.read_bytes()[:8], "little")
+    header = json.loads(path.read_bytes()[8:8 + n])
+    state = model.state_dict()
+    stored = [key for key in header if key in state]  # (a tied weight is stored once, its alias by name)
+    assert len(stored) >= 10
+    with safe_open(str(path), framework="pt") as f:
+        for key in stored:
+            assert torch.equal(f.get_tensor(key), state[key]), key
+            assert (8 + n + header[key]["data_offsets"][0]) % 64 == 0, key
+    with torch.device("meta"):
+        loaded = tmac.load(path, _Tiny())
+    with torch.no_grad():
+        assert torch.equal(loaded(ids), ref)
+    file_bytes = torch.from_numpy(np.fromfile(path, np.uint8))
+    assert torch.equal(file_bytes[8 + n + header["up.qweight"]["data_offsets"][0]:][:loaded.up.qweight.nbytes],
+                       loaded.up.qweight.reshape(-1))
+
+    def unaligned(tmp, tensors, meta):  # what tmac 0.x wrote: safetensors' own layout, file version 1
+        info = json.loads(meta["tmac"])
+        save_file({"x": torch.zeros(3, dtype=torch.uint8), **tensors}, tmp,
+                  metadata={**meta, "tmac": json.dumps({**info, "version": 1})})
+
+    monkeypatch.setattr(serialize, "_write_aligned", unaligned)
+    old = tmp_path / "old.safetensors"
+    tmac.save(model, old)
+    n = int.from_bytes(old.read_bytes()[:8], "little")
+    offsets = [e["data_offsets"][0] for k, e in json.loads(old.read_bytes()[8:8 + n]).items() if k != "__metadata__"]
+    assert any((8 + n + at) % 64 for at in offsets)  # some tensors unaligned: copied
+    with torch.device("meta"):
+        loaded = tmac.load(old, _Tiny(), strict=False)
+    with torch.no_grad():
+        assert torch.equal(loaded(ids), ref)
+
+
 def test_tiny_transformers_llama():
     import transformers  # test-only dependency (the dev extra)
 

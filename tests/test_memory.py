@@ -195,24 +195,74 @@ def test_huge_page_copies_lie_in_order_in_one_arena_and_equal_the_originals():
         memory.huge_page_copies((a,), 0)
 
 
-@pytest.mark.slow
-def test_loading_a_converted_file_peaks_no_higher_than_loading_its_gguf(tmp_path):
-    """A .tmac file is read into memory of its own (no mapping of the file beside the copies) and a tied table is
-    unpacked from the head a few rows at a time: loading it needs no more memory than loading the GGUF, whose table
-    stays in the file (``StreamedEmbedding``), plus that table unpacked (what the .tmac's token table holds)."""
+@pytest.fixture(scope="module")
+def converted_smollm2(tmp_path_factory) -> str:
     import subprocess
-    import sys
 
-    from conftest import smollm2_path
-
-    out = tmp_path / "m.tmac"
+    out = tmp_path_factory.mktemp("converted") / "m.tmac"
     r = subprocess.run([sys.executable, "-m", "tmac", "convert", smollm2_path(), "-o", str(out)], capture_output=True,
                        text=True)
     assert r.returncode == 0, r.stderr
+    return str(out)
+
+
+@pytest.mark.slow
+def test_loading_a_converted_file_peaks_no_higher_than_loading_its_gguf(converted_smollm2):
+    """A .tmac file is mapped, not copied, and its tied table is unpacked from the head a few rows at a time:
+    loading it needs no more memory than loading the GGUF, whose table stays in the file (``StreamedEmbedding``),
+    plus that table unpacked (what the .tmac's token table holds)."""
+    import subprocess
+
     code = ("import sys, tmac; from tmac.memory import peak_rss_mib; m = tmac.load_model(sys.argv[1], progress=False); "
             "print(peak_rss_mib(), m.tok_embeddings.codes.nbytes / 2**20)")
     (gguf, _), (converted, table) = [map(float, subprocess.run([sys.executable, "-c", code, path], capture_output=True,
                                                                text=True, check=True).stdout.split())
-                                     for path in (smollm2_path(), str(out))]
+                                     for path in (smollm2_path(), converted_smollm2)]
     assert converted <= gguf + table, f"peak RSS loading the GGUF {gguf:.0f} MiB, the .tmac {converted:.0f} MiB " \
                                       f"(its token table {table:.0f} MiB)"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the kernel's /proc/PID/smaps")
+def test_two_processes_running_a_converted_file_share_its_pages(converted_smollm2):
+    """The packed weights of a loaded .tmac are the file's pages (a mapping of it, as the kernel lists it), and a
+    second process running the same file shares them with the first instead of holding a copy."""
+    import json
+    import subprocess
+
+    code = """if True:
+        import json, os, re, sys, tmac
+        from tmac.linear import Linear
+        model = tmac.load_model(sys.argv[1], progress=False, context=64)
+        tmac.Session(model).generate("Hi", max_new_tokens=2)
+        path, maps, at = os.path.realpath(sys.argv[1]), [], None
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                head = re.match(r"([0-9a-f]+)-([0-9a-f]+) \\S+ \\S+ \\S+ \\S+ *(.*)$", line)
+                if head:
+                    at = dict(start=int(head[1], 16), end=int(head[2], 16), file=head[3])
+                    maps.append(at)
+                elif ":" in line and line.split()[-1] == "kB":
+                    at[line.split(":")[0]] = int(line.split()[1])
+        mine = [m for m in maps if m["file"] == path]
+        packed = [t for m in model.modules() if isinstance(m, Linear) for t in (m.qweight, m.scales)]
+        inside = sum(any(m["start"] <= t.data_ptr() < m["end"] for m in mine) for t in packed)
+        print(json.dumps(dict(packed=len(packed), inside=inside, bytes=sum(t.nbytes for t in packed),
+                              rss=sum(m["Rss"] for m in mine) * 1024, shared=sum(m["Shared_Clean"] for m in mine) * 1024,
+                              private=sum(m["Private_Dirty"] for m in mine) * 1024)), flush=True)
+        sys.stdin.read()  # held until the other process has looked
+    """
+    first = subprocess.Popen([sys.executable, "-c", code, converted_smollm2], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        alone = json.loads(first.stdout.readline())
+        second = subprocess.run([sys.executable, "-c", code, converted_smollm2], input="", capture_output=True,
+                                text=True, timeout=300)
+        assert second.returncode == 0, second.stderr
+        both = json.loads(second.stdout)
+    finally:
+        first.communicate("", timeout=60)
+    for seen in (alone, both):
+        assert seen["inside"] == seen["packed"] > 100, seen  # every projection's weights and scales: the file's
+        assert seen["rss"] >= seen["bytes"] and seen["private"] < 1 << 20, seen  # read, never written
+    assert both["shared"] >= 0.95 * both["bytes"], both  # the second process holds no copy of its own

@@ -84,6 +84,19 @@ class Embedding(nn.Module):
         shifts = torch.arange(0, 8, slot, dtype=torch.uint8)
         return ((packed.unsqueeze(-1) >> shifts) & ((1 << slot) - 1)).reshape(len(packed), self.embedding_dim)
 
+    def _check_codes(self) -> None:
+        """Codes in the format's range, like any ``QuantizedWeight``'s, checked a row slice at a time and only where
+        a code's storage can hold more (a table in a mapped file stays unread until its rows are looked up)."""
+        lo, hi = self.format.code_range
+        if (lo, hi) == (0, (1 << STORAGE_BITS[self.format.bits]) - 1):
+            return
+        step = max(1, PACK_SLICE // self.embedding_dim)
+        for r0 in range(0, self.num_embeddings, step):
+            codes = self._codes(self.codes[r0:r0 + step])
+            if codes.numel() and (int(codes.min()) < lo or int(codes.max()) > hi):
+                raise ValueError(f"codes of format {self.format.name} must lie in [{lo}, {hi}], got "
+                                 f"[{int(codes.min())}, {int(codes.max())}] in rows {r0}..")
+
     def quantized_weight(self) -> QuantizedWeight:
         return QuantizedWeight(self._codes(self.codes).numpy(), self.scales.float().numpy(),
                                None if self.zeros is None else self.zeros.float().numpy(), self.format)
@@ -137,7 +150,7 @@ class Embedding(nn.Module):
                     raise ValueError(f"{name} must be {dtype} of shape {shape}, got {t.dtype} {tuple(t.shape)}")
                 tensors[name] = t.detach().cpu().contiguous()
             self._set(fmt, (v, d), tensors["codes"], tensors["scales"], tensors.get("zeros"))
-            self.quantized_weight()  # validates codes against the format's range, like any QuantizedWeight
+            self._check_codes()
         except (ValueError, TypeError) as e:
             error_msgs.append(f"{prefix or 'tmac.Embedding '}: {e}")
 
@@ -208,7 +221,7 @@ def _pack_codes(codes, bits: int) -> torch.Tensor:
     return torch.from_numpy(out)
 
 
-PACK_SLICE = 1 << 22  # codes packed at a time
+PACK_SLICE = 1 << 20  # codes packed at a time (a slice of RowCodes: its decoding temporaries too)
 
 
 def _shapes(fmt: WeightFormat, v: int, d: int) -> dict:

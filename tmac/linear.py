@@ -62,6 +62,7 @@ def layout_checksum(spec: KernelSpec, *tensors) -> int:
     return crc
 
 
+@functools.lru_cache(maxsize=256)  # (a model's layers share a few; each choice costs milliseconds)
 def respec(fmt: WeightFormat, spec: KernelSpec, isa, rows: int) -> KernelSpec:
     """The spec weights packed as ``spec`` (``rows`` of them) take on ``isa`` (what loading them there repacks to):
     the same format and K, that ISA's tiling for them, and the saved parameter storage (super scales only where the

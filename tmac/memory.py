@@ -10,7 +10,6 @@ this is plain memory.
 from __future__ import annotations
 
 import ctypes
-import functools
 import math
 import mmap
 import os
@@ -181,6 +180,30 @@ def _copy_into(raw: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return raw.view(t.dtype).view(t.shape).copy_(t)
 
 
+_MAPPED: dict[int, int] = {}  # start → end of each live ``mapped_file`` mapping
+
+
+def mapped_file(fd: int, size: int) -> torch.Tensor:
+    """The ``size`` bytes of the open file ``fd`` as a uint8 tensor over a private mapping of it: its pages are the
+    page cache's until written (reads share them with every process mapping the file; a write would copy a page,
+    never change the file). Tensors viewing it stay where they are when an arena gathers (``gather_into_arena``).
+    The mapping lives as long as the last view of it."""
+    import torch
+    import weakref
+
+    mapping = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
+    data = torch.frombuffer(mapping, dtype=torch.uint8)  # (holds the mapping until its last view is gone)
+    start = data.data_ptr()
+    _MAPPED[start] = start + size
+    weakref.finalize(mapping, _MAPPED.pop, start, None)
+    return data
+
+
+def _in_mapped_file(t: torch.Tensor) -> bool:
+    at = t.data_ptr()
+    return any(start <= at < end for start, end in _MAPPED.items())
+
+
 def packed_empty(shape: tuple[int, ...]) -> np.ndarray:
     """An uninitialized uint8 array for packed weights: from ``IN_PLACE_BYTES`` on, in huge pages of its own (the
     arena leaves it where it is), else from the heap (to be gathered)."""
@@ -203,12 +226,12 @@ def gather_into_arena(owners: list[tuple[object, str]]) -> None:
     """Move the tensors ``getattr(owner, name)`` into one huge-page arena, in the given order (a model's: the order
     a forward pass reads them). Each old tensor is dropped as its copy lands, so memory peaks at about one tensor
     above the total; a tensor several owners share stays shared; one made in huge pages of its own
-    (``packed_empty``) stays where it is."""
-    owners = [(m, n) for m, n in owners if not _in_place(getattr(m, n))]
+    (``packed_empty``) or viewing a mapped file (``mapped_file``) stays where it is."""
+    owners = [(m, n) for m, n in owners if not (_in_place(getattr(m, n)) or _in_mapped_file(getattr(m, n)))]
     sizes = {id(getattr(m, n)): -(-getattr(m, n).nbytes // ALIGN) * ALIGN for m, n in owners}
+    release_freed_memory()  # what the loader freed (its last tensor's temporaries) goes back before the arena grows
     if not sizes:
         return
-    release_freed_memory()  # what the loader freed (its last tensor's temporaries) goes back before the arena grows
     arena, at, moved, untrimmed = huge_page_empty(sum(sizes.values())), 0, {}, 0
     for m, name in owners:
         t = getattr(m, name)

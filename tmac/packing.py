@@ -39,7 +39,7 @@ from .choose import spec_and_factors, super_dtype
 from .formats import PER_TENSOR, WeightFormat
 from .kquant import factor_params
 from .memory import packed_empty
-from .qweight import QuantizedWeight
+from .qweight import QuantizedWeight, RowCodes
 from .spec import KernelSpec, packed_shapes
 
 PACK_WEIGHTS = 1 << 19  # codes packed at a time: the layout's temporaries, ~15 bytes a code, stay ~8 MiB
@@ -137,10 +137,42 @@ def block_major(a: np.ndarray, spec: KernelSpec) -> np.ndarray:
 
 def unpack(packed: PackedWeight, fmt: WeightFormat) -> QuantizedWeight:
     """The exact inverse of ``pack``: codes and parameters of the ``packed.m`` true rows in format ``fmt``."""
-    spec, m = packed.spec, packed.m
-    if (fmt.bits, fmt.has_zeros) != (spec.bits, spec.has_zeros) or not spec.layout.codes.accepts(fmt):
-        raise ValueError(f"format {fmt.name} does not match kernel {spec.name}")
+    spec = _check_unpack(packed, fmt)
     codes = spec.layout.unpack(block_major(packed.weights, spec), spec)
+    return QuantizedWeight(np.ascontiguousarray(codes[:packed.m]), *unpack_params(packed, fmt), fmt)
+
+
+def unpack_by_rows(packed: PackedWeight, fmt: WeightFormat) -> QuantizedWeight:
+    """``unpack(packed, fmt)`` whose codes are ``RowCodes``: unpacked a few blocks at a time as row slices are read
+    (a 49152-row head's codes unpacked whole took twice their size for a moment)."""
+    _check_unpack(packed, fmt)
+    bm = packed.spec.block_rows
+
+    def rows(r0: int, r1: int) -> np.ndarray:
+        b0 = r0 // bm
+        part = unpack(blocks_of(packed, b0, -(-r1 // bm)), fmt)
+        return part.codes[r0 - b0 * bm:r1 - b0 * bm]
+
+    return QuantizedWeight(RowCodes((packed.m, packed.spec.k), rows), *unpack_params(packed, fmt), fmt)
+
+
+def blocks_of(packed: PackedWeight, b0: int, b1: int) -> PackedWeight:
+    """Row blocks ``b0 .. b1`` of ``packed`` as packed weights of their own (their true rows; K-chunk order kept)."""
+    spec, bm = packed.spec, packed.spec.block_rows
+
+    def part(a: np.ndarray | None) -> np.ndarray | None:
+        if a is None:
+            return None
+        views = [v[b0:b1].reshape(-1) for _, _, v in chunk_views(a, spec)]
+        return np.concatenate(views).reshape(b1 - b0, *a.shape[1:])
+
+    return PackedWeight(spec, min(packed.m, b1 * bm) - b0 * bm, part(packed.weights), part(packed.scales),
+                        part(packed.zeros))
+
+
+def unpack_params(packed: PackedWeight, fmt: WeightFormat) -> tuple[np.ndarray, np.ndarray | None]:
+    """Float32 scales and zeros (None without) of the ``packed.m`` true rows in format ``fmt``."""
+    spec, m = packed.spec, packed.m
     s, z = (None if p is None else block_major(p, spec) for p in (packed.scales, packed.zeros))
     if spec.super_groups:  # scale d·a, zero m·b − offset·scale
         scales = _unpack_super(s, m, spec, fmt)
@@ -148,7 +180,14 @@ def unpack(packed: PackedWeight, fmt: WeightFormat) -> QuantizedWeight:
     else:
         scales = _unpack_params(s, m, fmt)
         zeros = None if z is None else _unpack_params(z, m, fmt)
-    return QuantizedWeight(np.ascontiguousarray(codes[:m]), scales, zeros, fmt)
+    return scales, zeros
+
+
+def _check_unpack(packed: PackedWeight, fmt: WeightFormat) -> KernelSpec:
+    spec = packed.spec
+    if (fmt.bits, fmt.has_zeros) != (spec.bits, spec.has_zeros) or not spec.layout.codes.accepts(fmt):
+        raise ValueError(f"format {fmt.name} does not match kernel {spec.name}")
+    return spec
 
 
 def _unpack_params(p: np.ndarray, m: int, fmt: WeightFormat) -> np.ndarray:

@@ -10,7 +10,9 @@ device — and turns the ``nn.Linear`` / ``nn.Embedding`` layers the file holds 
 from __future__ import annotations
 
 import json
+import math
 import os
+import struct
 
 import torch
 from torch import nn
@@ -20,17 +22,20 @@ from .errors import ModelFormatError
 from .embedding import Embedding
 from .float_linear import FLOAT_LINEARS
 from .linear import Linear
+from .memory import ALIGN, mapped_file
 
-FILE_VERSION = 1
+FILE_VERSION = 2  # 2: every tensor starts on an ``ALIGN`` boundary of the file (1: where safetensors put it)
+READ_VERSIONS = (1, 2)
+PAD_PREFIX = "tmac:pad:"  # uint8 tensors that fill the gaps between aligned tensors (safetensors allows no holes)
 BUFFERS_KEY = "tmac:buffers"  # in read_state's dict: the names of the tensors that are non-persistent buffers
 
 
 def save(model: nn.Module, path: str | os.PathLike, model_info: dict | None = None) -> None:
-    """Write ``model``'s state dict to ``path``; ``model_info`` (JSON) describes how to rebuild the model."""
+    """Write ``model``'s state dict to ``path``; ``model_info`` (JSON) describes how to rebuild the model. The file
+    is a safetensors file whose tensors start on cache-line boundaries, in the order a forward pass reads them, so
+    that ``load`` maps it and the kernels read the file's pages as they are."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"tmac.save takes an nn.Module, got {type(model).__name__}")
-    from safetensors.torch import save_file
-
     tensors, extras, aliases, seen = {}, {}, {}, {}
     for key, value in model.state_dict().items():
         if isinstance(value, torch.Tensor):
@@ -60,8 +65,34 @@ def save(model: nn.Module, path: str | os.PathLike, model_info: dict | None = No
         meta["tmac_model"] = json.dumps(model_info)
     path = os.fspath(path)
     files.check_output(path)
-    files.write_atomically(path, lambda tmp: save_file(tensors, tmp, metadata=meta), "tmac-save",
+    files.write_atomically(path, lambda tmp: _write_aligned(tmp, tensors, meta), "tmac-save",
                            needed=sum(t.numel() * t.element_size() for t in tensors.values()))
+
+
+def _write_aligned(path: str, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
+    """A safetensors file of ``tensors`` in their order, each starting on an ``ALIGN`` boundary of the file (the
+    header padded with spaces, the gaps filled by ``PAD_PREFIX`` tensors)."""
+    names = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
+    header, layout, at = {}, [], 0
+    for key, t in tensors.items():
+        if t.dtype not in names:
+            raise TypeError(f"tensor {key} has dtype {t.dtype}; tmac files hold {', '.join(map(str, names))}")
+        gap = -at % ALIGN
+        if gap:
+            header[f"{PAD_PREFIX}{len(layout)}"] = {"dtype": "U8", "shape": [gap], "data_offsets": [at, at + gap]}
+            layout.append(bytes(gap))
+            at += gap
+        header[key] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [at, at + t.nbytes]}
+        layout.append(t)
+        at += t.nbytes
+    header["__metadata__"] = meta
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-(8 + len(text)) % ALIGN)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        for part in layout:
+            f.write(part if isinstance(part, bytes) else memoryview(part.reshape(-1).view(torch.uint8).numpy()))
 
 
 def load(path: str | os.PathLike, model: nn.Module | None = None, *, strict: bool = True) -> nn.Module:
@@ -140,30 +171,39 @@ SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.f
                       "BOOL": torch.bool}
 
 
-def _read_tensors(path: str) -> dict[str, torch.Tensor]:
-    """Every tensor of a safetensors file (its header already validated by ``safe_open``), read into memory of its
-    own with ``readinto``: not through a mapping of the file, whose pages would count in this process's memory
-    beside the copies while a model loads (a .tmac then peaked 80 MiB above its GGUF)."""
-    import struct
-
+def _map_tensors(path: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file, as views of one private, read-mostly mapping of it: the pages are the
+    file's (shared with every process that maps it, read from disk as they are first touched) and nothing is copied;
+    a tensor that does not start on an ``ALIGN`` boundary (a file of version 1) is copied into memory of its own."""
     out = {}
     with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
         (n,) = struct.unpack("<Q", f.read(8))
+        if n > size - 8:
+            raise ValueError(f"header of {n} bytes in a file of {size}")
         header = files.parse_json(f.read(n), path)
-        for key, entry in header.items():
-            if key == "__metadata__":
-                continue
-            if entry["dtype"] not in SAFETENSORS_DTYPES:
-                raise ValueError(f"tensor {key} has dtype {entry['dtype']}; tmac files hold "
-                                 f"{', '.join(SAFETENSORS_DTYPES)}")
-            t = torch.empty(entry["shape"], dtype=SAFETENSORS_DTYPES[entry["dtype"]])
-            start, end = entry["data_offsets"]
-            if end - start != t.nbytes:
-                raise ValueError(f"tensor {key}: {end - start} bytes for shape {entry['shape']}")
-            f.seek(8 + n + start)
-            if t.nbytes and f.readinto(memoryview(t.reshape(-1).view(torch.uint8).numpy())) != t.nbytes:
-                raise ValueError(f"tensor {key} is cut short")
-            out[key] = t
+        if not isinstance(header, dict):
+            raise ValueError("the header is not a JSON object")
+        data = mapped_file(f.fileno(), size) if size > 8 + n else None  # (this file, even if the path was replaced)
+    for key, entry in header.items():
+        if key == "__metadata__" or key.startswith(PAD_PREFIX):
+            continue
+        if entry["dtype"] not in SAFETENSORS_DTYPES:
+            raise ValueError(f"tensor {key} has dtype {entry['dtype']}; tmac files hold "
+                             f"{', '.join(SAFETENSORS_DTYPES)}")
+        shape, (start, end) = entry["shape"], entry["data_offsets"]
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            raise ValueError(f"tensor {key}: shape {shape!r:.80}")
+        dtype, count = SAFETENSORS_DTYPES[entry["dtype"]], math.prod(shape)
+        nbytes = count * dtype.itemsize
+        if type(start) is not int or end != start + nbytes or start < 0 or 8 + n + end > size:
+            raise ValueError(f"tensor {key}: bytes {start!r:.20}..{end!r:.20} for {entry['dtype']} of shape {shape}, "
+                             f"or past the end of the file")
+        at = 8 + n + start
+        raw = data[at:at + nbytes] if nbytes else torch.empty(0, dtype=torch.uint8)
+        if at % ALIGN:
+            raw = raw.clone()
+        out[key] = raw.view(dtype).view(shape)
     return out
 
 
@@ -177,13 +217,13 @@ def read_state(path: str | os.PathLike) -> dict:
     try:
         with safe_open(files.require_regular(path), framework="pt") as f:  # (validates the header and offsets)
             meta = f.metadata() or {}
-        state = _read_tensors(path)
+        state = _map_tensors(path)
     except Exception as e:  # safetensors raises its own error types for malformed headers
         raise ModelFormatError(f"{path}: not a readable safetensors file ({e})") from None
     try:
         info = files.parse_json(meta["tmac"], "its tmac metadata")
-        if info.get("version") != FILE_VERSION:
-            raise ValueError(f"file version {info.get('version')!r}, this tmac reads {FILE_VERSION}")
+        if info.get("version") not in READ_VERSIONS:
+            raise ValueError(f"file version {info.get('version')!r}, this tmac reads {READ_VERSIONS}")
         extras, aliases = info["extra_state"], info["aliases"]
         if not isinstance(extras, dict) or not isinstance(aliases, dict):
             raise ValueError("extra_state and aliases must be objects")
