@@ -39,6 +39,29 @@ class GGUFTensor:
     offset: int  # of those bytes in the file
 
 
+# ggml's tensor types (the GGUF spec's ``ggml_type``): id → (name, elements a block, bytes a block). The gguf
+# package has them too, but importing it costs 4 MiB of memory; ids it knows and this table does not are looked
+# up there.
+GGML_TYPES = {0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22),
+              7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 9: ("Q8_1", 32, 40), 10: ("Q2_K", 256, 84),
+              11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210),
+              15: ("Q8_K", 256, 292), 24: ("I8", 1, 1), 25: ("I16", 1, 2), 26: ("I32", 1, 4), 27: ("I64", 1, 8),
+              28: ("F64", 1, 8), 30: ("BF16", 1, 2), 34: ("TQ1_0", 256, 54), 35: ("TQ2_0", 256, 66)}
+
+
+def ggml_type_row(type_id: int) -> tuple[str, int, int] | None:
+    """(name, elements a block, bytes a block) of ggml type ``type_id``; None for an id no one knows."""
+    if type_id in GGML_TYPES:
+        return GGML_TYPES[type_id]
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    try:
+        qtype = GGMLQuantizationType(type_id)
+    except ValueError:
+        return None
+    return (qtype.name, *GGML_QUANT_SIZES[qtype])
+
+
 class GGUFFile:
     def __init__(self, path: str):
         self.path = path
@@ -130,27 +153,24 @@ class GGUFFile:
         raise self._error(key, f"arrays of type {etype} are not supported")
 
     def _tensor(self, name: str, ne: list[int], ggml_type: int, start: int) -> GGUFTensor:
-        from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-
-        try:
-            qtype = GGMLQuantizationType(ggml_type)
-        except ValueError:
-            raise self._error(f"tensor {name}", f"unknown GGML type {ggml_type}") from None
-        block, type_size = GGML_QUANT_SIZES[qtype]
+        found = ggml_type_row(ggml_type)
+        if found is None:
+            raise self._error(f"tensor {name}", f"unknown GGML type {ggml_type}")
+        type_name, block, type_size = found
         count = 1
         for d in ne:
             if d <= 0 or count * d > MAX_ELEMENTS:
                 raise self._error(f"tensor {name}", f"dims {ne} are not positive or too large")
             count *= d
         if ne[0] % block:
-            raise self._error(f"tensor {name}", f"row length {ne[0]} is not a multiple of {qtype.name}'s block "
+            raise self._error(f"tensor {name}", f"row length {ne[0]} is not a multiple of {type_name}'s block "
                                                 f"size {block}")
         nbytes = count // block * type_size
         if start + nbytes > len(self._buf):
             raise self._error(f"tensor {name}", f"data [{start}, {start + nbytes}) lies past the end of the file "
                                                 f"({len(self._buf)} bytes)")
         data = np.frombuffer(self._buf, dtype=np.uint8, count=nbytes, offset=start)
-        return GGUFTensor(name, qtype.name, tuple(reversed(ne)), data, start)
+        return GGUFTensor(name, type_name, tuple(reversed(ne)), data, start)
 
     def release(self, tensor: GGUFTensor) -> None:
         """Unmap the pages wholly inside ``tensor``'s bytes from this process once they have been read: a loader

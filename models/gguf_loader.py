@@ -236,8 +236,6 @@ def _dequantize(data: np.ndarray, type_name: str, shape: tuple[int, ...]) -> np.
 
 
 def _dequantized(data: np.ndarray, type_name: str, shape: tuple[int, ...]) -> np.ndarray:
-    import gguf
-
     if type_name == "F32":
         a = data.view(np.float32).copy()
     elif type_name == "F64":
@@ -247,6 +245,8 @@ def _dequantized(data: np.ndarray, type_name: str, shape: tuple[int, ...]) -> np
     elif type_name == "BF16":
         a = (data.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
     else:
+        import gguf  # (only here: its import is 4 MiB of memory, and float tensors do without it)
+
         rows = data.reshape(int(np.prod(shape[:-1], dtype=np.int64)), -1)
         qtype = gguf.GGMLQuantizationType[type_name]
         a = np.empty((rows.shape[0], shape[-1]), dtype=np.float32)

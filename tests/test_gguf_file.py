@@ -9,7 +9,7 @@ import pytest
 
 from conftest import smaps_kib, smollm2_path
 from tmac import ModelFormatError
-from tmac.models.gguf_file import GGUFFile
+from tmac.models.gguf_file import GGML_TYPES, GGUFFile, ggml_type_row
 
 
 @pytest.mark.slow
@@ -30,6 +30,15 @@ def test_reads_smollm2_like_the_gguf_package():
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
+def test_the_type_table_is_the_gguf_packages():
+    """Every row of tmac's own ggml type table as the gguf package has it, and every id the package knows found
+    (through the table or the package); an id no one knows is None."""
+    known = {int(t): (t.name, *gguf.constants.GGML_QUANT_SIZES[t]) for t in gguf.GGMLQuantizationType}
+    assert GGML_TYPES.items() <= known.items() and len(GGML_TYPES) >= 22
+    assert all(ggml_type_row(i) == row for i, row in known.items())
+    assert ggml_type_row(max(known) + 1000) is None
+
+
 def test_release_unmaps_a_read_tensor_and_keeps_it_readable():
     """A loader releases each tensor once converted, so the file does not stay resident beside the model."""
     f = GGUFFile(smollm2_path())

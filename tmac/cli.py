@@ -22,6 +22,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.debug:  # a warning is one line for a person, not a source line of tmac's
         warnings.showwarning = _show_warning
+    from .memory import one_malloc_arena
+
+    one_malloc_arena()
     try:
         if getattr(args, "model", None) and args.func is not cmd_pull:
             from .models.hub import resolve

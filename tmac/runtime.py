@@ -144,7 +144,16 @@ def ffi():
         if os.environ.get("TVM_THREAD_POOL_SPIN_COUNT"):  # a negative or huge count spins forever
             env_int("TVM_THREAD_POOL_SPIN_COUNT", 0, MAX_SPIN_YIELDS)
         os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", str(SPIN_YIELDS))
-        import tvm_ffi  # first: it loads libtvm_ffi.so, which libtvm_runtime.so links against
+        # first: it loads libtvm_ffi.so, which libtvm_runtime.so links against. Without ml_dtypes, which it imports
+        # only to name numpy's bfloat16 and float8 types (kernels take float32 and integer tensors): 2 MiB
+        blocked = "ml_dtypes" not in sys.modules
+        if blocked:
+            sys.modules["ml_dtypes"] = None  # (an import of it raises ImportError, which tvm_ffi expects)
+        try:
+            import tvm_ffi
+        finally:
+            if blocked and sys.modules.get("ml_dtypes", 0) is None:
+                del sys.modules["ml_dtypes"]
 
         ctypes.CDLL(tvm_runtime_library(), mode=ctypes.RTLD_GLOBAL)
 
