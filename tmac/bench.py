@@ -254,15 +254,17 @@ def _process_peak_rss_mib(path, bits, head_bits, prompt, gen_tokens) -> float:
 
 
 def report_peak_rss(request: str) -> None:
-    """``_process_peak_rss_mib``'s child: load, generate, print the peak RSS in MiB."""
+    """``_process_peak_rss_mib``'s child: load and generate as ``tmac run`` does, print the peak RSS in MiB."""
     import json
 
-    from .memory import peak_rss_mib
+    from .cli_generate import load_for_generation
+    from .memory import one_malloc_arena, peak_rss_mib
     from .models.generate import Session
-    from .models.load import load_model
 
+    one_malloc_arena()  # (as the command line: this is the peak of ``tmac run``)
     path, bits, head_bits, prompt, gen_tokens = json.loads(request)
-    model = load_model(path, bits=bits, head_bits=head_bits, context=len(prompt) + gen_tokens + 8, progress=False)
+    model = load_for_generation(path, bits=bits, head_bits=head_bits, context=len(prompt) + gen_tokens + 8,
+                                progress=False)
     Session(model).generate(prompt, max_new_tokens=gen_tokens, stop_on_eos=False)
     print(peak_rss_mib())
 

@@ -89,9 +89,22 @@ def _model_args(p) -> None:
                    help="wrap the prompt in the model's chat template (default: when the model has one)")
 
 
-def _load(args):
+def load_for_generation(source, **options):
+    """``tmac.load_model(source, **options)`` as the command line loads: torch on one thread meanwhile (the
+    loader's work is numpy's and the kernel pool's; torch's own workers would only take memory), then on as many as
+    the kernels, for whatever the model runs eagerly."""
     import torch
 
+    import tmac
+
+    torch.set_num_threads(1)
+    try:
+        return tmac.load_model(source, **options)
+    finally:
+        torch.set_num_threads(tmac.get_num_threads())
+
+
+def _load(args):
     import tmac
 
     if args.group_size is not None and args.bits is None:
@@ -100,13 +113,9 @@ def _load(args):
         if args.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {args.threads}")
         tmac.set_num_threads(args.threads)  # (at most the CPUs this process may use)
-    # torch on one thread while the model loads (the loader's work is numpy's and the kernel pool's: torch's own
-    # workers would only take memory), then on as many as the kernels for whatever the model runs eagerly
-    torch.set_num_threads(1)
     t0 = time.perf_counter()
-    model = tmac.load_model(args.model, bits=args.bits, group_size=args.group_size, head_bits=args.head_bits,
-                            context=args.context, kv_dtype=args.kv_dtype)
-    torch.set_num_threads(tmac.get_num_threads())
+    model = load_for_generation(args.model, bits=args.bits, group_size=args.group_size, head_bits=args.head_bits,
+                                context=args.context, kv_dtype=args.kv_dtype)
     if model.tokenizer is None:
         raise ValueError(f"{model.source}: the model has no tokenizer (tokenizer.json), so it cannot take text")
     return model, time.perf_counter() - t0
