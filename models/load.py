@@ -123,10 +123,16 @@ def _check_arguments(bits, head_bits, group_size, context, kv_dtype) -> None:
     check_kv_dtype(kv_dtype)
 
 
+# layers built at once, whatever the thread count: each holds its tensors' file pages and packing temporaries while
+# it is built, so the load's transient memory stops growing with the threads (docs/decisions.md, "Models load on
+# every kernel thread")
+LOAD_LAYERS = 4
+
+
 def _load_layers(model: Transformer, weight, src, opts: dict, bar) -> None:
-    """Every layer's weights, read, converted and packed on every thread tmac computes with: decoding and packing
-    are numpy work that releases the GIL (docs/decisions.md, "Models load on every kernel thread"); a layer's
-    temporaries live only while a thread builds it. On an error the layers not yet started are dropped, not built."""
+    """Every layer's weights, read, converted and packed on the threads tmac computes with (at most ``LOAD_LAYERS``
+    layers at once): decoding and packing are numpy work that releases the GIL (docs/decisions.md, "Models load on
+    every kernel thread"); a layer's temporaries live only while a thread builds it. On an error the layers not yet started are dropped, not built."""
     cfg = model.config
     arch = ARCHITECTURES[cfg.arch]
 
@@ -153,7 +159,7 @@ def _load_layers(model: Transformer, weight, src, opts: dict, bar) -> None:
                       "feed_forward.w2": make_linear([get("feed_forward.w2.weight")], **opts)})
         return built
 
-    pool = ThreadPoolExecutor(get_num_threads())
+    pool = ThreadPoolExecutor(min(get_num_threads(), LOAD_LAYERS))
     try:
         for i, built in enumerate(pool.map(projections, range(cfg.n_layers))):
             for name, value in built.items():
