@@ -290,15 +290,24 @@ class _Gemm:
                     if ci:
                         wide = racc[vec(v * per_vec, per_vec)] + wide
                     T.buffer_store(racc, wide, [vec(v * per_vec, per_vec)])
+            # a lut group that is a whole weight group takes its Σx term along: s·(R·ls − ½Σx) − z·Σx, one pass
+            # over the sums and one read of each scale (its own pass was a third of the GEMM's float work)
+            whole = not sg and lpw == 1 and not self.layout.codes.symmetric
             with T.vectorized(0, sb) as i:
                 at = r * sb + i
                 if sg:  # a lut group is a weight group (KernelSpec): a's terms in one
                     term = tirx.Cast(F32, racc[i]) * self.LS[row, g] + self.sum_coef * self.XS[row, wgi]
                     T.buffer_store(self.sums[0], self.sums[0][at] + term * param(self.SF, i), [at])
+                elif whole:
+                    term = tirx.Cast(F32, racc[i]) * self.LS[row, g] - tirx.FloatImm(F32, 0.5) * self.XS[row, wgi]
+                    total = out[at] + param(self.SF, i) * term
+                    if self.Z is not None:
+                        total = total - param(self.ZF, i) * self.XS[row, wgi]
+                    T.buffer_store(out, total, [at])
                 else:
                     T.buffer_store(out, out[at] + tirx.Cast(F32, racc[i]) * (self.LS[row, g] * param(self.SF, i)),
                                    [at])
-            if self.layout.codes.symmetric:  # ternary triples: no Σx term
+            if self.layout.codes.symmetric or whole:  # ternary triples: no Σx term; or it came along
                 continue
             if sg and self.Z is None:  # the Σx term rode with a's (sum_coef)
                 continue
