@@ -16,15 +16,15 @@ from .tmac_file import save_model
 
 
 def convert(source: str, output: str, *, bits: int | None = None, group_size: int | None = None,
-            head_bits: int | str | None = None, progress: bool | None = True) -> dict:
+            head_bits: int | str | None = None, shared_table: bool = False, progress: bool | None = True) -> dict:
     """Load ``source`` (as ``load_model`` takes it) and write it pre-packed to ``output``, a ``.tmac`` file; the
     output is checked first (never the input, a special file or a missing directory). Returns what was written:
     its layers, formats, bytes by part (projections, head, token table, other), file and source sizes, whether the
-    token table is the head's, and the seconds taken."""
+    token table is the head's (``shared_table``: ``save_model``), and the seconds taken."""
     check_output(output, [source])  # before the conversion, not after it
     t0 = time.perf_counter()
     model = load_model(source, bits=bits, group_size=group_size, head_bits=head_bits, context=1, progress=progress)
-    shared = save_model(model, output)
+    shared = save_model(model, output, shared_table)
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     parts = {"projections": 0, "head": 0, "token table": 0, "other": 0}
     for name, t in model.state_dict().items():

@@ -30,8 +30,11 @@ FORMAT_VERSION = 1
 MAX_CONCAT = 8  # parts of one fused projection (q|k|v is 3): a count from a file is untrusted
 
 
-def save_model(model: Transformer, path: str) -> bool:
-    """Write ``model`` to ``path``; returns whether its token table was stored as the head's (``shares_table``)."""
+def save_model(model: Transformer, path: str, shared_table: bool = False) -> bool:
+    """Write ``model`` to ``path``; returns whether its token table was stored as the head's. A token table is stored
+    as its own tensors, which stay in the mapped file until their rows are looked up; with ``shared_table``, a tied
+    table that holds exactly the head's weights (``shares_table``) is stored once, as the head — a smaller file,
+    whose load unpacks the table from the head into memory of its own."""
     wrappers = {}
     for name, module in model.named_modules():
         if isinstance(module, ActivationQuantized):
@@ -39,7 +42,7 @@ def save_model(model: Transformer, path: str) -> bool:
         elif isinstance(module, Concat):
             wrappers[name] = f"concat:{len(module.parts)}"
     tok = model.tokenizer
-    shared = shares_table(model)
+    shared = shared_table and shares_table(model)
     info = {"version": FORMAT_VERSION, "family": model.config.family,
             "config": dataclasses.asdict(model.config), "wrappers": wrappers, "table_from_head": shared,
             "tokenizer": None if tok is None else {
@@ -123,6 +126,7 @@ def load_model_file(path: str) -> Transformer:
                 setattr(model.get_submodule(parent), child, layer)
         tok = info["tokenizer"]
         tokenizer = None if tok is None else _tokenizer(tok, path)
+        release_freed_memory()  # what building the tokenizer parsed, before the tensors' pages come in
         table_from_head = info.get("table_from_head", False)
         if type(table_from_head) is not bool:
             raise ValueError(f"table_from_head={table_from_head!r:.20}")

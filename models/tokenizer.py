@@ -179,26 +179,26 @@ MAX_JOINED_PIECE = 64
 def hf_backend(text: str | bytes, where: str):
     """A ``tokenizers.Tokenizer`` from a ``tokenizer.json`` text, made safe to run on any prompt: padding and
     truncation (which tmac never uses; a fixed padding of 10^8 tokens would take gigabytes) are dropped, and
-    normalizers that could grow a text without bound (an empty pattern replaced, long replacements) refused."""
+    normalizers that could grow a text without bound (an empty pattern replaced, long replacements) refused. The
+    text is parsed by ``tokenizers`` alone: parsed in Python too, a 50k-token vocabulary was 50 MiB of objects for a
+    moment."""
     from tokenizers import Tokenizer as HFTokenizer
 
     try:
-        spec = files.parse_json(text, where)
-        if not isinstance(spec, dict):
-            raise ValueError(f"{where}: not a JSON object")
-        spec.update(padding=None, truncation=None)
-        _check_normalizer(spec.get("normalizer"), where)
-        added = spec.get("added_tokens") or []
-        long = [t for t in added if isinstance(t, dict) and len(str(t.get("content", ""))) > MAX_ADDED_TOKEN] \
-            if isinstance(added, list) else []
-        if long:
-            raise ModelFormatError(f"{where}: added token {long[0].get('id')!r:.20} is {len(str(long[0]['content']))} "
-                                   f"characters long (at most {MAX_ADDED_TOKEN})")
-        return HFTokenizer.from_str(json.dumps(spec))
-    except ModelFormatError:
-        raise
+        backend = HFTokenizer.from_str(text.decode() if isinstance(text, bytes) else text)
+        backend.no_padding()
+        backend.no_truncation()
+        normalizer = backend.normalizer
+        spec = None if normalizer is None else json.loads(normalizer.__getstate__())
+        added = list(backend.get_added_tokens_decoder().items())
     except Exception as e:  # tokenizers raises a bare Exception for malformed files
-        raise ModelFormatError(f"{where}: cannot read tokenizer ({e})") from None
+        raise ModelFormatError(f"{where}: cannot read tokenizer ({type(e).__name__}: {e})") from None
+    _check_normalizer(spec, where)
+    long = [(i, t.content) for i, t in added if len(t.content) > MAX_ADDED_TOKEN]
+    if long:
+        raise ModelFormatError(f"{where}: added token {long[0][0]} is {len(long[0][1])} characters long (at most "
+                               f"{MAX_ADDED_TOKEN})")
+    return backend
 
 
 def _check_normalizer(node, where: str) -> None:

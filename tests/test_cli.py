@@ -132,21 +132,26 @@ def test_run_errors_are_one_line(tmp_path):
 
 @pytest.mark.slow
 def test_convert_then_run_gives_the_same_greedy_ids(tmp_path):
-    out = tmp_path / "smollm2.tmac"
-    r = tmac("convert", smollm2_path(), "-o", str(out))
-    assert r.returncode == 0, r.stderr
-    assert "quantized layers" in r.stdout and "q4_1" in r.stdout and out.stat().st_size > 0
-    # the tied Q8_0 table is the head's weights: stored once (it was 28.7 MiB twice), rebuilt on load
     from safetensors import safe_open
 
-    with safe_open(str(out), framework="pt") as f:
-        assert not [k for k in f.keys() if k.startswith("tok_embeddings.")] and "output.qweight" in f.keys()
-    assert "token table 0.0 (the head's, shared)" in r.stdout
-    assert out.stat().st_size <= os.path.getsize(smollm2_path())  # never larger than the GGUF it came from
-    runs = [json.loads(tmac("run", *src, "-p", "Name three colors.", "-n", "12", "--json").stdout)
-            for src in ([], [str(out)])]
-    assert runs[0]["generated_ids"] == runs[1]["generated_ids"]
-    assert runs[0]["prompt_ids"] == runs[1]["prompt_ids"]  # tokenizer and chat template travel in the file
+    runs = [json.loads(tmac("run", smollm2_path(), "-p", "Name three colors.", "-n", "12", "--json").stdout)]
+    # by default the tied Q8_0 table is stored as a table (it stays in the mapped file); --shared-table stores it
+    # once, as the head's weights (28.7 MiB less), rebuilt on load
+    for flags, table_stored in (([], True), (["--shared-table"], False)):
+        out = tmp_path / f"smollm2{len(flags)}.tmac"
+        r = tmac("convert", smollm2_path(), "-o", str(out), *flags)
+        assert r.returncode == 0, r.stderr
+        assert "quantized layers" in r.stdout and "q4_1" in r.stdout
+        with safe_open(str(out), framework="pt") as f:
+            keys = set(f.keys())
+            head = sum(f.get_tensor(k).nbytes for k in keys if k.startswith("output."))
+        assert bool([k for k in keys if k.startswith("tok_embeddings.")]) == table_stored and "output.qweight" in keys
+        assert ("token table 0.0 (the head's, shared)" in r.stdout) != table_stored
+        # never larger than the GGUF it came from, but for the head, which is the GGUF's table a second time
+        assert out.stat().st_size <= os.path.getsize(smollm2_path()) + table_stored * head
+        run = json.loads(tmac("run", str(out), "-p", "Name three colors.", "-n", "12", "--json").stdout)
+        assert run["generated_ids"] == runs[0]["generated_ids"]
+        assert run["prompt_ids"] == runs[0]["prompt_ids"]  # tokenizer and chat template travel in the file
     r = tmac("run", str(out), "-p", "x", "--bits", "2")
     assert r.returncode == 1 and "already converted" in r.stderr
 

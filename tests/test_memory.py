@@ -207,19 +207,26 @@ def converted_smollm2(tmp_path_factory) -> str:
 
 
 @pytest.mark.slow
-def test_loading_a_converted_file_peaks_no_higher_than_loading_its_gguf(converted_smollm2):
-    """A .tmac file is mapped, not copied, and its tied table is unpacked from the head a few rows at a time:
-    loading it needs no more memory than loading the GGUF, whose table stays in the file (``StreamedEmbedding``),
-    plus that table unpacked (what the .tmac's token table holds)."""
+def test_loading_a_converted_file_peaks_no_higher_than_loading_its_gguf(converted_smollm2, tmp_path):
+    """A .tmac file is mapped, not copied, and its token table stays in it as the GGUF's does
+    (``StreamedEmbedding``): loading it takes no more memory than loading the GGUF. One written with
+    ``--shared-table`` unpacks its tied table from the head, a few rows at a time: no more than the GGUF plus the
+    table unpacked."""
     import subprocess
 
+    shared = tmp_path / "shared.tmac"
+    r = subprocess.run([sys.executable, "-m", "tmac", "convert", smollm2_path(), "-o", str(shared), "--shared-table"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
     code = ("import sys, tmac; from tmac.memory import peak_rss_mib; m = tmac.load_model(sys.argv[1], progress=False); "
             "print(peak_rss_mib(), m.tok_embeddings.codes.nbytes / 2**20)")
-    (gguf, _), (converted, table) = [map(float, subprocess.run([sys.executable, "-c", code, path], capture_output=True,
-                                                               text=True, check=True).stdout.split())
-                                     for path in (smollm2_path(), converted_smollm2)]
-    assert converted <= gguf + table, f"peak RSS loading the GGUF {gguf:.0f} MiB, the .tmac {converted:.0f} MiB " \
-                                      f"(its token table {table:.0f} MiB)"
+    (gguf, _), (converted, _), (unpacked, table) = [
+        map(float, subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True,
+                                  check=True).stdout.split())
+        for path in (smollm2_path(), converted_smollm2, str(shared))]
+    assert converted <= gguf, f"peak RSS loading the GGUF {gguf:.0f} MiB, the .tmac {converted:.0f} MiB"
+    assert unpacked <= gguf + table, f"peak RSS loading the GGUF {gguf:.0f} MiB, the shared-table .tmac " \
+                                     f"{unpacked:.0f} MiB (its token table {table:.0f} MiB)"
 
 
 @pytest.mark.slow

@@ -27,6 +27,9 @@ def add_parsers(sub, common) -> None:
     v.add_argument("--group-size", type=int, choices=GROUP_SIZES, help="group size with --bits")
     v.add_argument("--head-bits", type=head_bits_arg, help=HEAD_BITS_HELP)
     v.add_argument("-o", "--output", required=True, metavar="OUT.tmac")
+    v.add_argument("--shared-table", action="store_true",
+                   help="store a tied token table once, as the head: a smaller file, but loading it unpacks the "
+                        "table into memory (by default the table stays in the mapped file)")
     v.add_argument("--json", action="store_true", help="print one JSON object (sizes by part, time) instead")
     v.set_defaults(func=cmd_convert)
 
@@ -237,7 +240,8 @@ def cmd_convert(args) -> int:
 
     if args.group_size is not None and args.bits is None:
         raise ValueError("--group-size needs --bits")
-    done = convert(args.model, args.output, bits=args.bits, group_size=args.group_size, head_bits=args.head_bits)
+    done = convert(args.model, args.output, bits=args.bits, group_size=args.group_size, head_bits=args.head_bits,
+                   shared_table=args.shared_table)
     if args.json:
         print(json.dumps(done))
         return 0

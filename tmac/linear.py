@@ -138,7 +138,7 @@ class Linear(nn.Module):
 
     @classmethod
     def _empty(cls, extra: dict, qweight, kernel_dir: str | None = None) -> "Linear":
-        """A module shaped by a saved extra state, with zero weights, to be filled by ``load_state_dict``.
+        """A module shaped by a saved extra state, with placeholder weights, to be filled by ``load_state_dict``.
         ``qweight`` is the saved packed weight: the sizes in ``extra`` are trusted only when they match it, so a
         file cannot make this allocate more than its own tensors hold."""
         fmt, spec, m, bias = _parse_extra(extra)
@@ -151,9 +151,16 @@ class Linear(nn.Module):
         self.format, self.kernel_dir = fmt, kernel_dir
         local = respec(fmt, spec, best_isa(), m)
         w_shape, s_shape = packed_shapes(local, m)
-        self._set_packed(PackedWeight(local, m, np.zeros(w_shape, np.uint8), np.zeros(s_shape, local.param_dtypes[0]),
-                                      np.zeros(s_shape, local.param_dtypes[1]) if fmt.has_zeros else None),
-                         torch.zeros(m) if bias else None)
+        self.spec, self._spec_json, self._shape = local, local.to_json(), (m, local.k)
+
+        def placeholder(shape, dtype):  # zeros of no memory (a model's worth of them was 33 MiB for a moment); the
+            # kernels refuse them (not contiguous) should a lenient load leave one unfilled
+            return torch.zeros((), dtype=getattr(torch, dtype)).expand(shape)
+
+        self.register_buffer("qweight", placeholder(w_shape, "uint8"))
+        self.register_buffer("scales", placeholder(s_shape, local.param_dtypes[0]))
+        self.register_buffer("zeros", placeholder(s_shape, local.param_dtypes[1]) if fmt.has_zeros else None)
+        self.register_buffer("bias", placeholder((m,), "float32") if bias else None)
         return self
 
     # ---- use -------------------------------------------------------------------------------------------------
