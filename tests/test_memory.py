@@ -273,3 +273,26 @@ def test_two_processes_running_a_converted_file_share_its_pages(converted_smollm
         assert seen["inside"] == seen["packed"] > 100, seen  # every projection's weights and scales: the file's
         assert seen["rss"] >= seen["bytes"] and seen["private"] < 1 << 20, seen  # read, never written
     assert both["shared"] >= 0.95 * both["bytes"], both  # the second process holds no copy of its own
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the kernel's /proc/self/smaps")
+def test_pages_of_a_mapped_file_read_once_can_be_dropped_and_read_again(tmp_path):
+    """``release_read_pages`` drops a mapped file's pages from this process (its resident memory falls) and the
+    bytes read the same afterwards; on memory of the process's own it does nothing."""
+    import os
+
+    data = torch.arange(8 << 20, dtype=torch.int64).to(torch.uint8)
+    path = tmp_path / "blob"
+    path.write_bytes(data.numpy().tobytes())
+    with open(path, "rb") as f:
+        mapped = memory.mapped_file(f.fileno(), os.path.getsize(path))
+    view = mapped[4096:]
+    assert torch.equal(view, data[4096:])  # read: resident
+    before = smaps_kib(mapped.data_ptr(), "Rss")
+    memory.release_read_pages(view)
+    after = smaps_kib(mapped.data_ptr(), "Rss")
+    assert before >= 8 << 10 and after <= 8, (before, after)  # KiB: all but the first page (outside the view) gone
+    assert torch.equal(mapped, data)
+    own = data.clone()
+    memory.release_read_pages(own)  # not a mapping: left alone
+    assert torch.equal(own, data)

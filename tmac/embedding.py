@@ -90,9 +90,12 @@ class Embedding(nn.Module):
         lo, hi = self.format.code_range
         if (lo, hi) == (0, (1 << STORAGE_BITS[self.format.bits]) - 1):
             return
+        from .memory import release_read_pages
+
         step = max(1, PACK_SLICE // self.embedding_dim)
         for r0 in range(0, self.num_embeddings, step):
             codes = self._codes(self.codes[r0:r0 + step])
+            release_read_pages(self.codes[r0:r0 + step])
             if codes.numel() and (int(codes.min()) < lo or int(codes.max()) > hi):
                 raise ValueError(f"codes of format {self.format.name} must lie in [{lo}, {hi}], got "
                                  f"[{int(codes.min())}, {int(codes.max())}] in rows {r0}..")

@@ -204,6 +204,22 @@ def _in_mapped_file(t: torch.Tensor) -> bool:
     return any(start <= at < end for start, end in _MAPPED.items())
 
 
+_MADV_DONTNEED = 4
+
+
+def release_read_pages(t: torch.Tensor) -> None:
+    """Drop from this process the pages wholly inside ``t`` where ``t`` views a ``mapped_file``: read once (a check),
+    they need not stay resident; the page cache keeps them, and a later read maps them again. Elsewhere (memory
+    of this process's own, not Linux) nothing to do."""
+    if not sys.platform.startswith("linux") or _libc() is None or not t.numel() or not _in_mapped_file(t):
+        return
+    page = mmap.PAGESIZE
+    start = -(-t.data_ptr() // page) * page
+    end = (t.data_ptr() + t.nbytes) // page * page
+    if end > start:
+        _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED)
+
+
 def packed_empty(shape: tuple[int, ...]) -> np.ndarray:
     """An uninitialized uint8 array for packed weights: from ``IN_PLACE_BYTES`` on, in huge pages of its own (the
     arena leaves it where it is), else from the heap (to be gathered)."""
