@@ -48,10 +48,23 @@ def x86_run(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def x86_logits():
+    """The last position's logits as `tmac run` computes them on x86-64: through the prefill plan, which gives a
+    token-by-token decode's logits (not the eager forward of ``Session.logits``, which rounds otherwise and can order
+    a near-tie the other way)."""
+    import torch
+
     import tmac
+    from tmac.models.decode import Plans
+    from tmac.models.generate import prefill
+    from tmac.models.sequence import Sequence
 
     model = tmac.load_model()
-    return lambda ids: tmac.Session(model).logits(ids)[-1]
+
+    def last(ids):
+        with torch.inference_mode():
+            *_, (_, logits) = prefill(model, ids, Sequence(model), last_only=True, plans=Plans(model).current())
+        return logits[-1]
+    return last
 
 
 def _same_as_x86(report, cpu: str, how: str, got: dict, x86: dict, x86_logits) -> None:
