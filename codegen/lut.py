@@ -87,6 +87,11 @@ class _Gemm:
         """The two table indices in each byte."""
         from tvm import tirx
 
+        if not self.layout.wide_lookup and self.isa.low_nibble_lookup:  # the high bits are not read: no masks,
+            # and the high nibbles shifted as 16-bit lanes (a byte shift is a word shift and a mask)
+            words = tirx.reinterpret(f"uint16x{self.vl // 2}", w) >> tirx.Broadcast(tirx.IntImm("uint16", 4),
+                                                                                     self.vl // 2)
+            return [tirx.reinterpret(f"int8x{self.vl}", w), tirx.reinterpret(f"int8x{self.vl}", words)]
         halves = [w & self.u8(15), w >> self.u8(4)]
         if not self.layout.wide_lookup:
             return [tirx.reinterpret(f"int8x{self.vl}", h) for h in halves]

@@ -24,6 +24,8 @@ class X86Isa(Isa):
         from tvm import tirx
 
         lanes = self.vector_bytes
+        if self.low_nibble_lookup:  # vpermb reads an index's low 6 bits; in 4 copies of the table, its low 4
+            return self.lookup64(broadcast_table(table16, lanes), idx)
         return tirx.call_llvm_pure_intrin(f"int8x{lanes}", f"llvm.x86.{self._suffix[0]}",
                                           broadcast_table(table16, lanes), idx)
 
@@ -119,7 +121,8 @@ def _target(mcpu: str) -> dict:
 
 AVX512_VBMI = X86Isa("avx512_vbmi", "x86_64", 64, frozenset({"avx2", "avx512bw", "avx512vnni", "avx512vbmi"}),
                      {**_target("cascadelake"), "mattr": ["+avx512vbmi"]},
-                     "AVX-512 BW + VNNI + VBMI: vpshufb / vpermb zmm, vpdpbusd", wide_lookup=True, vnni=True)
+                     "AVX-512 BW + VNNI + VBMI: vpermb zmm, vpdpbusd", wide_lookup=True, low_nibble_lookup=True,
+                     vnni=True)
 AVX512_VNNI = X86Isa("avx512_vnni", "x86_64", 64, frozenset({"avx2", "avx512bw", "avx512vnni"}),
                      _target("cascadelake"), "AVX-512 BW + VNNI: vpshufb zmm, vpdpbusd", vnni=True)
 AVX512 = X86Isa("avx512", "x86_64", 64, frozenset({"avx2", "avx512bw"}),
