@@ -131,7 +131,7 @@ class _Attend:
         ``write`` holds, when given)."""
         from tvm.script.ir_builder import tirx as T
 
-        h, kv, hd, half, lr, blk, pos = self.h, self.kv, self.hd, self.half, self.lr, self.blk, self.pos
+        h, hd, half, lr = self.h, self.hd, self.half, self.lr
         scale = bcast(f32(self.scale), lr)
         with T.serial(0, h) as head:
             with T.serial(0, half // lr) as c:
@@ -141,16 +141,18 @@ class _Attend:
             with T.serial(self.rot, hd) as d:  # dimensions past the rotary ones: scaled only
                 T.buffer_store(self.q, self.QKV[self.row, head * hd + d] * f32(self.scale), [self.row, head * hd + d])
         if write is None:
-            self._emit_cache_write(h, kv, hd, half, lr, blk, pos)
+            self._emit_cache_write()
             return
         with T.If(write):
             with T.Then():
-                self._emit_cache_write(h, kv, hd, half, lr, blk, pos)
+                self._emit_cache_write()
 
-    def _emit_cache_write(self, h, kv, hd, half, lr, blk, pos) -> None:
+    def _emit_cache_write(self) -> None:
+        """The new key, rotated, and the new value into the caches at ``pos``."""
         from tvm import tirx
         from tvm.script.ir_builder import tirx as T
 
+        h, kv, hd, half, lr, blk, pos = self.h, self.kv, self.hd, self.half, self.lr, self.blk, self.pos
         with T.serial(0, kv) as kh:
             key = (kh * self.nb + pos // blk) * hd * blk + pos % blk  # of dimension 0 of the new key
             with T.serial(0, half // lr) as c:

@@ -17,6 +17,7 @@ import numpy as np
 
 from tmac import files
 from tmac.errors import ModelFormatError
+from tmac.memory import whole_pages
 
 MAGIC = b"GGUF"
 # value type → (struct code, size); 8 = string, 9 = array
@@ -176,7 +177,6 @@ class GGUFFile:
         """Unmap the pages wholly inside ``tensor``'s bytes from this process once they have been read: a loader
         that converts tensor by tensor would otherwise hold the whole file in its resident memory besides what it
         made of it (1B Q4_0: 630 MiB). They stay in the page cache; reading them again faults them back in."""
-        page = mmap.PAGESIZE
-        start, end = -(-tensor.offset // page) * page, (tensor.offset + tensor.data.nbytes) // page * page
+        start, end = whole_pages(tensor.offset, tensor.data.nbytes)
         if end > start and hasattr(mmap, "MADV_DONTNEED"):
             self._map.madvise(mmap.MADV_DONTNEED, start, end - start)

@@ -132,7 +132,8 @@ LOAD_LAYERS = 4
 def _load_layers(model: Transformer, weight, src, opts: dict, bar) -> None:
     """Every layer's weights, read, converted and packed on the threads tmac computes with (at most ``LOAD_LAYERS``
     layers at once): decoding and packing are numpy work that releases the GIL (docs/decisions.md, "Models load on
-    every kernel thread"); a layer's temporaries live only while a thread builds it. On an error the layers not yet started are dropped, not built."""
+    every kernel thread"); a layer's temporaries live only while a thread builds it. On an error the layers not yet
+    started are dropped, not built."""
     cfg = model.config
     arch = ARCHITECTURES[cfg.arch]
 

@@ -291,14 +291,20 @@ def test_quantize_model_swaps_exactly_the_eligible_layers():
     assert type(m4.lm_head) is Linear and type(m4.up) is Linear
 
 
-def test_save_and_load_without_pickle(tmp_path):
+def _saved_tiny(tmp_path, bits: int):
+    """A quantized ``_Tiny`` saved to ``tmp_path``: (model, ids, its output for them, the file's path)."""
     torch.manual_seed(0)
-    model = tmac.quantize_model(_Tiny(), bits=2, group_size=32)
+    model = tmac.quantize_model(_Tiny(), bits=bits, group_size=32)
     ids = torch.randint(0, 50, (1, 5))
     with torch.no_grad():
         ref = model(ids)
     path = tmp_path / "tiny.safetensors"
     tmac.save(model, path)
+    return model, ids, ref, path
+
+
+def test_save_and_load_without_pickle(tmp_path):
+    model, ids, ref, path = _saved_tiny(tmp_path, bits=2)
     header = path.read_bytes()[:8]
     assert int.from_bytes(header, "little") < path.stat().st_size  # a safetensors header length, not pickle
     with torch.device("meta"):
@@ -329,13 +335,7 @@ def test_a_saved_file_is_aligned_safetensors_and_loads_as_views_of_its_mapping(t
 
     import tmac.serialize as serialize
 
-    torch.manual_seed(0)
-    model = tmac.quantize_model(_Tiny(), bits=4, group_size=32)
-    ids = torch.randint(0, 50, (1, 5))
-    with torch.no_grad():
-        ref = model(ids)
-    path = tmp_path / "tiny.safetensors"
-    tmac.save(model, path)
+    model, ids, ref, path = _saved_tiny(tmp_path, bits=4)
     n = int.from_bytes(path.read_bytes()[:8], "little")
     header = json.loads(path.read_bytes()[8:8 + n])
     state = model.state_dict()

@@ -119,10 +119,16 @@ def _libc() -> ctypes.CDLL | None:
         return None
 
 
-def _advise(address: int, length: int) -> bool:
+def _advise(address: int, length: int, advice: int = _MADV_HUGEPAGE) -> bool:
     if not sys.platform.startswith("linux") or length <= 0 or _libc() is None:
         return False
-    return _libc().madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), _MADV_HUGEPAGE) == 0
+    return _libc().madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), advice) == 0
+
+
+def whole_pages(start: int, nbytes: int) -> tuple[int, int]:
+    """``(first, end)`` of the pages wholly inside the ``nbytes`` bytes from ``start`` (``end <= first``: none)."""
+    page = mmap.PAGESIZE
+    return -(-start // page) * page, (start + nbytes) // page * page
 
 
 def huge_page_empty(nbytes: int) -> torch.Tensor:
@@ -204,20 +210,16 @@ def _in_mapped_file(t: torch.Tensor) -> bool:
     return any(start <= at < end for start, end in _MAPPED.items())
 
 
-_MADV_DONTNEED = 4
+_MADV_DONTNEED = 4  # <sys/mman.h>
 
 
 def release_read_pages(t: torch.Tensor) -> None:
     """Drop from this process the pages wholly inside ``t`` where ``t`` views a ``mapped_file``: read once (a check),
     they need not stay resident; the page cache keeps them, and a later read maps them again. Elsewhere (memory
     of this process's own, not Linux) nothing to do."""
-    if not sys.platform.startswith("linux") or _libc() is None or not t.numel() or not _in_mapped_file(t):
-        return
-    page = mmap.PAGESIZE
-    start = -(-t.data_ptr() // page) * page
-    end = (t.data_ptr() + t.nbytes) // page * page
-    if end > start:
-        _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED)
+    if t.numel() and _in_mapped_file(t):
+        start, end = whole_pages(t.data_ptr(), t.nbytes)
+        _advise(start, end - start, _MADV_DONTNEED)
 
 
 def packed_empty(shape: tuple[int, ...]) -> np.ndarray:
