@@ -3,12 +3,13 @@
 Each install is a directory tmac is installed in (``pip install --no-deps --target DIR .`` from a checkout of each
 commit) with its own kernel cache (it compiles its kernels once, before the timing). Rounds alternate A, B, A, B …
 so a slower stretch of a shared host hits both; each round is a fresh process running ``tmac run --json``
-(greedy, ``--ignore-eos``, a fixed token count) on the default model with the given threads.
+(greedy, ``--ignore-eos``, a fixed token count) on the default model (or ``--model FILE``) with the given threads.
 
 With ``--steps`` a round times the decode step alone instead: the median of 300 ``DecodePlan.step`` calls after
 a short generation, in a fresh process (no start-up, prefill or sampling in the figure).
 
-Run: ``python bench/ab_decode.py DIR_A DIR_B [--rounds 7] [--tokens 128] [--threads 1] [--steps] [--json]``.
+Run: ``python bench/ab_decode.py DIR_A DIR_B [--model FILE] [--rounds 7] [--tokens 128] [--threads 1] [--steps]
+[--json]``.
 """
 from __future__ import annotations
 
@@ -34,16 +35,17 @@ def _python(site: str, cache: str, threads: int, args: list[str], what: str) -> 
     return r.stdout
 
 
-def run(site: str, cache: str, tokens: int, threads: int) -> dict:
-    args = ["-m", "tmac.cli", "run", "-p", PROMPT, "-n", str(tokens), "--ignore-eos", "--json"]
+def run(site: str, cache: str, tokens: int, threads: int, model: str | None) -> dict:
+    args = ["-m", "tmac.cli", "run", *([model] if model else []), "-p", PROMPT, "-n", str(tokens), "--ignore-eos",
+            "--json"]
     return json.loads(_python(site, cache, threads, args, "tmac run"))
 
 
 STEPS = f"""
-PROMPT = {PROMPT!r}
-import statistics, time, tmac
+import statistics, sys, time, tmac
 from tmac.models.load import default_model_path
-model = tmac.load_model(default_model_path())
+PROMPT = {PROMPT!r}
+model = tmac.load_model(sys.argv[1] if len(sys.argv) > 1 else default_model_path())
 session = tmac.Session(model)
 ids = model.tokenizer.encode(PROMPT)
 session.generate(ids, max_new_tokens=4, stop_on_eos=False)
@@ -56,15 +58,17 @@ print(1 / statistics.median(times))
 """
 
 
-def run_steps(site: str, cache: str, threads: int) -> float:
+def run_steps(site: str, cache: str, threads: int, model: str | None) -> float:
     """Decode steps a second (the median step) of ``site``'s plan, in a fresh process."""
-    return float(_python(site, cache, threads, ["-c", STEPS], "the decode steps").split()[-1])
+    return float(_python(site, cache, threads, ["-c", STEPS, *([model] if model else [])],
+                         "the decode steps").split()[-1])
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("a")
     p.add_argument("b")
+    p.add_argument("--model", help="a model file (default: the default model)")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=1)
@@ -72,22 +76,23 @@ def main() -> int:
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     sites = {"A": os.path.abspath(args.a), "B": os.path.abspath(args.b)}
+    model = os.path.abspath(args.model) if args.model else None
     caches = {k: tempfile.mkdtemp(prefix=f"tmac-ab-{k}-") for k in sites}
     outputs = {}
     for k in sites:  # warm-up: kernels compile here, outside the timing
-        outputs[k] = run(sites[k], caches[k], 8, args.threads)["generated_ids"]
+        outputs[k] = run(sites[k], caches[k], 8, args.threads, model)["generated_ids"]
     speeds = {k: [] for k in sites}
     for i in range(args.rounds):
         for k in sites:
-            speeds[k].append(run_steps(sites[k], caches[k], args.threads) if args.steps else
-                             run(sites[k], caches[k], args.tokens, args.threads)["gen_tokens_per_s"])
+            speeds[k].append(run_steps(sites[k], caches[k], args.threads, model) if args.steps else
+                             run(sites[k], caches[k], args.tokens, args.threads, model)["gen_tokens_per_s"])
         print(f"round {i + 1}/{args.rounds}: " + ", ".join(f"{k} {s[-1]:.1f}" for k, s in speeds.items()),
               file=sys.stderr)
     med = {k: statistics.median(s) for k, s in speeds.items()}
     result = {"threads": args.threads, "tokens": None if args.steps else args.tokens, "rounds": args.rounds,
               "measure": "decode steps/s" if args.steps else "tmac run decode tok/s",
               "median_tok_s": med, "b_over_a": med["B"] / med["A"], "same_first_tokens": outputs["A"] == outputs["B"],
-              "sites": sites}
+              "sites": sites, "model": model}
     if args.json:
         print(json.dumps(result))
     else:

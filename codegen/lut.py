@@ -7,6 +7,8 @@ The functions of a spec (the weights' layout: ``tmac.layout``; scales, tables, K
 - ``lut_gemm(W, S[, Z], LUT, LS, XS, Y[N, M])``: parallel over row blocks; per activation-row tile, per lut
   group, the unrolled inner loop loads each weight vector once and looks it up in the tables of every row of the
   tile (``n_tile`` rows), then a float epilogue applies table scale × weight scale and the ``(½s + z)·Σx`` term;
+  up to ``FEW_ROWS`` rows (a decode step's sequences) every tile's lut group follows the last, the weights read
+  once and streamed as the GEMV's;
 - ``lut_gemv(X[1, K], W, S[, Z], LUT, LS, XS, Y[1, M])``: one row, its tables built first in the same call (one
   call a projection: in a decode step whose weights stream from DRAM, each call into compiled code costs a few µs
   of Python state evicted from the caches), then the GEMM's loop with a tile of 1, a K chunk at a time.
@@ -31,6 +33,11 @@ F32 = "float32"
 
 
 GEMM_ROW_SPLITS = 4  # runs of activation-row tiles a GEMM's row block is split into, each a parallel task
+# up to this many activation rows (a decode step's sequences, a short prompt) the GEMM reads each weight once for all
+# its row tiles: every tile's lookups of a lut group (a super group) follow each other, while the weights are in L1,
+# so the weights stream from DRAM while the added rows compute (block by block, tile by tile, the stream stalled
+# while the later tiles read the block again from cache; docs/decisions.md, "A few rows: each weight read once")
+FEW_ROWS = 16
 
 
 class _Gemm:
@@ -44,9 +51,6 @@ class _Gemm:
         self.k, self.lg, self.wg, self.bm, self.vl = spec.k, spec.lut_group, spec.group_size, spec.block_rows, \
             isa.vector_bytes
         self.u, self.steps = spec.unroll, spec.steps_per_lut_group
-        # the GEMV streams its weights from DRAM once: reading them a little ahead (``Isa.prefetch_bytes``) keeps the
-        # stream going while the lookups compute; the GEMM reads a block from cache once per activation-row tile
-        self.ahead = isa.prefetch_bytes if n_tile == 1 else 0
         self.lut_groups_per_wg = self.wg // self.lg
         # a tile's accumulators (vectors × activation rows) must stay in registers: with more than
         # ``isa.gemm_accumulators`` the block's rows are done in parts, each with its own float sums (a block's would
@@ -156,71 +160,117 @@ class _Gemm:
                                                                      spec.scale_dtype, data=b.data, align=1)
                                 for b in (self.S, self.Z))
 
-    def emit_blocks(self, each_chunk, first) -> None:
+    def emit_blocks(self, each_chunk, first, few: bool = False) -> None:
         """Every row block over the K chunks ``each_chunk`` emits (``first``: they start the sum; otherwise the
-        block's rows start from Y)."""
+        block's rows start from Y). ``few``: at most ``FEW_ROWS`` rows, every tile of a block at once (``each_tile``)."""
         from tvm import tirx
         from tvm.script.ir_builder import tirx as T
 
         spec, n_tile, sb, sg = self.spec, self.n_tile, self.sb, self.sg
         # the GEMM's tasks: each row block's activation-row tiles in GEMM_ROW_SPLITS runs (a matrix of few blocks,
         # 576 rows, would otherwise keep some threads idle); each output still has one task and one order of sums
-        splits = 1 if n_tile == 1 else GEMM_ROW_SPLITS
+        splits = 1 if n_tile == 1 or few else GEMM_ROW_SPLITS
         tiles = self.np_ // n_tile
         per_split = (tiles + splits - 1) // splits
         with T.parallel(0, self.mb * splits) as task:
             blk = task // splits if splits > 1 else task
             self.blk = blk
-            self.out = T.alloc_buffer((n_tile * sb,), F32, scope="global")
+            self.out = T.alloc_buffer(((FEW_ROWS if few else n_tile) * sb,), F32, scope="global")
             # K-quants: a super group's Σ a·(terms) and Σ b·Σx, per row of the tile
             self.sums = [T.alloc_buffer((n_tile * sb,), F32, scope="global")
                          for _ in range((2 if spec.has_zeros else 1) if sg else 0)]
             self.racc = T.alloc_buffer((sb,), "int32", scope="global")
             self.accs = [T.alloc_buffer((nv * n_tile,), self.isa.acc_dtype(p, self.steps), scope="global")
                          for _, p, nv, _, _ in self.chunks]
+            # a weight read once (the GEMV's, a few rows') streams from DRAM: reading it a little ahead
+            # (``Isa.prefetch_bytes``) keeps the stream going while the lookups compute; the GEMM of many rows reads
+            # a block from cache once per activation-row tile
+            self.ahead = self.isa.prefetch_bytes if n_tile == 1 or few else 0
+            if few:
+                self.tiles = tiles
+                with T.serial(0, self.parts) as part:
+                    self.part, self.first_row = part, part * sb
+                    with T.serial(0, tiles) as nt:
+                        self.nt = self.slot = nt
+                        self.emit_start(first)
+                    each_chunk(self.emit_chunk)
+                    with T.serial(0, tiles) as nt:
+                        self.nt = self.slot = nt
+                        self.emit_store()
+                return
+            self.tiles, self.slot = None, 0
             with T.serial(0, per_split) as j:
                 nt = self.nt = task % splits * per_split + j if splits > 1 else j
                 parts = self.parts if splits == 1 else tirx.if_then_else(nt < tiles, self.parts, 0)  # (past the tiles)
                 with T.serial(0, parts) as part:  # the block's rows, a part at a time
                     self.part, self.first_row = part, part * sb  # first row of the part in the block
-                    for r in range(n_tile):  # later chunks go on from Y: the float sums keep their order
-                        row = nt * n_tile + r
-                        with T.serial(0, sb) as i:
-                            col = blk * self.bm + self.first_row + i
-                            y = tirx.if_then_else(tirx.all(tirx.Not(first), row < self.n, col < self.m),
-                                                  self.Y[row, col], tirx.FloatImm(F32, 0.0))
-                            T.buffer_store(self.out, y, [r * sb + i])
+                    self.emit_start(first)
                     each_chunk(self.emit_chunk)
                     self.emit_store()
 
+    def emit_start(self, first) -> None:
+        """The tile's float sums start at 0, or from Y (later chunks go on from Y: the float sums keep their order)."""
+        from tvm import tirx
+        from tvm.script.ir_builder import tirx as T
+
+        for r in range(self.n_tile):
+            row = self.nt * self.n_tile + r
+            with T.serial(0, self.sb) as i:
+                col = self.blk * self.bm + self.first_row + i
+                y = tirx.if_then_else(tirx.all(tirx.Not(first), row < self.n, col < self.m),
+                                      self.Y[row, col], tirx.FloatImm(F32, 0.0))
+                T.buffer_store(self.out, y, [self.at(r, i)])
+
+    def at(self, r, i):
+        """Where row ``r`` of the tile, block row ``i`` of the part, keeps its float sum in ``out``."""
+        return r * self.sb + i if isinstance(self.slot, int) and self.slot == 0 else \
+            (self.slot * self.n_tile + r) * self.sb + i
+
+    def each_tile(self, body) -> None:
+        """``body()`` for the tile being emitted, or (``few``) in a loop over every tile of the block."""
+        from tvm.script.ir_builder import tirx as T
+
+        if self.tiles is None:
+            body()
+            return
+        with T.serial(0, self.tiles) as nt:
+            self.nt = self.slot = nt
+            body()
+
     def emit_chunk(self, g0, gc) -> None:
         """Lut groups [g0, g0 + gc) of one K chunk: for K-quants a super group at a time, then its d and m."""
-        from tvm import tirx
         from tvm.script.ir_builder import tirx as T
 
         sg = self.sg
         if not sg:
             with T.serial(0, gc) as gi:
-                self.emit_lut_group(g0 + gi, g0, gc)
+                self.each_tile(lambda: self.emit_lut_group(g0 + gi, g0, gc))
             return
         with T.serial(0, gc // sg) as jj:
-            j = g0 // sg + jj
-            with T.vectorized(0, self.n_tile * self.sb) as i:
-                for buf in self.sums:
-                    T.buffer_store(buf, tirx.FloatImm(F32, 0.0), [i])
-            # two lut groups a body: the super group's sums then stay in registers (docs/decisions.md, "K-quants")
-            with T.serial(0, sg // 2) as gio:
-                with T.unroll(0, 2) as gii:
-                    self.emit_lut_group(j * sg + gio * 2 + gii, g0, gc)
-            for r in range(self.n_tile):
-                with T.vectorized(0, self.sb) as i:
-                    at = r * self.sb + i
-                    base = (self.chunk_row(self.blk, j, g0 // sg, gc // sg) * (sg + self.fb) + sg) * self.bm \
-                        // self.fb + self.first_row + i
-                    total = tirx.Cast(F32, self.SS[base]) * self.sums[0][at]
-                    if self.Z is not None:
-                        total = total - tirx.Cast(F32, self.ZS[base]) * self.sums[1][at]
-                    T.buffer_store(self.out, self.out[at] + total, [at])
+            self.each_tile(lambda: self.emit_super_group(g0 // sg + jj, g0, gc))
+
+    def emit_super_group(self, j, g0, gc) -> None:
+        """K-quants: super group j of the chunk's lut groups, summed with its multipliers, then times d and m."""
+        from tvm import tirx
+        from tvm.script.ir_builder import tirx as T
+
+        sg = self.sg
+        with T.vectorized(0, self.n_tile * self.sb) as i:
+            for buf in self.sums:
+                T.buffer_store(buf, tirx.FloatImm(F32, 0.0), [i])
+        # two lut groups a body: the super group's sums then stay in registers (docs/decisions.md, "K-quants")
+        with T.serial(0, sg // 2) as gio:
+            with T.unroll(0, 2) as gii:
+                self.emit_lut_group(j * sg + gio * 2 + gii, g0, gc)
+        for r in range(self.n_tile):
+            with T.vectorized(0, self.sb) as i:
+                at = r * self.sb + i
+                base = (self.chunk_row(self.blk, j, g0 // sg, gc // sg) * (sg + self.fb) + sg) * self.bm \
+                    // self.fb + self.first_row + i
+                total = tirx.Cast(F32, self.SS[base]) * self.sums[0][at]
+                if self.Z is not None:
+                    total = total - tirx.Cast(F32, self.ZS[base]) * self.sums[1][at]
+                T.buffer_store(self.out, self.out[self.at(r, i)] + total, [self.at(r, i)])
 
     def emit_lut_group(self, g, g0, gc) -> None:
         """The weights of lut group g of the chunk [g0, g0 + gc): integer sums, then the float epilogue."""
@@ -299,19 +349,19 @@ class _Gemm:
             # over the sums and one read of each scale (its own pass was a third of the GEMM's float work)
             whole = not sg and lpw == 1 and not self.layout.codes.symmetric
             with T.vectorized(0, sb) as i:
-                at = r * sb + i
+                at, ot = r * sb + i, self.at(r, i)  # (the super group's sums are the tile's alone)
                 if sg:  # a lut group is a weight group (KernelSpec): a's terms in one
                     term = tirx.Cast(F32, racc[i]) * self.LS[row, g] + self.sum_coef * self.XS[row, wgi]
                     T.buffer_store(self.sums[0], self.sums[0][at] + term * param(self.SF, i), [at])
                 elif whole:
                     term = tirx.Cast(F32, racc[i]) * self.LS[row, g] - tirx.FloatImm(F32, 0.5) * self.XS[row, wgi]
-                    total = out[at] + param(self.SF, i) * term
+                    total = out[ot] + param(self.SF, i) * term
                     if self.Z is not None:
                         total = total - param(self.ZF, i) * self.XS[row, wgi]
-                    T.buffer_store(out, total, [at])
+                    T.buffer_store(out, total, [ot])
                 else:
-                    T.buffer_store(out, out[at] + tirx.Cast(F32, racc[i]) * (self.LS[row, g] * param(self.SF, i)),
-                                   [at])
+                    T.buffer_store(out, out[ot] + tirx.Cast(F32, racc[i]) * (self.LS[row, g] * param(self.SF, i)),
+                                   [ot])
             if self.layout.codes.symmetric or whole:  # ternary triples: no Σx term; or it came along
                 continue
             if sg and self.Z is None:  # the Σx term rode with a's (sum_coef)
@@ -319,14 +369,14 @@ class _Gemm:
             with T.If(g % lpw == lpw - 1):
                 with T.Then():
                     with T.vectorized(0, sb) as i:
-                        at = r * sb + i
+                        at, ot = r * sb + i, self.at(r, i)
                         if sg:
                             T.buffer_store(self.sums[1], self.sums[1][at] + param(self.ZF, i) * self.XS[row, wgi],
                                            [at])
                         else:
                             half_s = tirx.FloatImm(F32, 0.5) * param(self.SF, i)
                             coef = half_s + param(self.ZF, i) if self.Z is not None else half_s
-                            T.buffer_store(out, out[at] - coef * self.XS[row, wgi], [at])
+                            T.buffer_store(out, out[ot] - coef * self.XS[row, wgi], [ot])
 
     def emit_store(self) -> None:
         """The tile's float sums into Y, inside its bounds."""
@@ -340,7 +390,7 @@ class _Gemm:
                         col = self.blk * self.bm + self.first_row + i
                         with T.If(col < self.m):
                             with T.Then():
-                                T.buffer_store(self.Y, self.out[r * self.sb + i], [row, col])
+                                T.buffer_store(self.Y, self.out[self.at(r, i)], [row, col])
 
     def emit_driver(self, name: str) -> None:
         """The K chunks over the row blocks: the GEMV a chunk at a time over all blocks, the GEMM every chunk of a
@@ -365,14 +415,19 @@ class _Gemm:
                         self.emit_blocks(lambda emit: emit(full * groups_per_chunk, tail),
                                          tirx.const(full == 0, "bool"))
             else:
-                # the GEMM reads a block's weights once per row tile, from cache: every chunk of a block in turn,
-                # one code for all (a second copy of the unrolled body for the last chunk was slower)
+                # the GEMM of many rows reads a block's weights once per row tile, from cache; of a few, once: every
+                # chunk of a block in turn, one code for all (a second copy of the unrolled body for the last chunk
+                # was slower)
                 def every_chunk(emit):
                     with T.serial(0, full + (tail > 0)) as c:
                         g0 = c * groups_per_chunk
                         emit(g0, tirx.min(groups_per_chunk, groups_total - g0))
 
-                self.emit_blocks(every_chunk, tirx.const(True, "bool"))
+                with T.If(self.np_ <= FEW_ROWS):
+                    with T.Then():
+                        self.emit_blocks(every_chunk, tirx.const(True, "bool"), few=True)
+                    with T.Else():
+                        self.emit_blocks(every_chunk, tirx.const(True, "bool"))
 
 
 def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str, tables: bool = False):

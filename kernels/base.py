@@ -16,7 +16,7 @@ class Isa:
     wide_lookup: bool = False  # has ``lookup64`` (1- to 3-bit weights and triples then use quads)
     # ``lookup`` reads only the low 4 bits of each index (vpermb into 4 copies of the table): nibbles need no masks
     low_nibble_lookup: bool = False
-    prefetch_bytes: int = 0  # the GEMV prefetches its weight stream this far ahead (0: the hardware's prefetch only)
+    prefetch_bytes: int = 0  # a weight stream read once (GEMV, a few rows) is prefetched this far ahead (0: hardware only)
     vector_registers: int = 32  # architectural vector registers: 16 on x86-64 before AVX-512 (SSE2, AVX2)
 
     @property

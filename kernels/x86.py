@@ -119,16 +119,18 @@ def _target(mcpu: str) -> dict:
     return {"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": mcpu}
 
 
+# every x86 kernel streaming its weights once (the GEMV, the GEMM of a few rows) prefetches them 4 KiB ahead: the
+# hardware prefetcher alone kept below the read probe's bandwidth (docs/decisions.md, "The weight stream is
+# prefetched")
 AVX512_VBMI = X86Isa("avx512_vbmi", "x86_64", 64, frozenset({"avx2", "avx512bw", "avx512vnni", "avx512vbmi"}),
                      {**_target("cascadelake"), "mattr": ["+avx512vbmi"]},
                      "AVX-512 BW + VNNI + VBMI: vpermb zmm, vpdpbusd", wide_lookup=True, low_nibble_lookup=True,
-                     vnni=True)
+                     vnni=True, prefetch_bytes=4096)
 AVX512_VNNI = X86Isa("avx512_vnni", "x86_64", 64, frozenset({"avx2", "avx512bw", "avx512vnni"}),
-                     _target("cascadelake"), "AVX-512 BW + VNNI: vpshufb zmm, vpdpbusd", vnni=True)
+                     _target("cascadelake"), "AVX-512 BW + VNNI: vpshufb zmm, vpdpbusd", vnni=True,
+                     prefetch_bytes=4096)
 AVX512 = X86Isa("avx512", "x86_64", 64, frozenset({"avx2", "avx512bw"}),
-                _target("skylake-avx512"), "AVX-512 BW: vpshufb zmm, vpmaddubsw/vpmaddwd")
-# AVX2: the GEMV prefetches its weights 4 KiB ahead; the hardware prefetcher alone kept well below the read probe's
-# bandwidth (docs/decisions.md, "AVX2: the GEMV prefetches")
+                _target("skylake-avx512"), "AVX-512 BW: vpshufb zmm, vpmaddubsw/vpmaddwd", prefetch_bytes=4096)
 AVX2_VNNI = X86Isa("avx2_vnni", "x86_64", 32, frozenset({"avx2", "avxvnni"}),
                    _target("alderlake"), "AVX2 + AVX-VNNI: vpshufb ymm, vpdpbusd ymm", prefetch_bytes=4096,
                    vector_registers=16, vnni=True)

@@ -40,12 +40,13 @@ def _handle(t: torch.Tensor):
 
 
 def _projection(module: nn.Module, x: torch.Tensor, out: torch.Tensor, tables: dict, labels: dict,
-                biased: bool = False) -> list:
+                biased: bool = False, hold: bool = False) -> list:
     """The calls computing ``out = x @ Wᵀ`` for one fused projection: LUT parts one ``lut_gemv`` (tables and
     GEMV in one call), float parts one ``torch.mm``, each into its column slice of ``out`` (contiguous: one row).
     Several rows: the tables of all, then one ``lut_gemm`` reading each weight once for all of them (a row's
     result is the GEMV's, bit for bit); one part only, since a column slice of several rows is not contiguous.
-    ``biased``: the projection's bias is added by the glue that reads ``out`` (``attend``: the q/k/v biases)."""
+    ``biased``: the projection's bias is added by the glue that reads ``out`` (``attend``: the q/k/v biases).
+    ``hold``: the kernels keep the GIL (``KernelLibrary.holding_gil``)."""
     parts = list(module.parts) if isinstance(module, Concat) else [module]
     rows = x.shape[0]
     if rows > 1 and len(parts) != 1:
@@ -60,6 +61,7 @@ def _projection(module: nn.Module, x: torch.Tensor, out: torch.Tensor, tables: d
             spec = part.spec
             check_packed(spec, m, part.qweight, part.scales, part.zeros, part.bias)
             kernels = kernels_for(spec, part.kernel_dir)
+            kernels = kernels.holding_gil if hold else kernels
             table_rows = 1 if rows == 1 else spec.padded_rows(rows)
             key = spec.table_shapes(table_rows)
             if key not in tables:
@@ -196,6 +198,10 @@ class DecodePlan:
         isa = isa_by_name(first.spec.isa)
         act_quant = any(isinstance(m, ActivationQuantized) for m in model.modules())
         glue = runtime.load_kernels(glue_spec(cfg, act_quant, isa, model.kv_dtype, model.tok_embeddings), isa)
+        # a step's calls are short, and one thread makes them: they keep the GIL (a server's other threads take it
+        # between calls); a prefill's GEMMs run long and give it away
+        hold = not prefill
+        glue = glue.holding_gil if hold else glue
         q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
         names = {"x": cfg.dim, "delta": cfg.dim, "post": cfg.dim, "zero": cfg.dim, "xn": cfg.dim,
                  "qkv": q_dim + 2 * kv_dim,
@@ -240,7 +246,8 @@ class DecodePlan:
                 else:
                     each_row(quantize, src)
                 module = module.linear
-            calls.extend(_projection(module, buf[src][-1:] if last else buf[src], buf[dst], tables, labels, biased))
+            calls.extend(_projection(module, buf[src][-1:] if last else buf[src], buf[dst], tables, labels, biased,
+                                     hold))
 
         def post_norm(fn, norm) -> str:
             """The buffer the residual adds: the projection's output, or Gemma's norm of it."""

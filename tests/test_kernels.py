@@ -45,7 +45,7 @@ def test_float_output_matches_reference_epilogue(rng, isa, bits, group, zeros):
     if bits == 1 and not zeros:
         qw = QuantizedWeight(qw.codes, qw.scales, None, WeightFormat("w1s", 1, group, has_zeros=False))
     lw = LutWeight.from_quantized(qw, isa=isa, n_tile=3)
-    for n in (1, 2, 5):  # GEMV, GEMM with a padded last tile
+    for n in (1, 2, 5, 20):  # GEMV, GEMMs of a few rows and of many, with a padded last tile
         x = rng.standard_normal((n, k)).astype(np.float32)
         y = lw.matmul(torch.from_numpy(x)).numpy()
         assert y.shape == (n, m)
@@ -251,7 +251,7 @@ def test_k_quant_super_scales(rng, isa, type_name):
         assert packed.scales.dtype == (np.uint8 if fmt.has_zeros else np.int8)
         assert packed.scales.nbytes == spec.blocks(m) * spec.block_rows * k * (supers + spec.super_bytes) // 256
         lw = LutWeight(packed)
-        for n in (1, 2, 5):
+        for n in (1, 2, 5, 20):
             x = rng.standard_normal((n, k)).astype(np.float32)
             assert rel_l2(lw.matmul(torch.from_numpy(x)).numpy(), ref.lut_matmul(x, qw)) <= 1e-5
         back = unpack(packed, fmt)
@@ -315,6 +315,34 @@ def test_k_chunks_reorder_rows_and_keep_results_bit_exact(rng, isa, kind):
     saved = json.loads(chunked.to_json())
     del saved["k_chunk"]  # a spec saved before K chunks: one chunk, the layout it was packed in
     assert KernelSpec.from_dict(saved).k_chunk == whole.k_padded
+
+
+@pytest.mark.parametrize("isa", FAST)
+@pytest.mark.parametrize("kind", ["w4g32", "w2g128", "ternary", "Q4_K"])
+def test_a_rows_output_is_the_same_alone_among_few_rows_and_among_many(rng, isa, kind):
+    """Up to ``FEW_ROWS`` rows the GEMM looks up every row tile of a block while its weights are loaded, past that
+    one tile after another; either way, and in the GEMV, each row's float sums run in one order: its output is the
+    same bit for bit (what a decode step of several sequences relies on)."""
+    from tmac.codegen.lut import FEW_ROWS
+    from tmac.models.synthetic import k_quant_blocks
+    from tmac.quantize import import_gguf
+
+    m, k = 136, 768  # a partial last block
+    if kind == "Q4_K":
+        qw = import_gguf(k_quant_blocks(rng, m, k, kind), kind, (m, k))
+    else:
+        w = rng.standard_normal((m, k)).astype(np.float32)
+        qw = quantize_weight(w, ternary=True, group_size="row") if kind == "ternary" else \
+            quantize_weight(w, bits=int(kind[1]), group_size=int(kind[3:]))
+    lw = LutWeight.from_quantized(qw, isa=isa)
+    x = torch.from_numpy(rng.standard_normal((FEW_ROWS + 3, k)).astype(np.float32))
+    many = lw.matmul(x)
+    few = lw.matmul(x[:FEW_ROWS - 1])
+    oracle = ref.lut_matmul_triples if lw.spec.triples else ref.lut_matmul
+    assert rel_l2(many.numpy(), oracle(x.numpy(), qw)) <= 1e-5
+    assert torch.equal(few, many[:FEW_ROWS - 1])
+    for r in (0, 5, FEW_ROWS + 2):
+        assert torch.equal(lw.matmul(x[r:r + 1])[0], many[r])
 
 
 @pytest.mark.parametrize("kind", ["w1", "w2", "w3", "w5", "ternary"])

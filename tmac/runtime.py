@@ -163,15 +163,30 @@ def ffi():
 
 class KernelLibrary:
     """The functions of one compiled spec as attributes (``spec.functions``: for a ``KernelSpec``
-    ``build_tables``, ``lut_gemv``, ``lut_gemm``; for a ``GlueSpec`` the decode glue)."""
+    ``build_tables``, ``lut_gemv``, ``lut_gemm``; for a ``GlueSpec`` the decode glue). Each call gives the GIL
+    away while it runs; ``holding_gil`` has the same functions keeping it."""
 
-    def __init__(self, spec, path: str):
+    def __init__(self, spec, path: str, module=None, release_gil: bool = True):
         self.spec = spec
         self.path = path
-        module = ffi().load_module(path)
+        module = module if module is not None else ffi().load_module(path)
         for name in spec.functions:
-            setattr(self, name, module[name])
+            function = module[name]  # (a handle of its own: its release_gil is this library's)
+            function.release_gil = release_gil
+            setattr(self, name, function)
         self._module = module  # keeps the library loaded
+        self._holding = None if release_gil else self
+
+    @property
+    def holding_gil(self) -> "KernelLibrary":
+        """The functions keeping the GIL while they run: for a run of short calls from one thread (a decode step's
+        hundreds, each well under a millisecond). A call that gives the GIL away must take it back on return, and
+        while another Python thread works (a server's event loop) that waits for that thread's next switch (up to
+        ``sys.getswitchinterval()``, 5 ms): a step's calls each waiting made it a hundred times slower. A thread
+        holding it still gives it up at the interpreter's switches between calls."""
+        if self._holding is None:
+            self._holding = KernelLibrary(self.spec, self.path, self._module, release_gil=False)
+        return self._holding
 
 
 def load_kernels(spec, isa, kernel_dir: str | None = None, progress: bool = True) -> KernelLibrary:
