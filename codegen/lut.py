@@ -36,7 +36,7 @@ GEMM_ROW_SPLITS = 4  # runs of activation-row tiles a GEMM's row block is split 
 # up to this many activation rows (a decode step's sequences, a short prompt) the GEMM reads each weight once for all
 # its row tiles: every tile's lookups of a lut group (a super group) follow each other, while the weights are in L1,
 # so the weights stream from DRAM while the added rows compute (block by block, tile by tile, the stream stalled
-# while the later tiles read the block again from cache; docs/decisions.md, "A few rows: each weight read once")
+# while the later tiles read the block again from cache; docs/decisions.md, "Up to `FEW_ROWS` ... activation rows")
 FEW_ROWS = 16
 
 
@@ -190,13 +190,9 @@ class _Gemm:
                 self.tiles = tiles
                 with T.serial(0, self.parts) as part:
                     self.part, self.first_row = part, part * sb
-                    with T.serial(0, tiles) as nt:
-                        self.nt = self.slot = nt
-                        self.emit_start(first)
+                    self.each_tile(lambda: self.emit_start(first))
                     each_chunk(self.emit_chunk)
-                    with T.serial(0, tiles) as nt:
-                        self.nt = self.slot = nt
-                        self.emit_store()
+                    self.each_tile(self.emit_store)
                 return
             self.tiles, self.slot = None, 0
             with T.serial(0, per_split) as j:
@@ -222,9 +218,9 @@ class _Gemm:
                 T.buffer_store(self.out, y, [self.at(r, i)])
 
     def at(self, r, i):
-        """Where row ``r`` of the tile, block row ``i`` of the part, keeps its float sum in ``out``."""
-        return r * self.sb + i if isinstance(self.slot, int) and self.slot == 0 else \
-            (self.slot * self.n_tile + r) * self.sb + i
+        """Where row ``r`` of the tile, block row ``i`` of the part, keeps its float sum in ``out`` (the tile's
+        ``slot``: 0, or with ``few`` its index)."""
+        return (self.slot * self.n_tile + r) * self.sb + i
 
     def each_tile(self, body) -> None:
         """``body()`` for the tile being emitted, or (``few``) in a loop over every tile of the block."""
