@@ -7,8 +7,8 @@ The functions of a spec (the weights' layout: ``tmac.layout``; scales, tables, K
 - ``lut_gemm(W, S[, Z], LUT, LS, XS, Y[N, M])``: parallel over row blocks; per activation-row tile, per lut
   group, the unrolled inner loop loads each weight vector once and looks it up in the tables of every row of the
   tile (``n_tile`` rows), then a float epilogue applies table scale × weight scale and the ``(½s + z)·Σx`` term;
-  up to ``FEW_ROWS`` rows (a decode step's sequences) every tile's lut group follows the last, the weights read
-  once and streamed as the GEMV's;
+  up to ``FEW_ROWS`` rows (a decode step's sequences) every part's and tile's lut group follows the last, the
+  weights read once and streamed as the GEMV's;
 - ``lut_gemv(X[1, K], W, S[, Z], LUT, LS, XS, Y[1, M])``: one row, its tables built first in the same call (one
   call a projection: in a decode step whose weights stream from DRAM, each call into compiled code costs a few µs
   of Python state evicted from the caches), then the GEMM's loop with a tile of 1, a K chunk at a time.
@@ -175,7 +175,7 @@ class _Gemm:
         with T.parallel(0, self.mb * splits) as task:
             blk = task // splits if splits > 1 else task
             self.blk = blk
-            self.out = T.alloc_buffer(((FEW_ROWS if few else n_tile) * sb,), F32, scope="global")
+            self.out = T.alloc_buffer((FEW_ROWS * self.bm if few else n_tile * sb,), F32, scope="global")  # (``at``)
             # K-quants: a super group's Σ a·(terms) and Σ b·Σx, per row of the tile
             self.sums = [T.alloc_buffer((n_tile * sb,), F32, scope="global")
                          for _ in range((2 if spec.has_zeros else 1) if sg else 0)]
@@ -188,11 +188,9 @@ class _Gemm:
             self.ahead = self.isa.prefetch_bytes if n_tile == 1 or few else 0
             if few:
                 self.tiles = tiles
-                with T.serial(0, self.parts) as part:
-                    self.part, self.first_row = part, part * sb
-                    self.each_tile(lambda: self.emit_start(first))
-                    each_chunk(self.emit_chunk)
-                    self.each_tile(self.emit_store)
+                self.each_tile(lambda: self.emit_start(first))
+                each_chunk(self.emit_chunk)
+                self.each_tile(self.emit_store)
                 return
             self.tiles, self.slot = None, 0
             with T.serial(0, per_split) as j:
@@ -219,19 +217,25 @@ class _Gemm:
 
     def at(self, r, i):
         """Where row ``r`` of the tile, block row ``i`` of the part, keeps its float sum in ``out`` (the tile's
-        ``slot``: 0, or with ``few`` its index)."""
-        return (self.slot * self.n_tile + r) * self.sb + i
+        ``slot``: 0, or with ``few`` its index, and then the part's rows among the block's)."""
+        if self.tiles is None:
+            return (self.slot * self.n_tile + r) * self.sb + i
+        return (self.slot * self.n_tile + r) * self.bm + self.first_row + i
 
     def each_tile(self, body) -> None:
-        """``body()`` for the tile being emitted, or (``few``) in a loop over every tile of the block."""
+        """``body()`` for the tile being emitted, or (``few``) in a loop over every part and tile of the block, so
+        that a lut group's weights are read together and the stream from DRAM keeps one pace (docs/decisions.md,
+        "Up to `FEW_ROWS` ... activation rows")."""
         from tvm.script.ir_builder import tirx as T
 
         if self.tiles is None:
             body()
             return
-        with T.serial(0, self.tiles) as nt:
-            self.nt = self.slot = nt
-            body()
+        with T.serial(0, self.parts) as part:
+            self.part, self.first_row = part, part * self.sb
+            with T.serial(0, self.tiles) as nt:
+                self.nt = self.slot = nt
+                body()
 
     def emit_chunk(self, g0, gc) -> None:
         """Lut groups [g0, g0 + gc) of one K chunk: for K-quants a super group at a time, then its d and m."""
