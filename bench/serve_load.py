@@ -1,5 +1,6 @@
 """Concurrent clients against ``tmac serve``: aggregate generated tok/s, per-request latency p50/p95, time to first
-token and errors, at each concurrency level.
+token and errors, at each concurrency level; and, from the server's ``/health``, the tokens a second of its decode
+steps alone (what batching gives, each request's prefill apart).
 
 Starts ``tmac serve MODEL`` on a free loopback port (``--threads``), waits for ``/health``, then for each level N
 runs N clients at once, each sending ``--rounds`` streamed completions one after another (greedy, ``--tokens`` at
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import socket
 import statistics
 import subprocess
@@ -70,7 +70,15 @@ def one_request(client, model: str, prompt: str, tokens: int) -> dict:
             "tokens": generated}
 
 
-def level(client, model: str, clients: int, rounds: int, tokens: int) -> dict:
+def health(base: str) -> dict:
+    """The server's ``/health`` (tmac's counts its decode steps' tokens and seconds; another server's may not)."""
+    try:
+        return json.loads(urllib.request.urlopen(f"{base}/health", timeout=5).read())
+    except (OSError, ValueError):
+        return {}
+
+
+def level(client, base: str, model: str, clients: int, rounds: int, tokens: int) -> dict:
     results, errors = [], []
 
     def run(i: int) -> None:
@@ -80,6 +88,7 @@ def level(client, model: str, clients: int, rounds: int, tokens: int) -> dict:
             except Exception as e:  # counted, the run goes on
                 errors.append(f"{type(e).__name__}: {e}")
 
+    before = health(base)
     t0 = time.perf_counter()
     threads = [threading.Thread(target=run, args=(i,)) for i in range(clients)]
     for t in threads:
@@ -87,9 +96,13 @@ def level(client, model: str, clients: int, rounds: int, tokens: int) -> dict:
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
+    after = health(base)
+    # the decode steps alone (each sequence's token a step; the prompts' prefills apart): what batching gives
+    spent = after.get("step_seconds", 0.0) - before.get("step_seconds", 0.0)
+    step_rate = (after["stepped"] - before["stepped"]) / spent if "stepped" in before and spent > 0 else float("nan")
     lat = sorted(r["latency"] for r in results) or [float("nan")]
     return {"clients": clients, "requests": len(results), "errors": len(errors), "first_error": errors[:1],
-            "aggregate_tok_s": sum(r["tokens"] for r in results) / wall,
+            "aggregate_tok_s": sum(r["tokens"] for r in results) / wall, "step_tok_s": step_rate,
             "latency_p50_s": statistics.median(lat), "latency_p95_s": lat[min(len(lat) - 1, int(0.95 * len(lat)))],
             "ttft_p50_s": statistics.median(r["ttft"] for r in results) if results else float("nan")}
 
@@ -112,26 +125,30 @@ def main() -> int:
     port = free_port()
     server = None if args.url else start_server(args.model, port, args.threads, max(levels))
     try:
-        client = openai.OpenAI(base_url=f"{args.url or f'http://127.0.0.1:{port}'}/v1", api_key="none", max_retries=0)
+        base = args.url or f"http://127.0.0.1:{port}"
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
         model = client.models.list().data[0].id
         one_request(client, model, OPENINGS[0], 4)  # warm-up: the plans and kernels load here
         rows = []
         for n in levels:
-            rows.append(level(client, model, n, args.rounds, args.tokens))
+            rows.append(level(client, base, model, n, args.rounds, args.tokens))
             print(f"{n} clients: {rows[-1]['aggregate_tok_s']:.1f} tok/s", file=sys.stderr)
     finally:
         if server is not None:
             server.terminate()
             server.wait(30)
-    base = rows[0]["aggregate_tok_s"]
+    first = rows[0]
     if args.json:
         print(json.dumps({"model": model, "threads": args.threads, "tokens": args.tokens, "rounds": args.rounds,
                           "levels": rows}))
         return 0
     print(f"{model}, {args.threads} thread(s), {args.tokens} tokens a request, {args.rounds} requests a client")
-    print(f"{'clients':>7} {'tok/s':>8} {'vs 1':>6} {'p50 s':>7} {'p95 s':>7} {'TTFT s':>7} {'errors':>6}")
+    print("(steps: the decode steps' tokens a second, prefills left out; from a tmac server's /health)")
+    print(f"{'clients':>7} {'tok/s':>8} {'vs 1':>6} {'steps':>8} {'vs 1':>6} {'p50 s':>7} {'p95 s':>7} {'TTFT s':>7} "
+          f"{'errors':>6}")
     for r in rows:
-        print(f"{r['clients']:7d} {r['aggregate_tok_s']:8.1f} {r['aggregate_tok_s'] / base:6.2f} "
+        print(f"{r['clients']:7d} {r['aggregate_tok_s']:8.1f} {r['aggregate_tok_s'] / first['aggregate_tok_s']:6.2f} "
+              f"{r['step_tok_s']:8.1f} {r['step_tok_s'] / first['step_tok_s']:6.2f} "
               f"{r['latency_p50_s']:7.2f} {r['latency_p95_s']:7.2f} {r['ttft_p50_s']:7.2f} {r['errors']:6d}")
     return 0
 

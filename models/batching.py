@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -75,6 +76,8 @@ class Batcher:
         self.active: list[_Active] = []
         self.steps = 0
         self.widest = 0  # the most sequences one step has served
+        self.stepped = 0  # tokens the steps have fed (one a sequence a step; prefills apart)
+        self.step_seconds = 0.0  # spent in the steps
         self._wake = threading.Condition()
         self._closed = False
         self._plans = Plans(model).current()  # (the model stays as it is while served)
@@ -115,7 +118,8 @@ class Batcher:
 
     def load(self) -> dict:
         return {"running": len(self.active), "waiting": len(self.waiting), "max_batch": self.max_batch,
-                "max_queue": self.max_queue, "steps": self.steps, "widest": self.widest}
+                "max_queue": self.max_queue, "steps": self.steps, "widest": self.widest, "stepped": self.stepped,
+                "step_seconds": round(self.step_seconds, 6)}
 
     # ---- the batching thread ---------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -193,6 +197,7 @@ class Batcher:
         if not self.active:
             return
         batch = self.active
+        start = time.perf_counter()
         try:
             with torch.inference_mode(), runtime.torch_single_threaded():
                 tokens, positions = [a.next_id for a in batch], [len(a.sequence.ids) for a in batch]
@@ -212,6 +217,8 @@ class Batcher:
             self._leave(batch)
             return
         self.steps += 1
+        self.stepped += len(batch)
+        self.step_seconds += time.perf_counter() - start
         self.widest = max(self.widest, len(batch))
         self._leave([a for a in batch if self._finished(a)])
 

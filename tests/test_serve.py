@@ -211,12 +211,13 @@ def test_a_client_leaving_mid_stream_frees_its_slot(server):
 def test_concurrent_clients_each_get_what_they_get_alone(server):
     alone = [chat(server, [{"role": "user", "content": p}], max_tokens=24).choices[0].message.content
              for p in PROMPTS]
-    together = [None] * len(PROMPTS)
+    together, generated = [None] * len(PROMPTS), [0] * len(PROMPTS)
 
     def ask(i):
-        together[i] = chat(server, [{"role": "user", "content": PROMPTS[i]}], max_tokens=24).choices[0].message.content
+        r = chat(server, [{"role": "user", "content": PROMPTS[i]}], max_tokens=24)
+        together[i], generated[i] = r.choices[0].message.content, r.usage.completion_tokens
 
-    steps = health(server)["steps"]
+    before = health(server)
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(PROMPTS))]
     for t in threads:
         t.start()
@@ -225,7 +226,9 @@ def test_concurrent_clients_each_get_what_they_get_alone(server):
     assert together == alone
     h = health(server)
     assert h["widest"] >= 2  # they shared steps
-    assert h["steps"] > steps
+    assert h["steps"] > before["steps"] and h["step_seconds"] > before["step_seconds"]
+    # a request's first token comes from its prefill, each later one from a step fed the one before
+    assert h["stepped"] - before["stepped"] == sum(n - 1 for n in generated)
 
 
 def test_an_api_key_is_required_when_set(model):
