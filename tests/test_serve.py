@@ -192,6 +192,15 @@ def long_story(url) -> dict:
 STORY = "Once upon a time, in a small village by the sea, there lived"
 
 
+def wait_idle(url) -> dict:
+    """``/health`` once no request runs or waits (within 30 s)."""
+    deadline = time.monotonic() + 30
+    while (h := health(url))["running"] or h["waiting"]:
+        assert time.monotonic() < deadline, f"requests still run: {h}"
+        time.sleep(0.1)
+    return h
+
+
 def test_a_client_leaving_mid_stream_frees_its_slot(server):
     whole = client(server).completions.create(**{**long_story(server), "stream": False})
     assert whole.usage.completion_tokens > 300  # what the request runs to, unless left
@@ -200,10 +209,7 @@ def test_a_client_leaving_mid_stream_frees_its_slot(server):
         for line in lines:
             if line.startswith("data: ") and '"text": ""' not in line:
                 break  # one piece read, then gone
-    deadline = time.monotonic() + 30
-    while health(server)["running"]:
-        assert time.monotonic() < deadline, "the abandoned request still runs"
-        time.sleep(0.1)
+    wait_idle(server)
     assert health(server)["steps"] - steps < 150  # it left long before the end
     assert chat(server, max_tokens=4).choices[0].message.content
 
@@ -217,7 +223,7 @@ def test_concurrent_clients_each_get_what_they_get_alone(server):
         r = chat(server, [{"role": "user", "content": PROMPTS[i]}], max_tokens=24)
         together[i], generated[i] = r.choices[0].message.content, r.usage.completion_tokens
 
-    before = health(server)
+    before = wait_idle(server)
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(PROMPTS))]
     for t in threads:
         t.start()
