@@ -226,8 +226,9 @@ class DecodePlan:
 
         def each_row(fn, *args) -> None:
             """A glue call on every row: ``args`` are buffer names, or values passed as they are. From
-            ``PARALLEL_TABLE_ROWS`` rows, one call of the function's ``_rows`` variant, the rows on the pool."""
-            if rows >= PARALLEL_TABLE_ROWS:
+            ``PARALLEL_TABLE_ROWS`` rows, one call of the function's ``_rows`` variant where it has one, the rows
+            on the pool."""
+            if rows >= PARALLEL_TABLE_ROWS and labels[id(fn)] in glue.spec.row_functions:
                 calls.append((getattr(glue, labels[id(fn)] + ROWS), [whole.get(a, a) if isinstance(a, str) else a
                                                                      for a in args]))
                 return

@@ -12,6 +12,7 @@ import tmac
 from conftest import rel_l2, runnable_isas
 from tmac import runtime
 from tmac.glue import PARALLEL_ATTENTION_WORK
+from tmac.spec import PARALLEL_TABLE_ROWS
 from tmac.glue import GlueSpec
 from tmac.kernels import isa_by_name
 from tmac.models.decode import DecodePlan
@@ -391,12 +392,14 @@ def test_generation_runs_torch_on_one_thread_beside_lut_layers_only(tmp_path, mo
         torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("family, weight_type", [("llama", "Q4_0"), ("bitnet", "TQ2_0"), ("qwen2", "Q4_1"),
-                                                 ("qwen3", "Q8_0"), ("gemma3", "Q4_0"), ("phi3", "Q5_0")])
-def test_a_plan_for_several_sequences_gives_each_what_it_gives_alone(tmp_path, family, weight_type):
-    """``DecodePlan.build(model, rows)``: the glue row by row, each projection's LUT GEMM once for all the rows;
-    every row's logits equal, bit for bit, the one-row plan's for that sequence, step after step (the sequences
-    at different positions, a window outgrown)."""
+@pytest.mark.parametrize("family, weight_type, n", [
+    ("llama", "Q4_0", 3), ("bitnet", "TQ2_0", 3), ("qwen2", "Q4_1", 3), ("qwen3", "Q8_0", 3), ("gemma3", "Q4_0", 3),
+    ("phi3", "Q5_0", 3), ("llama", "Q4_0", PARALLEL_TABLE_ROWS), ("bitnet", "TQ2_0", PARALLEL_TABLE_ROWS)])
+def test_a_plan_for_several_sequences_gives_each_what_it_gives_alone(tmp_path, family, weight_type, n):
+    """``DecodePlan.build(model, rows)``: the glue row by row (from ``PARALLEL_TABLE_ROWS`` rows, its ``_rows``
+    variants where they exist), each projection's LUT GEMM once for all the rows; every row's logits equal, bit for
+    bit, the one-row plan's for that sequence, step after step (the sequences at different positions, a window
+    outgrown)."""
     from tmac.models.llama import LlamaConfig
     from tmac.models.sequence import Sequence
     from tmac.models.synthetic import write_random_gguf
@@ -405,22 +408,23 @@ def test_a_plan_for_several_sequences_gives_each_what_it_gives_alone(tmp_path, f
     write_random_gguf(str(tmp_path / "m.gguf"), cfg, weight_type, family=family)
     model = tmac.load_model(str(tmp_path / "m.gguf"), context=640, progress=False)
     prompts = [[1, 2, 3], list(range(5, 25)), [i % 500 for i in range(40, 560)]]  # the last past Gemma 3's window
+    prompts = [[10 + i, *prompts[i % 3]] for i in range(n)]
     with torch.inference_mode(), runtime.torch_single_threaded():
-        one, three = DecodePlan.build(model), DecodePlan.build(model, rows=3)
-        assert one is not None and three is not None and three.rows == 3
+        one, several = DecodePlan.build(model), DecodePlan.build(model, rows=n)
+        assert one is not None and several is not None and several.rows == n
         together, alone = ([Sequence(model, adopt=False) for _ in prompts] for _ in range(2))
         for p, a, b in zip(prompts, together, alone):
             model(torch.tensor(p), 0, cache=a)
             model(torch.tensor(p), 0, cache=b)
-        tokens = [7, 8, 9]
+        tokens = [7 + i for i in range(n)]
         for step in range(4):
             at = [len(p) + step for p in prompts]
-            rows = three.step_rows(tokens, at, together).clone()
+            rows = several.step_rows(tokens, at, together).clone()
             single = torch.stack([one.step(t, pos, s).clone() for t, pos, s in zip(tokens, at, alone)])
             assert torch.equal(rows, single), step
             tokens = [int(r.argmax()) for r in rows]
-        with pytest.raises(ValueError, match="steps 3 sequences"):
-            three.step_rows(tokens[:2], at[:2], together[:2])
+        with pytest.raises(ValueError, match=f"steps {n} sequences"):
+            several.step_rows(tokens[:2], at[:2], together[:2])
 
 
 @pytest.mark.parametrize("family, weight_type", [("llama", "Q4_0"), ("bitnet", "TQ2_0"), ("qwen2", "Q4_1"),
