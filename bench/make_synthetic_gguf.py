@@ -7,6 +7,11 @@ very same file. Example:
 ``--family`` writes another architecture's tensors at the same shape (qwen2's biases, gemma3's norms and sliding
 window, phi3's fused projections …), so each family's decode speed compares with llama's on the same bytes.
 
+``--tokenizer-from FILE`` copies a real model's tokenizer (vocabulary, merges, chat template) from a GGUF whose
+vocabulary has the shape's size — ``default`` is the default model's, SmolLM2's 49152 tokens, as ``llama-1b`` has —
+so that prompts are as many tokens as a real model makes of them (``bench/serve_load.py``); without it, a
+byte-level tokenizer with three merges makes each character nearly a token.
+
 ``--type`` is one GGML type for every matrix, or ``Q4_K_M``: llama.cpp's usual mixture of Q4_K and Q6_K.
 
 Shapes: ``llama-1b`` (hidden 2048, ffn 8192, 16 layers, 32/8 heads, vocab 49152) and ``bitnet-3b-llama``
@@ -19,6 +24,7 @@ import time
 
 from tmac.models.arch import ARCHITECTURES
 from tmac.models.llama import LlamaConfig
+from tmac.models.load import default_model_path
 from tmac.models.synthetic import write_random_gguf
 from tmac.progress import Progress
 
@@ -67,17 +73,20 @@ def main() -> int:
     p.add_argument("--embd-type", help="GGML type of the token embedding (default: as --type)")
     p.add_argument("--family", default="llama", choices=sorted(ARCHITECTURES),
                    help="architecture record whose tensors the file holds (default llama)")
+    p.add_argument("--tokenizer-from", metavar="FILE",
+                   help="a GGUF whose tokenizer the file takes ('default': the default model's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("-o", "--output", required=True)
     args = p.parse_args()
     cfg = SHAPES[args.shape]
+    tokenizer = default_model_path() if args.tokenizer_from == "default" else args.tokenizer_from
     arch = ARCHITECTURES[args.family]
     per_layer = len(arch.layer_tensors()) - (3 if arch.fused else 0)
     total = 2 + (not cfg.tie_embeddings) + cfg.n_layers * per_layer
     t0 = time.perf_counter()
     with Progress(f"writing {args.output}", total, True) as bar:
         write_random_gguf(args.output, cfg, weight_types(cfg, args.type, args.embd_type), args.seed, bar.advance,
-                          args.family)
+                          args.family, tokenizer)
     print(f"wrote {args.output} ({args.family} {args.shape}, {args.type}) in {time.perf_counter() - t0:.0f} s",
           file=sys.stderr)
     return 0

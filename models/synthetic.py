@@ -3,7 +3,8 @@ downloading any, and small models for tests. tmac and llama.cpp read the very sa
 like for like.
 
 The tokenizer is a byte-level BPE (GPT-2's 256 byte tokens, a few merges, filler tokens up to the vocabulary
-size and an end-of-text token), enough for both to tokenize and generate.
+size and an end-of-text token), enough for both to tokenize and generate; or a real model's, copied from its GGUF
+(``tokenizer_from``), so that a prompt is as many tokens as a real model makes of it.
 """
 
 from __future__ import annotations
@@ -108,12 +109,30 @@ def add_llama_metadata(w, cfg: LlamaConfig, tokenizer: bool = True) -> None:
     w.add_chat_template("{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
 
 
+def copy_tokenizer(w, source: str, vocab_size: int) -> None:
+    """The ``tokenizer.*`` metadata of the GGUF ``source`` (its vocabulary, merges, special tokens and chat
+    template) on writer ``w``; its vocabulary must have ``vocab_size`` tokens."""
+    import gguf
+
+    reader = gguf.GGUFReader(source)
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    if tokens is None or len(tokens.data) != vocab_size:
+        raise ValueError(f"{source}: tokenizer.ggml.tokens has {'no' if tokens is None else len(tokens.data)} "
+                         f"tokens, the model {vocab_size}")
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer."):
+            sub_type = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+            w.add_key_value(key, field.contents(), field.types[0], sub_type)
+
+
 def write_random_gguf(path: str, cfg: LlamaConfig, weight_type: str | Callable[[str], str] = "Q4_0",
-                      seed: int = 0, progress: Callable[[str], object] | None = None, family: str = "llama") -> None:
+                      seed: int = 0, progress: Callable[[str], object] | None = None, family: str = "llama",
+                      tokenizer_from: str | None = None) -> None:
     """Write a GGUF of ``family`` (a ``models.arch`` record) and shape ``cfg`` whose matrices hold N(0, 0.02)
     weights in ``weight_type`` (a GGML type name, or a function of the GGUF tensor name giving one), norms F32 ones
     and biases F32 zeros. Ternary types get uniformly random ternary weights times one per-tensor scale, as
-    converted BitNet models have."""
+    converted BitNet models have. ``tokenizer_from``: a GGUF whose tokenizer the file takes (``copy_tokenizer``)
+    instead of the byte-level one."""
     import gguf
 
     from .arch import ARCHITECTURES
@@ -122,7 +141,9 @@ def write_random_gguf(path: str, cfg: LlamaConfig, weight_type: str | Callable[[
     type_of = weight_type if callable(weight_type) else (lambda name: weight_type)
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(path, arch.gguf)
-    add_llama_metadata(w, cfg)
+    add_llama_metadata(w, cfg, tokenizer=tokenizer_from is None)
+    if tokenizer_from is not None:
+        copy_tokenizer(w, tokenizer_from, cfg.vocab_size)
     if arch.gguf_swa_every:
         w.add_sliding_window(SLIDING_WINDOW)
     if family in SOFT_CAPS:

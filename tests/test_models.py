@@ -161,6 +161,28 @@ def test_smollm2_tokenizer_matches_llama_cpp(smollm2):
         assert tok.decode(case["ids"]) == case["text"]
 
 
+def test_a_synthetic_model_takes_a_real_tokenizer(tmp_path):
+    """``write_random_gguf(tokenizer_from=...)``: the file holds SmolLM2's tokenizer metadata as gguf-py reads it
+    back, and tokenizes as llama.cpp tokenizes SmolLM2; a vocabulary of another size is refused by name."""
+    import gguf
+
+    from tmac.models.llama import LlamaConfig
+    from tmac.models.synthetic import write_random_gguf
+
+    cfg = LlamaConfig(vocab_size=49152, dim=64, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=128, context_length=256)
+    write_random_gguf(str(tmp_path / "m.gguf"), cfg, "Q8_0", tokenizer_from=smollm2_path())
+    mine, theirs = (gguf.GGUFReader(f).fields for f in (tmp_path / "m.gguf", smollm2_path()))
+    keys = [k for k in theirs if k.startswith("tokenizer.")]
+    assert "tokenizer.ggml.merges" in keys and "tokenizer.chat_template" in keys
+    assert all(mine[k].contents() == theirs[k].contents() for k in keys)
+    tok = tmac.load_model(str(tmp_path / "m.gguf"), progress=False).tokenizer
+    for case in _reference("smollm2_llamacpp.json")["tokenize"]:
+        assert tok.encode(case["text"]) == case["ids"], case["text"]
+    with pytest.raises(ValueError, match="tokenizer.ggml.tokens has 49152 tokens, the model 512"):
+        write_random_gguf(str(tmp_path / "n.gguf"), LlamaConfig(vocab_size=512, dim=64, n_layers=1, n_heads=2,
+                          n_kv_heads=1, ffn_dim=128), "Q8_0", tokenizer_from=smollm2_path())
+
+
 def test_smollm2_chat_template_and_prompt_ids(smollm2):
     """The GGUF's template renders ChatML with SmolLM2's default system message, as typed out in the reference
     script; every prompt tokenizes to llama.cpp's ids."""
