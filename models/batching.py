@@ -1,8 +1,9 @@
 """Continuous batching: many generations over one model, stepped together on a thread of their own.
 
 Each running request holds a ``Sequence`` (a KV cache of the model's context, kept for the next request when it
-ends: at most ``max_batch`` of them, made as they are first needed). A new request is
-prefilled alone at a step boundary and joins the batch; every step then feeds the last token of each active
+ends: at most ``max_batch`` of them, made as they are first needed). A new request takes the kept cache that already
+holds the longest start of its prompt (a conversation's next turn resends the whole conversation: only the new
+part is fed), is prefilled alone at a step boundary and joins the batch; every step then feeds the last token of each active
 sequence through the model's ``DecodePlan`` for that many rows: the glue row by row, each projection once for all
 of them (the LUT GEMM reads each weight once for all the rows), so that each gets exactly the logits it gets alone
 (``tmac run``'s). A model without such a plan steps the sequences one after another through its one-row plan, or
@@ -46,6 +47,7 @@ class Request:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ids: list[int] = field(default_factory=list)  # generated so far
+    cached: int = 0  # the prompt's first tokens found in a kept cache (not fed again)
     cancelled: bool = False  # set by the consumer: the request leaves at the next step
 
     def cancel(self) -> None:
@@ -77,11 +79,13 @@ class Batcher:
         self.steps = 0
         self.widest = 0  # the most sequences one step has served
         self.stepped = 0  # tokens the steps have fed (one a sequence a step; prefills apart)
+        self.prefilled = self.reused = 0  # prompt tokens fed by prefills, and found in kept caches instead
         self.step_seconds = 0.0  # spent in the steps
         self._wake = threading.Condition()
         self._closed = False
         self._plans = Plans(model).current()  # (the model stays as it is while served)
-        self._free: list[Sequence] = []  # the caches of finished requests, for the next ones
+        self._free: list[Sequence] = []  # the caches of finished requests, for the next ones (the oldest first)
+        self._made = 0  # sequences made (at most max_batch)
         self._thread = threading.Thread(target=self._loop, name="tmac-batcher", daemon=True)
         self._thread.start()
 
@@ -119,7 +123,7 @@ class Batcher:
     def load(self) -> dict:
         return {"running": len(self.active), "waiting": len(self.waiting), "max_batch": self.max_batch,
                 "max_queue": self.max_queue, "steps": self.steps, "widest": self.widest, "stepped": self.stepped,
-                "step_seconds": round(self.step_seconds, 6)}
+                "step_seconds": round(self.step_seconds, 6), "prefilled": self.prefilled, "reused": self.reused}
 
     # ---- the batching thread ---------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -147,11 +151,14 @@ class Batcher:
         sequence = None
         try:
             with torch.inference_mode(), runtime.torch_single_threaded():
-                sequence = self._free.pop() if self._free else Sequence(self.model, adopt=False)
-                chunks = prefill(self.model, request.prompt_ids, sequence, last_only=True, plans=self._plans)
+                sequence, reuse = self._cache_for(request.prompt_ids)
+                chunks = prefill(self.model, request.prompt_ids, sequence, reuse, last_only=True, plans=self._plans)
                 for _, chunk_logits in chunks:
                     logits = chunk_logits[-1]
                 sequence.ids = list(request.prompt_ids)
+                request.cached = reuse
+                self.prefilled += len(request.prompt_ids) - reuse
+                self.reused += reuse
                 generator = torch.Generator().manual_seed(request.seed) if request.seed is not None else None
                 active = _Active(request, sequence, TextStream(self.model.tokenizer, request.stop), generator)
                 self._take(active, logits)
@@ -164,6 +171,24 @@ class Batcher:
         self.active.append(active)
         if self._finished(active):
             self._leave([active])
+
+    def _cache_for(self, prompt: list[int]) -> tuple[Sequence, int]:
+        """A cache for ``prompt`` and how many of its first tokens it holds already: the kept cache sharing the
+        longest start with it (all but its last token at most: that one's logits are needed); sharing none, a new
+        cache while fewer than ``max_batch`` exist, else the one kept longest."""
+        best, reuse = None, 0
+        for i, kept in enumerate(self._free):
+            n = _common_start(kept.ids, prompt, len(prompt) - 1)
+            if n > reuse:
+                best, reuse = i, n
+        if best is None and (self._made >= self.max_batch and self._free):
+            best = 0
+        if best is None:
+            self._made += 1
+            return Sequence(self.model, adopt=False), 0
+        sequence = self._free.pop(best)
+        del sequence.ids[reuse:]  # (the positions past them are written again)
+        return sequence, reuse
 
     def _take(self, a: _Active, logits: torch.Tensor) -> None:
         """Sample the next token of ``a`` from its logits and hand out the text it completes."""
@@ -214,6 +239,7 @@ class Batcher:
         except Exception as e:
             for a in batch:
                 a.request.emit(f"{type(e).__name__}: {e}", "error")
+                a.sequence.ids = []  # (what its cache holds is not known)
             self._leave(batch)
             return
         self.steps += 1
@@ -223,9 +249,16 @@ class Batcher:
         self._leave([a for a in batch if self._finished(a)])
 
     def _leave(self, done: list[_Active]) -> None:
-        """``done`` out of the batch, their caches kept for the next requests."""
+        """``done`` out of the batch, their caches kept for the next requests with what they hold (``ids``)."""
         if done:
             self.active = [a for a in self.active if a not in done]
-            for a in done:
-                a.sequence.ids = []
-                self._free.append(a.sequence)
+            self._free += [a.sequence for a in done]
+
+
+def _common_start(a: list[int], b: list[int], most: int) -> int:
+    """How many first tokens ``a`` and ``b`` share, ``most`` at most."""
+    n = min(len(a), len(b), most)
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n

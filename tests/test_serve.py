@@ -237,6 +237,34 @@ def test_concurrent_clients_each_get_what_they_get_alone(server):
     assert h["stepped"] - before["stepped"] == sum(n - 1 for n in generated)
 
 
+def test_a_conversations_next_turn_feeds_only_what_is_new(model):
+    """A finished request's cache is kept with what it holds: the next turn of the conversation (which resends it
+    all) finds its start there and feeds only the rest, as the ``openai`` client's ``cached_tokens`` reads; the
+    answers are those of a server that kept nothing."""
+    first = chat_turns = None
+    with serving(model, max_batch=1) as url:
+        first = chat(url, max_tokens=16)
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        chat_turns = [*QUESTION, {"role": "assistant", "content": first.choices[0].message.content},
+                      {"role": "user", "content": "And of Germany?"}]
+        before = health(url)
+        second = chat(url, chat_turns, max_tokens=16)
+        cached = second.usage.prompt_tokens_details.cached_tokens
+        assert first.usage.prompt_tokens <= cached < second.usage.prompt_tokens
+        after = health(url)
+        assert after["reused"] - before["reused"] == cached
+        assert after["prefilled"] - before["prefilled"] == second.usage.prompt_tokens - cached
+        again = chat(url, chat_turns, max_tokens=16)  # all but the prompt's last token held
+        assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
+        other = client(url).completions.create(model=name(url), prompt="Zebras", max_tokens=4, temperature=0)
+        assert other.usage.prompt_tokens_details.cached_tokens == 0  # (nothing in common: the one cache reused)
+    with serving(model, max_batch=1) as url:
+        fresh = chat(url, chat_turns, max_tokens=16)
+        assert fresh.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.choices[0].message.content == again.choices[0].message.content == fresh.choices[0].message.content
+    assert second.usage.completion_tokens == fresh.usage.completion_tokens
+
+
 def test_an_api_key_is_required_when_set(model):
     with serving(model, api_key="sesame") as url:
         with pytest.raises(openai.AuthenticationError):

@@ -200,7 +200,8 @@ def create_app(model, model_name: str, api_key: str | None = None, max_batch: in
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         meta = dict(id=ident, created=int(time.time()), model=model_name)
         usage = lambda: {"prompt_tokens": len(ids), "completion_tokens": len(generation.ids),  # noqa: E731
-                         "total_tokens": len(ids) + len(generation.ids)}
+                         "total_tokens": len(ids) + len(generation.ids),
+                         "prompt_tokens_details": {"cached_tokens": generation.cached}}
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
             return StreamingResponse(_stream(generation, events, meta, chat, usage, include_usage),
