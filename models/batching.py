@@ -24,7 +24,7 @@ import torch
 from tmac import runtime
 
 from .decode import Plans
-from .generate import _check_sampling, check_prompt, check_seed, next_token, prefill
+from .generate import _check_sampling, check_prompt, check_seed, common_prefix, next_token, prefill
 from .sequence import Sequence
 from .text import TextStream, check_stop
 
@@ -178,7 +178,7 @@ class Batcher:
         cache while fewer than ``max_batch`` exist, else the one kept longest."""
         best, reuse = None, 0
         for i, kept in enumerate(self._free):
-            n = _common_start(kept.ids, prompt, len(prompt) - 1)
+            n = min(common_prefix(kept.ids, prompt), len(prompt) - 1)
             if n > reuse:
                 best, reuse = i, n
         if best is None and (self._made >= self.max_batch and self._free):
@@ -254,11 +254,3 @@ class Batcher:
             self.active = [a for a in self.active if a not in done]
             self._free += [a.sequence for a in done]
 
-
-def _common_start(a: list[int], b: list[int], most: int) -> int:
-    """How many first tokens ``a`` and ``b`` share, ``most`` at most."""
-    n = min(len(a), len(b), most)
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n

@@ -201,7 +201,7 @@ class Session:
         return self._run(prompt, max_new_tokens, stop, stop_ids, sampling)
 
     def _run(self, prompt, max_new_tokens, stop, stop_ids, sampling) -> Iterator[int]:
-        reuse = _common_prefix(self.cached_ids, prompt)
+        reuse = common_prefix(self.cached_ids, prompt)
         reuse = min(reuse, len(prompt) - 1)  # the last prompt token is always fed: its logits start decoding
         stats = self.stats = {"prompt_tokens": len(prompt), "prefill_tokens": len(prompt) - reuse,
                               "setup_s": 0.0, "prefill_s": 0.0, "generated_tokens": 0, "decode_steps": 0,
@@ -295,7 +295,8 @@ def check_seed(seed) -> None:
         raise ValueError(f"seed must be None or an int in [0, 2**63), got {seed!r:.40}")
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many first tokens ``a`` and ``b`` share."""
     n = 0
     for x, y in zip(a, b):
         if x != y:
