@@ -3,7 +3,8 @@
 Each running request holds a ``Sequence`` (a KV cache of the model's context, kept for the next request when it
 ends: at most ``max_batch`` of them, made as they are first needed). A new request takes the kept cache that already
 holds the longest start of its prompt (a conversation's next turn resends the whole conversation: only the new
-part is fed), is prefilled alone at a step boundary and joins the batch; every step then feeds the last token of each active
+part is fed), is prefilled between steps, at most ``PREFILL_BUDGET`` prompt tokens between two (a long prompt
+does not stall the running streams for its whole prefill), and joins the batch; every step then feeds the last token of each active
 sequence through the model's ``DecodePlan`` for that many rows: the glue row by row, each projection once for all
 of them (the LUT GEMM reads each weight once for all the rows), so that each gets exactly the logits it gets alone
 (``tmac run``'s). A model without such a plan steps the sequences one after another through its one-row plan, or
@@ -28,9 +29,17 @@ from .generate import _check_sampling, check_prompt, check_seed, common_prefix, 
 from .sequence import Sequence
 from .text import TextStream, check_stop
 
+# prompt tokens prefilled between two decode steps: several short prompts at once, a long one in pieces, each
+# piece a pause of the running streams (docs/decisions.md, "A served prompt is prefilled between decode steps")
+PREFILL_BUDGET = 64
+
 
 class Busy(Exception):
     """The queue is full: try again later."""
+
+
+class _Cancelled(Exception):
+    pass
 
 
 @dataclass
@@ -61,6 +70,7 @@ class _Active:
         self.next_id: int | None = None  # sampled, not yet fed
         self.finish: str | None = None  # why it ended, once it has
         self.tail = ""  # the text its last token completed, handed out with the finish
+        self.fed = 0  # the prompt's tokens in the cache (all of them once it runs)
 
 
 class Batcher:
@@ -76,6 +86,7 @@ class Batcher:
         self.model, self.max_batch, self.max_queue = model, max_batch, max_queue
         self.waiting: collections.deque[Request] = collections.deque()
         self.active: list[_Active] = []
+        self.admitting: collections.deque[_Active] = collections.deque()  # prompts being prefilled, in turn
         self.steps = 0
         self.widest = 0  # the most sequences one step has served
         self.stepped = 0  # tokens the steps have fed (one a sequence a step; prefills apart)
@@ -109,7 +120,7 @@ class Batcher:
         with self._wake:
             if self._closed:
                 raise RuntimeError("the batcher is closed")
-            if len(self.waiting) >= self.max_queue + max(0, self.max_batch - len(self.active)):
+            if len(self.waiting) >= self.max_queue + max(0, self.max_batch - len(self.active) - len(self.admitting)):
                 raise Busy(f"{len(self.active)} requests running and {len(self.waiting)} waiting")
             self.waiting.append(request)
             self._wake.notify()
@@ -121,7 +132,8 @@ class Batcher:
         self._thread.join()
 
     def load(self) -> dict:
-        return {"running": len(self.active), "waiting": len(self.waiting), "max_batch": self.max_batch,
+        return {"running": len(self.active), "prefilling": len(self.admitting), "waiting": len(self.waiting),
+                "max_batch": self.max_batch,
                 "max_queue": self.max_queue, "steps": self.steps, "widest": self.widest, "stepped": self.stepped,
                 "step_seconds": round(self.step_seconds, 6), "prefilled": self.prefilled, "reused": self.reused}
 
@@ -129,48 +141,70 @@ class Batcher:
     def _loop(self) -> None:
         while True:
             with self._wake:
-                while not self._closed and not self.waiting and not self.active:
+                while not self._closed and not self.waiting and not self.active and not self.admitting:
                     self._wake.wait()
                 if self._closed:
-                    for a in self.active:
+                    for a in [*self.active, *self.admitting]:
                         a.request.emit("the server is shutting down", "error")
                     for r in self.waiting:
                         r.emit("the server is shutting down", "error")
                     return
                 joining = []
-                while self.waiting and len(self.active) + len(joining) < self.max_batch:
+                while self.waiting and len(self.active) + len(self.admitting) + len(joining) < self.max_batch:
                     joining.append(self.waiting.popleft())
             for request in joining:
                 self._admit(request)
+            self._prefill_some()
             self._step()
 
     def _admit(self, request: Request) -> None:
-        """Prefill ``request`` alone and sample its first token."""
+        """Give ``request`` a cache (``_cache_for``) and queue its prompt for prefilling."""
         if request.cancelled:
             return
-        sequence = None
         try:
-            with torch.inference_mode(), runtime.torch_single_threaded():
-                sequence, reuse = self._cache_for(request.prompt_ids)
-                chunks = prefill(self.model, request.prompt_ids, sequence, reuse, last_only=True, plans=self._plans)
-                for _, chunk_logits in chunks:
-                    logits = chunk_logits[-1]
-                sequence.ids = list(request.prompt_ids)
-                request.cached = reuse
-                self.prefilled += len(request.prompt_ids) - reuse
-                self.reused += reuse
-                generator = torch.Generator().manual_seed(request.seed) if request.seed is not None else None
-                active = _Active(request, sequence, TextStream(self.model.tokenizer, request.stop), generator)
-                self._take(active, logits)
+            sequence, reuse = self._cache_for(request.prompt_ids)
         except Exception as e:  # a request's failure is its own: the others go on
-            if sequence is not None:
-                sequence.ids = []
-                self._free.append(sequence)
             request.emit(f"{type(e).__name__}: {e}", "error")
             return
-        self.active.append(active)
-        if self._finished(active):
-            self._leave([active])
+        request.cached, self.reused = reuse, self.reused + reuse
+        generator = torch.Generator().manual_seed(request.seed) if request.seed is not None else None
+        a = _Active(request, sequence, TextStream(self.model.tokenizer, request.stop), generator)
+        a.fed = reuse
+        self.admitting.append(a)
+
+    def _prefill_some(self) -> None:
+        """Up to ``PREFILL_BUDGET`` prompt tokens of the admitting requests, in turn, or while none runs the whole
+        prompt (no stream to pause; a piece at a time costs a little more); one whose prompt is all in its cache
+        samples its first token and joins the batch."""
+        budget = PREFILL_BUDGET
+        while self.admitting and (budget > 0 or not self.active):
+            a = self.admitting[0]
+            prompt = a.request.prompt_ids
+            end = min(len(prompt), a.fed + budget) if self.active else len(prompt)
+            try:
+                if a.request.cancelled:
+                    raise _Cancelled
+                with torch.inference_mode(), runtime.torch_single_threaded():
+                    for _, chunk_logits in prefill(self.model, prompt[:end], a.sequence, a.fed, last_only=True,
+                                                   plans=self._plans):
+                        logits = chunk_logits[-1]
+                    self.prefilled, budget, a.fed = self.prefilled + end - a.fed, budget - (end - a.fed), end
+                    a.sequence.ids = prompt[:end]
+                    if end < len(prompt):
+                        continue
+                    self.admitting.popleft()
+                    self._take(a, logits)
+            except Exception as e:  # a request's failure is its own: the others go on
+                if self.admitting and self.admitting[0] is a:
+                    self.admitting.popleft()
+                if not isinstance(e, _Cancelled):
+                    a.sequence.ids = []  # (what its cache holds is not known)
+                    a.request.emit(f"{type(e).__name__}: {e}", "error")
+                self._free.append(a.sequence)
+                continue
+            self.active.append(a)
+            if self._finished(a):
+                self._leave([a])
 
     def _cache_for(self, prompt: list[int]) -> tuple[Sequence, int]:
         """A cache for ``prompt`` and how many of its first tokens it holds already: the kept cache sharing the

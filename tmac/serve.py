@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import secrets
+import sys
 import time
 import uuid
 from typing import Literal, Union
@@ -28,6 +29,7 @@ from .models.batching import Request as Generation
 from .models.text import check_prompt_size
 
 MAX_STOPS = 4  # as OpenAI's API
+SWITCH_INTERVAL = 0.0005  # seconds: the interpreter's, while a server runs
 TYPE_TAGS = {"int", "float", "str", "bool", "dict", "list", "literal"}  # pydantic's union branches in a location
 Number = Union[StrictInt, StrictFloat]
 
@@ -91,8 +93,16 @@ def create_app(model, model_name: str, api_key: str | None = None, max_batch: in
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        yield
-        batcher.close()
+        # the batching thread keeps the GIL through a step's kernel calls; each time the event loop gives it up (a
+        # socket write, a select) it waits a switch interval to get it back: at the default 5 ms it fell behind the
+        # tokens and noticed a client gone only after hundreds of steps (docs/decisions.md, "switch interval")
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(SWITCH_INTERVAL)
+        try:
+            yield
+        finally:
+            sys.setswitchinterval(interval)
+            batcher.close()
 
     app = FastAPI(title="tmac", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.batcher = batcher
