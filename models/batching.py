@@ -2,14 +2,15 @@
 
 Each running request holds a ``Sequence`` (a KV cache of the model's context, kept for the next request when it
 ends: at most ``max_batch`` of them, made as they are first needed). A new request takes the kept cache that already
-holds the longest start of its prompt (a conversation's next turn resends the whole conversation: only the new
-part is fed), is prefilled between steps, at most ``PREFILL_BUDGET`` prompt tokens between two (a long prompt
-does not stall the running streams for its whole prefill), and joins the batch; every step then feeds the last token of each active
-sequence through the model's ``DecodePlan`` for that many rows: the glue row by row, each projection once for all
-of them (the LUT GEMM reads each weight once for all the rows), so that each gets exactly the logits it gets alone
-(``tmac run``'s). A model without such a plan steps the sequences one after another through its one-row plan, or
-all at once through ``Transformer.forward_rows``. A request that finishes, is cancelled or whose consumer went
-away leaves at the next boundary and frees its cache. Results go back through a callback per request (the server hands them to its event loop).
+holds the longest start of its prompt (a conversation's next turn resends the whole conversation: only the new part
+is fed), is prefilled between steps, at most ``PREFILL_BUDGET`` prompt tokens between two (a long prompt does not
+stall the running streams for its whole prefill), and joins the batch; every step then feeds the last token of each
+active sequence through the model's ``DecodePlan`` for that many rows: the glue row by row, each projection once for
+all of them (the LUT GEMM reads each weight once for all the rows), so that each gets exactly the logits it gets
+alone (``tmac run``'s). A model without such a plan steps the sequences one after another through its one-row plan,
+or all at once through ``Transformer.forward_rows``. A request that finishes, is cancelled or whose consumer went
+away leaves at the next boundary and frees its cache. Results go back through a callback per request (the server
+hands them to its event loop).
 """
 
 from __future__ import annotations
@@ -121,7 +122,8 @@ class Batcher:
             if self._closed:
                 raise RuntimeError("the batcher is closed")
             if len(self.waiting) >= self.max_queue + max(0, self.max_batch - len(self.active) - len(self.admitting)):
-                raise Busy(f"{len(self.active)} requests running and {len(self.waiting)} waiting")
+                raise Busy(f"{len(self.active) + len(self.admitting)} requests running and {len(self.waiting)} "
+                           f"waiting")
             self.waiting.append(request)
             self._wake.notify()
 
@@ -133,8 +135,8 @@ class Batcher:
 
     def load(self) -> dict:
         return {"running": len(self.active), "prefilling": len(self.admitting), "waiting": len(self.waiting),
-                "max_batch": self.max_batch,
-                "max_queue": self.max_queue, "steps": self.steps, "widest": self.widest, "stepped": self.stepped,
+                "max_batch": self.max_batch, "max_queue": self.max_queue, "steps": self.steps, "widest": self.widest,
+                "stepped": self.stepped,
                 "step_seconds": round(self.step_seconds, 6), "prefilled": self.prefilled, "reused": self.reused}
 
     # ---- the batching thread ---------------------------------------------------------------------------------
@@ -287,4 +289,3 @@ class Batcher:
         if done:
             self.active = [a for a in self.active if a not in done]
             self._free += [a.sequence for a in done]
-
