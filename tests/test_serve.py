@@ -265,20 +265,38 @@ def test_a_conversations_next_turn_feeds_only_what_is_new(model):
     assert second.usage.completion_tokens == fresh.usage.completion_tokens
 
 
-def test_a_long_prompt_is_prefilled_between_the_running_requests_steps(tmp_path):
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A small random model (its greedy text rarely ends early) with a context of 1024."""
+    from tmac.models.llama import LlamaConfig
+    from tmac.models.synthetic import write_random_gguf
+
+    path = str(tmp_path_factory.mktemp("tiny") / "m.gguf")
+    cfg = LlamaConfig(vocab_size=512, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=512, context_length=1024)
+    write_random_gguf(path, cfg, "Q4_0")
+    return tmac.load_model(path, context=1024, progress=False)
+
+
+def until(condition, seconds=60):
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.001)
+
+
+LONG_PROMPT = [i % 250 + 1 for i in range(10 * 64 + 5)]  # (PREFILL_BUDGET is 64: 11 pieces)
+
+
+def test_a_long_prompt_is_prefilled_between_the_running_requests_steps(tiny):
     """A prompt of many ``PREFILL_BUDGET``s is fed a budget at a time, the running request stepped after each piece:
     it goes on generating while the prompt is prefilled, and both get the tokens a session gives each alone."""
     from tmac.models.batching import PREFILL_BUDGET, Batcher
     from tmac.models.batching import Request as Generation
-    from tmac.models.llama import LlamaConfig
-    from tmac.models.synthetic import write_random_gguf
 
-    cfg = LlamaConfig(vocab_size=512, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=512, context_length=1024)
-    write_random_gguf(str(tmp_path / "m.gguf"), cfg, "Q4_0")
-    model = tmac.load_model(str(tmp_path / "m.gguf"), context=1024, progress=False)
-    short, long = [5, 6, 7], [i % 250 + 1 for i in range(10 * PREFILL_BUDGET + 5)]
-    alone = [list(tmac.Session(model).generate(p, max_new_tokens=n, stop_on_eos=False))
-             for p, n in ((short, 200), (long, 4))]
+    assert len(LONG_PROMPT) > 10 * PREFILL_BUDGET
+    short = [5, 6, 7]
+    alone = [list(tmac.Session(tiny).generate(p, max_new_tokens=n, stop_on_eos=False))
+             for p, n in ((short, 200), (LONG_PROMPT, 4))]
     seen, finished = {}, threading.Event()
 
     def emit(piece, end):  # (the long prompt's first token: how far the running request got meanwhile)
@@ -286,27 +304,52 @@ def test_a_long_prompt_is_prefilled_between_the_running_requests_steps(tmp_path)
         if end is not None:
             finished.set()
 
-    batcher = Batcher(model, max_batch=2)
+    batcher = Batcher(tiny, max_batch=2)
     try:
         running = Generation(short, 200, lambda piece, end: None)
         batcher.submit(running)
-        deadline = time.monotonic() + 60
-        while len(running.ids) < 3:
-            assert time.monotonic() < deadline
-            time.sleep(0.001)
+        until(lambda: len(running.ids) >= 3)
         before = len(running.ids)
-        prompt = Generation(long, 4, emit)
+        prompt = Generation(LONG_PROMPT, 4, emit)
         batcher.submit(prompt)
         assert finished.wait(120)
-        while len(running.ids) < 200 and not running.cancelled and time.monotonic() < deadline:
-            time.sleep(0.01)
+        until(lambda: not batcher.load()["running"])
     finally:
         batcher.close()
     assert seen["running"] - before >= 10  # a step after each of the prompt's 11 pieces but the last
     assert seen["running"] < 200  # (it was still running)
-    stops = model.tokenizer.stop_ids
+    stops = tiny.tokenizer.stop_ids
     assert running.ids == alone[0][:len(running.ids)] and (len(running.ids) == 200 or running.ids[-1] in stops)
     assert prompt.ids == alone[1][:len(prompt.ids)] and len(prompt.ids) >= 1
+
+
+def test_a_request_cancelled_while_prefilled_leaves_what_it_fed_for_the_next(tiny):
+    """Cancelled between two pieces of its prompt, a request leaves without a word; its cache keeps the pieces fed,
+    and the next request with that prompt starts from them and gets the session's tokens."""
+    from tmac.models.batching import PREFILL_BUDGET, Batcher
+    from tmac.models.batching import Request as Generation
+
+    alone = list(tmac.Session(tiny).generate(LONG_PROMPT, max_new_tokens=4, stop_on_eos=False))
+    said, done = [], threading.Event()
+    batcher = Batcher(tiny, max_batch=2)
+    try:
+        running = Generation([5, 6, 7], 400, lambda piece, end: None)  # (so that the prompt goes in pieces)
+        batcher.submit(running)
+        until(lambda: len(running.ids) >= 1)
+        left = Generation(LONG_PROMPT, 4, lambda piece, end: said.append((piece, end)))
+        batcher.submit(left)
+        until(lambda: batcher.prefilled >= 3 + 2 * PREFILL_BUDGET)
+        left.cancel()
+        until(lambda: not batcher.load()["prefilling"])
+        fed = batcher.prefilled - 3
+        again = Generation(LONG_PROMPT, 4, lambda piece, end: done.set() if end is not None else None)
+        batcher.submit(again)
+        assert done.wait(120)
+        running.cancel()
+    finally:
+        batcher.close()
+    assert said == [] and not left.ids and 2 * PREFILL_BUDGET <= fed < len(LONG_PROMPT)
+    assert again.cached == fed and again.ids == alone[:len(again.ids)]
 
 
 def test_an_api_key_is_required_when_set(model):
