@@ -26,7 +26,7 @@ import torch
 from tmac import runtime
 
 from .decode import Plans
-from .generate import _check_sampling, check_prompt, check_seed, common_prefix, next_token, prefill
+from .generate import _check_sampling, check_prompt, check_seed, next_token, prefill, reusable_prefix
 from .sequence import Sequence
 from .text import TextStream, check_stop
 
@@ -71,7 +71,6 @@ class _Active:
         self.next_id: int | None = None  # sampled, not yet fed
         self.finish: str | None = None  # why it ended, once it has
         self.tail = ""  # the text its last token completed, handed out with the finish
-        self.fed = 0  # the prompt's tokens in the cache (all of them once it runs)
 
 
 class Batcher:
@@ -170,9 +169,7 @@ class Batcher:
             return
         request.cached, self.reused = reuse, self.reused + reuse
         generator = torch.Generator().manual_seed(request.seed) if request.seed is not None else None
-        a = _Active(request, sequence, TextStream(self.model.tokenizer, request.stop), generator)
-        a.fed = reuse
-        self.admitting.append(a)
+        self.admitting.append(_Active(request, sequence, TextStream(self.model.tokenizer, request.stop), generator))
 
     def _prefill_some(self) -> None:
         """Up to ``PREFILL_BUDGET`` prompt tokens of the admitting requests, in turn, or while none runs the whole
@@ -181,16 +178,16 @@ class Batcher:
         budget = PREFILL_BUDGET
         while self.admitting and (budget > 0 or not self.active):
             a = self.admitting[0]
-            prompt = a.request.prompt_ids
-            end = min(len(prompt), a.fed + budget) if self.active else len(prompt)
+            prompt, fed = a.request.prompt_ids, len(a.sequence.ids)  # (the cache holds the prompt's first tokens)
+            end = min(len(prompt), fed + budget) if self.active else len(prompt)
             try:
                 if a.request.cancelled:
                     raise _Cancelled
                 with torch.inference_mode(), runtime.torch_single_threaded():
-                    for _, chunk_logits in prefill(self.model, prompt[:end], a.sequence, a.fed, last_only=True,
+                    for _, chunk_logits in prefill(self.model, prompt[:end], a.sequence, fed, last_only=True,
                                                    plans=self._plans):
                         logits = chunk_logits[-1]
-                    self.prefilled, budget, a.fed = self.prefilled + end - a.fed, budget - (end - a.fed), end
+                    self.prefilled, budget = self.prefilled + end - fed, budget - (end - fed)
                     a.sequence.ids = prompt[:end]
                     if end < len(prompt):
                         continue
@@ -214,7 +211,7 @@ class Batcher:
         cache while fewer than ``max_batch`` exist, else the one kept longest."""
         best, reuse = None, 0
         for i, kept in enumerate(self._free):
-            n = min(common_prefix(kept.ids, prompt), len(prompt) - 1)
+            n = reusable_prefix(kept.ids, prompt)
             if n > reuse:
                 best, reuse = i, n
         if best is None and (self._made >= self.max_batch and self._free):

@@ -201,8 +201,7 @@ class Session:
         return self._run(prompt, max_new_tokens, stop, stop_ids, sampling)
 
     def _run(self, prompt, max_new_tokens, stop, stop_ids, sampling) -> Iterator[int]:
-        reuse = common_prefix(self.cached_ids, prompt)
-        reuse = min(reuse, len(prompt) - 1)  # the last prompt token is always fed: its logits start decoding
+        reuse = reusable_prefix(self.cached_ids, prompt)
         stats = self.stats = {"prompt_tokens": len(prompt), "prefill_tokens": len(prompt) - reuse,
                               "setup_s": 0.0, "prefill_s": 0.0, "generated_tokens": 0, "decode_steps": 0,
                               "decode_s": 0.0, "stop_reason": "length"}
@@ -295,10 +294,11 @@ def check_seed(seed) -> None:
         raise ValueError(f"seed must be None or an int in [0, 2**63), got {seed!r:.40}")
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """How many first tokens ``a`` and ``b`` share."""
+def reusable_prefix(cached: list[int], prompt: list[int]) -> int:
+    """How many first tokens of ``prompt`` a cache holding ``cached`` serves: those they share, all but the prompt's
+    last at most (it is always fed: its logits start decoding)."""
     n = 0
-    for x, y in zip(a, b):
+    for x, y in zip(cached, prompt[:-1]):
         if x != y:
             break
         n += 1

@@ -241,7 +241,6 @@ def test_a_conversations_next_turn_feeds_only_what_is_new(model):
     """A finished request's cache is kept with what it holds: the next turn of the conversation (which resends it
     all) finds its start there and feeds only the rest, as the ``openai`` client's ``cached_tokens`` reads; the
     answers are those of a server that kept nothing."""
-    first = chat_turns = None
     with serving(model, max_batch=1) as url:
         first = chat(url, max_tokens=16)
         assert first.usage.prompt_tokens_details.cached_tokens == 0
