@@ -358,8 +358,13 @@ def test_an_api_key_is_required_when_set(model):
         status, _, answer = call(url, "POST", "/v1/chat/completions", {"model": "x", "messages": QUESTION})
         assert status == 401 and answer["error"]["code"] == "invalid_api_key"
         assert call(url, "GET", "/health")[0] == 200
+        assert call(url, "GET", "/v1/models", headers={"Authorization": "bearer sesame"})[0] == 200  # any case
+        assert call(url, "GET", "/v1/models", headers={"Authorization": "Bearer sesame2"})[0] == 401
         assert client(url, "sesame").chat.completions.create(model=model_name(model.source), messages=QUESTION,
                                                              max_tokens=4).choices[0].message.content
+        pieces = client(url, "sesame").completions.create(model=model_name(model.source), prompt="Once", max_tokens=4,
+                                                          stream=True)
+        assert [c.choices[0].finish_reason for c in pieces][-1] in ("stop", "length")
 
 
 def test_a_full_queue_answers_503_with_retry_after(model):

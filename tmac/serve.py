@@ -128,14 +128,8 @@ def create_app(model, model_name: str, api_key: str | None = None, max_batch: in
     async def _not_allowed(request, e):
         return _error(405, f"method {request.method} is not allowed on {request.url.path}", "invalid_request_error")
 
-    @app.middleware("http")
-    async def _authorize(request: Request, call_next):
-        if api_key is not None and request.url.path.startswith("/v1/"):
-            scheme, _, given = request.headers.get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not secrets.compare_digest(given.encode(), api_key.encode()):
-                return _error(401, "a valid API key is needed: Authorization: Bearer KEY", "invalid_request_error",
-                              "invalid_api_key")
-        return await call_next(request)
+    if api_key is not None:
+        app.add_middleware(_RequireKey, key=api_key)
 
     @app.get("/health")
     async def health():
@@ -274,6 +268,26 @@ async def _stream(generation, events: asyncio.Queue, meta: dict, chat: bool, usa
     finally:  # a client gone mid-stream: its sequence leaves the batch at the next step
         if finish is None:
             generation.cancel()
+
+
+class _RequireKey:
+    """401 for a ``/v1/`` request without ``Authorization: Bearer KEY``. A plain ASGI middleware: Starlette's
+    ``BaseHTTPMiddleware`` passes every streamed piece through a task of its own, Python work that holds the GIL the
+    batching thread needs (docs/decisions.md, "The API key is checked by a plain ASGI middleware")."""
+
+    def __init__(self, app, key: str):
+        self.app, self.key = app, key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            scheme, _, token = given.partition(b" ")
+            if scheme.lower() != b"bearer" or not secrets.compare_digest(token, self.key):
+                response = _error(401, "a valid API key is needed: Authorization: Bearer KEY",
+                                  "invalid_request_error", "invalid_api_key")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def _model_card(name: str, created: int) -> dict:
