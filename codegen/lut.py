@@ -183,9 +183,11 @@ class _Gemm:
             self.accs = [T.alloc_buffer((nv * n_tile,), self.isa.acc_dtype(p, self.steps), scope="global")
                          for _, p, nv, _, _ in self.chunks]
             # a weight read once (the GEMV's, a few rows') streams from DRAM: reading it a little ahead
-            # (``Isa.prefetch_bytes``) keeps the stream going while the lookups compute; the GEMM of many rows reads
-            # a block from cache once per activation-row tile
+            # (``Isa.prefetch_bytes``) keeps the stream going while the lookups compute, and farther ahead into L2
+            # (``prefetch_l2_bytes``) keeps more lines in flight than L1's fill buffers hold (docs/decisions.md,
+            # "The weight stream is prefetched"); the GEMM of many rows reads a block from cache once per row tile
             self.ahead = self.isa.prefetch_bytes if n_tile == 1 or few else 0
+            self.ahead_l2 = self.isa.prefetch_l2_bytes if self.ahead else 0
             if few:
                 self.tiles = tiles
                 self.each_tile(lambda: self.emit_start(first))
@@ -307,6 +309,8 @@ class _Gemm:
                     start = base + off + vb * vl
                     if self.ahead and (base + off + v * vl) % 64 == 0:  # a line's first
                         prefetch(self.WF, byte_at(start + self.ahead))
+                        if self.ahead_l2:
+                            prefetch(self.WF, byte_at(start + self.ahead_l2), level=2)
                     idx = self.nibbles(weights(start, vl), qp)
                     masks = [isa.lane_mask(weights(layout.mask_start(j, vb, h, bm, vl), vl // 8))
                              for h in (0, 1)] if layout.codes.negated else None

@@ -26,12 +26,13 @@ def arg(name: str, shape, dtype: str = "float32"):
     return T.match_buffer(T.arg(name, T.handle()), shape, dtype, align=1)
 
 
-def prefetch(buffer, index) -> None:
-    """Emit a read prefetch of ``buffer[index]`` into L1 (x86 ``prefetcht0``, arm64 ``prfm pldl1keep``): a hint that
-    never faults, so an index past the buffer's end (the end of a stream read ahead) is harmless."""
+def prefetch(buffer, index, level: int = 1) -> None:
+    """Emit a read prefetch of ``buffer[index]`` into L1 (x86 ``prefetcht0``, arm64 ``prfm pldl1keep``) or, at
+    ``level`` 2, into L2 (``prefetcht1``, ``prfm pldl2keep``): a hint that never faults, so an index past the buffer's
+    end (the end of a stream read ahead) is harmless."""
     from tvm import tirx
     from tvm.script.ir_builder import tirx as T
 
-    # llvm.prefetch(address, rw = 0: read, locality = 3: keep in all levels, cache type = 1: data)
+    # llvm.prefetch(address, rw = 0: read, locality: 3 keeps it in every level, 2 from L2 on; cache type = 1: data)
     T.evaluate(tirx.call_llvm_intrin("void", "llvm.prefetch.p0", tirx.address_of(buffer[index]),
-                                     *(tirx.IntImm("int32", a) for a in (0, 3, 1))))
+                                     *(tirx.IntImm("int32", a) for a in (0, 4 - level, 1))))

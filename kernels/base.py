@@ -17,6 +17,7 @@ class Isa:
     # ``lookup`` reads only the low 4 bits of each index (vpermb into 4 copies of the table): nibbles need no masks
     low_nibble_lookup: bool = False
     prefetch_bytes: int = 0  # a weight stream read once (GEMV, a few rows) is prefetched this far ahead (0: hardware only)
+    prefetch_l2_bytes: int = 0  # and again this far ahead into L2 alone (0: not): more lines in flight from DRAM
     vector_registers: int = 32  # architectural vector registers: 16 on x86-64 before AVX-512 (SSE2, AVX2)
 
     @property

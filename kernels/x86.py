@@ -119,21 +119,20 @@ def _target(mcpu: str) -> dict:
     return {"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": mcpu}
 
 
-# every x86 kernel streaming its weights once (the GEMV, the GEMM of a few rows) prefetches them 4 KiB ahead: the
-# hardware prefetcher alone kept below the read probe's bandwidth (docs/decisions.md, "The weight stream is
-# prefetched")
+# every x86 kernel streaming its weights once (the GEMV, the GEMM of a few rows) prefetches them 4 KiB ahead into L1
+# and 16 KiB ahead into L2: the hardware prefetcher alone kept below the read probe's bandwidth, and one core's L1
+# fill buffers alone below what a second core adds (docs/decisions.md, "The weight stream is prefetched")
+STREAM = {"prefetch_bytes": 4096, "prefetch_l2_bytes": 16384}
 AVX512_VBMI = X86Isa("avx512_vbmi", "x86_64", 64, frozenset({"avx2", "avx512bw", "avx512vnni", "avx512vbmi"}),
                      {**_target("cascadelake"), "mattr": ["+avx512vbmi"]},
                      "AVX-512 BW + VNNI + VBMI: vpermb zmm, vpdpbusd", wide_lookup=True, low_nibble_lookup=True,
-                     vnni=True, prefetch_bytes=4096)
+                     vnni=True, **STREAM)
 AVX512_VNNI = X86Isa("avx512_vnni", "x86_64", 64, frozenset({"avx2", "avx512bw", "avx512vnni"}),
-                     _target("cascadelake"), "AVX-512 BW + VNNI: vpshufb zmm, vpdpbusd", vnni=True,
-                     prefetch_bytes=4096)
+                     _target("cascadelake"), "AVX-512 BW + VNNI: vpshufb zmm, vpdpbusd", vnni=True, **STREAM)
 AVX512 = X86Isa("avx512", "x86_64", 64, frozenset({"avx2", "avx512bw"}),
-                _target("skylake-avx512"), "AVX-512 BW: vpshufb zmm, vpmaddubsw/vpmaddwd", prefetch_bytes=4096)
+                _target("skylake-avx512"), "AVX-512 BW: vpshufb zmm, vpmaddubsw/vpmaddwd", **STREAM)
 AVX2_VNNI = X86Isa("avx2_vnni", "x86_64", 32, frozenset({"avx2", "avxvnni"}),
-                   _target("alderlake"), "AVX2 + AVX-VNNI: vpshufb ymm, vpdpbusd ymm", prefetch_bytes=4096,
-                   vector_registers=16, vnni=True)
+                   _target("alderlake"), "AVX2 + AVX-VNNI: vpshufb ymm, vpdpbusd ymm", vector_registers=16, vnni=True,
+                   **STREAM)
 AVX2 = X86Isa("avx2", "x86_64", 32, frozenset({"avx2"}),
-              _target("haswell"), "AVX2: vpshufb ymm, vpmaddubsw/vpmaddwd", prefetch_bytes=4096,
-              vector_registers=16)
+              _target("haswell"), "AVX2: vpshufb ymm, vpmaddubsw/vpmaddwd", vector_registers=16, **STREAM)
