@@ -404,19 +404,21 @@ class DecodePlan:
         return {"step": min(steps), **min(splits, key=lambda d: sum(d.values()))}
 
 
-PREFILL_PLANS_KEPT = 2  # a prompt's full chunks and its last, shorter one
+PREFILL_ROWS_KEPT = 512  # rows of the prefill plans kept (two of a prompt's full chunks, ``PREFILL_CHUNK``)
 
 
 def prefill_rows(tokens: int) -> int:
-    """The rows of the prefill plan that feeds ``tokens`` tokens: a power of two up to 16, then a multiple of 16
-    (few plans for every prompt length, at most 15 rows repeated)."""
-    return 1 << (tokens - 1).bit_length() if tokens <= 16 else -(-tokens // 16) * 16
+    """The rows of the prefill plan that feeds ``tokens`` tokens: an even count up to 16, then a multiple of 4. A
+    prompt's rows are compute-bound lookups, each a row's worth of time: it pays at most one row it does not have
+    up to 16 (which a GEMM tile of two rows computes anyway), three past (docs/decisions.md, "Prompts are prefilled
+    through plans")."""
+    return tokens + tokens % 2 if tokens <= 16 else -(-tokens // 4) * 4
 
 
 class Plans:
     """The plans of one model, built on first need and kept while its modules, tensors and cache stay the ones they
-    were built from (``plan_key``, checked by ``current``): a decode plan per row count, and prefill plans for the
-    last ``PREFILL_PLANS_KEPT`` sizes (``prefill_rows``). A plan the model cannot have is ``None``."""
+    were built from (``plan_key``, checked by ``current``): a decode plan per row count, and the prefill plans last
+    used (``prefill_rows``), as many as fit ``PREFILL_ROWS_KEPT`` rows. A plan the model cannot have is ``None``."""
 
     def __init__(self, model):
         self.model = model
@@ -442,7 +444,7 @@ class Plans:
         rows = prefill_rows(tokens)
         plan = self._prefill.pop(rows, None) if rows in self._prefill else DecodePlan.build(self.model, rows, True)
         self._prefill[rows] = plan  # the most recent last
-        while len(self._prefill) > PREFILL_PLANS_KEPT:
+        while sum(self._prefill) > max(rows, PREFILL_ROWS_KEPT):
             del self._prefill[next(iter(self._prefill))]
         return plan
 

@@ -432,9 +432,9 @@ def test_a_plan_for_several_sequences_gives_each_what_it_gives_alone(tmp_path, f
 def test_a_prefill_plan_gives_what_a_token_by_token_decode_gives(tmp_path, family, weight_type):
     """A prompt prefilled through the model's prefill plans (``generate.prefill`` with ``Plans``: every projection
     once for a chunk, the glue's ``_rows`` variants on the pool, attention row by row) leaves the logits and the KV
-    cache that feeding it one token at a time through the one-row plan leaves, bit for bit: for one token, a power
-    of two, a count whose plan repeats its last row, and a prompt of two chunks past Gemma 3's window. Against the
-    eager model, within the plan's usual distance."""
+    cache that feeding it one token at a time through the one-row plan leaves, bit for bit: for one token, counts
+    whose plan repeats its last row below 16 rows (glue row by row) and past (``_rows`` variants), 16, and a prompt
+    of two chunks past Gemma 3's window. Against the eager model, within the plan's usual distance."""
     from tmac.models.decode import Plans
     from tmac.models.generate import PREFILL_CHUNK, prefill
     from tmac.models.llama import LlamaConfig
@@ -447,7 +447,7 @@ def test_a_prefill_plan_gives_what_a_token_by_token_decode_gives(tmp_path, famil
     plans = Plans(model).current()
     with torch.inference_mode(), runtime.torch_single_threaded():
         one = plans.decode(1)
-        for n in (1, 16, 37, PREFILL_CHUNK + 44):
+        for n in (1, 13, 16, 37, PREFILL_CHUNK + 44):
             prompt = [(i * 37 + n) % 500 + 3 for i in range(n)]
             chunked, stepped = Sequence(model, adopt=False), Sequence(model, adopt=False)
             chunks = [(end, logits[-1].clone()) for end, logits in prefill(model, prompt, chunked, last_only=True,
@@ -461,7 +461,8 @@ def test_a_prefill_plan_gives_what_a_token_by_token_decode_gives(tmp_path, famil
             eager = model(torch.tensor(prompt), 0, last_only=True, cache=Sequence(model, adopt=False))[-1]
             assert float((last - eager).norm() / eager.norm()) < (0.07 if weight_type == "TQ2_0" else 0.04), n
         if n > 16:
-            assert plans.prefill(37).rows == 48 and plans.prefill(37) is plans.prefill(40)  # kept, one per size
+            assert plans.prefill(37).rows == 40 and plans.prefill(37) is plans.prefill(40)  # kept, one per size
+            assert plans.prefill(13).rows == 14 and plans.prefill(14) is plans.prefill(13)
 
 
 def _same_positions(a, b, n: int) -> bool:
