@@ -54,6 +54,11 @@ class Request:
     emit: Callable[[str, str | None], object]
     temperature: float = 0.0
     top_p: float = 1.0
+    top_k: int = 0
+    repetition_penalty: float = 1.0  # on the last repeat_last_n tokens (prompt and answer), as llama.cpp's
+    repeat_last_n: int = 64
+    presence_penalty: float = 0.0  # OpenAI's, on the answer's tokens
+    frequency_penalty: float = 0.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ids: list[int] = field(default_factory=list)  # generated so far
@@ -101,22 +106,21 @@ class Batcher:
         self._thread.start()
 
     # ---- the consumer's side ---------------------------------------------------------------------------------
-    def check(self, prompt_ids: list[int], max_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-              seed: int | None = None, stop=()) -> tuple[str, ...]:
-        """``ValueError`` naming what a request may not ask for; its stop strings, checked."""
-        check_prompt(prompt_ids, self.model.config.vocab_size)
-        if type(max_tokens) is not int or max_tokens < 1:
-            raise ValueError(f"max_tokens must be an int of at least 1, got {max_tokens!r:.40}")
-        _check_sampling(max_tokens, temperature, 0, top_p, 1.0, 0)
-        if len(prompt_ids) + max_tokens > self.model.context:
-            raise ValueError(f"the prompt ({len(prompt_ids)} tokens) and max_tokens ({max_tokens}) exceed the "
+    def check(self, r: Request) -> tuple[str, ...]:
+        """``ValueError`` naming what request ``r`` may not ask for; its stop strings, checked."""
+        check_prompt(r.prompt_ids, self.model.config.vocab_size)
+        if type(r.max_tokens) is not int or r.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int of at least 1, got {r.max_tokens!r:.40}")
+        _check_sampling(r.max_tokens, r.temperature, r.top_k, r.top_p, r.repetition_penalty, r.repeat_last_n,
+                        r.presence_penalty, r.frequency_penalty)
+        if len(r.prompt_ids) + r.max_tokens > self.model.context:
+            raise ValueError(f"the prompt ({len(r.prompt_ids)} tokens) and max_tokens ({r.max_tokens}) exceed the "
                              f"context of {self.model.context} tokens")
-        check_seed(seed)
-        return check_stop(stop)
+        check_seed(r.seed)
+        return check_stop(r.stop)
 
     def submit(self, request: Request) -> None:
-        request.stop = self.check(request.prompt_ids, request.max_tokens, request.temperature, request.top_p,
-                                  request.seed, request.stop)
+        request.stop = self.check(request)
         with self._wake:
             if self._closed:
                 raise RuntimeError("the batcher is closed")
@@ -226,7 +230,10 @@ class Batcher:
     def _take(self, a: _Active, logits: torch.Tensor) -> None:
         """Sample the next token of ``a`` from its logits and hand out the text it completes."""
         r = a.request
-        token = next_token(logits, a.history, temperature=r.temperature, top_p=r.top_p, generator=a.generator)
+        token = next_token(logits, a.history, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
+                           repetition_penalty=r.repetition_penalty, repeat_last_n=r.repeat_last_n,
+                           generator=a.generator, presence_penalty=r.presence_penalty,
+                           frequency_penalty=r.frequency_penalty, generated=r.ids)
         r.ids.append(token)
         a.history.append(token)
         a.next_id = token

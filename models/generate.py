@@ -61,15 +61,24 @@ def check_ids(ids, vocab: int, what: str = "prompt_ids") -> list[int]:
 
 def next_token(logits: torch.Tensor, history: list[int], temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, repetition_penalty: float = 1.0, repeat_last_n: int = 64,
-               generator: torch.Generator | None = None) -> int:
+               generator: torch.Generator | None = None, presence_penalty: float = 0.0,
+               frequency_penalty: float = 0.0, generated: list[int] = ()) -> int:
+    """The next token from ``logits``: greedy at temperature 0, else sampled (top-k, then top-p). Penalties first:
+    ``repetition_penalty`` on the last ``repeat_last_n`` tokens of ``history`` (llama.cpp's repeat penalty), and
+    OpenAI's ``presence_penalty`` and ``frequency_penalty`` on the ``generated`` tokens (a token sampled c times so
+    far loses c·frequency + presence)."""
     penalized = repetition_penalty != 1.0 and history and repeat_last_n
-    if temperature <= 0 and not penalized:  # greedy without a copy, and numpy's argmax (faster than torch's)
+    counted = (presence_penalty or frequency_penalty) and len(generated)
+    if temperature <= 0 and not penalized and not counted:  # greedy without a copy, numpy's argmax (faster)
         return int(np.argmax(logits.numpy())) if logits.dtype == torch.float32 else int(logits.argmax())
     logits = logits.float().clone()
     if penalized:
         idx = torch.tensor(sorted(set(history[-repeat_last_n:])))
         seen = logits[idx]
         logits[idx] = torch.where(seen > 0, seen / repetition_penalty, seen * repetition_penalty)
+    if counted:
+        ids, counts = np.unique(np.asarray(generated), return_counts=True)
+        logits[torch.from_numpy(ids)] -= torch.from_numpy(counts).float() * frequency_penalty + presence_penalty
     if temperature <= 0:
         return int(logits.argmax())
     if 0 < top_k < logits.numel():
@@ -305,7 +314,8 @@ def reusable_prefix(cached: list[int], prompt: list[int]) -> int:
     return n
 
 
-def _check_sampling(max_new_tokens, temperature, top_k, top_p, repetition_penalty, repeat_last_n) -> None:
+def _check_sampling(max_new_tokens, temperature, top_k, top_p, repetition_penalty, repeat_last_n,
+                    presence_penalty=0.0, frequency_penalty=0.0) -> None:
     def is_int(v):
         return type(v) is int
 
@@ -320,6 +330,8 @@ def _check_sampling(max_new_tokens, temperature, top_k, top_p, repetition_penalt
         (is_num(repetition_penalty) and repetition_penalty > 0,
          f"repetition_penalty must be > 0, got {repetition_penalty!r}"),
         (is_int(repeat_last_n) and repeat_last_n >= 0, f"repeat_last_n must be an int >= 0, got {repeat_last_n!r}"),
+        *((is_num(v) and -2 <= v <= 2, f"{what} must be in [-2, 2], got {v!r}")  # OpenAI's range
+          for what, v in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty))),
     ]
     for ok, message in checks:
         if not ok:

@@ -151,6 +151,54 @@ def test_seeded_sampling_repeats(server):
     assert a == b
 
 
+REPEATING = "Say it again and again: la la la la la la la la"
+
+
+def penalized_greedy(model, prompt: str, n: int, presence=0.0, frequency=0.0, repeat=1.0, last_n=64) -> str:
+    """Greedy text of ``prompt`` with each penalty applied as defined, in float64 numpy, to the logits of the
+    one-row decode plan: a token sampled c times in the answer loses c·frequency + presence (OpenAI's), and each
+    token among the last ``last_n`` of prompt and answer has its logit divided by ``repeat`` if positive, else
+    multiplied (llama.cpp's repeat penalty)."""
+    import numpy as np
+    import torch
+
+    from tmac import runtime
+    from tmac.models.decode import Plans
+    from tmac.models.sequence import Sequence
+
+    plan, sequence = Plans(model).current().decode(1), Sequence(model, adopt=False)
+    ids, out = model.tokenizer.encode(prompt), []
+    with torch.inference_mode(), runtime.torch_single_threaded():
+        for pos, token in enumerate(ids[:-1]):
+            plan.step(token, pos, sequence)
+        token = ids[-1]
+        for pos in range(len(ids) - 1, len(ids) - 1 + n):
+            logits = plan.step(token, pos, sequence).double().numpy().copy()
+            for j in (set((ids + out)[-last_n:]) if repeat != 1.0 else ()):
+                logits[j] = logits[j] / repeat if logits[j] > 0 else logits[j] * repeat
+            for j in set(out):
+                logits[j] -= out.count(j) * frequency + presence
+            token = int(np.argmax(logits))
+            if token in model.tokenizer.stop_ids:
+                break
+            out.append(token)
+    return model.tokenizer.decode(out, skip_special=True)
+
+
+@pytest.mark.parametrize("options", [dict(presence_penalty=0.6, frequency_penalty=1.2),
+                                     dict(presence_penalty=-0.5, frequency_penalty=0.4),
+                                     dict(extra_body={"repeat_penalty": 1.5, "repeat_last_n": 8, "top_k": 3})])
+def test_sampling_penalties_are_applied_as_defined(server, model, options):
+    plain = penalized_greedy(model, REPEATING, 16)
+    extra = options.get("extra_body", {})
+    expected = penalized_greedy(model, REPEATING, 16, options.get("presence_penalty", 0.0),
+                                options.get("frequency_penalty", 0.0), extra.get("repeat_penalty", 1.0),
+                                extra.get("repeat_last_n", 64))
+    r = client(server).completions.create(model=name(server), prompt=REPEATING, max_tokens=16, temperature=0,
+                                          **options)
+    assert r.choices[0].text == expected != plain  # (greedy alone repeats itself here)
+
+
 @pytest.mark.parametrize("body, status, says", [
     (b"{not json", 400, "JSON"),
     ({"model": "M", "messages": "hi"}, 400, "messages"),
@@ -167,6 +215,12 @@ def test_seeded_sampling_repeats(server):
     ({"model": "M", "messages": [{"role": "user", "content": "x"}], "stop": [""]}, 400, "stop"),
     ({"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]}, 404, "gpt-4"),
     ({"model": "M", "prompt": 5}, 400, "prompt"),
+    ({"model": "M", "prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ({"model": "M", "prompt": "x", "frequency_penalty": "lots"}, 400, "frequency_penalty"),
+    ({"model": "M", "prompt": "x", "top_k": -1}, 400, "top_k"),
+    ({"model": "M", "prompt": "x", "top_k": 1.5}, 400, "top_k"),
+    ({"model": "M", "prompt": "x", "repeat_penalty": 0}, 400, "repeat_penalty"),
+    ({"model": "M", "prompt": "x", "repeat_last_n": -2}, 400, "repeat_last_n"),
 ])
 def test_bad_requests_get_openai_errors_and_the_server_goes_on(server, body, status, says):
     if isinstance(body, dict):

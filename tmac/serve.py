@@ -4,7 +4,9 @@ continuously (``tmac.models.batching``).
 ``POST /v1/chat/completions`` (the model's chat template), ``POST /v1/completions``, ``GET /v1/models`` and
 ``GET /health``; streamed as server-sent events ending ``data: [DONE]``, or whole. Bad requests get a 4xx with an
 OpenAI-style error body; a full queue 503 with ``Retry-After``; with an API key, a request without
-``Authorization: Bearer KEY`` 401. Imported only by the CLI: ``import tmac`` imports neither FastAPI nor TVM.
+``Authorization: Bearer KEY`` 401. Sampling: ``temperature``, ``top_p``, ``seed``, ``stop``, ``presence_penalty``
+and ``frequency_penalty``, and llama.cpp's server's ``top_k``, ``repeat_penalty`` and ``repeat_last_n``. Imported
+only by the CLI: ``import tmac`` imports neither FastAPI nor TVM.
 """
 
 from __future__ import annotations
@@ -49,6 +51,10 @@ class _Body(BaseModel):
     user: StrictStr | None = None
     presence_penalty: Number = 0.0
     frequency_penalty: Number = 0.0
+    # llama.cpp's server's sampling extensions (the openai client sends them in ``extra_body``)
+    top_k: StrictInt = 0
+    repeat_penalty: Number = 1.0
+    repeat_last_n: StrictInt = 64
 
 
 class CompletionBody(_Body):
@@ -173,9 +179,9 @@ def create_app(model, model_name: str, api_key: str | None = None, max_batch: in
     async def _generate(http: Request, body: _Body, ids: list[int], max_tokens: int | None, chat: bool):
         if body.n != 1:
             raise APIError(400, "n: only n = 1 is served", param="n")
-        if body.presence_penalty or body.frequency_penalty:
-            raise APIError(400, "presence_penalty and frequency_penalty are not supported (give 0)")
         stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
+        if not body.repeat_penalty > 0:  # (the sampler's own message names it repetition_penalty)
+            raise APIError(400, f"repeat_penalty must be > 0, got {body.repeat_penalty!r}", param="repeat_penalty")
         if len(stop) > MAX_STOPS:
             raise APIError(400, f"stop: at most {MAX_STOPS} strings", param="stop")
         if len(ids) >= model.context:
@@ -192,7 +198,9 @@ def create_app(model, model_name: str, api_key: str | None = None, max_batch: in
                 generation.cancel()
 
         generation = Generation(ids, max_tokens, emit, temperature=float(body.temperature), top_p=float(body.top_p),
-                                seed=body.seed, stop=tuple(stop))
+                                top_k=body.top_k, repetition_penalty=float(body.repeat_penalty),
+                                repeat_last_n=body.repeat_last_n, presence_penalty=float(body.presence_penalty),
+                                frequency_penalty=float(body.frequency_penalty), seed=body.seed, stop=tuple(stop))
         try:
             batcher.submit(generation)
         except Busy as e:
