@@ -70,8 +70,13 @@ class Request:
 
 
 class _Active:
-    def __init__(self, request: Request, sequence: Sequence, text: TextStream, generator):
-        self.request, self.sequence, self.text, self.generator = request, sequence, text, generator
+    def __init__(self, request: Request, sequence: Sequence, text: TextStream):
+        self.request, self.sequence, self.text = request, sequence, text
+        r = request
+        self.sampling = dict(  # ``next_token``'s options, once for the request
+            temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, repetition_penalty=r.repetition_penalty,
+            repeat_last_n=r.repeat_last_n, presence_penalty=r.presence_penalty, frequency_penalty=r.frequency_penalty,
+            generator=torch.Generator().manual_seed(r.seed) if r.seed is not None else None)
         self.history = list(request.prompt_ids)
         self.next_id: int | None = None  # sampled, not yet fed
         self.finish: str | None = None  # why it ended, once it has
@@ -172,8 +177,7 @@ class Batcher:
             request.emit(f"{type(e).__name__}: {e}", "error")
             return
         request.cached, self.reused = reuse, self.reused + reuse
-        generator = torch.Generator().manual_seed(request.seed) if request.seed is not None else None
-        self.admitting.append(_Active(request, sequence, TextStream(self.model.tokenizer, request.stop), generator))
+        self.admitting.append(_Active(request, sequence, TextStream(self.model.tokenizer, request.stop)))
 
     def _prefill_some(self) -> None:
         """Up to ``PREFILL_BUDGET`` prompt tokens of the admitting requests, in turn, or while none runs the whole
@@ -230,10 +234,7 @@ class Batcher:
     def _take(self, a: _Active, logits: torch.Tensor) -> None:
         """Sample the next token of ``a`` from its logits and hand out the text it completes."""
         r = a.request
-        token = next_token(logits, a.history, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
-                           repetition_penalty=r.repetition_penalty, repeat_last_n=r.repeat_last_n,
-                           generator=a.generator, presence_penalty=r.presence_penalty,
-                           frequency_penalty=r.frequency_penalty, generated=r.ids)
+        token = next_token(logits, a.history, generated=r.ids, **a.sampling)
         r.ids.append(token)
         a.history.append(token)
         a.next_id = token
