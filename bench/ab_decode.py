@@ -48,7 +48,7 @@ PROMPT = {PROMPT!r}
 model = tmac.load_model(sys.argv[1] if len(sys.argv) > 1 else default_model_path())
 session = tmac.Session(model)
 ids = model.tokenizer.encode(PROMPT)
-session.generate(ids, max_new_tokens=4, stop_on_eos=False)
+session.generate(ids, max_new_tokens=4, ignore_eos=True, temperature=0)
 plan, pos, times = session.decode_plan(), len(ids) + 4, []
 for i in range(300):
     t = time.perf_counter()

@@ -1,4 +1,5 @@
-"""Continuous batching: many generations over one model, stepped together on a thread of their own.
+"""Continuous batching: many generations over one model, stepped together on a thread of their own: the scheduler
+over the per-sequence core (``generation.Generation``) that a ``Session`` runs for one sequence.
 
 Each running request holds a ``Sequence`` (a KV cache of the model's context, kept for the next request when it
 ends: at most ``max_batch`` of them, made as they are first needed). A new request takes the kept cache that already
@@ -26,9 +27,10 @@ import torch
 from tmac import runtime
 
 from .decode import Plans
-from .generate import _check_sampling, check_prompt, check_seed, next_token, prefill, reusable_prefix
+from .generate import check_prompt
+from .generation import PREFILL_CHUNK, Generation, reusable_prefix, step_together
+from .sampling import SamplingParams
 from .sequence import Sequence
-from .text import TextStream, check_stop
 
 # prompt tokens prefilled between two decode steps: several short prompts at once, a long one in pieces, each
 # piece a pause of the running streams (docs/decisions.md, "A served prompt is prefilled between decode steps")
@@ -45,22 +47,14 @@ class _Cancelled(Exception):
 
 @dataclass
 class Request:
-    """One generation. ``emit(piece, finish_reason)`` is called from the batching thread with each new text piece
-    (``finish_reason`` None until the last call: ``"stop"`` or ``"length"``, or ``"error"`` with the message as
-    the piece)."""
+    """One generation. ``emit(piece, finish_reason, logprobs)`` is called from the batching thread with each new
+    text piece and the ``TokenLogprob`` of the tokens it completes (with ``params.logprobs``; else empty)
+    (``finish_reason`` None until the last call: ``"stop"`` or ``"length"``, or ``"error"`` with the message as the
+    piece)."""
 
     prompt_ids: list[int]
-    max_tokens: int
-    emit: Callable[[str, str | None], object]
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    repetition_penalty: float = 1.0  # on the last repeat_last_n tokens (prompt and answer), as llama.cpp's
-    repeat_last_n: int = 64
-    presence_penalty: float = 0.0  # OpenAI's, on the answer's tokens
-    frequency_penalty: float = 0.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
+    params: SamplingParams
+    emit: Callable[[str, str | None, list], object]
     ids: list[int] = field(default_factory=list)  # generated so far
     cached: int = 0  # the prompt's first tokens found in a kept cache (not fed again)
     cancelled: bool = False  # set by the consumer: the request leaves at the next step
@@ -70,17 +64,21 @@ class Request:
 
 
 class _Active:
-    def __init__(self, request: Request, sequence: Sequence, text: TextStream):
-        self.request, self.sequence, self.text = request, sequence, text
-        r = request
-        self.sampling = dict(  # ``next_token``'s options, once for the request
-            temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, repetition_penalty=r.repetition_penalty,
-            repeat_last_n=r.repeat_last_n, presence_penalty=r.presence_penalty, frequency_penalty=r.frequency_penalty,
-            generator=torch.Generator().manual_seed(r.seed) if r.seed is not None else None)
-        self.history = list(request.prompt_ids)
-        self.next_id: int | None = None  # sampled, not yet fed
-        self.finish: str | None = None  # why it ended, once it has
+    """A request and its generation; ``sent``: its token logprobs already handed out."""
+
+    def __init__(self, request: Request, generation: Generation):
+        self.request, self.generation = request, generation
+        self.sent = 0
         self.tail = ""  # the text its last token completed, handed out with the finish
+
+    @property
+    def sequence(self) -> Sequence:
+        return self.generation.sequence
+
+    def emit(self, piece: str, finish: str | None) -> None:
+        g = self.generation
+        logprobs, self.sent = g.logprobs[self.sent:], len(g.logprobs)
+        self.request.emit(piece, finish, logprobs)
 
 
 class Batcher:
@@ -111,34 +109,34 @@ class Batcher:
         self._thread.start()
 
     # ---- the consumer's side ---------------------------------------------------------------------------------
-    def check(self, r: Request) -> tuple[str, ...]:
-        """``ValueError`` naming what request ``r`` may not ask for; its stop strings, checked."""
-        check_prompt(r.prompt_ids, self.model.config.vocab_size)
-        if type(r.max_tokens) is not int or r.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an int of at least 1, got {r.max_tokens!r:.40}")
-        _check_sampling(r.max_tokens, r.temperature, r.top_k, r.top_p, r.repetition_penalty, r.repeat_last_n,
-                        r.presence_penalty, r.frequency_penalty)
-        if len(r.prompt_ids) + r.max_tokens > self.model.context:
-            raise ValueError(f"the prompt ({len(r.prompt_ids)} tokens) and max_tokens ({r.max_tokens}) exceed the "
-                             f"context of {self.model.context} tokens")
-        check_seed(r.seed)
-        return check_stop(r.stop)
+    def check(self, r: Request) -> Generation:
+        """``ValueError`` naming what request ``r`` may not ask for; else its generation, without a cache yet."""
+        prompt = check_prompt(r.prompt_ids, self.model.config.vocab_size)
+        if r.params.max_tokens is not None and r.params.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int of at least 1, got {r.params.max_tokens!r:.40}")
+        return Generation(self.model, prompt, r.params, _NO_CACHE, self.model.tokenizer)
 
     def submit(self, request: Request) -> None:
-        request.stop = self.check(request)
+        generation = self.check(request)
         with self._wake:
             if self._closed:
-                raise RuntimeError("the batcher is closed")
+                raise RuntimeError("the server is shutting down")
             if len(self.waiting) >= self.max_queue + max(0, self.max_batch - len(self.active) - len(self.admitting)):
                 raise Busy(f"{len(self.active) + len(self.admitting)} requests running and {len(self.waiting)} "
                            f"waiting")
-            self.waiting.append(request)
+            self.waiting.append((request, generation))
             self._wake.notify()
 
-    def close(self) -> None:
+    def shutdown(self) -> None:
+        """Stop taking requests and end those running or waiting at the next boundary (a decode step, a prefill
+        chunk) with finish reason ``"abort"`` and what they said so far; returns at once (any thread)."""
         with self._wake:
             self._closed = True
             self._wake.notify()
+
+    def close(self) -> None:
+        """``shutdown``, then wait for the batching thread to end."""
+        self.shutdown()
         self._thread.join()
 
     def load(self) -> dict:
@@ -155,61 +153,61 @@ class Batcher:
                     self._wake.wait()
                 if self._closed:
                     for a in [*self.active, *self.admitting]:
-                        a.request.emit("the server is shutting down", "error")
-                    for r in self.waiting:
-                        r.emit("the server is shutting down", "error")
+                        if not a.request.cancelled:
+                            a.emit(a.tail + a.generation.close(), "abort")
+                    for r, _ in self.waiting:
+                        r.emit("", "abort", [])
                     return
                 joining = []
                 while self.waiting and len(self.active) + len(self.admitting) + len(joining) < self.max_batch:
                     joining.append(self.waiting.popleft())
-            for request in joining:
-                self._admit(request)
+            for request, generation in joining:
+                self._admit(request, generation)
             self._prefill_some()
             self._step()
 
-    def _admit(self, request: Request) -> None:
+    def _admit(self, request: Request, generation: Generation) -> None:
         """Give ``request`` a cache (``_cache_for``) and queue its prompt for prefilling."""
         if request.cancelled:
             return
         try:
-            sequence, reuse = self._cache_for(request.prompt_ids)
+            sequence, reuse = self._cache_for(generation.prompt)
         except Exception as e:  # a request's failure is its own: the others go on
-            request.emit(f"{type(e).__name__}: {e}", "error")
+            request.emit(f"{type(e).__name__}: {e}", "error", [])
             return
+        generation.sequence, generation.cached = sequence, reuse
         request.cached, self.reused = reuse, self.reused + reuse
-        self.admitting.append(_Active(request, sequence, TextStream(self.model.tokenizer, request.stop)))
+        self.admitting.append(_Active(request, generation))
 
     def _prefill_some(self) -> None:
         """Up to ``PREFILL_BUDGET`` prompt tokens of the admitting requests, in turn, or while none runs the whole
         prompt (no stream to pause; a piece at a time costs a little more); one whose prompt is all in its cache
         samples its first token and joins the batch."""
         budget = PREFILL_BUDGET
-        while self.admitting and (budget > 0 or not self.active):
+        while self.admitting and (budget > 0 or not self.active) and not self._closed:
             a = self.admitting[0]
-            prompt, fed = a.request.prompt_ids, len(a.sequence.ids)  # (the cache holds the prompt's first tokens)
-            end = min(len(prompt), fed + budget) if self.active else len(prompt)
+            g = a.generation
+            fed = len(g.sequence.ids)  # (the cache holds the prompt's first tokens)
             try:
                 if a.request.cancelled:
                     raise _Cancelled
-                with torch.inference_mode(), runtime.torch_single_threaded():
-                    for _, chunk_logits in prefill(self.model, prompt[:end], a.sequence, fed, last_only=True,
-                                                   plans=self._plans):
-                        logits = chunk_logits[-1]
-                    self.prefilled, budget = self.prefilled + end - fed, budget - (end - fed)
-                    a.sequence.ids = prompt[:end]
-                    if end < len(prompt):
-                        continue
-                    self.admitting.popleft()
-                    self._take(a, logits)
+                with torch.inference_mode(), runtime.torch_single_threaded():  # (alone, a chunk at a time: a
+                    piece = g.feed(self._plans, budget if self.active else PREFILL_CHUNK)  # shutdown is seen)
+                done = len(g.sequence.ids) - fed
+                self.prefilled, budget = self.prefilled + done, budget - done
+                if not g.prompt_fed:
+                    continue
+                self.admitting.popleft()
             except Exception as e:  # a request's failure is its own: the others go on
                 if self.admitting and self.admitting[0] is a:
                     self.admitting.popleft()
                 if not isinstance(e, _Cancelled):
-                    a.sequence.ids = []  # (what its cache holds is not known)
-                    a.request.emit(f"{type(e).__name__}: {e}", "error")
-                self._free.append(a.sequence)
+                    g.sequence.ids = []  # (what its cache holds is not known)
+                    a.emit(f"{type(e).__name__}: {e}", "error")
+                self._free.append(g.sequence)
                 continue
             self.active.append(a)
+            self._hand_out(a, piece)
             if self._finished(a):
                 self._leave([a])
 
@@ -231,21 +229,13 @@ class Batcher:
         del sequence.ids[reuse:]  # (the positions past them are written again)
         return sequence, reuse
 
-    def _take(self, a: _Active, logits: torch.Tensor) -> None:
-        """Sample the next token of ``a`` from its logits and hand out the text it completes."""
-        r = a.request
-        token = next_token(logits, a.history, generated=r.ids, **a.sampling)
-        r.ids.append(token)
-        a.history.append(token)
-        a.next_id = token
-        if token in self.model.tokenizer.stop_ids:
-            a.finish = "stop"
-            return
-        piece = a.text.push(token)
-        a.finish = "stop" if a.text.stopped else "length" if len(r.ids) >= r.max_tokens else None
-        if a.finish is None:
-            if piece:
-                r.emit(piece, None)
+    def _hand_out(self, a: _Active, piece: str) -> None:
+        """The text a new token completed, to the request, unless that token ended it (then it goes with the
+        finish)."""
+        a.request.ids = a.generation.ids
+        if a.generation.finish is None:
+            if piece or a.sent < len(a.generation.logprobs):
+                a.emit(piece, None)
         else:
             a.tail = piece
 
@@ -253,9 +243,10 @@ class Batcher:
         """Whether ``a`` is done (its last piece and reason handed out)."""
         if a.request.cancelled:
             return True
-        if a.finish is None:
+        g = a.generation
+        if g.finish is None:
             return False
-        a.request.emit(a.tail + a.text.finish(), a.finish)
+        a.emit(a.tail + g.close(), "stop" if g.finish == "eos" else g.finish)
         return True
 
     def _step(self) -> None:
@@ -266,23 +257,15 @@ class Batcher:
         start = time.perf_counter()
         try:
             with torch.inference_mode(), runtime.torch_single_threaded():
-                tokens, positions = [a.next_id for a in batch], [len(a.sequence.ids) for a in batch]
-                sequences = [a.sequence for a in batch]
-                if (plan := self._plans.decode(len(batch))) is not None:  # every projection once for all
-                    rows = plan.step_rows(tokens, positions, sequences)
-                elif (plan := self._plans.decode(1)) is not None:  # one sequence after another
-                    rows = [plan.step(t, p, q).clone() for t, p, q in zip(tokens, positions, sequences)]
-                else:
-                    rows = self.model.forward_rows(torch.tensor(tokens), positions, sequences)
-                for a, logits in zip(batch, rows):
-                    a.sequence.ids.append(a.next_id)
-                    self._take(a, logits)
+                pieces = step_together(self.model, self._plans, [a.generation for a in batch])
         except Exception as e:
             for a in batch:
-                a.request.emit(f"{type(e).__name__}: {e}", "error")
+                a.emit(f"{type(e).__name__}: {e}", "error")
                 a.sequence.ids = []  # (what its cache holds is not known)
             self._leave(batch)
             return
+        for a, piece in zip(batch, pieces):
+            self._hand_out(a, piece)
         self.steps += 1
         self.stepped += len(batch)
         self.step_seconds += time.perf_counter() - start
@@ -294,3 +277,12 @@ class Batcher:
         if done:
             self.active = [a for a in self.active if a not in done]
             self._free += [a.sequence for a in done]
+
+
+class _NoCache:
+    """The cache of a generation not yet admitted: it holds nothing."""
+
+    ids: list[int] = []
+
+
+_NO_CACHE = _NoCache()

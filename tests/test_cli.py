@@ -104,7 +104,7 @@ def test_run_streams_text_and_prints_stats():
 def test_chat_two_turns_through_stdin():
     r = tmac("chat", "-n", "8", input="Hello!\nAnd again?\n/exit\n")
     assert r.returncode == 0, r.stderr
-    assert r.stdout.count("> ") >= 3 and r.stderr.count("peak RSS") == 2
+    assert "> " not in r.stdout and r.stderr.count("peak RSS") == 2  # piped: the answers alone on stdout
 
 
 @pytest.mark.slow
@@ -134,7 +134,7 @@ def test_run_errors_are_one_line(tmp_path):
 def test_convert_then_run_gives_the_same_greedy_ids(tmp_path):
     from safetensors import safe_open
 
-    runs = [json.loads(tmac("run", smollm2_path(), "-p", "Name three colors.", "-n", "12", "--json").stdout)]
+    runs = [json.loads(tmac("run", smollm2_path(), "-p", "Name three colors.", "-n", "12", "--json", "--temp", "0").stdout)]
     # by default the tied Q8_0 table is stored as a table (it stays in the mapped file); --shared-table stores it
     # once, as the head's weights (28.7 MiB less), rebuilt on load
     for flags, table_stored in (([], True), (["--shared-table"], False)):
@@ -149,7 +149,7 @@ def test_convert_then_run_gives_the_same_greedy_ids(tmp_path):
         assert ("token table 0.0 (the head's, shared)" in r.stdout) != table_stored
         # never larger than the GGUF it came from, but for the head, which is the GGUF's table a second time
         assert out.stat().st_size <= os.path.getsize(smollm2_path()) + table_stored * head
-        run = json.loads(tmac("run", str(out), "-p", "Name three colors.", "-n", "12", "--json").stdout)
+        run = json.loads(tmac("run", str(out), "-p", "Name three colors.", "-n", "12", "--json", "--temp", "0").stdout)
         assert run["generated_ids"] == runs[0]["generated_ids"]
         assert run["prompt_ids"] == runs[0]["prompt_ids"]  # tokenizer and chat template travel in the file
     r = tmac("run", str(out), "-p", "x", "--bits", "2")

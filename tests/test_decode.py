@@ -307,8 +307,8 @@ def test_generation_uses_the_plan_and_agrees_with_eager(tmp_path):
     assert isinstance(model.tok_embeddings, tmac.Embedding)  # requantized: the token table is 8-bit too
     assert model.tok_embeddings.format.name == "w8g32s" and model.tok_embeddings.codes.dtype == torch.uint8
     prompt = list(range(5, 25))
-    fast = tmac.Session(model).generate(prompt, max_new_tokens=12, stop_on_eos=False)
-    assert tmac.Session(model, static_decode=False).generate(prompt, max_new_tokens=12, stop_on_eos=False) == fast
+    fast = tmac.Session(model).generate(prompt, max_new_tokens=12, ignore_eos=True, temperature=0)
+    assert tmac.Session(model, static_decode=False).generate(prompt, max_new_tokens=12, ignore_eos=True, temperature=0) == fast
     float_model = tmac.load_model(tmp_path, context=64)
     with torch.inference_mode():
         tmac.Session(float_model).logits(prompt)
@@ -324,7 +324,7 @@ def test_generation_keeps_its_plan_until_the_model_changes(tmp_path):
 
     def generate():
         session.cached_ids = []
-        ids = session.generate(prompt, max_new_tokens=6, stop_on_eos=False)
+        ids = session.generate(prompt, max_new_tokens=6, ignore_eos=True, temperature=0)
         assert session.stats["decode_steps"] == 5 and session.stats["setup_s"] > 0
         return ids, session.decode_plan()
 
@@ -334,7 +334,7 @@ def test_generation_keeps_its_plan_until_the_model_changes(tmp_path):
     swapped, new_plan = generate()
     assert new_plan is not plan and swapped != first  # the old plan would have run the old weights
     eager = tmac.Session(model, static_decode=False)
-    assert eager.generate(prompt, max_new_tokens=6, stop_on_eos=False) == swapped  # the new plan is right
+    assert eager.generate(prompt, max_new_tokens=6, ignore_eos=True, temperature=0) == swapped  # the new plan is right
     model.setup_cache(48)
     assert generate()[1] is not new_plan
 
@@ -345,7 +345,7 @@ def test_a_deleted_model_is_freed_at_once_with_its_plan(tmp_path):
     _tiny(tmp_path)
     model = tmac.load_model(tmp_path, bits=4, group_size=64, context=64)
     session = tmac.Session(model)
-    session.generate(list(range(5, 25)), max_new_tokens=4, stop_on_eos=False)
+    session.generate(list(range(5, 25)), max_new_tokens=4, ignore_eos=True, temperature=0)
     assert isinstance(session.decode_plan(), DecodePlan)
     gc.disable()
     try:
@@ -357,9 +357,9 @@ def test_a_deleted_model_is_freed_at_once_with_its_plan(tmp_path):
 
 
 def test_generation_runs_torch_on_one_thread_beside_lut_layers_only(tmp_path, monkeypatch):
-    import tmac.models.generate as generate_module
+    from tmac.models.sampling import Sampler
 
-    original = generate_module.next_token
+    original = Sampler.sample
 
     """While LUT layers generate, torch runs on one thread (its threads would spin on the kernels' cores), and
     gets its thread count back afterwards, also when generation fails; a float model keeps torch's threads."""
@@ -375,8 +375,8 @@ def test_generation_runs_torch_on_one_thread_beside_lut_layers_only(tmp_path, mo
                 seen.append(torch.get_num_threads())
                 return original(*args, **kwargs)
 
-            monkeypatch.setattr(generate_module, "next_token", sampling)
-            session.generate(list(range(5, 25)), max_new_tokens=3, stop_on_eos=False,
+            monkeypatch.setattr(Sampler, "sample", sampling)
+            session.generate(list(range(5, 25)), max_new_tokens=3, ignore_eos=True, temperature=0,
                              callback=lambda _: between.append(torch.get_num_threads()))
             monkeypatch.undo()
             # the caller's code between tokens (a stream's consumer) has torch as it left it
@@ -386,7 +386,7 @@ def test_generation_runs_torch_on_one_thread_beside_lut_layers_only(tmp_path, mo
                 raise KeyboardInterrupt
 
             with pytest.raises(KeyboardInterrupt):
-                session.generate([5, 6], max_new_tokens=3, stop_on_eos=False, callback=fail)
+                session.generate([5, 6], max_new_tokens=3, ignore_eos=True, temperature=0, callback=fail)
             assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)

@@ -50,7 +50,7 @@ def _assert_transformers_parity(hf, model):
     assert float((steps - want[[0, 8, 16, 39]]).abs().max()) <= 1e-4 * float(want.abs().max())
     with torch.no_grad():
         hf_ids = hf.generate(IDS[None, :8], max_new_tokens=32, do_sample=False, pad_token_id=0)[0, 8:].tolist()
-    assert tmac.Session(model).generate(IDS[:8].tolist(), max_new_tokens=32, stop_on_eos=False) == hf_ids
+    assert tmac.Session(model).generate(IDS[:8].tolist(), max_new_tokens=32, ignore_eos=True, temperature=0) == hf_ids
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -193,4 +193,4 @@ def test_a_synthetic_file_of_each_family_holds_what_the_record_names(family, tmp
     model = tmac.load_model(str(tmp_path / "m.gguf"), progress=False)
     assert model.config.arch == family
     assert DecodePlan.build(model) is not None
-    assert len(tmac.Session(model).generate([1, 2, 3], max_new_tokens=4, stop_on_eos=False)) == 4
+    assert len(tmac.Session(model).generate([1, 2, 3], max_new_tokens=4, ignore_eos=True, temperature=0)) == 4

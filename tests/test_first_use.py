@@ -54,9 +54,14 @@ def test_run_and_chat_help_name_every_model_source_and_the_defaults(command, cap
     with pytest.raises(SystemExit):
         cli.main([command, "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    for phrase in ("GGUF file", "Hugging Face directory", ".tmac file", "ORG/NAME", "(default: 256)",
-                   "(default: float16)", "0 = greedy"):
+    from tmac.models.sampling import OPTIONS
+
+    for phrase in ("GGUF file", "Hugging Face directory", ".tmac file", "ORG/NAME", "(default: float16)",
+                   "0 = greedy", "(default: 0.8)", "(default: 40)", "(default: 0.95)", "(default: 0.05)",
+                   "-n N, --max-tokens N", "--repetition-penalty", "-m MODEL", "-c CONTEXT"):
         assert phrase in text
+    for name, f in OPTIONS.items():  # every option, by its own name
+        assert f"--{name.replace('_', '-')}" in text or not f.metadata["cli"]
 
 
 def test_tune_chooses_a_group_size_that_divides_each_k():
@@ -142,8 +147,8 @@ def test_the_readme_raspberry_pi_example_runs_the_default_model_from_the_compile
     assert variable.startswith("TMAC_KERNEL_DIR=")
     run = command.split()[2:]  # after "tmac run"
     r = subprocess.run([sys.executable, "-m", "tmac.cli", "run", *[a.strip('"') for a in run], "-n", "16",
-                        "--json"], capture_output=True, text=True, env=dict(env, TMAC_KERNEL_DIR=str(out)), timeout=600)
+                        "--json", "--temperature", "0"], capture_output=True, text=True, env=dict(env, TMAC_KERNEL_DIR=str(out)), timeout=600)
     assert r.returncode == 0 and "compiling" not in r.stderr, r.stderr
     model = tmac.load_model(smollm2_path(), progress=False)
     got = json.loads(r.stdout)
-    assert got["generated_ids"] == tmac.Session(model).generate(got["prompt_ids"], max_new_tokens=16)
+    assert got["generated_ids"] == tmac.Session(model).generate(got["prompt_ids"], max_new_tokens=16, temperature=0)

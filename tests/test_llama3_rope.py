@@ -93,7 +93,7 @@ def test_a_llama3_scaled_gguf_gives_transformers_logits_and_greedy_ids(hf_model,
     assert float((got - want).abs().max()) <= 1e-4 * float(want.abs().max())
     with torch.no_grad():
         hf_ids = hf_model.generate(ids[None, :16], max_new_tokens=32, do_sample=False)[0, 16:].tolist()
-    assert tmac.Session(model).generate(ids[:16].tolist(), max_new_tokens=32, stop_on_eos=False) == hf_ids
+    assert tmac.Session(model).generate(ids[:16].tolist(), max_new_tokens=32, ignore_eos=True, temperature=0) == hf_ids
     # the factors matter past the original 16 positions: without them the logits there are another model's
     _write_gguf(hf_model, tmp_path / "plain.gguf", with_factors=False)
     plain = tmac.Session(tmac.load_model(str(tmp_path / "plain.gguf"), kv_dtype="float32", progress=False))
@@ -106,13 +106,13 @@ def test_quantized_and_converted_the_factors_travel(hf_model, tmp_path):
     _write_gguf(hf_model, path)
     prompt = list(range(5, 37))
     quantized = tmac.load_model(str(path), bits=4, group_size=32, progress=False)
-    want = tmac.Session(quantized).generate(prompt, max_new_tokens=12, stop_on_eos=False)
+    want = tmac.Session(quantized).generate(prompt, max_new_tokens=12, ignore_eos=True, temperature=0)
     from tmac.models.tmac_file import save_model
 
     save_model(quantized, str(tmp_path / "llama3.tmac"))
     converted = tmac.load_model(str(tmp_path / "llama3.tmac"), progress=False)
     assert converted.config.rope_factors == quantized.config.rope_factors
-    assert tmac.Session(converted).generate(prompt, max_new_tokens=12, stop_on_eos=False) == want
+    assert tmac.Session(converted).generate(prompt, max_new_tokens=12, ignore_eos=True, temperature=0) == want
 
 
 def test_rope_factors_of_the_wrong_count_or_sign_are_a_model_format_error(hf_model, tmp_path):

@@ -12,7 +12,6 @@ import transformers  # test-only dependency (the dev extra)
 import tmac
 from conftest import rel_l2, smollm2_path
 from tmac.float_linear import FloatLinear
-from tmac.models.generate import next_token
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 
@@ -46,11 +45,11 @@ def test_float_llama_matches_transformers(tmp_path, rope, monkeypatch):
     # prefill + decode through the KV cache gives the same greedy continuation as transformers
     with torch.no_grad():
         hf_ids = hf.generate(ids[None, :12], max_new_tokens=12, do_sample=False)[0, 12:].tolist()
-    assert tmac.Session(model).generate(ids[:12].tolist(), max_new_tokens=12, stop_on_eos=False) == hf_ids
+    assert tmac.Session(model).generate(ids[:12].tolist(), max_new_tokens=12, ignore_eos=True, temperature=0) == hf_ids
     # and so does a prompt prefilled in chunks (5 + 5 + 2 tokens: the later ones attend to the cached ones), whose
     # logits are transformers' too
     monkeypatch.setattr(generation, "PREFILL_CHUNK", 5)
-    assert tmac.Session(model).generate(ids[:12].tolist(), max_new_tokens=12, stop_on_eos=False) == hf_ids
+    assert tmac.Session(model).generate(ids[:12].tolist(), max_new_tokens=12, ignore_eos=True, temperature=0) == hf_ids
     assert (tmac.Session(model).logits(ids.tolist()) - ref).abs().max().item() <= 1e-4
 
 
@@ -104,17 +103,17 @@ def test_generation_controls(tmp_path):
     model = tmac.load_model(tmp_path, context=64)
     session = tmac.Session(model)
     prompt = list(range(5, 25))
-    greedy = session.generate(prompt, max_new_tokens=8, stop_on_eos=False)
+    greedy = session.generate(prompt, max_new_tokens=8, ignore_eos=True, temperature=0)
     assert len(greedy) == 8
     assert session.generate(prompt, max_new_tokens=0) == []
-    sampled = [session.generate(prompt, max_new_tokens=8, temperature=1.0, top_k=50, seed=s, stop_on_eos=False)
+    sampled = [session.generate(prompt, max_new_tokens=8, temperature=1.0, top_k=50, seed=s, ignore_eos=True)
                for s in (1, 1, 2)]
     assert sampled[0] == sampled[1] and sampled[0] != sampled[2]
     # a prompt that extends the cached tokens reuses them: same result as a fresh run
     longer = prompt + greedy[:3]
-    reused = session.generate(longer, max_new_tokens=5, stop_on_eos=False)
+    reused = session.generate(longer, max_new_tokens=5, ignore_eos=True, temperature=0)
     assert session.stats["prefill_tokens"] < len(longer)
-    assert tmac.Session(model).generate(longer, max_new_tokens=5, stop_on_eos=False) == reused
+    assert tmac.Session(model).generate(longer, max_new_tokens=5, ignore_eos=True, temperature=0) == reused
     with pytest.raises(ValueError, match="exceed the context of 64"):
         session.generate(prompt, max_new_tokens=60)
     with pytest.raises(ValueError, match="kv_dtype must be one of"):
@@ -127,19 +126,60 @@ def test_generation_controls(tmp_path):
         with pytest.raises(ValueError, match="seed must be"):
             session.generate(prompt, temperature=0.7, seed=seed)
     streamed = []
-    assert session.generate(prompt, max_new_tokens=4, callback=streamed.append, stop_on_eos=False) == streamed
+    assert session.generate(prompt, max_new_tokens=4, callback=streamed.append, ignore_eos=True, temperature=0) == streamed
+
+
+def _kept(logits, top_k=0, top_p=1.0, min_p=0.0):
+    """The tokens llama.cpp's top-k, top-p and min-p keep, in that order, written out in float64 numpy."""
+    x = np.asarray(logits, np.float64)
+    order = np.argsort(-x, kind="stable")
+    if 0 < top_k < x.size:
+        order = order[:top_k]
+    p = np.exp(x[order] - x[order].max())
+    p /= p.sum()
+    n = next((i + 1 for i in range(len(p)) if p[:i + 1].sum() >= top_p), len(p))
+    order, p = order[:n], p[:n]
+    return {int(t) for t, q in zip(order, p) if q >= min_p * p.max()}
+
+
+def _draws(logits, n=400, seed=0, history=(), **options):
+    from tmac.models.sampling import Sampler, SamplingParams
+
+    sampler = Sampler(SamplingParams(seed=seed, **options), list(history))
+    return [sampler.sample(torch.tensor(logits)) for _ in range(n)]
 
 
 def test_sampling_filters_match_their_definitions():
-    logits = torch.tensor([1.0, 3.0, 2.0, -1.0, 0.5])
-    assert next_token(logits, []) == 1
-    gen = torch.Generator().manual_seed(0)
-    assert {next_token(logits, [], temperature=5.0, top_k=2, generator=gen) for _ in range(200)} == {1, 2}
-    p = logits.softmax(-1)  # top_p just above the largest probability keeps exactly the two best
-    assert {next_token(logits, [], temperature=1.0, top_p=float(p[1]) + 1e-3, generator=gen)
-            for _ in range(200)} == {1, 2}
-    # repetition penalty divides positive logits of recent tokens (llama.cpp): 3/2 < 2 makes token 2 win
-    assert next_token(logits, [1], repetition_penalty=2.0) == 2
+    from tmac.models.sampling import SamplingParams
+
+    rng = np.random.default_rng(0)
+    for case in range(30):
+        logits = rng.normal(0, 2, 12).astype(np.float32)
+        options = dict(top_k=int(rng.integers(0, 8)), top_p=float(rng.uniform(0.3, 1.0)),
+                       min_p=float(rng.uniform(0, 0.3)))
+        seen = set(_draws(logits, temperature=1.5, **options))
+        assert seen == _kept(logits, **options), (case, options)  # 400 draws reach every kept token
+    logits = np.array([1.0, 3.0, 2.0, -1.0, 0.5], np.float32)
+    assert set(_draws(logits, temperature=0)) == {1}  # greedy
+    # the draw follows the kept tokens' softmax at the temperature: frequencies within 4 sigma
+    draws = _draws(logits, n=4000, temperature=0.7, top_k=0, top_p=1.0, min_p=0.0)
+    p = np.exp(logits / 0.7) / np.exp(logits / 0.7).sum()
+    counts = np.bincount(draws, minlength=5) / 4000
+    assert np.all(np.abs(counts - p) < 4 * np.sqrt(p * (1 - p) / 4000) + 1e-3)
+    # repeat penalty divides positive logits of recent tokens (llama.cpp): 3/2 < 2 makes token 2 win
+    assert set(_draws(logits, n=3, temperature=0, history=[1], repeat_penalty=2.0)[:1]) == {2}
+    # logit bias moves a token's logit before anything else
+    assert _draws(logits, n=1, temperature=0, logit_bias={"3": 5.0}) == [3]
+    # extreme values inside the bounds never give NaN (llama.cpp keeps no bound on them either)
+    for extreme in (dict(temperature=1e308), dict(temperature=1e-300), dict(repeat_penalty=5e-324),
+                    dict(top_p=1e-320), dict(logit_bias={"1": 100.0, "2": -100.0})):
+        assert all(0 <= t < 5 for t in _draws(logits, n=20, history=[1, 2], **extreme)), extreme
+    with pytest.raises(ValueError, match="temperature must be a finite number"):
+        SamplingParams(temperature=float("inf"))
+    with pytest.raises(TypeError, match="did you mean 'temperature'"):
+        SamplingParams.make(temprature=0.5)
+    assert SamplingParams.make(max_new_tokens=5, repetition_penalty=1.1) == \
+        SamplingParams(max_tokens=5, repeat_penalty=1.1)
 
 
 def _reference(name):
@@ -219,7 +259,7 @@ def test_smollm2_greedy_matches_llama_cpp(smollm2):
         gaps.append(((best - logits[torch.arange(len(cont)), cont]) / best.abs()).max().item())
         hits += sum(a == b for a, b in zip(logits.argmax(-1).tolist(), cont))
         total += len(cont)
-        ids = tmac.Session(smollm2).generate(prompt, max_new_tokens=len(cont))  # a fresh prefill, as llama.cpp's
+        ids = tmac.Session(smollm2).generate(prompt, max_new_tokens=len(cont), temperature=0)  # a fresh prefill, as llama.cpp's
         at = next((i for i, (a, b) in enumerate(zip(ids, cont)) if a != b), None)
         if at is not None:
             last = tmac.Session(smollm2).logits(prompt + ids[:at])[-1]
@@ -321,7 +361,7 @@ def test_greedy_tokens_do_not_depend_on_thread_count(smollm2):
             torch.set_num_threads(threads)
             out = []
             for case in ref["greedy"][:3]:
-                out.append(tmac.Session(smollm2).generate(case["prompt_ids"], max_new_tokens=24))
+                out.append(tmac.Session(smollm2).generate(case["prompt_ids"], max_new_tokens=24, temperature=0))
             runs.append(out)
     finally:
         tmac.set_num_threads(old[0])
@@ -548,7 +588,7 @@ def test_llama_cpp_mixes_load_and_match_the_dequantized_file(tmp_path, mix, tied
     for _ in range(4):
         want.append(int(tmac.Session(model).logits(context)[-1].argmax()))
         context.append(want[-1])
-    assert tmac.Session(model).generate(ids, max_new_tokens=4, stop_on_eos=False) == want
+    assert tmac.Session(model).generate(ids, max_new_tokens=4, ignore_eos=True, temperature=0) == want
 
 
 def test_layers_load_in_parallel_as_in_sequence_and_fail_by_name(tmp_path):

@@ -35,7 +35,7 @@ def serving(model, **options):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    app = create_app(model, model_name(model.source), **options)
+    app = create_app(model, options.pop("name", model_name(model.source)), **{"log": None, **options})
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -107,7 +107,7 @@ def test_models_and_health(server, model):
 
 def test_greedy_chat_is_tmac_runs_answer(server):
     run = subprocess.run([sys.executable, "-m", "tmac", "run", "--context", "512", "-p", QUESTION[0]["content"],
-                          "-n", "32", "--json"], capture_output=True, text=True, timeout=300)
+                          "-n", "32", "--json", "--temperature", "0"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     expected = json.loads(run.stdout)
     r = chat(server, max_tokens=32)
@@ -134,7 +134,7 @@ def test_completions_whole_and_streamed_with_length_and_stop(server, model):
     text = r.choices[0].text
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 12
     ids = tmac.Session(model).generate(model.tokenizer.encode("The three primary colors are"), max_new_tokens=12,
-                                       stop_on_eos=False)
+                                       ignore_eos=True, temperature=0)
     assert text == model.tokenizer.decode(ids, skip_special=True)
     streamed = "".join(p.choices[0].text for p in c.completions.create(
         model=name(server), prompt="The three primary colors are", max_tokens=12, temperature=0, stream=True))
@@ -207,13 +207,26 @@ def test_sampling_penalties_are_applied_as_defined(server, model, options):
     ({"model": "M", "messages": [{"role": "user", "content": "x"}], "max_tokens": 10 ** 9}, 400, "context"),
     ({"model": "M", "messages": [{"role": "user", "content": "x"}], "max_tokens": -5}, 400, "max_tokens"),
     ({"model": "M", "messages": [{"role": "user", "content": "x"}], "n": 3}, 400, "n"),
-    ({"model": "M", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"1": 5}}, 400, "logit_bias"),
+    ({"model": "M", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"x": 5}}, 400, "logit_bias"),
+    ({"model": "M", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"1": 500}}, 400, "logit_bias"),
+    ({"model": "M", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"99999999": 1}}, 400,
+     "logit_bias"),
+    ({"model": "M", "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, 400,
+     "top_logprobs"),
+    ({"model": "M", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+     400, "response_format"),
+    ({"model": "M", "messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, 400, "tool_choice"),
+    ({"model": "M", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}]},
+     400, "text parts"),
+    ({"model": "M", "prompt": "x", "logprobs": 6}, 400, "logprobs"),
+    ({"model": "M", "prompt": "x", "min_p": 1.5}, 400, "min_p"),
+    (b'{"model": "M", "prompt": "x", "temperature": Infinity}', 400, "temperature"),
+    (b'[1, 2]', 400, "JSON object"),
     ({"model": "M", "messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
     ({"model": "M", "messages": []}, 400, "messages"),
     ({"model": "M", "messages": [{"role": "user", "content": "x " * 5000}]}, 400, "context"),
     ({"model": "M", "messages": [{"role": "user", "content": "x"}], "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ({"model": "M", "messages": [{"role": "user", "content": "x"}], "stop": [""]}, 400, "stop"),
-    ({"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]}, 404, "gpt-4"),
     ({"model": "M", "prompt": 5}, 400, "prompt"),
     ({"model": "M", "prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),
     ({"model": "M", "prompt": "x", "frequency_penalty": "lots"}, 400, "frequency_penalty"),
@@ -225,7 +238,10 @@ def test_sampling_penalties_are_applied_as_defined(server, model, options):
 def test_bad_requests_get_openai_errors_and_the_server_goes_on(server, body, status, says):
     if isinstance(body, dict):
         body = {k: name(server) if v == "M" else v for k, v in body.items()}
-    path = "/v1/completions" if isinstance(body, dict) and "prompt" in body else "/v1/chat/completions"
+    else:
+        body = body.replace(b'"M"', json.dumps(name(server)).encode())
+    path = "/v1/completions" if ("prompt" in body if isinstance(body, dict) else b'"prompt"' in body) \
+        else "/v1/chat/completions"
     code, _, answer = call(server, "POST", path, body)
     assert code == status, answer
     error = answer["error"]
@@ -337,6 +353,12 @@ def until(condition, seconds=60):
         time.sleep(0.001)
 
 
+def greedy(max_tokens):
+    from tmac.models.sampling import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0)
+
+
 LONG_PROMPT = [i % 250 + 1 for i in range(10 * 64 + 5)]  # (PREFILL_BUDGET is 64: 11 pieces)
 
 
@@ -348,22 +370,22 @@ def test_a_long_prompt_is_prefilled_between_the_running_requests_steps(tiny):
 
     assert len(LONG_PROMPT) > 10 * PREFILL_BUDGET
     short = [5, 6, 7]
-    alone = [list(tmac.Session(tiny).generate(p, max_new_tokens=n, stop_on_eos=False))
+    alone = [list(tmac.Session(tiny).generate(p, max_new_tokens=n, ignore_eos=True, temperature=0))
              for p, n in ((short, 200), (LONG_PROMPT, 4))]
     seen, finished = {}, threading.Event()
 
-    def emit(piece, end):  # (the long prompt's first token: how far the running request got meanwhile)
+    def emit(piece, end, logprobs):  # (the long prompt's first token: how far the running request got meanwhile)
         seen.setdefault("running", len(running.ids))
         if end is not None:
             finished.set()
 
     batcher = Batcher(tiny, max_batch=2)
     try:
-        running = Generation(short, 200, lambda piece, end: None)
+        running = Generation(short, greedy(200), lambda piece, end, logprobs: None)
         batcher.submit(running)
         until(lambda: len(running.ids) >= 3)
         before = len(running.ids)
-        prompt = Generation(LONG_PROMPT, 4, emit)
+        prompt = Generation(LONG_PROMPT, greedy(4), emit)
         batcher.submit(prompt)
         assert finished.wait(120)
         until(lambda: not batcher.load()["running"])
@@ -382,20 +404,20 @@ def test_a_request_cancelled_while_prefilled_leaves_what_it_fed_for_the_next(tin
     from tmac.models.batching import PREFILL_BUDGET, Batcher
     from tmac.models.batching import Request as Generation
 
-    alone = list(tmac.Session(tiny).generate(LONG_PROMPT, max_new_tokens=4, stop_on_eos=False))
+    alone = list(tmac.Session(tiny).generate(LONG_PROMPT, max_new_tokens=4, ignore_eos=True, temperature=0))
     said, done = [], threading.Event()
     batcher = Batcher(tiny, max_batch=2)
     try:
-        running = Generation([5, 6, 7], 400, lambda piece, end: None)  # (so that the prompt goes in pieces)
+        running = Generation([5, 6, 7], greedy(400), lambda piece, end, logprobs: None)  # (so that the prompt goes in pieces)
         batcher.submit(running)
         until(lambda: len(running.ids) >= 1)
-        left = Generation(LONG_PROMPT, 4, lambda piece, end: said.append((piece, end)))
+        left = Generation(LONG_PROMPT, greedy(4), lambda piece, end, logprobs: said.append((piece, end)))
         batcher.submit(left)
         until(lambda: batcher.prefilled >= 3 + 2 * PREFILL_BUDGET)
         left.cancel()
         until(lambda: not batcher.load()["prefilling"])
         fed = batcher.prefilled - 3
-        again = Generation(LONG_PROMPT, 4, lambda piece, end: done.set() if end is not None else None)
+        again = Generation(LONG_PROMPT, greedy(4), lambda piece, end, logprobs: done.set() if end is not None else None)
         batcher.submit(again)
         assert done.wait(120)
         running.cancel()

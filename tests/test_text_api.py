@@ -18,52 +18,52 @@ def model():
 def test_chat_answers_in_text_without_the_end_of_turn_token(model):
     session = tmac.Session(model)
     tok = model.tokenizer
-    ids = tmac.Session(model).generate(tok.encode(tok.render_chat(QUESTION)), max_new_tokens=48)
+    ids = tmac.Session(model).generate(tok.encode(tok.render_chat(QUESTION)), max_new_tokens=48, temperature=0)
     assert ids[-1] in tok.stop_ids  # the model ends its turn within 48 tokens, with the special token
-    answer = session.chat(QUESTION, max_new_tokens=48)
+    answer = session.chat(QUESTION, max_new_tokens=48, temperature=0)
     assert answer == tok.decode(ids[:-1]) and "<|im_end|>" not in answer and "Paris" in answer
     assert session.stats["stop_reason"] == "eos"
     # streamed: the same text, in more than one piece
-    pieces = list(tmac.Session(model).chat(QUESTION, max_new_tokens=48, stream=True))
+    pieces = list(tmac.Session(model).chat(QUESTION, max_new_tokens=48, stream=True, temperature=0))
     assert len(pieces) > 1 and "".join(pieces) == answer
 
 
 def test_generate_from_text_is_the_decoded_ids(model):
     tok = model.tokenizer
     prompt = "The three primary colors are"
-    ids = tmac.Session(model).generate(tok.encode(prompt), max_new_tokens=12, stop_on_eos=False)
-    text = tmac.Session(model).generate(prompt, max_new_tokens=12, stop_on_eos=False)
+    ids = tmac.Session(model).generate(tok.encode(prompt), max_new_tokens=12, ignore_eos=True, temperature=0)
+    text = tmac.Session(model).generate(prompt, max_new_tokens=12, ignore_eos=True, temperature=0)
     assert isinstance(text, str) and text == tok.decode(ids, skip_special=True)
-    streamed = tmac.Session(model).generate(prompt, max_new_tokens=12, stop_on_eos=False, stream=True)
+    streamed = tmac.Session(model).generate(prompt, max_new_tokens=12, ignore_eos=True, temperature=0, stream=True)
     assert not isinstance(streamed, (str, list)) and "".join(streamed) == text
-    assert list(tmac.Session(model).generate(tok.encode(prompt), max_new_tokens=12, stop_on_eos=False,
+    assert list(tmac.Session(model).generate(tok.encode(prompt), max_new_tokens=12, ignore_eos=True, temperature=0,
                                              stream=True)) == ids
 
 
 def test_stop_string_ends_the_text_before_it(model):
     tok = model.tokenizer
-    full = tmac.Session(model).chat(QUESTION, max_new_tokens=48)
+    full = tmac.Session(model).chat(QUESTION, max_new_tokens=48, temperature=0)
     stop = "Paris"
     assert stop in full
-    cut = tmac.Session(model).chat(QUESTION, max_new_tokens=48, stop=stop)
+    cut = tmac.Session(model).chat(QUESTION, max_new_tokens=48, stop=stop, temperature=0)
     assert cut == full[:full.index(stop)]
     session = tmac.Session(model)
-    assert "".join(session.chat(QUESTION, max_new_tokens=48, stop=[stop], stream=True)) == cut
+    assert "".join(session.chat(QUESTION, max_new_tokens=48, stop=[stop], stream=True, temperature=0)) == cut
     assert session.stats["stop_reason"] == "stop"
     with pytest.raises(ValueError, match="stop strings must not be empty"):
         tmac.Session(model).chat(QUESTION, stop="")
-    with pytest.raises(ValueError, match="max_new_tokens"):  # checked at the call, before any piece is asked for
+    with pytest.raises(ValueError, match="max_tokens"):  # checked at the call, before any piece is asked for
         tmac.Session(model).chat(QUESTION, max_new_tokens=-1, stream=True)
     assert tok.decode(tok.encode(cut)) == cut
 
 
 def test_chat_continues_a_conversation_with_only_the_new_turn_prefilled(model):
     session = tmac.Session(model)
-    first = session.chat(QUESTION, max_new_tokens=32)
+    first = session.chat(QUESTION, max_new_tokens=32, temperature=0)
     turns = QUESTION + [{"role": "assistant", "content": first}, {"role": "user", "content": "And of Italy?"}]
-    second = session.chat(turns, max_new_tokens=32)
+    second = session.chat(turns, max_new_tokens=32, temperature=0)
     assert second and session.stats["prefill_tokens"] < session.stats["prompt_tokens"]
-    assert second == tmac.Session(model).chat(turns, max_new_tokens=32)  # the same as from scratch
+    assert second == tmac.Session(model).chat(turns, max_new_tokens=32, temperature=0)  # the same as from scratch
 
 
 class _Bytes:
@@ -92,15 +92,15 @@ def test_two_sessions_on_one_model_interleaved_token_by_token_each_give_what_the
     tok = model.tokenizer
     prompts = [tok.encode(tok.render_chat([{"role": "user", "content": q}]))
                for q in ("What is the capital of France?", "Name three colors.")]
-    alone = [tmac.Session(model).generate(p, max_new_tokens=12, stop_on_eos=False) for p in prompts]
+    alone = [tmac.Session(model).generate(p, max_new_tokens=12, ignore_eos=True, temperature=0) for p in prompts]
     first, second = tmac.Session(model), tmac.Session(model)
-    streams = [first.generate(prompts[0], max_new_tokens=12, stop_on_eos=False, stream=True),
-               second.generate(prompts[1], max_new_tokens=12, stop_on_eos=False, stream=True)]
+    streams = [first.generate(prompts[0], max_new_tokens=12, ignore_eos=True, temperature=0, stream=True),
+               second.generate(prompts[1], max_new_tokens=12, ignore_eos=True, temperature=0, stream=True)]
     together = [[], []]
     for _ in range(12):
         for i, stream in enumerate(streams):
             together[i].append(next(stream))
     assert together == alone and first.sequence.k is not second.sequence.k
     # and each continues its own conversation: only the new turn is prefilled
-    again = first.generate(prompts[0] + together[0] + tok.encode(" And Italy?"), max_new_tokens=4, stop_on_eos=False)
+    again = first.generate(prompts[0] + together[0] + tok.encode(" And Italy?"), max_new_tokens=4, ignore_eos=True, temperature=0)
     assert first.stats["prefill_tokens"] < 8 and len(again) == 4

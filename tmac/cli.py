@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import importlib.metadata
 import json
 import os
@@ -17,9 +18,25 @@ from .cpu import ARCH_ALIASES, ARCHES, normalize_arch
 from .kernels import DEFAULT_ISA, ISAS
 
 
+class Parser(argparse.ArgumentParser):
+    """A (sub)command's parser that refuses what it does not know itself, with its own usage and the nearest flag
+    (``--temprature``: did you mean ``--temperature``?), instead of the top-level usage's bare complaint."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras and self._subparsers is None:
+            flags = [s for s in self._option_string_actions if s.startswith("--")]
+            word = extras[0].split("=", 1)[0]
+            near = difflib.get_close_matches(word, flags, 1, 0.6) if word.startswith("-") else []
+            self.error(f"unrecognized argument{'s' if len(extras) > 1 else ''}: {' '.join(extras)}"
+                       + (f" (did you mean {near[0]}?)" if near else ""))
+        return namespace, extras
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    _merge_model_flag(parser, args)
     if not args.debug:  # a warning is one line for a person, not a source line of tmac's
         warnings.showwarning = _show_warning
     from .memory import one_malloc_arena
@@ -41,6 +58,16 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
+def _merge_model_flag(parser, args) -> None:
+    """``-m/--model MODEL`` (llama.cpp's spelling) as the positional MODEL."""
+    flag = getattr(args, "model_flag", None)
+    if flag is None:
+        return
+    if getattr(args, "model", None) not in (None, flag):
+        parser.error(f"two models given: {args.model} and -m {flag}")
+    args.model = flag
+
+
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
     print(f"tmac: warning: {message}", file=file or sys.stderr)
 
@@ -57,15 +84,17 @@ def describe(e: Exception) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tmac", description="Low-bit LLM inference on CPUs with table lookups.")
+    p = Parser(prog="tmac", description="Low-bit LLM inference on CPUs with table lookups.")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     p.add_argument("--version", action="version", version=f"tmac {_version('tmac')}")
     common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-m", "--model", dest="model_flag", metavar="MODEL", default=argparse.SUPPRESS,
+                        help="the model (as the positional MODEL)")
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
 
     pull = sub.add_parser("pull", parents=[common], help="download a model from the Hugging Face hub into its cache")
-    pull.add_argument("model", metavar="ORG/NAME[:FILE.gguf]",
+    pull.add_argument("model", nargs="?", default=None, metavar="ORG/NAME[:FILE.gguf]",
                       help="a repo id: its GGUF (Q4_K_M where it has several), or its Hugging Face directory's "
                            "config, safetensors and tokenizer; :FILE.gguf names one GGUF")
     pull.set_defaults(func=cmd_pull)
@@ -89,11 +118,12 @@ def build_parser() -> argparse.ArgumentParser:
                                         "the largest of 128/64/32 dividing K)")
     c.add_argument("--head-bits", type=cli_generate.head_bits_arg, help="with --model: " + cli_generate.HEAD_BITS_HELP)
     c.add_argument("--symmetric", action="store_true", help="weights without zeros")
-    src = c.add_mutually_exclusive_group()
-    src.add_argument("--shape", nargs="+", action="extend", metavar="MxK",
-                     help="only the projection kernels of these weight shapes (out x in features; needs --bits)")
-    src.add_argument("--model", metavar="PATH", help="a model as `tmac run` takes it (GGUF file, Hugging Face, GPTQ "
-                                                     "or BitNet directory, .tmac file; default: SmolLM2-135M-Instruct)")
+    c.add_argument("model", nargs="?", default=None, help="a model as `tmac run` takes it (GGUF file, Hugging "
+                                                           "Face, GPTQ or BitNet directory, .tmac file, repo id; "
+                                                           "default: SmolLM2-135M-Instruct)")
+    c.add_argument("--shape", nargs="+", action="extend", metavar="MxK",
+                   help="only the projection kernels of these weight shapes (out x in features; needs --bits; not "
+                        "with a model)")
     c.add_argument("-o", "--output", metavar="DIR",
                    help="output directory (default: ./tmac-kernels-<isa>; kernels already there are kept)")
     c.set_defaults(func=cmd_compile)
@@ -107,9 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--symmetric", action="store_true", help="weights without zeros")
     t.add_argument("--ternary", action="store_true", help="ternary weights instead of --bits (BitNet absmean; "
                                                           "--group-size tensor or row: the triple kernels)")
-    src = t.add_mutually_exclusive_group(required=True)
-    src.add_argument("--k", metavar="K", help="comma-separated input sizes, e.g. 4096,11008")
-    src.add_argument("--model", metavar="PATH", help="a GGUF model: tune every kernel it runs as loaded")
+    t.add_argument("model", nargs="?", default=None, help="a model: tune every kernel it runs as loaded (or --k)")
+    t.add_argument("--k", metavar="K", help="comma-separated input sizes, e.g. 4096,11008 (instead of a model)")
     t.set_defaults(func=cmd_tune)
 
     b = sub.add_parser("bench", parents=[common], help="kernel (--shape) or end-to-end (--e2e, the default) "
@@ -185,6 +214,8 @@ def cmd_info(args) -> int:
 def cmd_pull(args) -> int:
     from .models.hub import is_repo_id, pull
 
+    if args.model is None:
+        raise ValueError("name the repo: tmac pull ORG/NAME[:QUANT or FILE.gguf]")
     if not is_repo_id(args.model):
         raise ValueError(f"{args.model!r} is not a Hugging Face repo id (ORG/NAME, or ORG/NAME:FILE.gguf)")
     path = pull(args.model)
@@ -267,6 +298,8 @@ def cmd_compile(args) -> int:
     isa = resolve_isa(args.arch, args.isa)
     linker = find_linker(isa.arch)  # fail at once, saying how to get one, when nothing can link for the target
     if args.shape:
+        if args.model:
+            raise ValueError("give a model or --shape, not both")
         if args.head_bits is not None:
             raise ValueError("--head-bits is for models (--model), not --shape")
         specs = list(dict.fromkeys(_shape_specs(args, isa)))
@@ -332,6 +365,10 @@ def _shape_specs(args, isa):
 
 def tune_work(args) -> list:
     """The (format, K) pairs ``tmac tune`` times: a model's, or --bits × --k with each K's group size."""
+    if args.model and args.k:
+        raise ValueError("give a model or --k, not both")
+    if not args.model and not args.k:
+        raise ValueError("give a model (tmac tune MODEL) or --k K[,K...]")
     if args.model:
         from .kernels import best_isa
         from .models.kernel_specs import model_formats

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -16,12 +17,13 @@ from .glue import KV_DTYPES
 def add_parsers(sub, common) -> None:
     r = sub.add_parser("run", parents=[common], help="generate text from a prompt")
     _model_args(r)
-    r.add_argument("--prompt", "-p", required=True, help="the prompt text")
+    r.add_argument("--prompt", "-p", help="the prompt text (default, or -: read it from standard input)")
+    r.add_argument("--file", "-f", metavar="FILE", help="read the prompt from FILE (-: standard input)")
     r.add_argument("--json", action="store_true", help="print one JSON object (text, ids, speeds) instead")
     r.set_defaults(func=cmd_run)
 
     v = sub.add_parser("convert", parents=[common], help="write a pre-packed .tmac model file")
-    v.add_argument("model", help="GGUF file or Hugging Face directory")
+    v.add_argument("model", nargs="?", default=None, help="GGUF file, Hugging Face directory or repo id")
     v.add_argument("--bits", type=int, choices=BITS,
                    help="requantize the projections (default: keep the file's exact quantization)")
     v.add_argument("--group-size", type=int, choices=GROUP_SIZES, help="group size with --bits")
@@ -45,6 +47,7 @@ def add_parsers(sub, common) -> None:
     s.add_argument("--port", type=int, default=8080, help="(default: 8080)")
     s.add_argument("--api-key", default=os.environ.get("TMAC_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/ (default: $TMAC_API_KEY, else none)")
+    s.add_argument("--alias", "-a", help="the model's name in the API (default: the file's name without .gguf)")
     s.add_argument("--max-batch", type=int, default=4, help="requests generated together at most (default: 4)")
     s.add_argument("--max-queue", type=int, default=16,
                    help="requests waiting beyond those at most; more get 503 (default: 16)")
@@ -72,24 +75,62 @@ def _load_args(p) -> None:
     p.add_argument("--group-size", type=int, choices=GROUP_SIZES, help="group size with --bits")
     p.add_argument("--head-bits", type=head_bits_arg, help=HEAD_BITS_HELP)
     p.add_argument("--threads", "-t", type=int, help="kernel and torch threads (default: physical cores)")
-    p.add_argument("--context", type=int, help="context size in tokens (default: the model's, at most 4096)")
+    p.add_argument("-c", "--context", type=int, help="context size in tokens (default: the model's, at most 4096)")
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default="float16", help="KV cache dtype (default: float16)")
 
 
 def _model_args(p) -> None:
     _load_args(p)
-    p.add_argument("--max-new-tokens", "-n", type=int, default=256, help="tokens to generate at most (default: 256)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest tokens (default: 0 = off)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default: 1.0 = off)")
-    p.add_argument("--repeat-penalty", type=float, default=1.0, help="(default: 1.0 = off)")
-    p.add_argument("--seed", type=int, help="for sampling (default: a random one)")
-    p.add_argument("--ignore-eos", action="store_true",
-                   help="generate all --max-new-tokens tokens, past the end-of-text token (for benchmarks)")
-    p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop when TEXT appears (repeatable)")
+    add_sampling_args(p)
     p.add_argument("--system", help="system message for the chat template")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="wrap the prompt in the model's chat template (default: when the model has one)")
+
+
+def add_sampling_args(p) -> None:
+    """A flag per ``SamplingParams`` option, named after it (``--top-k``) with its aliases and llama.cpp's spellings
+    (``-n``, ``--temp``, ``--repetition-penalty``), its default and help from its field."""
+    from .models.sampling import OPTIONS
+
+    group = p.add_argument_group("sampling (the defaults are llama.cpp's; --temperature 0 is greedy)")
+    for name, f in OPTIONS.items():
+        meta = f.metadata
+        if not meta["cli"]:
+            continue
+        flags = [f"--{name.replace('_', '-')}", *(f"--{a.replace('_', '-')}" for a in meta["aliases"]),
+                 *meta["flags"]]
+        flags = sorted(dict.fromkeys(flags), key=lambda f: f.startswith("--"))  # (short ones first, as argparse's)
+        kind = meta["kind"]
+        if kind == "bool":
+            group.add_argument(*flags, dest=name, action="store_true", default=None, help=meta["help"])
+        elif kind == "stops":
+            group.add_argument(*flags, dest=name, action="append", default=None, metavar="TEXT", help=meta["help"])
+        elif kind == "bias":
+            group.add_argument(*flags, dest=name, action="append", default=None, metavar="ID=BIAS",
+                               type=_bias_arg, help=meta["help"])
+        else:
+            group.add_argument(*flags, dest=name, type=float if kind == "float" else int, default=None,
+                               metavar="N", help=meta["help"])
+
+
+def _bias_arg(text: str) -> tuple[int, float]:
+    """``ID=BIAS``, or llama.cpp's ``ID+BIAS`` / ``ID-BIAS``."""
+    match = re.fullmatch(r"\s*(\d+)\s*([=+-])\s*([0-9.eE+-]+|inf)\s*", text)
+    try:
+        token, sign, bias = match.groups()
+        return int(token), float(bias) * (-1.0 if sign == "-" else 1.0)
+    except (AttributeError, ValueError):
+        raise argparse.ArgumentTypeError(f"expected ID=BIAS (e.g. 15043=-100), got {text!r}") from None
+
+
+def sampling_params(args):
+    """The ``SamplingParams`` the command line's flags give (the defaults where none is given)."""
+    from .models.sampling import OPTIONS, SamplingParams
+
+    given = {name: getattr(args, name) for name in OPTIONS if getattr(args, name, None) is not None}
+    if "logit_bias" in given:
+        given["logit_bias"] = dict(given["logit_bias"])
+    return SamplingParams(**given)
 
 
 def load_for_generation(source, **options):
@@ -124,23 +165,19 @@ def _load(args):
     return model, time.perf_counter() - t0
 
 
-def _sampling(args) -> dict:
-    return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                repetition_penalty=args.repeat_penalty, seed=args.seed, stop=tuple(args.stop),
-                stop_on_eos=not args.ignore_eos)
-
-
 def _prompt_ids(model, args, messages: list[dict]) -> list[int]:
     from .models.text import prompt_ids
 
     return prompt_ids(model.tokenizer, messages, model.context, args.chat, args.system)
 
 
-def fit_context(model, args, messages: list[dict]) -> tuple[list[int], int]:
-    """``tmac.models.text.fit_conversation`` with the command's options."""
+def fit_context(model, args, params, messages: list[dict]) -> tuple[list[int], int]:
+    """``tmac.models.text.fit_conversation`` with the command's options (room for ``max_tokens``, or a quarter of
+    the context where it is not given)."""
     from .models.text import fit_conversation
 
-    return fit_conversation(model.tokenizer, messages, model.context, args.max_new_tokens, args.chat, args.system)
+    room = params.max_tokens if params.max_tokens is not None else model.context // 4
+    return fit_conversation(model.tokenizer, messages, model.context, room, args.chat, args.system)
 
 
 class Interrupted(Exception):
@@ -165,31 +202,29 @@ class CtrlCStops:
         signal.signal(signal.SIGINT, self._old)
 
 
-class Streamer:
-    """Prints the text of generated ids as it becomes final (``tmac.models.text.TextStream``); stops on Ctrl-C."""
-
-    def __init__(self, tokenizer, stop: tuple[str, ...], out=None, ctrl_c: CtrlCStops | None = None):
-        from .models.text import TextStream
-
-        self.stream, self.out, self.ctrl_c = TextStream(tokenizer, stop), out, ctrl_c
-
-    @property
-    def ids(self) -> list[int]:
-        return self.stream.ids
-
-    def _write(self, piece: str) -> None:
-        if self.out is not None and piece:
-            self.out.write(piece)
-            self.out.flush()
-
-    def __call__(self, token: int) -> None:
-        self._write(self.stream.push(token))
-        if self.ctrl_c is not None and self.ctrl_c.hit:
+def stream_answer(session, ids: list[int], params, out) -> bool:
+    """Generate from ``ids``, writing the text to ``out`` (None: nowhere) as it comes; Ctrl-C stops after the
+    current token, keeping what was said. Whether it was interrupted."""
+    def check(token):
+        if ctrl_c.hit:
             raise Interrupted
 
-    def finish(self) -> str:
-        self._write(self.stream.finish())
-        return self.stream.text()
+    with CtrlCStops() as ctrl_c:
+        try:
+            for piece in session.generate(ids, params, stream=True, text=True, callback=check):
+                _write(out, piece)
+            return False
+        except (Interrupted, KeyboardInterrupt):
+            session.stats["stop_reason"] = "interrupted"
+            if session.last is not None:
+                _write(out, session.last.close())
+            return True
+
+
+def _write(out, piece: str) -> None:
+    if out is not None and piece:
+        out.write(piece)
+        out.flush()
 
 
 def _stats(session, load_s: float) -> dict:
@@ -211,24 +246,40 @@ def _stats_line(st: dict) -> str:
             f"peak RSS {st['peak_rss_mb']:.0f} MB")
 
 
+def read_prompt(args) -> str:
+    """The prompt: ``-p TEXT``, ``-f FILE``, or standard input where neither is given or the text is ``-``."""
+    if args.prompt is not None and args.file is not None:
+        raise ValueError("give the prompt as -p TEXT or -f FILE, not both")
+    if args.file is not None:
+        if args.file == "-":
+            return sys.stdin.read()
+        try:
+            with open(args.file, encoding="utf-8") as f:
+                return f.read()
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{args.file}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    if args.prompt is not None and args.prompt != "-":
+        return args.prompt
+    if sys.stdin is None or sys.stdin.closed or (args.prompt is None and sys.stdin.isatty()):
+        raise ValueError("no prompt: give -p TEXT, -f FILE, or pipe it in (echo TEXT | tmac run)")
+    return sys.stdin.read()
+
+
 def cmd_run(args) -> int:
     from .models.generate import Session
 
+    prompt = read_prompt(args)
+    if not prompt.strip():
+        raise ValueError("the prompt is empty")
+    params = sampling_params(args)
     model, load_s = _load(args)
     session = Session(model)
-    ids = _prompt_ids(model, args, [{"role": "user", "content": args.prompt}])
-    interrupted = False
-    with CtrlCStops() as ctrl_c:
-        streamer = Streamer(model.tokenizer, tuple(args.stop), None if args.json else sys.stdout, ctrl_c)
-        try:
-            session.generate(ids, callback=streamer, **_sampling(args))
-        except (Interrupted, KeyboardInterrupt):  # keep what was generated
-            interrupted = True
-            session.stats["stop_reason"] = "interrupted"
-    text = streamer.finish()
+    ids = _prompt_ids(model, args, [{"role": "user", "content": prompt}])
+    interrupted = stream_answer(session, ids, params, None if args.json else sys.stdout)
+    text = session.last.text.text() if session.last is not None else ""
     st = _stats(session, load_s)
     if args.json:
-        print(json.dumps({"text": text, "prompt_ids": ids, "generated_ids": streamer.ids, **st}))
+        print(json.dumps({"text": text, "prompt_ids": ids, "generated_ids": list(session.last.ids), **st}))
     else:
         print()
         print(_stats_line(st), file=sys.stderr)
@@ -258,32 +309,48 @@ def cmd_convert(args) -> int:
     return 0
 
 
+CHAT_COMMANDS = {"/help": "this list", "/reset": "start the conversation over", "/exit": "quit (also /bye, /quit, "
+                 "Ctrl-D)"}
+CHAT_QUIT = ("/exit", "/bye", "/quit")
+
+
 def cmd_chat(args) -> int:
     from .models.generate import Session
 
     if sys.stdin is None or sys.stdin.closed:
         raise ValueError("tmac chat reads its messages from standard input, which is closed; for one prompt use "
                          "tmac run -p TEXT")
+    params = sampling_params(args)
     model, load_s = _load(args)
     session = Session(model)
-    print(f"tmac chat: {model.source} loaded in {load_s:.1f} s. /reset starts over, /exit quits, Ctrl-C stops an "
-          f"answer.", file=sys.stderr)
+    interactive = sys.stdin.isatty()
+    print(f"tmac chat: {model.source} loaded in {load_s:.1f} s. /help lists the commands, /exit quits, Ctrl-C "
+          f"stops an answer.", file=sys.stderr)
     messages: list[dict] = []
     while True:
-        line = _read_line("> ")
+        line = _read_line("> " if interactive else "")
         if line is None:
             return 0
-        if line.strip() == "/exit":
+        command = line.strip()
+        if command in CHAT_QUIT:
             return 0
-        if line.strip() == "/reset":
+        if command == "/help":
+            print("\n".join(f"  {k:<7} {v}" for k, v in CHAT_COMMANDS.items()), file=sys.stderr)
+            continue
+        if command == "/reset":
             messages = []
+            session.reset()
             print("(conversation reset)", file=sys.stderr)
             continue
-        if not line.strip():
+        if command.startswith("/") and " " not in command:
+            print(f"unknown command {command}; /help lists them (a message starting with / : add a space after "
+                  f"the word)", file=sys.stderr)
+            continue
+        if not command:
             continue
         messages.append({"role": "user", "content": line})
         try:
-            answered = _chat_turn(model, session, args, messages)
+            answered = _chat_turn(model, session, args, params, messages)
         except KeyboardInterrupt:  # before the answer began: the conversation goes on without this message
             answered = False
             print("\n(interrupted)", file=sys.stderr)
@@ -298,26 +365,25 @@ def cmd_chat(args) -> int:
 
 
 def _read_line(prompt: str) -> str | None:
-    """A line from standard input, None at its end (Ctrl-D) or on Ctrl-C while waiting."""
+    """A line from standard input (after ``prompt`` on a terminal; none when piped, so that a piped chat's output
+    is the answers alone), None at its end (Ctrl-D) or on Ctrl-C while waiting."""
     try:
-        return input(prompt)
-    except (EOFError, KeyboardInterrupt, RuntimeError):  # (RuntimeError: standard input was closed meanwhile)
-        print()
+        if prompt:  # a terminal: line editing
+            return input(prompt)
+        line = sys.stdin.readline()
+    except (EOFError, KeyboardInterrupt, RuntimeError, ValueError):  # (RuntimeError, ValueError: stdin closed)
+        print(file=sys.stderr)
         return None
+    return line.rstrip("\n") if line else None
 
 
-def _chat_turn(model, session, args, messages: list[dict]) -> bool:
+def _chat_turn(model, session, args, params, messages: list[dict]) -> bool:
     """Answer the last user message, streaming; Ctrl-C during the answer stops it and keeps what was said."""
-    ids, dropped = fit_context(model, args, messages)
+    ids, dropped = fit_context(model, args, params, messages)
     if dropped:
         print(f"(context full: dropped the {dropped} oldest exchange{'s' if dropped > 1 else ''})", file=sys.stderr)
-    with CtrlCStops() as ctrl_c:
-        streamer = Streamer(model.tokenizer, tuple(args.stop), sys.stdout, ctrl_c)
-        try:
-            session.generate(ids, callback=streamer, **_sampling(args))
-        except (Interrupted, KeyboardInterrupt):
-            session.stats["stop_reason"] = "interrupted"
-    messages.append({"role": "assistant", "content": streamer.finish()})
+    stream_answer(session, ids, params, sys.stdout)
+    messages.append({"role": "assistant", "content": session.last.text.text()})
     return True
 
 
@@ -325,16 +391,91 @@ def cmd_serve(args) -> int:
     try:
         import uvicorn
 
-        from .serve import create_app, model_name
+        from .serve import Served, create_app, log_line, model_name
     except ImportError as e:
         raise ValueError(f"tmac serve needs FastAPI and uvicorn ({e}); pip install fastapi uvicorn") from None
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    check_port_free(args.host, args.port)  # before loading: a busy port is said at once
+    if (warning := open_bind_warning(args.host, args.api_key)) is not None:
+        print(warning, file=sys.stderr)
     model, _ = _load(args)
-    name = model_name(model.source)
-    app = create_app(model, name, args.api_key, args.max_batch, args.max_queue)
-    print(f"tmac: serving {name} at http://{args.host}:{args.port}/v1 (OpenAI API; context {model.context} tokens, "
+    given = getattr(args, "model_name", None)
+    served = Served(args.alias or model_name(model.source), given, os.path.basename(model.source),
+                    model_name(model.source))
+    app = create_app(model, served, args.api_key, args.max_batch, args.max_queue, log=log_line)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=1)
+    server = _Server(config, app.state.shutdown)
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    print(f"tmac: serving {served.name} at http://{host}:{args.port}/v1 (OpenAI API; context {model.context} tokens, "
           f"up to {args.max_batch} requests at once{', API key required' if args.api_key else ''}); Ctrl-C stops",
           file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    server.run()
     return 0
+
+
+class _Server:
+    """uvicorn's server, stopping as a container expects: the first SIGINT or SIGTERM ends every running
+    generation at once (a stream gets its last chunk, finish reason ``abort``), closes the connections within a
+    second and exits 0; a second exits at once."""
+
+    def __init__(self, config, shutdown):
+        import uvicorn
+
+        outer = self
+
+        class Server(uvicorn.Server):
+            def handle_exit(self, sig, frame):
+                outer.stop(self, sig)
+
+        self.server, self.shutdown, self.stopping = Server(config), shutdown, False
+
+    def stop(self, server, sig) -> None:
+        if self.stopping:
+            print("tmac serve: stopped", file=sys.stderr, flush=True)
+            os._exit(130 if sig == signal.SIGINT else 143)
+        self.stopping = True
+        print("tmac serve: shutting down", file=sys.stderr, flush=True)
+        self.shutdown()
+        server.should_exit = True
+
+    def run(self) -> None:
+        self.server.run()
+
+
+def open_bind_warning(host: str, api_key: str | None) -> str | None:
+    """What to say when the server listens beyond this machine with no key."""
+    if _loopback(host) or api_key:
+        return None
+    return (f"tmac serve: warning: listening on {host} without --api-key: anyone who can reach this machine can use "
+            f"the model")
+
+
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_port_free(host: str, port: int) -> None:
+    """``ValueError`` where ``host:port`` cannot be listened on (taken, or no such address)."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host}: {e.strerror}") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(address)
+        except OSError as e:
+            raise ValueError(f"cannot listen on {host}:{port}: {e.strerror} (another server there? --port N picks "
+                             f"another)") from None

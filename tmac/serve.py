@@ -1,12 +1,15 @@
 """``tmac serve``: an OpenAI-compatible HTTP API over one model (FastAPI on uvicorn), its generations batched
 continuously (``tmac.models.batching``).
 
-``POST /v1/chat/completions`` (the model's chat template), ``POST /v1/completions``, ``GET /v1/models`` and
-``GET /health``; streamed as server-sent events ending ``data: [DONE]``, or whole. Bad requests get a 4xx with an
-OpenAI-style error body; a full queue 503 with ``Retry-After``; with an API key, a request without
-``Authorization: Bearer KEY`` 401. Sampling: ``temperature``, ``top_p``, ``seed``, ``stop``, ``presence_penalty``
-and ``frequency_penalty``, and llama.cpp's server's ``top_k``, ``repeat_penalty`` and ``repeat_last_n``. Imported
-only by the CLI: ``import tmac`` imports neither FastAPI nor TVM.
+``POST /v1/chat/completions`` (the model's chat template), ``POST /v1/completions``, ``GET /v1/models``, and
+llama.cpp's server's ``/health``, ``/props``, ``/metrics`` (Prometheus), ``/tokenize``, ``/detokenize``; streamed
+as server-sent events ending ``data: [DONE]``, or whole. Sampling: every ``SamplingParams`` option by its name or
+alias (OpenAI's fields, llama.cpp's ``top_k``, ``min_p``, ``repeat_penalty`` …), its defaults where a field is
+absent. A field that does not change the answer and is not served (``store``, ``metadata``, ``tools`` …) is
+ignored, said once in the log; one that would (``n`` > 1, a JSON ``response_format``) is a 400. Bad requests get a
+4xx with an OpenAI-style error body; a full queue 503 with ``Retry-After``; with an API key, a request without
+``Authorization: Bearer KEY`` 401. One line is logged a request. Imported only by the CLI: ``import tmac``
+imports neither FastAPI nor TVM.
 """
 
 from __future__ import annotations
@@ -19,65 +22,24 @@ import secrets
 import sys
 import time
 import uuid
-from typing import Literal, Union
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from .models.batching import Batcher, Busy
 from .models.batching import Request as Generation
+from .models.sampling import ALIASES, OPTIONS, SamplingError, SamplingParams
 from .models.text import check_prompt_size
 
 MAX_STOPS = 4  # as OpenAI's API
 SWITCH_INTERVAL = 0.0005  # seconds: the interpreter's, while a server runs
-TYPE_TAGS = {"int", "float", "str", "bool", "dict", "list", "literal"}  # pydantic's union branches in a location
-Number = Union[StrictInt, StrictFloat]
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    model: StrictStr
-    max_tokens: StrictInt | None = None
-    temperature: Number = 1.0
-    top_p: Number = 1.0
-    n: StrictInt = 1
-    stop: StrictStr | list[StrictStr] | None = None
-    seed: StrictInt | None = None
-    stream: StrictBool = False
-    stream_options: dict | None = None
-    user: StrictStr | None = None
-    presence_penalty: Number = 0.0
-    frequency_penalty: Number = 0.0
-    # llama.cpp's server's sampling extensions (the openai client sends them in ``extra_body``)
-    top_k: StrictInt = 0
-    repeat_penalty: Number = 1.0
-    repeat_last_n: StrictInt = 64
-
-
-class CompletionBody(_Body):
-    prompt: StrictStr | list[StrictStr]
-    max_tokens: StrictInt | None = 16  # OpenAI's default for completions
-
-
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    type: Literal["text"]
-    text: StrictStr
-
-
-class Message(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    role: Literal["system", "developer", "user", "assistant"]
-    content: StrictStr | list[TextPart]
-    name: StrictStr | None = None
-
-
-class ChatBody(_Body):
-    messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: StrictInt | None = None
+MAX_TOP_LOGPROBS = {"chat": 20, "completions": 5}  # OpenAI's bounds
+# fields a request may carry that do not change the answer tmac gives (the rest of the body is read below)
+IGNORED = {"store", "metadata", "service_tier", "parallel_tool_calls", "user", "suffix", "cache_prompt",
+           "modalities", "prediction", "reasoning_effort", "tools", "tool_choice", "functions", "function_call",
+           "web_search_options", "safety_identifier", "prompt_cache_key", "verbosity", "best_of", "id_slot",
+           "audio", "stream_options", "timings_per_token", "return_tokens"}
+ROLES = ("system", "developer", "user", "assistant")
 
 
 class APIError(Exception):
@@ -93,9 +55,33 @@ def _error(status: int, message: str, kind: str, code=None, param=None, headers=
                         headers=headers)
 
 
-def create_app(model, model_name: str, api_key: str | None = None, max_batch: int = 4, max_queue: int = 16) -> FastAPI:
-    """The API over ``model`` (a loaded tmac model with its tokenizer), answering to ``model_name``."""
+def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def log_line(text: str) -> None:
+    print(f"{time.strftime('%H:%M:%S')} {text}", file=sys.stderr, flush=True)
+
+
+class Served:
+    """What the API calls the model: ``name`` (``--alias``, else the file's stem), and the other names a request
+    may give for it (what it was started with, the file's name). Any name is answered, as llama.cpp's server does
+    with its one model; the answers carry ``name``."""
+
+    def __init__(self, name: str, *others: str):
+        self.name = name
+        self.names = list(dict.fromkeys(n for n in (name, *others) if n))
+
+
+def create_app(model, model_name: str | Served, api_key: str | None = None, max_batch: int = 4,
+               max_queue: int = 16, log=log_line) -> FastAPI:
+    """The API over ``model`` (a loaded tmac model with its tokenizer), answering to ``model_name``; ``log``: where
+    the per-request lines and notices go (None: nowhere)."""
+    served = model_name if isinstance(model_name, Served) else Served(model_name)
     batcher = Batcher(model, max_batch, max_queue)
+    log = log or (lambda text: None)
+    counters = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0, "errors": 0}
+    said: set[str] = set()
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -114,17 +100,16 @@ def create_app(model, model_name: str, api_key: str | None = None, max_batch: in
     app.state.batcher = batcher
     created = int(time.time())
 
+    def ignore(fields) -> None:
+        new = sorted(set(fields) - said)
+        if new:
+            said.update(new)
+            log(f"ignoring request field{'s' if len(new) > 1 else ''} {', '.join(new)}: not served, and the "
+                f"answer does not depend on {'them' if len(new) > 1 else 'it'} (said once)")
+
     @app.exception_handler(APIError)
     async def _api_error(request, e: APIError):
         return _error(e.status, e.message, e.kind, e.code, e.param, e.headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request, e: RequestValidationError):
-        first = e.errors()[0] if e.errors() else {}
-        where = ".".join(str(x) for x in first.get("loc", ())[1:] if str(x) not in TYPE_TAGS
-                         and not str(x).startswith(("list[", "function-"))) or None
-        return _error(400, f"{where or 'body'}: {first.get('msg', 'invalid request')}", "invalid_request_error",
-                      param=where)
 
     @app.exception_handler(404)
     async def _not_found(request, e):
@@ -136,124 +121,349 @@ def create_app(model, model_name: str, api_key: str | None = None, max_batch: in
 
     if api_key is not None:
         app.add_middleware(_RequireKey, key=api_key)
+    app.add_middleware(_LogRequests, log=log)
+
+    @app.get("/")
+    async def root():
+        return {"name": "tmac", "model": served.name, "api": "/v1 (OpenAI)",
+                "endpoints": ["/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/props",
+                              "/metrics", "/tokenize", "/detokenize"]}
 
     @app.get("/health")
     async def health():
         return {"status": "ok", **batcher.load()}
 
+    @app.get("/props")
+    async def props():
+        return {"model": served.name, "model_names": served.names, "n_ctx": model.context,
+                "total_slots": batcher.max_batch, "max_queue": batcher.max_queue,
+                "default_generation_settings": {**SamplingParams().to_dict(), "n_ctx": model.context},
+                "chat_template": model.tokenizer.chat_template or "", "build_info": f"tmac {_version()}"}
+
+    @app.get("/metrics")
+    async def metrics():
+        load = batcher.load()
+        rows = [("requests_total", "counter", "requests answered", counters["requests"]),
+                ("request_errors_total", "counter", "requests that failed", counters["errors"]),
+                ("prompt_tokens_total", "counter", "prompt tokens of the requests", counters["prompt_tokens"]),
+                ("tokens_predicted_total", "counter", "tokens generated", counters["generated_tokens"]),
+                ("prompt_tokens_prefilled_total", "counter", "prompt tokens fed", load["prefilled"]),
+                ("prompt_tokens_reused_total", "counter", "prompt tokens found in kept caches", load["reused"]),
+                ("decode_steps_total", "counter", "batched decode steps", load["steps"]),
+                ("decode_tokens_total", "counter", "tokens the decode steps fed", load["stepped"]),
+                ("decode_seconds_total", "counter", "seconds in decode steps", load["step_seconds"]),
+                ("requests_processing", "gauge", "requests running or prefilling",
+                 load["running"] + load["prefilling"]),
+                ("requests_deferred", "gauge", "requests waiting", load["waiting"]),
+                ("slots", "gauge", "requests generated together at most", load["max_batch"])]
+        text = "".join(f"# HELP tmac_{n} {h}\n# TYPE tmac_{n} {t}\ntmac_{n} {v}\n" for n, t, h, v in rows)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body = await _json(request)
+        content = body.get("content")
+        if not isinstance(content, str):
+            raise bad("content: a string to tokenize is needed", "content")
+        check_prompt_size_or_400(model, len(content))
+        add_special = body.get("add_special", False)
+        if type(add_special) is not bool:
+            raise bad("add_special must be true or false", "add_special")
+        ids = model.tokenizer.encode(content, add_bos=add_special)
+        if body.get("with_pieces"):
+            return {"tokens": [{"id": i, "piece": model.tokenizer.decode([i])} for i in ids]}
+        return {"tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        body = await _json(request)
+        ids = body.get("tokens")
+        vocab = model.config.vocab_size
+        if not isinstance(ids, list) or not all(type(i) is int and 0 <= i < vocab for i in ids):
+            raise bad(f"tokens: a list of token ids in [0, {vocab}) is needed", "tokens")
+        return {"content": model.tokenizer.decode(ids)}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [_model_card(model_name, created)]}
+        return {"object": "list", "data": [_model_card(served.name, created)]}
 
-    @app.get("/v1/models/{name}")
+    @app.get("/v1/models/{name:path}")
     async def one_model(name: str):
-        _check_model(name, model_name)
-        return _model_card(model_name, created)
+        if name not in served.names:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {served.name!r}",
+                           code="model_not_found", param="model")
+        return _model_card(served.name, created)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionBody, request: Request):
-        prompt = body.prompt
-        if isinstance(prompt, list):
-            if len(prompt) != 1:
-                raise APIError(400, "prompt: one prompt per request (n = 1)", param="prompt")
+    async def completions(request: Request):
+        body = await _json(request)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
             prompt = prompt[0]
-        _check_model(body.model, model_name)
-        check_prompt_size_or_400(model, len(prompt))
-        ids = model.tokenizer.encode(prompt)
-        return await _generate(request, body, ids, body.max_tokens, chat=False)
+        if isinstance(prompt, list) and prompt and all(type(i) is int for i in prompt):
+            ids = prompt  # token ids, as OpenAI's API allows
+        elif isinstance(prompt, str):
+            check_prompt_size_or_400(model, len(prompt))
+            ids = model.tokenizer.encode(prompt)
+        elif isinstance(prompt, list):
+            raise bad("prompt: one prompt per request (n = 1)", "prompt")
+        else:
+            raise bad("prompt: a string (or a list of token ids) is needed", "prompt")
+        top = body.get("logprobs")
+        if top is not None and (type(top) is not int or not 0 <= top <= MAX_TOP_LOGPROBS["completions"]):
+            raise bad(f"logprobs must be an int in [0, {MAX_TOP_LOGPROBS['completions']}] or null", "logprobs")
+        echo = body.get("echo", False)
+        if type(echo) is not bool:
+            raise bad("echo must be true or false", "echo")
+        params = _params(body, {"prompt", "logprobs", "echo"}, top)
+        prefix = (prompt if isinstance(prompt, str) else model.tokenizer.decode(ids)) if echo else ""
+        return await _generate(request, body, ids, params, chat=False, prefix=prefix)
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatBody, request: Request):
-        _check_model(body.model, model_name)
-        messages = [{"role": "system" if m.role == "developer" else m.role,
-                     "content": m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)}
-                    for m in body.messages]
+    async def chat(request: Request):
+        body = await _json(request)
+        messages = _messages(body.get("messages"))
         check_prompt_size_or_400(model, sum(len(m["content"]) for m in messages))
         try:
             ids = model.tokenizer.encode(model.tokenizer.render_chat(messages))
         except ValueError as e:
-            raise APIError(400, str(e), param="messages") from None
-        limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        return await _generate(request, body, ids, limit, chat=True)
+            raise bad(str(e), "messages") from None
+        logprobs, top = body.get("logprobs", False), body.get("top_logprobs")
+        if logprobs is not None and type(logprobs) is not bool:
+            raise bad("logprobs must be true or false (top_logprobs says how many alternatives)", "logprobs")
+        if top is not None and (type(top) is not int or not 0 <= top <= MAX_TOP_LOGPROBS["chat"]):
+            raise bad(f"top_logprobs must be an int in [0, {MAX_TOP_LOGPROBS['chat']}]", "top_logprobs")
+        if top and not logprobs:
+            raise bad("top_logprobs needs logprobs: true", "top_logprobs")
+        if body.get("max_completion_tokens") is not None:
+            if body.get("max_tokens") is not None:
+                raise bad("give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
+            body = {**body, "max_tokens": body["max_completion_tokens"]}
+        _check_format(body)
+        params = _params(body, {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "response_format"},
+                         (top or 0) if logprobs else None)
+        return await _generate(request, body, ids, params, chat=True)
 
-    async def _generate(http: Request, body: _Body, ids: list[int], max_tokens: int | None, chat: bool):
-        if body.n != 1:
-            raise APIError(400, "n: only n = 1 is served", param="n")
-        stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
-        if not body.repeat_penalty > 0:  # (the sampler's own message names it repetition_penalty)
-            raise APIError(400, f"repeat_penalty must be > 0, got {body.repeat_penalty!r}", param="repeat_penalty")
-        if len(stop) > MAX_STOPS:
-            raise APIError(400, f"stop: at most {MAX_STOPS} strings", param="stop")
+    def _params(body: dict, read: set, logprobs: int | None) -> SamplingParams:
+        """The body's sampling options (by name or alias) as ``SamplingParams``; the fields nobody reads are
+        ignored (said once) or refused."""
+        options, unknown = {}, []
+        for key, value in body.items():
+            name = ALIASES.get(key, key)
+            if name in OPTIONS and name != "logprobs":
+                if value is not None or name in ("seed", "max_tokens"):
+                    options[key] = value
+            elif key not in read and key not in ("model", "stream", "n"):
+                unknown.append(key)
+        ignore(unknown)
+        n = body.get("n", 1)
+        if n is not None and n != 1:
+            raise bad("n: only n = 1 is served (send the request n times)", "n")
+        stop = options.get("stop")
+        if isinstance(stop, list) and len(stop) > MAX_STOPS:
+            raise bad(f"stop: at most {MAX_STOPS} strings", "stop")
+        if type(body.get("stream", False)) is not bool:
+            raise bad("stream must be true or false", "stream")
+        try:
+            params = SamplingParams.make(**options, logprobs=logprobs)
+        except SamplingError as e:
+            raise bad(str(e), e.option) from None
+        except TypeError as e:
+            raise bad(str(e)) from None
+        if params.max_tokens is not None and params.max_tokens < 1:
+            raise bad(f"max_tokens must be an int of at least 1, got {params.max_tokens}", "max_tokens")
+        return params
+
+    async def _generate(http: Request, body: dict, ids: list[int], params: SamplingParams, chat: bool,
+                        prefix: str = ""):
         if len(ids) >= model.context:
             raise APIError(400, f"the prompt ({len(ids)} tokens) leaves no room in the context of {model.context} "
                                 f"tokens", code="context_length_exceeded")
-        if max_tokens is None:
-            max_tokens = model.context - len(ids)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
-        def emit(piece: str, end: str | None) -> None:  # from the batching thread
+
+        def emit(piece: str, end: str | None, logprobs: list) -> None:  # from the batching thread
             try:
-                loop.call_soon_threadsafe(events.put_nowait, (piece, end))
+                loop.call_soon_threadsafe(events.put_nowait, (piece, end, logprobs))
             except RuntimeError:  # the event loop is gone (the server stopping): nobody reads this any more
                 generation.cancel()
 
-        generation = Generation(ids, max_tokens, emit, temperature=float(body.temperature), top_p=float(body.top_p),
-                                top_k=body.top_k, repetition_penalty=float(body.repeat_penalty),
-                                repeat_last_n=body.repeat_last_n, presence_penalty=float(body.presence_penalty),
-                                frequency_penalty=float(body.frequency_penalty), seed=body.seed, stop=tuple(stop))
+        generation = Generation(ids, params, emit)
         try:
             batcher.submit(generation)
         except Busy as e:
             raise APIError(503, f"the server is busy ({e}); try again shortly", "server_error", "busy",
                            headers={"Retry-After": "1"}) from None
+        except SamplingError as e:
+            raise bad(str(e), e.option) from None
         except (ValueError, TypeError) as e:
             code = "context_length_exceeded" if "context" in str(e) else None
             raise APIError(400, str(e), code=code) from None
+        except RuntimeError as e:  # closed: shutting down
+            raise APIError(503, str(e), "server_error", "shutting_down") from None
+        started = time.perf_counter()
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        meta = dict(id=ident, created=int(time.time()), model=model_name)
+        meta = dict(id=ident, created=int(time.time()), model=served.name)
         usage = lambda: {"prompt_tokens": len(ids), "completion_tokens": len(generation.ids),  # noqa: E731
                          "total_tokens": len(ids) + len(generation.ids),
                          "prompt_tokens_details": {"cached_tokens": generation.cached}}
-        if body.stream:
-            include_usage = bool((body.stream_options or {}).get("include_usage"))
-            return StreamingResponse(_stream(generation, events, meta, chat, usage, include_usage),
+        lp = _Logprobs(model.tokenizer, chat) if params.logprobs is not None else None
+        http.state.tmac = stats = {"prompt": len(ids), "cached": 0, "generated": 0, "started": started}
+        watcher = asyncio.ensure_future(_watch_disconnect(http, generation, events))
+
+        def account(finish):
+            stats.update(cached=generation.cached, generated=len(generation.ids), finish=finish)
+            counters["requests"] += 1
+            counters["prompt_tokens"] += len(ids)
+            counters["generated_tokens"] += len(generation.ids)
+            counters["errors"] += finish == "error"
+
+        if body.get("stream"):
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage")) \
+                if isinstance(body.get("stream_options"), dict) else False
+            return StreamingResponse(_stream(generation, events, meta, chat, usage, include_usage, lp, prefix,
+                                             account, watcher),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        text, finish = [], None
+        text, finish, entries = [prefix], None, []
         try:
             while finish is None:
-                try:
-                    piece, finish = await asyncio.wait_for(events.get(), timeout=1.0)
-                except asyncio.TimeoutError:
-                    if await http.is_disconnected():
-                        generation.cancel()
-                        return JSONResponse({}, 499)
-                    continue
+                event = await events.get()
+                if event is None:  # the client left
+                    return JSONResponse({}, 499)
+                piece, finish, logprobs = event
                 text.append(piece)
+                entries += logprobs
         finally:
+            watcher.cancel()
             if finish is None:
                 generation.cancel()
+            account(finish)
         if finish == "error":
-            raise APIError(500, "".join(text), "server_error")
+            raise APIError(500, "".join(text[1:]), "server_error")
         content = "".join(text)
+        choice = {"index": 0, "finish_reason": finish,
+                  "logprobs": lp.whole(entries, len(prefix)) if lp is not None else None}
         if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": finish}
+            choice["message"] = {"role": "assistant", "content": content}
         else:
-            choice = {"index": 0, "text": content, "finish_reason": finish, "logprobs": None}
+            choice["text"] = content
         return {**meta, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
                 "usage": usage()}
 
+    app.state.shutdown = batcher.shutdown
     return app
 
 
-async def _stream(generation, events: asyncio.Queue, meta: dict, chat: bool, usage, include_usage: bool):
+async def _json(request: Request) -> dict:
+    """The request's body as a JSON object, or a 400 in OpenAI's shape."""
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise bad(f"the body is not valid JSON ({str(e)[:120]})") from None
+    if not isinstance(body, dict):
+        raise bad("the body must be a JSON object")
+    return body
+
+
+def _messages(messages) -> list[dict]:
+    """The chat's messages as the template takes them: text content (a string, or its text parts), OpenAI's extra
+    keys (``refusal``, ``tool_calls``, ``name`` …) ignored."""
+    if not isinstance(messages, list) or not messages:
+        raise bad("messages: a non-empty list of messages is needed", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages.{i}"
+        if not isinstance(m, dict):
+            raise bad(f"{where}: a message is an object with role and content", where)
+        role, content = m.get("role"), m.get("content")
+        if role not in ROLES:
+            raise bad(f"{where}.role: {role!r:.40} is not one of {', '.join(ROLES)}", f"{where}.role")
+        if content is None:
+            content = ""
+        elif isinstance(content, list):
+            parts = []
+            for j, p in enumerate(content):
+                if not isinstance(p, dict) or p.get("type") not in ("text", "input_text") or \
+                        not isinstance(p.get("text"), str):
+                    kind = p.get("type") if isinstance(p, dict) else type(p).__name__
+                    raise bad(f"{where}.content.{j}: only text parts are served, got {kind!r:.40}",
+                              f"{where}.content")
+                parts.append(p["text"])
+            content = "".join(parts)
+        elif not isinstance(content, str):
+            raise bad(f"{where}.content: a string or a list of text parts is needed", f"{where}.content")
+        out.append({"role": "system" if role == "developer" else role, "content": content})
+    return out
+
+
+def _check_format(body: dict) -> None:
+    """Refuse what would change the answer and is not served: a JSON response format, a required tool call."""
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise bad("response_format: only {\"type\": \"text\"} is served (no constrained JSON output)",
+                  "response_format")
+    choice = body.get("tool_choice")
+    if choice not in (None, "none", "auto"):
+        raise bad("tool_choice: tools are not called by this server (only \"none\" or \"auto\", which answer in "
+                  "text)", "tool_choice")
+
+
+async def _watch_disconnect(http: Request, generation, events: asyncio.Queue) -> None:
+    """Cancel ``generation`` when its client hangs up (the body is read: the next message is the disconnect)."""
+    with contextlib.suppress(Exception):
+        while True:
+            message = await http.receive()
+            if message["type"] == "http.disconnect":
+                generation.cancel()
+                events.put_nowait(None)
+                return
+
+
+class _Logprobs:
+    """Token log-probabilities in OpenAI's shapes: chat's ``content`` list, completions' parallel arrays."""
+
+    def __init__(self, tokenizer, chat: bool):
+        self.tokenizer, self.chat = tokenizer, chat
+
+    def _piece(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
+    def _entry(self, token: int, logprob: float) -> dict:
+        piece = self._piece(token)
+        return {"token": piece, "logprob": logprob, "bytes": list(piece.encode("utf-8", "surrogatepass"))}
+
+    def chunk(self, entries: list) -> dict | None:
+        if not entries:
+            return None
+        if self.chat:
+            return {"content": [{**self._entry(e.token, e.logprob),
+                                 "top_logprobs": [self._entry(t, v) for t, v in e.top]} for e in entries]}
+        return self.whole(entries, 0)
+
+    def whole(self, entries: list, offset: int) -> dict:
+        if self.chat:
+            return self.chunk(entries) or {"content": []}
+        tokens = [self._piece(e.token) for e in entries]
+        offsets, at = [], offset
+        for t in tokens:
+            offsets.append(at)
+            at += len(t)
+        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{self._piece(t): v for t, v in e.top} for e in entries], "text_offset": offsets}
+
+
+async def _stream(generation, events: asyncio.Queue, meta: dict, chat: bool, usage, include_usage: bool, lp,
+                  prefix: str, account, watcher):
     kind = "chat.completion.chunk" if chat else "text_completion"
 
-    def chunk(piece: str | None, finish: str | None, first: bool = False) -> str:
+    def chunk(piece: str | None, finish: str | None, entries=(), first: bool = False) -> str:
+        logprobs = lp.chunk(list(entries)) if lp is not None else None
         if chat:
             delta = ({"role": "assistant"} if first else {}) | ({"content": piece} if piece else {})
-            choice = {"index": 0, "delta": delta, "finish_reason": finish}
+            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
         else:
-            choice = {"index": 0, "text": piece or "", "finish_reason": finish, "logprobs": None}
+            choice = {"index": 0, "text": piece or "", "finish_reason": finish, "logprobs": logprobs}
         body = {**meta, "object": kind, "choices": [choice]}
         if include_usage:
             body["usage"] = None
@@ -263,34 +473,44 @@ async def _stream(generation, events: asyncio.Queue, meta: dict, chat: bool, usa
     try:
         if chat:
             yield chunk("", None, first=True)
+        elif prefix:
+            yield chunk(prefix, None)
         while finish is None:
-            piece, finish = await events.get()
+            event = await events.get()
+            if event is None:  # the client left
+                return
+            piece, finish, entries = event
             if finish == "error":
                 yield f"data: {json.dumps({'error': {'message': piece, 'type': 'server_error'}})}\n\n"
                 break
-            if piece or finish:
-                yield chunk(piece, finish)
+            if piece or finish or entries:
+                yield chunk(piece, finish, entries)
         if include_usage and finish != "error":
             yield f"data: {json.dumps({**meta, 'object': kind, 'choices': [], 'usage': usage()})}\n\n"
         yield "data: [DONE]\n\n"
     finally:  # a client gone mid-stream: its sequence leaves the batch at the next step
+        watcher.cancel()
         if finish is None:
             generation.cancel()
+        account(finish)
 
 
 class _RequireKey:
-    """401 for a ``/v1/`` request without ``Authorization: Bearer KEY``. A plain ASGI middleware: Starlette's
-    ``BaseHTTPMiddleware`` passes every streamed piece through a task of its own, Python work that holds the GIL the
-    batching thread needs (docs/decisions.md, "The API key is checked by a plain ASGI middleware")."""
+    """401 for a request without ``Authorization: Bearer KEY`` (all but ``/`` and ``/health``, which monitors ask
+    without one). A plain ASGI middleware: Starlette's ``BaseHTTPMiddleware`` passes every streamed piece through a
+    task of its own, Python work that holds the GIL the batching thread needs (docs/decisions.md, "The API key is
+    checked by a plain ASGI middleware")."""
+
+    OPEN = ("/", "/health")
 
     def __init__(self, app, key: str):
         self.app, self.key = app, key.encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+        if scope["type"] == "http" and scope["path"] not in self.OPEN:
             given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
             scheme, _, token = given.partition(b" ")
-            if scheme.lower() != b"bearer" or not secrets.compare_digest(token, self.key):
+            if scheme.lower() != b"bearer" or not secrets.compare_digest(token.strip(), self.key):
                 response = _error(401, "a valid API key is needed: Authorization: Bearer KEY",
                                   "invalid_request_error", "invalid_api_key")
                 await response(scope, receive, send)
@@ -298,14 +518,51 @@ class _RequireKey:
         await self.app(scope, receive, send)
 
 
+class _LogRequests:
+    """One line a request once its answer is sent, as llama.cpp's server logs: method, path, status, and for a
+    generation its prompt (cached) and generated tokens and speed."""
+
+    def __init__(self, app, log):
+        self.app, self.log = app, log
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = [0]
+        started = time.perf_counter()
+
+        async def sending(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            line = f"{scope['method']} {scope['path']} {status[0] or '-'}"
+            stats = scope.get("state", {}).get("tmac")
+            if stats:
+                seconds = time.perf_counter() - stats["started"]
+                rate = stats["generated"] / seconds if seconds > 0 else 0.0
+                line += (f" | prompt {stats['prompt']} tokens ({stats['cached']} cached) | generated "
+                         f"{stats['generated']} in {seconds:.2f} s ({rate:.1f} tok/s)"
+                         + (f" | {stats['finish']}" if stats.get("finish") else " | client left"))
+            else:
+                line += f" | {(time.perf_counter() - started) * 1e3:.1f} ms"
+            self.log(line)
+
+
 def _model_card(name: str, created: int) -> dict:
     return {"id": name, "object": "model", "created": created, "owned_by": "tmac"}
 
 
-def _check_model(name: str, served: str) -> None:
-    if name != served:
-        raise APIError(404, f"the model {name!r} does not exist; this server serves {served!r}", code="model_not_found",
-                       param="model")
+def _version() -> str:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("tmac")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def check_prompt_size_or_400(model, chars: int) -> None:
@@ -319,3 +576,4 @@ def model_name(path: str) -> str:
     """What the API calls a model: its file name without the extension, or its directory's name."""
     base = os.path.basename(os.path.normpath(path))
     return base.removesuffix(".gguf").removesuffix(".tmac") or base
+
