@@ -1,4 +1,5 @@
-"""Models by name: a Hugging Face repo id (``ORG/NAME``, or ``ORG/NAME:FILE.gguf`` for one GGUF of a repo) resolved to
+"""Models by name: a Hugging Face repo id (``ORG/NAME``, ``ORG/NAME:FILE.gguf`` for one GGUF of a repo, or
+``ORG/NAME:Q4_K_M`` for its GGUF of that quantization, as ollama and llama.cpp's ``-hf`` take it) resolved to
 a local path through ``huggingface_hub``'s cache — downloaded once, with its progress bars, then found offline
 (``HF_HUB_OFFLINE=1`` never touches the network).
 
@@ -20,10 +21,15 @@ PREFERRED_GGUF = ("Q4_K_M", "Q4_0", "Q8_0")  # the first a repo has, when no fil
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
 
 
+_QUANT_TAG = re.compile(r"^[A-Za-z0-9_]{1,32}$")  # ORG/NAME:Q4_K_M, ollama's and llama.cpp -hf's form
+
+
 def is_repo_id(source: str) -> bool:
-    """Whether ``source`` names a Hugging Face repo (``ORG/NAME[:FILE]``) rather than a local path."""
+    """Whether ``source`` names a Hugging Face repo (``ORG/NAME[:FILE.gguf or :QUANT]``) rather than a local
+    path."""
     repo, _, file = source.partition(":")
-    return bool(_REPO_ID.match(repo)) and ".." not in repo and (not file or file.endswith(".gguf"))
+    return bool(_REPO_ID.match(repo)) and ".." not in repo and \
+        (not file or file.endswith(".gguf") or bool(_QUANT_TAG.match(file)))
 
 
 def offline() -> bool:
@@ -64,7 +70,17 @@ def _fetch(source: str, refresh: bool) -> str:
     except Exception as e:  # huggingface_hub's own errors: not cached offline, no such repo, no network
         if isinstance(e, (FileNotFoundError, ValueError)) and not type(e).__module__.startswith("huggingface_hub"):
             raise
-        raise FileNotFoundError(_explain(source, e)) from None
+        if refresh and isinstance(e, HubUnreachable) and cached(source):  # pull, offline: what the cache has
+            raise CachedOnly(source, _resolve(source, False), str(e)) from e
+        raise FileNotFoundError(_explain(source, e)) from e
+
+
+class CachedOnly(Exception):
+    """``pull`` could not reach the hub, and the cache has the repo: ``path`` is what it has."""
+
+    def __init__(self, source: str, path: str, why: str):
+        super().__init__(why)
+        self.source, self.path, self.why = source, path, why
 
 
 def _resolve(source: str, refresh: bool) -> str:
@@ -72,9 +88,11 @@ def _resolve(source: str, refresh: bool) -> str:
     local = offline() or not refresh and _cached_snapshot(repo) is not None
     if not local:
         _check_reachable()
-    if file:
+    if file.endswith(".gguf"):
         return _download(repo, file, local)
     files = _repo_files(repo, local)
+    if file:
+        return _download(repo, _gguf_of_quant(source, files, file), local)
     if "config.json" in files:
         return _snapshot(repo, DIRECTORY_FILES, local)
     ggufs = sorted(f for f in files if f.endswith(".gguf"))
@@ -85,6 +103,34 @@ def _resolve(source: str, refresh: bool) -> str:
         raise ValueError(f"{source} holds {len(ggufs)} GGUF files; name one as {repo}:FILE — "
                          + ", ".join(ggufs[:12]) + (" …" if len(ggufs) > 12 else ""))
     return _download(repo, chosen, local)
+
+
+def _gguf_of_quant(source: str, files: list[str], quant: str) -> str:
+    """The repo's GGUF of quantization ``quant`` (``Q4_K_M``: a file whose name has it, any case, as a word)."""
+    ggufs = sorted(f for f in files if f.endswith(".gguf"))
+    pattern = re.compile(rf"(^|[^A-Za-z0-9]){re.escape(quant)}([^A-Za-z0-9]|$)", re.IGNORECASE)
+    hits = [f for f in ggufs if pattern.search(os.path.basename(f).removesuffix(".gguf"))]
+    hits = [f for f in hits if not re.search(r"-0000[2-9]-of-|-000[1-9][0-9]-of-", f)]  # (a split file: its first)
+    if len(hits) == 1:
+        return hits[0]
+    if not hits:
+        raise FileNotFoundError(f"{source}: the repo has no {quant} GGUF; it has "
+                                + (", ".join(quants(ggufs)) or "no GGUF files"))
+    raise ValueError(f"{source}: {len(hits)} GGUF files are {quant}; name one as {source.partition(':')[0]}:FILE — "
+                     + ", ".join(hits[:12]))
+
+
+def quants(ggufs: list[str]) -> list[str]:
+    """The quantizations a repo's GGUF names say (``Q4_K_M``, ``IQ2_XXS``, ``F16`` …), for a message."""
+    found = (re.search(r"((?:IQ|Q|TQ)\d[A-Z0-9_]*|BF16|F16|F32)$", os.path.basename(f).removesuffix(".gguf"),
+                       re.IGNORECASE) for f in ggufs)
+    return list(dict.fromkeys(m.group(1).upper() for m in found if m)) or [os.path.basename(f) for f in ggufs]
+
+
+def cached(source: str) -> str | None:
+    """The commit of the cached snapshot of ``source``'s repo, where the cache has one."""
+    snapshot = _cached_snapshot(source.partition(":")[0])
+    return os.path.basename(snapshot) if snapshot else None
 
 
 def _choose_gguf(ggufs: list[str]) -> str | None:
@@ -150,7 +196,8 @@ def _explain(source: str, e: Exception) -> str:
     name, why = type(e).__name__, f"no such local file or directory {source}; as a Hugging Face repo id: "
     if name in ("LocalEntryNotFoundError", "OfflineModeIsEnabled", "HubUnreachable") or offline():
         return why + (f"it is not in the Hugging Face cache ({_cache_dir() or 'the default one'})"
-                      + (" and HF_HUB_OFFLINE is set" if offline() else " and the hub cannot be reached")
+                      + (" and HF_HUB_OFFLINE is set" if offline() else
+                         f" and the hub cannot be reached ({str(e) or name})")
                       + f": fetch it where there is a network with `tmac pull {source}`")
     if name in ("RepositoryNotFoundError", "GatedRepoError"):
         return why + "no such repo, or it needs a login (hf auth login)"

@@ -29,12 +29,12 @@ class SamplingError(ValueError):
 
 
 def _option(default, help: str, kind: str, low=None, high=None, low_open: bool = False, aliases=(), flags=(),
-            cli: bool = True):
+            cli: bool = True, shown: str | None = None):
     """A field of ``SamplingParams``: ``kind`` is int, float, seed, stops, bias or bool; ``low``/``high`` its bounds
     (``low_open``: the low one excluded); ``aliases`` other keyword names users bring (Hugging Face's, llama.cpp's);
-    ``flags`` the command line's short or extra spellings."""
+    ``flags`` the command line's short or extra spellings; ``shown``: the default in words (else its value)."""
     meta = dict(help=help, kind=kind, low=low, high=high, low_open=low_open, aliases=tuple(aliases),
-                flags=tuple(flags), cli=cli)
+                flags=tuple(flags), cli=cli, shown=shown if shown is not None else str(default))
     if isinstance(default, (list, dict, tuple)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -46,31 +46,31 @@ class SamplingParams:
     every value is checked here, and a bad one raises ``SamplingError`` naming the option."""
 
     max_tokens: int | None = _option(
-        None, "tokens to generate at most (default: until an end-of-generation token or the context is full)",
-        "int", low=0, aliases=("max_new_tokens", "n_predict"), flags=("-n", "--n-predict", "--max-new-tokens"))
-    temperature: float = _option(0.8, "randomness; 0 = greedy, always the likeliest token (default: 0.8)", "float",
-                                 low=0.0, flags=("--temp",))
-    top_k: int = _option(40, "sample from the k likeliest tokens; 0 = all (default: 40)", "int", low=0)
-    top_p: float = _option(0.95, "sample from the likeliest tokens whose probabilities add up to p; 1 = all "
-                                 "(default: 0.95)", "float", low=0.0, high=1.0, low_open=True)
-    min_p: float = _option(0.05, "drop tokens less likely than min_p times the likeliest's probability; 0 = off "
-                                 "(default: 0.05)", "float", low=0.0, high=1.0)
-    repeat_penalty: float = _option(1.0, "divide the logits of tokens among the last repeat_last_n by this "
-                                         "(llama.cpp's; 1 = off, the default)", "float", low=0.0, low_open=True,
-                                    aliases=("repetition_penalty",))
-    repeat_last_n: int = _option(64, "tokens the repeat penalty looks back over (default: 64)", "int", low=0)
-    presence_penalty: float = _option(0.0, "subtract this from the logit of every token already in the answer "
-                                           "(OpenAI's; default: 0)", "float", low=-2.0, high=2.0)
+        None, "tokens to generate at most", "int", low=0, aliases=("max_new_tokens", "n_predict"),
+        flags=("-n", "--n-predict", "--max-new-tokens"), shown="until an end-of-generation token or the context ends")
+    temperature: float = _option(0.8, "randomness; 0: greedy, always the likeliest token", "float", low=0.0,
+                                 flags=("--temp",))
+    top_k: int = _option(40, "sample from the k likeliest tokens; 0: all", "int", low=0)
+    top_p: float = _option(0.95, "sample from the likeliest tokens whose probabilities add up to p; 1: all", "float",
+                           low=0.0, high=1.0, low_open=True)
+    min_p: float = _option(0.05, "drop tokens less likely than min_p times the likeliest; 0: off", "float", low=0.0,
+                           high=1.0)
+    repeat_penalty: float = _option(1.0, "divide the logits of the last repeat_last_n tokens by this (llama.cpp's); "
+                                         "1: off", "float", low=0.0, low_open=True, aliases=("repetition_penalty",))
+    repeat_last_n: int = _option(64, "tokens the repeat penalty looks back over", "int", low=0)
+    presence_penalty: float = _option(0.0, "subtract this from the logit of each token in the answer (OpenAI's)",
+                                      "float", low=-2.0, high=2.0)
     frequency_penalty: float = _option(0.0, "subtract this times its count in the answer from a token's logit "
-                                            "(OpenAI's; default: 0)", "float", low=-2.0, high=2.0)
-    seed: int | None = _option(None, "random seed: the same seed, prompt and options give the same answer "
-                                     "(default: a random one)", "seed", low=0, high=2 ** 63 - 1)
-    stop: tuple[str, ...] = _option((), "stop before this text (repeatable)", "stops")
-    logit_bias: dict[int, float] = _option({}, "add BIAS to token ID's logit, as ID=BIAS (repeatable; -100 bans "
-                                               "it)", "bias", low=-100.0, high=100.0)
-    ignore_eos: bool = _option(False, "generate past the end-of-generation token (for benchmarks)", "bool")
-    logprobs: int | None = _option(None, "also report each token's log-probability and this many likeliest "
-                                         "alternatives' (0-20)", "int", low=0, high=20, cli=False)
+                                            "(OpenAI's)", "float", low=-2.0, high=2.0)
+    seed: int | None = _option(None, "the same seed, prompt and options give the same answer", "seed", low=0,
+                               high=2 ** 63 - 1, shown="a random one")
+    stop: tuple[str, ...] = _option((), "stop before this text (repeatable)", "stops", shown="none")
+    logit_bias: dict[int, float] = _option({}, "add BIAS to token ID's logit, as ID=BIAS (repeatable; -100 bans it)",
+                                           "bias", low=-100.0, high=100.0, shown="none")
+    ignore_eos: bool = _option(False, "generate past the end-of-generation token (for benchmarks)", "bool",
+                               shown="off")
+    logprobs: int | None = _option(None, "also report each token's log-probability and the n likeliest "
+                                         "alternatives'", "int", low=0, high=20, cli=False, shown="off")
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -119,6 +119,13 @@ def canonical_names(options: dict) -> dict:
 
 def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def described(name: str) -> str:
+    """Option ``name``'s help with its default and bounds, for ``--help``."""
+    meta = OPTIONS[name].metadata
+    bounds = f"; {_bounds(meta)}" if meta["low"] is not None and meta["kind"] in ("int", "float") else ""
+    return f"{meta['help']}{bounds} (default: {meta['shown']})"
 
 
 def _bounds(meta) -> str:

@@ -83,9 +83,9 @@ def test_run_default_model_json():
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     for key in ("text", "prompt_ids", "generated_ids", "prompt_tokens_per_s", "gen_tokens_per_s", "load_s",
-                "peak_rss_mb"):
+                "peak_rss_mib"):
         assert key in out
-    assert 1 <= len(out["generated_ids"]) <= 6 and out["prompt_tokens_per_s"] > 0 and out["peak_rss_mb"] > 0
+    assert 1 <= len(out["generated_ids"]) <= 6 and out["prompt_tokens_per_s"] > 0 and out["peak_rss_mib"] > 0
     assert out["prompt_ids"][:2] == [1, 9690]  # <|im_start|>system: the chat template was applied
     raw = tmac("run", "--prompt", "What is 2+2?", "-n", "2", "--json", "--no-chat")
     raw_ids = json.loads(raw.stdout)["prompt_ids"]

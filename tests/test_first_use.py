@@ -57,7 +57,7 @@ def test_run_and_chat_help_name_every_model_source_and_the_defaults(command, cap
     from tmac.models.sampling import OPTIONS
 
     for phrase in ("GGUF file", "Hugging Face directory", ".tmac file", "ORG/NAME", "(default: float16)",
-                   "0 = greedy", "(default: 0.8)", "(default: 40)", "(default: 0.95)", "(default: 0.05)",
+                   "0: greedy", "(default: 0.8)", "(default: 40)", "(default: 0.95)", "(default: 0.05)",
                    "-n N, --max-tokens N", "--repetition-penalty", "-m MODEL", "-c CONTEXT"):
         assert phrase in text
     for name, f in OPTIONS.items():  # every option, by its own name

@@ -42,7 +42,7 @@ def hub(tmp_path, monkeypatch):
 
 
 def _run_json(capsys, *args) -> dict:
-    assert cli.main(["run", *args, "-n", "6", "--json"]) == 0
+    assert cli.main(["run", *args, "-n", "6", "--json", "--temperature", "0"]) == 0
     return json.loads(capsys.readouterr().out)
 
 
@@ -50,6 +50,7 @@ def test_repo_ids_and_paths_are_told_apart(tmp_path):
     assert is_repo_id("HuggingFaceTB/SmolLM2-135M-Instruct") and is_repo_id("org/repo:sub/model-Q4_K_M.gguf")
     assert not is_repo_id("model.gguf") and not is_repo_id("/abs/path") and not is_repo_id("a/b/c")
     assert not is_repo_id("org/repo:weights.bin")  # only GGUFs are named inside a repo
+    assert is_repo_id("org/repo:Q4_K_M") and not is_repo_id("org/repo:Q4 K")
     assert resolve(str(tmp_path)) == str(tmp_path)  # an existing path is itself
 
 
@@ -93,3 +94,36 @@ def test_a_repo_not_in_the_cache_offline_says_how_to_get_it(hub, capsys):
     assert "tmac pull acme/absent" in err and "unexpected" not in err
     with pytest.raises(FileNotFoundError, match="no such local file or directory acme/absent"):
         tmac.load_model("acme/absent")
+
+
+def test_a_quantization_tag_picks_that_gguf_and_the_run_says_which(hub, capsys):
+    files = {f"m-{q}.gguf": b"GGUF" for q in ("Q2_K", "Q4_K_M", "Q4_K_S", "IQ2_XXS")}
+    files["m-Q8_0.gguf"] = smollm2_path()
+    snapshot = _lay_out(hub, "acme/many", files)
+    assert resolve("acme/many:Q4_K_S") == os.path.join(snapshot, "m-Q4_K_S.gguf")
+    assert resolve("acme/many:q4_k_m") == os.path.join(snapshot, "m-Q4_K_M.gguf")  # any case
+    with pytest.raises(FileNotFoundError, match="no Q5_K_M GGUF; it has IQ2_XXS, Q2_K, Q4_K_M, Q4_K_S, Q8_0"):
+        resolve("acme/many:Q5_K_M")
+    got = _run_json(capsys, "acme/many:Q8_0", "-p", "Hi")
+    assert got["generated_ids"] == _run_json(capsys, smollm2_path(), "-p", "Hi")["generated_ids"]
+    capsys.readouterr()
+    assert cli.main(["run", "-m", "acme/many:Q8_0", "-p", "Hi", "-n", "1"]) == 0
+    assert f"acme/many:Q8_0: m-Q8_0.gguf (snapshot {COMMIT[:12]})" in capsys.readouterr().err
+
+
+def test_pull_without_the_hub_says_what_the_cache_has(hub, monkeypatch, capsys):
+    from tmac.models import hub as hub_module
+
+    _lay_out(hub, "acme/SmolLM2-GGUF", {"SmolLM2-135M-Instruct.Q4_1.gguf": smollm2_path()})
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+
+    def unreachable(timeout=5.0):
+        raise hub_module.HubUnreachable("huggingface.co: [Errno -3] Temporary failure in name resolution")
+
+    monkeypatch.setattr(hub_module, "_check_reachable", unreachable)
+    assert cli.main(["pull", "acme/SmolLM2-GGUF"]) == 0
+    out = capsys.readouterr().out
+    assert f"acme/SmolLM2-GGUF is in the cache: SmolLM2-135M-Instruct.Q4_1.gguf (snapshot {COMMIT[:12]})" in out
+    assert "name resolution" in out and "tmac pull" not in out
+    assert cli.main(["pull", "acme/absent"]) == 1  # not cached: the network's error is said
+    assert "name resolution" in capsys.readouterr().err

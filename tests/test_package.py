@@ -114,7 +114,7 @@ def test_readme_tables_are_made_from_the_format_table_and_the_isa_descriptions()
     for name in TABLES:
         assert f"<!-- table: {name} -->" in text, name
     assert render(text) == text, "README tables are stale: run python -m tmac.doc_tables README.md"
-    assert len(text.encode()) <= 12 * 1024, len(text.encode())
+    assert len(text.encode()) <= 16 * 1024, len(text.encode())
     for doc in ("design.md", "performance.md", "decisions.md", "llama-cpp.md"):
         assert os.path.isfile(os.path.join(root, "docs", doc)), doc
     numbered = re.compile(r"\bsessions? \d+|\brun \d+'s\b", re.I)

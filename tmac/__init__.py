@@ -39,6 +39,7 @@ _LAZY = {
     "load_model": "tmac.models.load",
     "perplexity": "tmac.models.perplexity",
     "Session": "tmac.models.generate",
+    "SamplingParams": "tmac.models.sampling",
 }
 
 

@@ -379,6 +379,20 @@ def _llama_cpp_candidate(path, threads, prompt, gen_tokens) -> _Candidate:
     return _Candidate("llama.cpp (same file)", path, run, gguf_streamed_bytes(path), info, close=close)
 
 
+# what each extra column of the tables means, printed under a table that has it
+COLUMNS = {
+    "model MiB": "the weights' bytes in memory",
+    "x fp16": "those bytes over a float16 copy's (0.28: 28 % of float16's)",
+    "peak RSS MiB": "the process's peak resident memory for one generation, importing torch included",
+    "GB/s": "weight bytes decode reads a second (bytes a token x tok/s)",
+    "probe GB/s": "this machine's read bandwidth, measured by a plain streaming read beside every run",
+    "% DRAM": "GB/s as a share of probe GB/s (100: decode is as fast as the weights can be read)",
+    "ceiling tok/s": "the decode speed probe GB/s allows (probe GB/s / bytes a token)",
+    "prefill tok/s": "prompt tokens a second",
+    "% probe": "the kernel's weight bytes a second as a share of a plain read of as many cold bytes",
+}
+
+
 def table(rows: list[Row], unit: str, baseline: str) -> str:
     """Rows as an aligned text table, with each candidate's ratio to ``baseline`` at the same shape/threads."""
     base = {(r.what, r.threads): r.value for r in rows if r.candidate == baseline}
@@ -396,7 +410,9 @@ def table(rows: list[Row], unit: str, baseline: str) -> str:
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     out = ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines]
     out.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(out)
+    legend = [f"  {k}: {COLUMNS[k]}" for k in keys if k in COLUMNS]
+    return "\n".join(out + (["", f"vs {baseline}: the ratio to {baseline}'s {unit} in the same run; columns:"]
+                             + legend if legend else []))
 
 
 def _figure(v: float) -> str:

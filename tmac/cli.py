@@ -47,10 +47,16 @@ def main(argv: list[str] | None = None) -> int:
             from .models.hub import resolve
 
             args.model_name, args.model = args.model, resolve(args.model)
+            if args.model != args.model_name:  # a repo id: say which file it gave
+                print(f"tmac: {args.model_name}: {_shown_path(args.model)}", file=sys.stderr)
         return args.func(args) or 0
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader of our output left (| head): quietly, as other tools do
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # (so that the interpreter's last flush does not complain)
+        return 141
     except Exception as e:  # one clear line for a person; the traceback only on request
         if args.debug:
             raise
@@ -94,9 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
 
     pull = sub.add_parser("pull", parents=[common], help="download a model from the Hugging Face hub into its cache")
-    pull.add_argument("model", nargs="?", default=None, metavar="ORG/NAME[:FILE.gguf]",
+    pull.add_argument("model", nargs="?", default=None, metavar="ORG/NAME[:QUANT or :FILE.gguf]",
                       help="a repo id: its GGUF (Q4_K_M where it has several), or its Hugging Face directory's "
-                           "config, safetensors and tokenizer; :FILE.gguf names one GGUF")
+                           "config, safetensors and tokenizer; :Q4_K_M picks that quantization, :FILE.gguf one file")
     pull.set_defaults(func=cmd_pull)
 
     info = sub.add_parser("info", parents=[common], help="CPU features, kernel ISA, threads, versions, kernel cache")
@@ -151,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--cold", action="store_true", help="kernels: stream the weights from DRAM (1 GiB of copies, as in "
                                                        "a model) instead of one cache-resident matrix")
     b.add_argument("--bits", default=None, help="comma-separated bit widths, for models also 'own': the file's own "
-                                                "quantization (default: kernels 1,2,3,4; models own,2)")
+                                                "quantization (default: kernels 1,2,3,4; models own)")
     b.add_argument("--head-bits", type=cli_generate.head_bits_arg, help="with --bits: " + cli_generate.HEAD_BITS_HELP)
     b.add_argument("--threads", default="1,2", help="comma-separated thread counts (default 1,2)")
     b.add_argument("--prompt-tokens", type=int, default=64)
@@ -211,15 +217,33 @@ def cmd_info(args) -> int:
     return 0
 
 
+def _shown_path(path: str) -> str:
+    """A hub cache path as a person reads it: the file, and the snapshot's commit."""
+    parts = os.path.normpath(path).split(os.sep)
+    if "snapshots" in parts:
+        at = parts.index("snapshots")
+        if at + 1 < len(parts):
+            inner = "/".join(parts[at + 2:]) or "(the whole snapshot)"
+            return f"{inner} (snapshot {parts[at + 1][:12]})"
+    return path
+
+
 def cmd_pull(args) -> int:
-    from .models.hub import is_repo_id, pull
+    from .models.hub import CachedOnly, is_repo_id, pull
 
     if args.model is None:
         raise ValueError("name the repo: tmac pull ORG/NAME[:QUANT or FILE.gguf]")
     if not is_repo_id(args.model):
-        raise ValueError(f"{args.model!r} is not a Hugging Face repo id (ORG/NAME, or ORG/NAME:FILE.gguf)")
-    path = pull(args.model)
-    print(f"{args.model}: {path}\nrun it: tmac run {args.model} -p \"Hello\"")
+        raise ValueError(f"{args.model!r} is not a Hugging Face repo id (ORG/NAME, ORG/NAME:QUANT or ORG/NAME:FILE.gguf)")
+    try:
+        path = pull(args.model)
+    except CachedOnly as e:
+        if args.debug:
+            raise
+        print(f"{args.model} is in the cache: {_shown_path(e.path)} — {e.path}\n(the hub cannot be reached: "
+              f"{e.why}; it was not checked for a newer version)\nrun it: tmac run {args.model} -p \"Hello\"")
+        return 0
+    print(f"{args.model}: {_shown_path(path)} — {path}\nrun it: tmac run {args.model} -p \"Hello\"")
     return 0
 
 
@@ -399,7 +423,7 @@ def cmd_tune(args) -> int:
     rows = []
     for i, (fmt, k) in enumerate(work, 1):
         defaults = spec_for_format(fmt, k, isa, unroll=0)  # a tiling argument: the defaults, not earlier tuning
-        with Progress(f"[{i}/{len(work)}] tuning {fmt.name} K={k}", tuning.kernels_timed(defaults), None) as bar:
+        with Progress(f"[{i}/{len(work)}] tuning {fmt.name} K={k}", tuning.kernels_timed(defaults), True) as bar:
             best, measured = tuning.tune(fmt, k, isa, progress=bar)
         # the last time of each tiling: the default's and the winner's then come from the same pass
         gemv = {(t["block_rows"], t["unroll"], t["k_chunk"]): sec for t, sec in measured["gemv"]}
@@ -441,19 +465,19 @@ def cmd_bench(args) -> int:
                 raise ValueError(f"--shape {text}: K={k} must be a multiple of {K_MULTIPLE}")
         bits = _int_list(args.bits or "1,2,3,4", "--bits", BITS)
         total = len(shapes) * len(threads) * (len(bits) + 3)
-        with Progress("benchmarking kernels", total, None) as bar:
+        with Progress("benchmarking kernels", total, True) as bar:
             rows = bench.kernel_bench(shapes, bits, threads, notes, bar, args.cold)
         unit, baseline, ylabel = "ms", "torch fp32", "ms per GEMV (lower is better)"
     else:
         if args.cold:
             raise ValueError("--cold is for kernel benchmarks: give --shape")
         bits = list(dict.fromkeys(None if b == "own" else _int_list(b, "--bits", BITS)[0]
-                                  for b in (args.bits or "own,2").split(",")))
+                                  for b in (args.bits or "own").split(",")))
         for n, name, least in ((args.prompt_tokens, "--prompt-tokens", 8), (args.gen_tokens, "--gen-tokens", 8),
                                (args.rounds, "--rounds", 1)):
             if n < least:
                 raise ValueError(f"{name} must be >= {least}, got {n}")
-        with Progress("benchmarking generation", len(bits) * len(threads) + len(threads), None) as bar:
+        with Progress("benchmarking generation", len(bits) * len(threads) + len(threads), True) as bar:
             variants = [(b, args.head_bits if b else None) for b in bits]
             rows = bench.e2e_bench(args.model, variants, threads, notes, args.prompt_tokens, args.gen_tokens,
                                    not args.no_peer, bar, profiles, args.rounds)

@@ -55,7 +55,7 @@ def add_parsers(sub, common) -> None:
 
 
 MODEL_HELP = ("a GGUF file, a Hugging Face directory, a .tmac file (tmac convert), or a Hugging Face repo id "
-              "(ORG/NAME, or ORG/NAME:FILE.gguf for one GGUF of a repo; downloaded once into the Hugging Face "
+              "(ORG/NAME; ORG/NAME:Q4_K_M for its GGUF of that quantization, ORG/NAME:FILE.gguf for one file; downloaded once into the Hugging Face "
               "cache, see tmac pull) (default: SmolLM2-135M-Instruct Q4_1)")
 HEAD_BITS_HELP = (f"the output head: {', '.join(map(str, BITS))} bits, or float (default: the file's own; with --bits, "
                   "8 bits in Q8_0's layout)")
@@ -90,7 +90,7 @@ def _model_args(p) -> None:
 def add_sampling_args(p) -> None:
     """A flag per ``SamplingParams`` option, named after it (``--top-k``) with its aliases and llama.cpp's spellings
     (``-n``, ``--temp``, ``--repetition-penalty``), its default and help from its field."""
-    from .models.sampling import OPTIONS
+    from .models.sampling import OPTIONS, described
 
     group = p.add_argument_group("sampling (the defaults are llama.cpp's; --temperature 0 is greedy)")
     for name, f in OPTIONS.items():
@@ -102,15 +102,15 @@ def add_sampling_args(p) -> None:
         flags = sorted(dict.fromkeys(flags), key=lambda f: f.startswith("--"))  # (short ones first, as argparse's)
         kind = meta["kind"]
         if kind == "bool":
-            group.add_argument(*flags, dest=name, action="store_true", default=None, help=meta["help"])
+            group.add_argument(*flags, dest=name, action="store_true", default=None, help=described(name))
         elif kind == "stops":
-            group.add_argument(*flags, dest=name, action="append", default=None, metavar="TEXT", help=meta["help"])
+            group.add_argument(*flags, dest=name, action="append", default=None, metavar="TEXT", help=described(name))
         elif kind == "bias":
             group.add_argument(*flags, dest=name, action="append", default=None, metavar="ID=BIAS",
-                               type=_bias_arg, help=meta["help"])
+                               type=_bias_arg, help=described(name))
         else:
             group.add_argument(*flags, dest=name, type=float if kind == "float" else int, default=None,
-                               metavar="N", help=meta["help"])
+                               metavar="N", help=described(name))
 
 
 def _bias_arg(text: str) -> tuple[int, float]:
@@ -162,7 +162,52 @@ def _load(args):
                                 context=args.context, kv_dtype=args.kv_dtype)
     if model.tokenizer is None:
         raise ValueError(f"{model.source}: the model has no tokenizer (tokenizer.json), so it cannot take text")
+    print(f"tmac: {precision_line(model, args.bits)}", file=sys.stderr)
     return model, time.perf_counter() - t0
+
+
+def precision_line(model, bits: int | None) -> str:
+    """What precision runs, in one line, and what to add where it is likely not what the user wants: float weights
+    (slow), a quantized file requantized (lossy), 2 bits or fewer on a model not made for them (nonsense)."""
+    from .float_linear import FloatLinear
+    from .linear import Linear
+
+    kinds = set()
+    for layer in model.layers:
+        for m in layer.modules():
+            if isinstance(m, Linear):
+                kinds.add("ternary" if m.format.ternary else f"{m.format.bits}-bit")
+            elif isinstance(m, FloatLinear):
+                kinds.add(str(m.weight.dtype).removeprefix("torch."))
+    what = "/".join(sorted(kinds))
+    if all(k.startswith(("float", "bfloat")) for k in kinds):
+        return (f"running the float weights as they are ({what}): slow; --bits 4 quantizes them (about 8x "
+                f"faster decode, a little quality lost)")
+    source = _file_quantization(model.source)
+    if bits is None:
+        return f"running the file's {source} weights exactly" if source else f"running {what} weights"
+    line = f"running weights requantized to {bits} bits"
+    if source:
+        line += f" from the file's {source}: quality drops (tmac perplexity shows how much); without --bits the " \
+                f"file's own weights run exactly"
+    if bits <= 2 and model.config.arch != "bitnet":
+        line += f"; {bits} bits suit only models trained for them (BitNet b1.58, 2-bit GPTQ): expect nonsense text"
+    return line
+
+
+def _file_quantization(path: str) -> str | None:
+    """A GGUF's projections' quantization (``Q4_1``; a mix: its types), None for float weights or another file."""
+    from .models.gguf_file import GGUFFile
+
+    if not str(path).endswith(".gguf"):
+        return None
+    try:
+        tensors = GGUFFile(path).tensors
+    except Exception:  # (it loaded: anything odd here only loses the note)
+        return None
+    types = sorted({t.type_name for name, t in tensors.items() if name.startswith("blk.") and len(t.shape) == 2})
+    quantized = [t for t in types if t not in ("F32", "F16", "BF16")]
+    return "+".join(quantized) or None
 
 
 def _prompt_ids(model, args, messages: list[dict]) -> list[int]:
@@ -235,7 +280,7 @@ def _stats(session, load_s: float) -> dict:
             "prompt_tokens_per_s": s["prefill_tokens"] / s["prefill_s"] if s["prefill_s"] else 0.0,
             "generated_tokens": s["generated_tokens"],
             "gen_tokens_per_s": s["decode_steps"] / s["decode_s"] if s["decode_steps"] else 0.0,
-            "load_s": load_s, "setup_s": s["setup_s"], "peak_rss_mb": peak_rss_mib(),
+            "load_s": load_s, "setup_s": s["setup_s"], "peak_rss_mib": peak_rss_mib(),
             "stop_reason": s["stop_reason"]}
 
 
@@ -243,7 +288,7 @@ def _stats_line(st: dict) -> str:
     return (f"prompt: {st['prompt_tokens']} tokens ({st['prefill_tokens']} prefilled) at "
             f"{st['prompt_tokens_per_s']:.1f} tok/s | generated: {st['generated_tokens']} tokens at "
             f"{st['gen_tokens_per_s']:.1f} tok/s | load {st['load_s']:.2f} s, setup {st['setup_s']:.2f} s | "
-            f"peak RSS {st['peak_rss_mb']:.0f} MB")
+            f"peak RSS {st['peak_rss_mib']:.0f} MiB")
 
 
 def read_prompt(args) -> str:
@@ -298,7 +343,9 @@ def cmd_convert(args) -> int:
         return 0
     mib = {k: v / 2**20 for k, v in done["bytes"].items()}
     rows = [("source", getattr(args, "model_name", args.model)), ("output", args.output),
-            ("quantized layers", f"{done['quantized_layers']} ({', '.join(done['formats']) or 'none'})"),
+            ("quantized layers", f"{done['quantized_layers']} ({', '.join(done['formats']) or 'none'})" +
+             ("; the weights stay float (slow to run): --bits 4 quantizes them" if not done["quantized_layers"]
+              else "")),
             ("file size", f"{done['file_bytes'] / 2**20:.1f} MiB (source {done['source_bytes'] / 2**20:.1f} MiB): "
                           + ", ".join(f"{k} {v:.1f}" + (" (the head's, shared)" if k == "token table" and
                                                        done["table_from_head"] else "") for k, v in mib.items())),

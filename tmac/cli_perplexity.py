@@ -46,7 +46,7 @@ def cmd_perplexity(args) -> int:
     need = None if args.windows is None else args.windows * args.context
     with Progress("tokenizing", -(-len(text) // PIECE_CHARS), None if len(text) > 4 * PIECE_CHARS else False) as bar:
         ids = tokenize(model.tokenizer, text, need, bar)
-    with Progress("scoring", args.windows or max(1, len(ids) // args.context)) as bar:
+    with Progress("scoring", args.windows or max(1, len(ids) // args.context), True) as bar:
         result = perplexity(model, ids, args.context, args.windows, bar)
     seconds = time.perf_counter() - t0
     described = {"model": model.source, "bits": args.bits or "own", "text": args.text or DEFAULT_TEXT_NAME,

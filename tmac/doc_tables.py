@@ -41,7 +41,21 @@ def families_table() -> str:
     return model_table()
 
 
-TABLES = {"formats": formats_table, "isas": isas_table, "families": families_table}
+def sampling_table() -> str:
+    """The sampling options as ``SamplingParams`` writes them: flag, Python and API name, default, what it does."""
+    from tmac.models.sampling import OPTIONS, _bounds
+
+    rows = ["| `tmac run` flag | Python, API | default | does |", "|---|---|---|---|"]
+    for name, f in OPTIONS.items():
+        meta = f.metadata
+        flag = f"`--{name.replace('_', '-')}`" + "".join(f", `{x}`" for x in meta["flags"] if not x.startswith("--"))
+        names = ", ".join(f"`{n}`" for n in (name, *meta["aliases"]))
+        bounds = f"; {_bounds(meta)}" if meta["low"] is not None and meta["kind"] in ("int", "float") else ""
+        rows.append(f"| {flag if meta['cli'] else '—'} | {names} | {meta['shown']} | {meta['help']}{bounds} |")
+    return "\n".join(rows)
+
+
+TABLES = {"formats": formats_table, "isas": isas_table, "families": families_table, "sampling": sampling_table}
 
 
 def render(text: str) -> str:

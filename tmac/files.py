@@ -184,11 +184,26 @@ def check_room(directory: str, need: int) -> None:
                                           f"({free / 2**20:.1f} MiB free, {need >> 20} MiB needed)")
 
 
+def umask() -> int:
+    """This process's umask, read without changing it (Linux's /proc; elsewhere set and restored at once)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def write_atomically(path: str, write, kind: str, *, suffix: str = "", mode: int | None = None,
                      needed: int | None = None):
     """Make ``path`` whole or not at all: ``write(tmp)`` fills a temporary file of this process's, created
     exclusively in ``path``'s directory (a link or directory planted at a predictable name is never followed or in
-    the way), which then replaces ``path`` (with permissions ``mode`` where given); a failed write leaves nothing,
+    the way), which then replaces ``path`` (with permissions ``mode``, by default those any new file gets: 0666
+    less the umask, not the temporary's 0600); a failed write leaves nothing,
     and a full disk or file-size limit is said in words (``needed``: the bytes it would have taken). Temporaries of
     ``kind`` that processes no longer running left there are removed first. Returns what ``write`` returned."""
     import tempfile
@@ -202,8 +217,7 @@ def write_atomically(path: str, write, kind: str, *, suffix: str = "", mode: int
             result = write(tmp)
         except Exception as e:  # (a tool's or a library's own words for a full disk among them)
             raise (disk_problem(path, e, needed) or e) from None
-        if mode is not None:
-            os.chmod(tmp, mode)
+        os.chmod(tmp, 0o666 & ~umask() if mode is None else mode)
         os.replace(tmp, path)
         return result
     finally:

@@ -78,7 +78,7 @@ class Linear(nn.Module):
     ``from_float``/``from_quantized`` or ``load_state_dict``.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, bits: int = 2,
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, bits: int = 4,
                  group_size: int | str = 128, symmetric: bool = False, *, isa: str | None = None,
                  kernel_dir: str | None = None):
         super().__init__()
