@@ -80,18 +80,18 @@ def prompt_ids(tokenizer, messages: list[dict], context: int, chat: bool | None 
     return tokenizer.encode(tokenizer.render_chat(messages))
 
 
-def fit_conversation(tokenizer, messages: list[dict], context: int, max_new_tokens: int, chat: bool | None = None,
+def fit_conversation(tokenizer, messages: list[dict], context: int, room: int, chat: bool | None = None,
                      system: str | None = None) -> tuple[list[int], int]:
-    """The prompt ids of ``messages`` with room for ``max_new_tokens`` in ``context``, dropping the oldest exchanges
+    """The prompt ids of ``messages`` with room for ``room`` new tokens in ``context``, dropping the oldest exchanges
     (a user message and its answer) until they fit, as llama.cpp and ollama do; and how many were dropped.
     ``messages`` loses them too; ``system`` is added to the rendering each time, never dropped."""
     dropped = 0
     while True:
         ids = prompt_ids(tokenizer, messages, context, chat, system)
-        if len(ids) + max_new_tokens <= context:
+        if len(ids) + room <= context:
             return ids, dropped
         if len(messages) <= 1:
-            raise ValueError(f"this message ({len(ids)} tokens with the template) + max_new_tokens "
-                             f"({max_new_tokens}) exceed the context of {context} tokens")
+            raise ValueError(f"this message ({len(ids)} tokens with the template) and room for {room} new tokens "
+                             f"exceed the context of {context} tokens")
         del messages[:2]
         dropped += 1

@@ -120,7 +120,7 @@ def load_model_file(path: str) -> Transformer:
                     layer = ActivationQuantized(inner)
                 elif isinstance(kind, str) and kind.startswith("concat:") and kind[7:].isdigit() \
                         and 1 <= int(kind[7:]) <= MAX_CONCAT:
-                    layer = Concat([FloatLinear(1, 1, bias=False) for _ in range(int(kind[7:]))])
+                    layer = Concat(_concat_parts(cfg, name, int(kind[7:])))
                 else:
                     raise ValueError(f"unknown wrapper {kind!r} at {name}")
                 setattr(model.get_submodule(parent), child, layer)
@@ -147,6 +147,19 @@ def load_model_file(path: str) -> Transformer:
     model.tokenizer = tokenizer
     model.source = path
     return model
+
+
+def _concat_parts(cfg: LlamaConfig, name: str, count: int) -> list[nn.Module]:
+    """Placeholders for the ``count`` parts of fused projection ``name`` (``layers.3.attention.wqkv``), shaped as
+    the config says each is (q, k, v; gate, up): a part the file stores quantized replaces its placeholder with a
+    layer of the file's own type, whose rows are checked against it (a Q4_K q beside a Q6_K v)."""
+    layer, _, fused = name.partition(".")[2].partition(".")
+    parts = PROJECTIONS.get(fused)
+    if not name.startswith("layers.") or parts is None or count != len(parts):
+        raise ValueError(f"concat:{count} at {name}: not a fused projection of {len(parts or ())} parts")
+    shapes = [expected_shape(cfg, f"layers.{layer}.{p}") for p in parts]
+    bias = cfg.qkv_bias and fused == "attention.wqkv"
+    return [FloatLinear(k, m, bias=bias) for m, k in shapes]
 
 
 # every projection module → the unfused weights whose rows it stacks

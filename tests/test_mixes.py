@@ -66,3 +66,23 @@ def test_every_isa_this_cpu_runs_meets_the_same_bounds(ftype, isa):
     exact = llama_logits(path, REFERENCE["prompt"])
     want = np.array(REFERENCE["files"][ftype]["logits"], np.float64)
     assert _relative(got.numpy().astype(np.float64), exact) <= 2.5 * _relative(want, exact)
+
+
+@pytest.mark.parametrize("ftype", REFERENCE["files"])
+def test_every_ftype_round_trips_through_tmac_convert(ftype, tmp_path):
+    """A converted file runs what its GGUF runs: the same logits and greedy tokens, for the mixes too (a fused q|k|v
+    whose parts have different types: Q4_K q and k beside a Q6_K v)."""
+    from tmac.models.convert import convert
+
+    path = os.path.join(DATA, "mixes", f"{ftype}.gguf")
+    out = str(tmp_path / f"{ftype}.tmac")
+    convert(path, out, progress=False)
+    runs = []
+    for source in (path, out):
+        model = tmac.load_model(source, kv_dtype="float32", progress=False)
+        session = tmac.Session(model)
+        runs.append((session.logits(REFERENCE["prompt"]),
+                     session.generate(REFERENCE["prompt"], max_tokens=12, temperature=0, ignore_eos=True)))
+    (gguf_logits, gguf_ids), (tmac_logits, tmac_ids) = runs
+    assert tmac_ids == gguf_ids
+    assert float((tmac_logits - gguf_logits).abs().max()) <= 1e-5 * float(gguf_logits.abs().max())

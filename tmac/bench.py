@@ -221,16 +221,16 @@ def _tmac_candidate(path, bits, head_bits, prompt, gen_tokens) -> _Candidate:
     session = Session(model)
 
     def run():
-        session.generate(prompt, max_new_tokens=2, ignore_eos=True, temperature=0)  # warm-up: kernels, plans, thread pools
+        session.generate(prompt, max_tokens=2, ignore_eos=True, temperature=0)  # warm-up: kernels, plans, thread pools
         session.cached_ids = []  # prefill the whole prompt
-        session.generate(prompt, max_new_tokens=gen_tokens, ignore_eos=True, temperature=0)
+        session.generate(prompt, max_tokens=gen_tokens, ignore_eos=True, temperature=0)
         s = session.stats
         # decode steps, not tokens (the first comes from the prefill), and the set-up (the plan's key check) with them
         return s["prefill_tokens"] / s["prefill_s"], s["decode_steps"] / (s["setup_s"] + s["decode_s"])
 
     head = _head_label(model.output) if bits is not None or head_bits is not None else ""
     label = "tmac " + ("file's own" if bits is None else f"W{bits}") + head
-    session.generate(prompt[:8], max_new_tokens=2, ignore_eos=True, temperature=0)  # kernels compile here, before the child
+    session.generate(prompt[:8], max_tokens=2, ignore_eos=True, temperature=0)  # kernels compile here, before the child
     # measures its peak: compiling there would count TVM (a cold cache added 70-150 MiB to every candidate)
     info = {"model MiB": size / 2**20, "x fp16": size / fp16_size,
             "peak RSS MiB": _process_peak_rss_mib(path, bits, head_bits, prompt, gen_tokens)}
@@ -265,7 +265,7 @@ def report_peak_rss(request: str) -> None:
     path, bits, head_bits, prompt, gen_tokens = json.loads(request)
     model = load_for_generation(path, bits=bits, head_bits=head_bits, context=len(prompt) + gen_tokens + 8,
                                 progress=False)
-    Session(model).generate(prompt, max_new_tokens=gen_tokens, ignore_eos=True, temperature=0)
+    Session(model).generate(prompt, max_tokens=gen_tokens, ignore_eos=True, temperature=0)
     print(peak_rss_mib())
 
 
