@@ -91,12 +91,12 @@ def _projection(module: nn.Module, x: torch.Tensor, out: torch.Tensor, tables: d
     return calls
 
 
-def glue_spec(cfg, act_quant: bool, isa, kv_dtype: str = "float16", table=None) -> GlueSpec:
+def glue_spec(cfg, act_quant: bool, isa, kv_dtype: str = "float16", table=None, held: bool = False) -> GlueSpec:
     """The glue kernels a model of config ``cfg`` (with int8 activations in front of some projections with
     ``act_quant``) decodes with on ``isa``, with a KV cache of ``kv_dtype`` and the token table module ``table`` (a
-    quantized one gets its lookup compiled)."""
+    quantized one gets its lookup compiled; ``held``: a file's table as a ``.tmac`` file holds it)."""
     embed = {}
-    if isinstance(table, StreamedEmbedding):  # its own blocks, where the glue reads their type
+    if isinstance(table, StreamedEmbedding) and not held:  # its own blocks, where the glue reads their type
         embed = dict(embed_blocks=table.blocks_type) if table.blocks_type in EMBED_BLOCKS[1:] else {}
     elif isinstance(table, Embedding):
         fmt = table.format

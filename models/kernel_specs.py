@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+from tmac.embedding import StreamedEmbedding
 from tmac.glue import KV_BLOCK, KV_DTYPES
 from tmac.linear import Linear, respec
 
@@ -25,7 +26,10 @@ def model_kernel_specs(path: str, isa, *, bits: int | None = None, group_size: i
     specs = [respec(m.format, m.spec, isa, m.out_features) if converted else m.spec for m in linears]
     if specs:  # the decode plan runs the glue once projections are LUT layers
         act_quant = any(isinstance(m, ActivationQuantized) for m in model.modules())
-        specs += [glue_spec(model.config, act_quant, isa, kv, model.tok_embeddings) for kv in KV_DTYPES]
+        # a GGUF's table: read from its blocks, and held as its packed copy (models/packed_cache.py) holds it
+        helds = (False, True) if isinstance(model.tok_embeddings, StreamedEmbedding) else (False,)
+        specs += [glue_spec(model.config, act_quant, isa, kv, model.tok_embeddings, held) for kv in KV_DTYPES
+                  for held in helds]
     return list(dict.fromkeys(specs))
 
 

@@ -366,6 +366,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = cfg
         self.tokenizer = None  # set by the loader
+        self.packed_copy = None  # the packed copy of a GGUF it was mapped from or written to (models/packed_cache.py)
         self.cache_owner = None  # a weak reference to the Sequence that holds this model's own cache (models/sequence.py)
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))

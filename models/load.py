@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -28,6 +29,7 @@ from tmac.quantize import quantize_weight
 from tmac.qweight import QuantizedWeight, RowCodes, stack_rows
 from tmac.runtime import get_num_threads
 
+from . import packed_cache
 from .arch import ARCHITECTURES, FUSED
 from .bitnet import ActivationQuantized
 from .hub import resolve
@@ -51,7 +53,7 @@ def default_model_path() -> str:
 def load_model(source: str | os.PathLike | None = None, *, bits: int | None = None, group_size: int | None = None,
                symmetric: bool = False, head_bits: int | str | None = None, context: int | None = None,
                kv_dtype: str = "float16", isa: str | None = None, kernel_dir: str | None = None,
-               progress: bool | None = None) -> Transformer:
+               progress: bool | None = None, packed_copy: bool = True) -> Transformer:
     """Load a model for generation.
 
     ``source``: a GGUF file, a Hugging Face directory, a ``.tmac`` file, or a Hugging Face repo id (``ORG/NAME``,
@@ -69,15 +71,52 @@ def load_model(source: str | os.PathLike | None = None, *, bits: int | None = No
     16-bit as a 16-bit file stores it).
     ``context``: KV cache positions (default: the model's, at most 4096); ``kv_dtype``: the cache's,
     ``"float16"`` (as llama.cpp; half the bytes attention reads per token) or ``"float32"``.
+    ``packed_copy``: a GGUF's first load writes its packed model to the cache, later loads map that copy
+    (``tmac.models.packed_cache``; ``model.packed_copy`` is its path, None where none was used or written).
     """
     _check_arguments(bits, head_bits, group_size, context, kv_dtype)  # before the load, not after it
     path = resolve(os.fspath(source)) if source is not None else default_model_path()
     if os.path.isfile(path) and is_tmac_file(path):
         if bits is not None or head_bits is not None or group_size is not None:
             raise ValueError(f"{path} is already converted (pre-packed); bits/group_size/head_bits do not apply")
-        model = gather_packed(load_model_file(path))
-        model.setup_cache(min(model.config.context_length, DEFAULT_CONTEXT) if context is None else context, kv_dtype)
-        return model.eval()
+        return _mapped(path, context, kv_dtype)
+    key = None
+    if packed_copy and isa is None and kernel_dir is None and packed_cache.enabled() and _is_gguf(path):
+        key, copy = packed_cache.lookup(path, dict(bits=bits, group_size=group_size, symmetric=symmetric,
+                                                   head_bits=head_bits))
+        if copy is not None:
+            try:
+                model = _mapped(copy, context, kv_dtype)
+            except Exception as e:  # damaged, or written by something else: rebuilt from the source
+                warnings.warn(f"the packed copy of {path} ({copy}) cannot be used ({e}); packing it again")
+                packed_cache.remove(key)
+            else:
+                packed_cache.touch(key)
+                model.source, model.packed_copy = path, copy
+                return model
+    model = _from_source(path, bits, group_size, symmetric, head_bits, context, kv_dtype, isa, kernel_dir, progress)
+    copy = packed_cache.store(key, path, model) if key is not None else None
+    if copy is None:
+        return model
+    # the run goes on from the copy, as the next ones will: the same kernels (a held token table's glue, not the
+    # GGUF blocks' one) compiled once, and the same numbers
+    del model
+    release_freed_memory()
+    model = _mapped(copy, context, kv_dtype)
+    model.source, model.packed_copy = path, copy
+    return model
+
+
+def _mapped(path: str, context: int | None, kv_dtype: str) -> Transformer:
+    """A ``.tmac`` file's model, its cache set up."""
+    model = gather_packed(load_model_file(path))
+    model.setup_cache(min(model.config.context_length, DEFAULT_CONTEXT) if context is None else context, kv_dtype)
+    return model.eval()
+
+
+def _from_source(path, bits, group_size, symmetric, head_bits, context, kv_dtype, isa, kernel_dir,
+                 progress) -> Transformer:
+    """A model decoded and packed from its source file or directory."""
     src = open_source(path)
     cfg = src.config
     if context is None:

@@ -54,6 +54,8 @@ def _kernel_cache(tmp_path_factory):
     else:
         os.environ["TMAC_CACHE_DIR"] = str(tmp_path_factory.mktemp("tmac-cache"))
     os.environ.pop("TMAC_KERNEL_DIR", None)
+    # the suite loads each file as it is; tests/test_packed_cache.py turns the packed copies on where it checks them
+    os.environ["TMAC_MODEL_CACHE"] = "0"
     yield
 
 

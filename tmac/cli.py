@@ -49,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
             args.model_name, args.model = args.model, resolve(args.model)
             if args.model != args.model_name:  # a repo id: say which file it gave
                 print(f"tmac: {args.model_name}: {_shown_path(args.model)}", file=sys.stderr)
+            if not os.path.exists(args.model):  # (before torch is imported: said at once)
+                raise FileNotFoundError(f"no such model file or directory: {args.model}")
         return args.func(args) or 0
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
@@ -104,6 +106,14 @@ def build_parser() -> argparse.ArgumentParser:
                       help="a repo id: its GGUF (Q4_K_M where it has several), or its Hugging Face directory's "
                            "config, safetensors and tokenizer; :Q4_K_M picks that quantization, :FILE.gguf one file")
     pull.set_defaults(func=cmd_pull)
+
+    cache = sub.add_parser("cache", parents=[common], help="the packed copies of GGUF files and the kernels tmac "
+                                                             "keeps: list them, or clear them")
+    cache.add_argument("action", nargs="?", choices=("list", "clear"), default="list")
+    cache.add_argument("--models", action="store_true", help="clear: only the packed model copies")
+    cache.add_argument("--kernels", action="store_true", help="clear: only the compiled kernels")
+    cache.add_argument("--json", action="store_true", help="list: one JSON object instead of the table")
+    cache.set_defaults(func=cmd_cache)
 
     info = sub.add_parser("info", parents=[common], help="CPU features, kernel ISA, threads, versions, kernel cache")
     info.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
@@ -226,6 +236,70 @@ def _shown_path(path: str) -> str:
             inner = "/".join(parts[at + 2:]) or "(the whole snapshot)"
             return f"{inner} (snapshot {parts[at + 1][:12]})"
     return path
+
+
+def cmd_cache(args) -> int:
+    import shutil
+
+    from .models import packed_cache
+
+    root = os.path.dirname(packed_cache.directory())
+    kernel_dirs = sorted(os.path.join(root, d) for d in _listdir(root) if d.startswith("tvm-"))
+    copies = packed_cache.entries()
+    if args.action == "clear":
+        both = not args.models and not args.kernels
+        gone = packed_cache.clear() if args.models or both else []
+        if args.kernels or both:
+            for d in kernel_dirs:
+                shutil.rmtree(d, ignore_errors=True)
+        print(f"removed {len(gone)} packed model cop{'y' if len(gone) == 1 else 'ies'} "
+              f"({sum(e['bytes'] for e in gone) / 2**20:.1f} MiB)"
+              + (f" and {len(kernel_dirs)} kernel cache director{'y' if len(kernel_dirs) == 1 else 'ies'}"
+                 if args.kernels or both else ""))
+        return 0
+    kernels = [(d, *_tree_size(d)) for d in kernel_dirs]
+    if args.json:
+        print(json.dumps({"models": copies, "model_directory": packed_cache.directory(),
+                          "limit_bytes": packed_cache.limit_bytes(),
+                          "kernels": [{"path": d, "files": n, "bytes": b} for d, n, b in kernels]}))
+        return 0
+    print(f"packed model copies in {packed_cache.directory()} (at most {packed_cache.limit_bytes() / 2**30:.1f} GiB, "
+          f"TMAC_MODEL_CACHE_GB; the least recently used go first):")
+    if copies:
+        _print_table([(_safe(e["source"]), e["isa"], f"{e['bytes'] / 2**20:.1f}",
+                       time.strftime("%Y-%m-%d %H:%M", time.localtime(e["used"])) if e["used"] else "?")
+                      for e in copies], header=("source", "ISA", "MiB", "last used"))
+    else:
+        print("  (none)")
+    print("compiled kernels:")
+    for d, n, b in kernels or [("  (none)", 0, 0)]:
+        print(f"  {d}: {n} files, {b / 2**20:.1f} MiB" if n else d)
+    print("tmac cache clear removes them all (--models, --kernels: one kind)")
+    return 0
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+def _tree_size(path: str) -> tuple[int, int]:
+    n = size = 0
+    for d, _, names in os.walk(path):
+        for f in names:
+            try:
+                size += os.lstat(os.path.join(d, f)).st_size
+                n += 1
+            except OSError:
+                pass
+    return n, size
+
+
+def _safe(text: str) -> str:
+    """A name from a file or directory, printable: control characters escaped."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def cmd_pull(args) -> int:

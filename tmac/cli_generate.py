@@ -140,6 +140,7 @@ def load_for_generation(source, **options):
     import torch
 
     import tmac
+    from tmac.models import load  # noqa: F401  (imported here: its time is the import's, not the load's)
 
     torch.set_num_threads(1)
     try:
@@ -148,18 +149,31 @@ def load_for_generation(source, **options):
         torch.set_num_threads(tmac.get_num_threads())
 
 
-def _load(args):
-    import tmac
-
+def check_load_args(args) -> None:
+    """The load's options, checked before anything heavy is imported (an error in well under a second)."""
     if args.group_size is not None and args.bits is None:
         raise ValueError("--group-size needs --bits (the file's own quantization is used otherwise)")
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    if args.context is not None and args.context < 1:
+        raise ValueError(f"--context must be a positive number of tokens, got {args.context}")
+
+
+def _load(args):
+    check_load_args(args)
+    import torch  # noqa: F401  (the import's time is said apart from the load's)
+
+    import tmac
+    from tmac.models import generate, load  # noqa: F401
+    from tmac.timing import process_seconds
+
     if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads must be >= 1, got {args.threads}")
         tmac.set_num_threads(args.threads)  # (at most the CPUs this process may use)
+    args.import_s = process_seconds()  # since the process started: the interpreter, tmac, numpy, torch
     t0 = time.perf_counter()
     model = load_for_generation(args.model, bits=args.bits, group_size=args.group_size, head_bits=args.head_bits,
                                 context=args.context, kv_dtype=args.kv_dtype)
+    args.packed_copy = model.packed_copy
     if model.tokenizer is None:
         raise ValueError(f"{model.source}: the model has no tokenizer (tokenizer.json), so it cannot take text")
     print(f"tmac: {precision_line(model, args.bits)}", file=sys.stderr)
@@ -247,10 +261,15 @@ class CtrlCStops:
         signal.signal(signal.SIGINT, self._old)
 
 
-def stream_answer(session, ids: list[int], params, out) -> bool:
+def stream_answer(session, ids: list[int], params, out, first: list | None = None) -> bool:
     """Generate from ``ids``, writing the text to ``out`` (None: nowhere) as it comes; Ctrl-C stops after the
-    current token, keeping what was said. Whether it was interrupted."""
+    current token, keeping what was said. Whether it was interrupted. ``first``: gets the seconds from the process's
+    start to the first token."""
+    from .timing import process_seconds
+
     def check(token):
+        if first is not None and not first:
+            first.append(process_seconds())
         if ctrl_c.hit:
             raise Interrupted
 
@@ -272,23 +291,36 @@ def _write(out, piece: str) -> None:
         out.flush()
 
 
-def _stats(session, load_s: float) -> dict:
+def _stats(session, load_s: float, args=None, first_token_s: float | None = None) -> dict:
+    """The run's figures; with ``args`` (the first answer of a process) its start-up whole: ``import_s`` (the
+    interpreter, tmac and torch, from the process's start), ``load_s``, ``setup_s`` (plans and kernels), and
+    ``first_token_s``, from the process's start to the first token."""
     from .memory import peak_rss_mib
 
     s = session.stats
-    return {"prompt_tokens": s["prompt_tokens"], "prefill_tokens": s["prefill_tokens"],
-            "prompt_tokens_per_s": s["prefill_tokens"] / s["prefill_s"] if s["prefill_s"] else 0.0,
-            "generated_tokens": s["generated_tokens"],
-            "gen_tokens_per_s": s["decode_steps"] / s["decode_s"] if s["decode_steps"] else 0.0,
-            "load_s": load_s, "setup_s": s["setup_s"], "peak_rss_mib": peak_rss_mib(),
-            "stop_reason": s["stop_reason"]}
+    out = {"prompt_tokens": s["prompt_tokens"], "prefill_tokens": s["prefill_tokens"],
+           "prompt_tokens_per_s": s["prefill_tokens"] / s["prefill_s"] if s["prefill_s"] else 0.0,
+           "generated_tokens": s["generated_tokens"],
+           "gen_tokens_per_s": s["decode_steps"] / s["decode_s"] if s["decode_steps"] else 0.0,
+           "load_s": load_s, "setup_s": s["setup_s"], "peak_rss_mib": peak_rss_mib(),
+           "stop_reason": s["stop_reason"]}
+    if args is not None:
+        out.update(import_s=getattr(args, "import_s", 0.0), first_token_s=first_token_s,
+                   packed_copy=bool(getattr(args, "packed_copy", False)))
+    return out
 
 
 def _stats_line(st: dict) -> str:
-    return (f"prompt: {st['prompt_tokens']} tokens ({st['prefill_tokens']} prefilled) at "
+    line = (f"prompt: {st['prompt_tokens']} tokens ({st['prefill_tokens']} prefilled) at "
             f"{st['prompt_tokens_per_s']:.1f} tok/s | generated: {st['generated_tokens']} tokens at "
-            f"{st['gen_tokens_per_s']:.1f} tok/s | load {st['load_s']:.2f} s, setup {st['setup_s']:.2f} s | "
-            f"peak RSS {st['peak_rss_mib']:.0f} MiB")
+            f"{st['gen_tokens_per_s']:.1f} tok/s | ")
+    if st.get("first_token_s") is not None:
+        line += (f"start-up: import {st['import_s']:.2f} s, load {st['load_s']:.2f} s"
+                 f"{' (packed copy)' if st.get('packed_copy') else ''}, kernels {st['setup_s']:.2f} s, first token at "
+                 f"{st['first_token_s']:.2f} s | ")
+    else:
+        line += f"load {st['load_s']:.2f} s, setup {st['setup_s']:.2f} s | "
+    return line + f"peak RSS {st['peak_rss_mib']:.0f} MiB"
 
 
 def read_prompt(args) -> str:
@@ -311,18 +343,20 @@ def read_prompt(args) -> str:
 
 
 def cmd_run(args) -> int:
-    from .models.generate import Session
-
     prompt = read_prompt(args)
     if not prompt.strip():
         raise ValueError("the prompt is empty")
     params = sampling_params(args)
+    check_load_args(args)
     model, load_s = _load(args)
+    from .models.generate import Session
+
     session = Session(model)
     ids = _prompt_ids(model, args, [{"role": "user", "content": prompt}])
-    interrupted = stream_answer(session, ids, params, None if args.json else sys.stdout)
+    first: list = []
+    interrupted = stream_answer(session, ids, params, None if args.json else sys.stdout, first)
     text = session.last.text.text() if session.last is not None else ""
-    st = _stats(session, load_s)
+    st = _stats(session, load_s, args, first[0] if first else None)
     if args.json:
         print(json.dumps({"text": text, "prompt_ids": ids, "generated_ids": list(session.last.ids), **st}))
     else:
@@ -362,13 +396,13 @@ CHAT_QUIT = ("/exit", "/bye", "/quit")
 
 
 def cmd_chat(args) -> int:
-    from .models.generate import Session
-
     if sys.stdin is None or sys.stdin.closed:
         raise ValueError("tmac chat reads its messages from standard input, which is closed; for one prompt use "
                          "tmac run -p TEXT")
     params = sampling_params(args)
     model, load_s = _load(args)
+    from .models.generate import Session
+
     session = Session(model)
     interactive = sys.stdin.isatty()
     print(f"tmac chat: {model.source} loaded in {load_s:.1f} s. /help lists the commands, /exit quits, Ctrl-C "

@@ -90,3 +90,21 @@ def read_seconds(probe) -> float:
     t0 = time.perf_counter()
     probe.sum()
     return time.perf_counter() - t0
+
+
+def process_seconds() -> float:
+    """Seconds since this process started (Linux: its start time in /proc against the system's uptime, so the
+    interpreter's own start and every import count; elsewhere since this module was imported)."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rpartition(")")[2].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        import os
+
+        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return time.perf_counter() - _IMPORTED
+
+
+_IMPORTED = time.perf_counter()

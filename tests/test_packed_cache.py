@@ -1,0 +1,168 @@
+"""A GGUF is packed once: the first load writes its packed model to the cache (models/packed_cache.py), later loads
+map that copy. The copy is keyed by the file and by the kernels' layout (a changed file, another ISA, another
+generator each miss), written atomically (a failed write leaves nothing), checked when loaded (a damaged copy is
+rebuilt, not trusted), bounded in size, and listed and cleared by ``tmac cache``."""
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import tmac
+from conftest import smollm2_path
+from tmac.models import load as load_module
+from tmac.models import packed_cache
+
+PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 28, 2]
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """A packed-copy cache of this test's own (the kernels stay in the suite's shared cache)."""
+    monkeypatch.setenv("TMAC_MODEL_CACHE", "1")
+    where = tmp_path / "models"
+    monkeypatch.setattr(packed_cache, "directory", lambda: str(where))
+    return where
+
+
+@pytest.fixture
+def source(tmp_path):
+    path = tmp_path / "model.gguf"
+    shutil.copyfile(smollm2_path(), path)
+    return str(path)
+
+
+def greedy(model, n=8):
+    return tmac.Session(model).generate(PROMPT, max_tokens=n, temperature=0, ignore_eos=True)
+
+
+def loads_from_source(monkeypatch) -> list:
+    """A list that grows each time a model is decoded and packed from its source file."""
+    calls, original = [], load_module._from_source
+
+    def counting(*args, **kwargs):
+        calls.append(args[0])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(load_module, "_from_source", counting)
+    return calls
+
+
+def test_the_first_load_packs_and_later_loads_map_the_copy(cache, source, monkeypatch):
+    direct = greedy(tmac.load_model(source, context=64, packed_copy=False))
+    packed = loads_from_source(monkeypatch)
+    first = tmac.load_model(source, context=64)
+    assert first.packed_copy and os.path.dirname(first.packed_copy) == str(cache) and len(packed) == 1
+    assert first.source == source  # (names and notes speak of the file the user gave)
+    second = tmac.load_model(source, context=64)
+    assert second.packed_copy == first.packed_copy and len(packed) == 1  # mapped, not packed again
+    assert greedy(first) == greedy(second) == direct
+    assert [e["source"] for e in packed_cache.entries()] == [os.path.realpath(source)]
+
+
+def test_a_changed_file_another_isa_or_generator_misses(cache, source, monkeypatch):
+    packed = loads_from_source(monkeypatch)
+    tmac.load_model(source, context=64)
+    tmac.load_model(source, context=64)
+    assert len(packed) == 1
+    os.utime(source, ns=(0, 10 ** 18))  # the same bytes, another modification time
+    tmac.load_model(source, context=64)
+    assert len(packed) == 2
+    with open(source, "r+b") as f:  # the same size and time, other bytes at the end
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 1]))
+    os.utime(source, ns=(0, 10 ** 18))
+    tmac.load_model(source, context=64)
+    assert len(packed) == 3
+    from tmac import cache as kernel_cache
+    from tmac import kernels
+
+    monkeypatch.setattr(kernel_cache, "generator_digest", lambda: "another generator")
+    tmac.load_model(source, context=64)
+    assert len(packed) == 4
+    monkeypatch.undo()
+    packed = loads_from_source(monkeypatch)
+    monkeypatch.setenv("TMAC_MODEL_CACHE", "1")
+    monkeypatch.setattr(packed_cache, "directory", lambda: str(cache))
+    other = next((n for n in ("avx2", "avx512_vnni") if n != kernels.best_isa().name
+                  and n in __import__("conftest").runnable_isas()), None)
+    if other is not None:
+        monkeypatch.setenv("TMAC_ISA", other)
+        tmac.load_model(source, context=64)
+        assert len(packed) == 1
+    assert len(packed_cache.entries()) == 4 + (other is not None)
+
+
+def test_a_failed_write_leaves_nothing_and_the_run_goes_on(cache, source, monkeypatch):
+    from tmac import serialize
+
+    def fail(path, tensors, meta):
+        with open(path, "wb") as f:
+            f.write(b"half a file")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(serialize, "_write_aligned", fail)
+    with pytest.warns(UserWarning, match="could not keep a packed copy"):
+        model = tmac.load_model(source, context=64)
+    assert model.packed_copy is None and greedy(model)
+    assert os.listdir(cache) == [] or all(not n.endswith(".tmac") and not n.startswith(".") for n in os.listdir(cache))
+
+
+def test_a_damaged_copy_is_rebuilt_not_trusted(cache, source, monkeypatch):
+    want = greedy(tmac.load_model(source, context=64))
+    (copy,) = glob.glob(str(cache / "*.tmac"))
+    with open(copy, "r+b") as f:  # bytes in the middle of the packed weights
+        f.seek(os.path.getsize(copy) // 2)
+        f.write(b"\xff" * 4096)
+    packed = loads_from_source(monkeypatch)
+    with pytest.warns(UserWarning, match="cannot be used"):
+        again = tmac.load_model(source, context=64)
+    assert len(packed) == 1 and greedy(again) == want
+    assert greedy(tmac.load_model(source, context=64)) == want and len(packed) == 1  # the rebuilt copy serves
+    with open(copy, "wb") as f:
+        f.write(b"not a model")
+    with pytest.warns(UserWarning, match="cannot be used"):
+        assert greedy(tmac.load_model(source, context=64)) == want
+
+
+def test_the_cache_keeps_to_its_size(cache, tmp_path, source, monkeypatch):
+    tmac.load_model(source, context=64)
+    size = packed_cache.entries()[0]["bytes"]
+    second = tmp_path / "second.gguf"
+    shutil.copyfile(source, second)
+    monkeypatch.setenv("TMAC_MODEL_CACHE_GB", str(1.5 * size / 2 ** 30))  # room for one
+    tmac.load_model(str(second), context=64)
+    assert [e["source"] for e in packed_cache.entries()] == [os.path.realpath(second)]  # the older went
+    monkeypatch.setenv("TMAC_MODEL_CACHE_GB", str(0.5 * size / 2 ** 30))  # room for none: nothing written
+    shutil.copyfile(source, tmp_path / "third.gguf")
+    assert tmac.load_model(str(tmp_path / "third.gguf"), context=64).packed_copy is None
+
+
+@pytest.mark.slow
+def test_tmac_cache_lists_and_clears(tmp_path, source):
+    env = dict(os.environ, TMAC_CACHE_DIR=str(tmp_path / "root"), TMAC_MODEL_CACHE="1")
+    kernels = os.environ["TMAC_CACHE_DIR"]  # (the suite's compiled kernels, copied: nothing compiles here)
+    shutil.copytree(kernels, tmp_path / "root", ignore=shutil.ignore_patterns("*.lock", "models"))
+
+    def tmac_cli(*args):
+        r = subprocess.run([sys.executable, "-m", "tmac.cli", *args], capture_output=True, text=True, timeout=600,
+                           env=env)
+        assert r.returncode == 0, r.stderr
+        return r
+
+    runs = [json.loads(tmac_cli("run", source, "-p", "Hi", "-n", "4", "--temperature", "0", "--json").stdout)
+            for _ in range(2)]
+    assert runs[0]["generated_ids"] == runs[1]["generated_ids"]
+    listed = json.loads(tmac_cli("cache", "--json").stdout)
+    assert [m["source"] for m in listed["models"]] == [os.path.realpath(source)] and listed["kernels"]
+    assert os.path.realpath(source) in tmac_cli("cache").stdout
+    assert "removed 1 packed model copy" in tmac_cli("cache", "clear", "--models").stdout
+    listed = json.loads(tmac_cli("cache", "--json").stdout)
+    assert listed["models"] == [] and listed["kernels"]  # the kernels stay
+    tmac_cli("cache", "clear")
+    assert json.loads(tmac_cli("cache", "--json").stdout)["kernels"] == []
