@@ -47,8 +47,10 @@ class Linker:
             cmd = [*self.command, "-shared", "-fPIC", "-o", output, *objects, *(options or [])]
             r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             if r.returncode != 0:
-                raise RuntimeError(f"linking {os.path.basename(output)} for {self.arch} with {self.name} failed "
-                                   f"(exit {r.returncode}): {r.stdout.strip()[-2000:]}\ncommand: {shlex.join(cmd)}")
+                hint = " (TMAC_CC chose it: check that command)" if os.environ.get("TMAC_CC") else ""
+                raise LinkerUnavailableError(
+                    f"linking kernel {os.path.basename(output)} for {self.arch} with {self.name} failed{hint} "
+                    f"(exit {r.returncode}): {r.stdout.strip()[-2000:] or 'no output'}; command: {shlex.join(cmd)}")
         link.output_format = "so"
         return link
 

@@ -92,6 +92,7 @@ class Batcher:
         if model.tokenizer is None:
             raise ValueError("serving text needs the model's tokenizer, and this model was loaded without one")
         self.model, self.max_batch, self.max_queue = model, max_batch, max_queue
+        self.max_caches = kv_caches_that_fit(model, max_batch)  # (the batch's caches budgeted together)
         self.waiting: collections.deque[Request] = collections.deque()
         self.active: list[_Active] = []
         self.admitting: collections.deque[_Active] = collections.deque()  # prompts being prefilled, in turn
@@ -121,7 +122,7 @@ class Batcher:
         with self._wake:
             if self._closed:
                 raise RuntimeError("the server is shutting down")
-            if len(self.waiting) >= self.max_queue + max(0, self.max_batch - len(self.active) - len(self.admitting)):
+            if len(self.waiting) >= self.max_queue + max(0, self.max_caches - len(self.active) - len(self.admitting)):
                 raise Busy(f"{len(self.active) + len(self.admitting)} requests running and {len(self.waiting)} "
                            f"waiting")
             self.waiting.append((request, generation))
@@ -141,7 +142,7 @@ class Batcher:
 
     def load(self) -> dict:
         return {"running": len(self.active), "prefilling": len(self.admitting), "waiting": len(self.waiting),
-                "max_batch": self.max_batch, "max_queue": self.max_queue, "steps": self.steps, "widest": self.widest,
+                "max_batch": self.max_batch, "kv_caches": self.max_caches, "max_queue": self.max_queue, "steps": self.steps, "widest": self.widest,
                 "stepped": self.stepped,
                 "step_seconds": round(self.step_seconds, 6), "prefilled": self.prefilled, "reused": self.reused}
 
@@ -159,7 +160,7 @@ class Batcher:
                         r.emit("", "abort", [])
                     return
                 joining = []
-                while self.waiting and len(self.active) + len(self.admitting) + len(joining) < self.max_batch:
+                while self.waiting and len(self.active) + len(self.admitting) + len(joining) < self.max_caches:
                     joining.append(self.waiting.popleft())
             for request, generation in joining:
                 self._admit(request, generation)
@@ -172,8 +173,8 @@ class Batcher:
             return
         try:
             sequence, reuse = self._cache_for(generation.prompt)
-        except Exception as e:  # a request's failure is its own: the others go on
-            request.emit(f"{type(e).__name__}: {e}", "error", [])
+        except (ValueError, MemoryError, RuntimeError) as e:  # no memory for its cache now: try again later
+            request.emit(f"no memory for another KV cache now ({e})", "busy", [])
             return
         generation.sequence, generation.cached = sequence, reuse
         request.cached, self.reused = reuse, self.reused + reuse
@@ -220,7 +221,7 @@ class Batcher:
             n = reusable_prefix(kept.ids, prompt)
             if n > reuse:
                 best, reuse = i, n
-        if best is None and (self._made >= self.max_batch and self._free):
+        if best is None and (self._made >= self.max_caches and self._free):
             best = 0
         if best is None:
             self._made += 1
@@ -286,3 +287,22 @@ class _NoCache:
 
 
 _NO_CACHE = _NoCache()
+
+
+def kv_caches_that_fit(model, max_batch: int) -> int:
+    """How many of ``max_batch`` KV caches of the model's context fit ``KV_MEMORY_SHARE`` of the memory available
+    now (the machine's, or its container's); ``ValueError`` where not even one does."""
+    from tmac.memory import available_bytes
+
+    from .llama import KV_MEMORY_SHARE
+
+    free = available_bytes()
+    if free is None:
+        return max_batch
+    one = model.kv_bytes(model.context, model.kv_dtype)
+    fit = int(free * KV_MEMORY_SHARE // one)
+    if fit < 1:
+        raise ValueError(f"one request's KV cache ({model.context} positions, {model.kv_dtype}) needs "
+                         f"{one / 2**30:.2f} GiB, more than {KV_MEMORY_SHARE:.0%} of the {free / 2**30:.2f} GiB "
+                         f"available: give a smaller --context")
+    return min(max_batch, fit)

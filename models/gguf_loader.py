@@ -48,7 +48,7 @@ class GGUFModel:
 
     def _config(self) -> LlamaConfig:
         name = self.meta.get("general.architecture")
-        arch = self.arch = BY_GGUF.get(name)
+        arch = self.arch = BY_GGUF.get(name) if isinstance(name, str) else None
         if arch is None:
             raise ModelFormatError(f"{self.path}: architecture {name!r:.40} is not supported; supported: "
                                    f"{', '.join(BY_GGUF)}")

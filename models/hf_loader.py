@@ -131,6 +131,9 @@ class HFModel:
         elif quant is not None and not self.packed_ternary:
             raise ModelFormatError(f"{self.path}/config.json: quantization_config {quant!r:.120} is not supported; "
                                    f"supported: none (float), GPTQ, BitNet offline bitlinear (packed ternary)")
+        for key in ("num_attention_heads", "hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size"):
+            if type(c.get(key)) is not int or c[key] < 1:
+                raise ModelFormatError(f"{self.path}/config.json: {key}={c.get(key)!r:.40} must be a positive int")
         heads = c["num_attention_heads"]
         head_dim = c.get("head_dim") or c["hidden_size"] // heads
         rope, local_theta = self._rope(c)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 
 # what a Hugging Face directory load reads (models/hf_loader.py, models/tokenizer.py, models/gptq.py)
 DIRECTORY_FILES = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
@@ -83,8 +84,50 @@ class CachedOnly(Exception):
         self.source, self.path, self.why = source, path, why
 
 
+REF = re.compile(r"^[0-9a-f]{40}$")
+MAX_REF_BYTES = 256
+
+
+def check_refs(repo: str) -> None:
+    """The repo's cached refs (``refs/main`` …) are what huggingface_hub writes: small regular files holding a commit
+    hash whose snapshot is a directory inside the repo's own cache folder. Anything else (an absolute path, ``/``,
+    a FIFO, ``/dev/zero``) is refused before huggingface_hub reads it as a path."""
+    from tmac.errors import ModelFormatError
+
+    root = _cache_dir()
+    if root is None:
+        from huggingface_hub import constants
+
+        root = constants.HF_HUB_CACHE
+    folder = os.path.join(root, "models--" + repo.replace("/", "--"))
+    refs = os.path.join(folder, "refs")
+    if not os.path.isdir(refs):
+        return
+    for d, _, names in os.walk(refs):
+        for name in names:
+            path = os.path.join(d, name)
+            shown = _printable(os.path.relpath(path, root))
+            st = os.lstat(path)
+            if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_REF_BYTES:
+                raise ModelFormatError(f"the hub cache's {shown} is not a small regular file: refused (remove it, "
+                                       f"or tmac pull {repo} again)")
+            with open(path, "rb") as f:
+                text = f.read(MAX_REF_BYTES).decode("ascii", "replace")  # (as huggingface_hub reads it)
+            snapshot = os.path.join(folder, "snapshots", text)
+            if not REF.match(text) or not os.path.isdir(snapshot) or \
+                    os.path.dirname(os.path.realpath(snapshot)) != os.path.realpath(os.path.join(folder, "snapshots")):
+                raise ModelFormatError(f"the hub cache's {shown} holds {_printable(text[:60])!r}, not the commit hash "
+                                       f"of a snapshot of its own: refused (remove it, or tmac pull {repo} again)")
+
+
+def _printable(text: str) -> str:
+    """A name from a file or a repo as it may be printed: control characters escaped."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def _resolve(source: str, refresh: bool) -> str:
     repo, _, file = source.partition(":")
+    check_refs(repo)
     local = offline() or not refresh and _cached_snapshot(repo) is not None
     if not local:
         _check_reachable()
@@ -101,7 +144,7 @@ def _resolve(source: str, refresh: bool) -> str:
     chosen = _choose_gguf(ggufs)
     if chosen is None:
         raise ValueError(f"{source} holds {len(ggufs)} GGUF files; name one as {repo}:FILE — "
-                         + ", ".join(ggufs[:12]) + (" …" if len(ggufs) > 12 else ""))
+                         + ", ".join(map(_printable, ggufs[:12])) + (" …" if len(ggufs) > 12 else ""))
     return _download(repo, chosen, local)
 
 
@@ -115,9 +158,9 @@ def _gguf_of_quant(source: str, files: list[str], quant: str) -> str:
         return hits[0]
     if not hits:
         raise FileNotFoundError(f"{source}: the repo has no {quant} GGUF; it has "
-                                + (", ".join(quants(ggufs)) or "no GGUF files"))
+                                + (", ".join(map(_printable, quants(ggufs))) or "no GGUF files"))
     raise ValueError(f"{source}: {len(hits)} GGUF files are {quant}; name one as {source.partition(':')[0]}:FILE — "
-                     + ", ".join(hits[:12]))
+                     + ", ".join(map(_printable, hits[:12])))
 
 
 def quants(ggufs: list[str]) -> list[str]:
@@ -168,6 +211,7 @@ def _repo_files(repo: str, local: bool) -> list[str]:
 
 
 def _cached_snapshot(repo: str) -> str | None:
+    check_refs(repo)
     try:
         return _snapshot(repo, ["*"], local=True)
     except Exception:
@@ -182,14 +226,22 @@ def _check_reachable(timeout: float = 5.0) -> None:
     """Fail at once where the hub's host cannot be reached (huggingface_hub would retry for half a minute)."""
     import socket
     import urllib.parse
+    import urllib.request
 
     from huggingface_hub import constants
 
-    host = urllib.parse.urlparse(constants.ENDPOINT).hostname or "huggingface.co"
+    url = urllib.parse.urlparse(os.environ.get("HF_ENDPOINT") or constants.ENDPOINT)
+    if urllib.request.getproxies().get(url.scheme):  # through a proxy: huggingface_hub's requests go there
+        return
+    host = url.hostname or "huggingface.co"
     try:
-        socket.create_connection((host, 443), timeout=timeout).close()
+        port = url.port or (80 if url.scheme == "http" else 443)
+    except ValueError:
+        raise HubUnreachable(f"HF_ENDPOINT={url.geturl()!r}: not a valid port") from None
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
     except OSError as e:
-        raise HubUnreachable(f"{host}: {e}") from None
+        raise HubUnreachable(f"{host}:{port}: {e}") from None
 
 
 def _explain(source: str, e: Exception) -> str:

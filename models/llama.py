@@ -30,7 +30,7 @@ KV_MEMORY_SHARE = 0.8  # of the available memory a KV cache may take
 
 # upper bounds far above any real model: a config from a file is untrusted, and sizes drive allocations
 LIMITS = {"vocab_size": 1 << 22, "dim": 1 << 16, "n_layers": 1 << 10, "n_heads": 1 << 10, "n_kv_heads": 1 << 10,
-          "ffn_dim": 1 << 18, "head_dim": 1 << 12, "context_length": 1 << 24}
+          "ffn_dim": 1 << 18, "head_dim": 1 << 10, "context_length": 1 << 24}
 
 
 def _valid_rope_scaling(s) -> bool:
@@ -424,7 +424,7 @@ class Transformer(nn.Module):
         more than ``KV_MEMORY_SHARE`` of the memory available (``freed``: bytes about to come back)."""
         cfg = self.config
         blocks, dtype = -(-context // KV_BLOCK), getattr(torch, kv_dtype)
-        need = 2 * cfg.n_layers * cfg.n_kv_heads * blocks * KV_BLOCK * cfg.head_dim * dtype.itemsize
+        need = self.kv_bytes(context, kv_dtype)
         free = available_bytes()
         # a margin stays for the activations and the process around it
         if free is not None and need > (free + freed) * KV_MEMORY_SHARE:
@@ -433,6 +433,12 @@ class Transformer(nn.Module):
                              f"(the machine's, or its container's): give a smaller context")
         return (huge_page_full((cfg.n_layers, cfg.n_kv_heads, blocks, cfg.head_dim, KV_BLOCK), 0, dtype),
                 huge_page_full((cfg.n_layers, cfg.n_kv_heads, blocks * KV_BLOCK, cfg.head_dim), 0, dtype))
+
+    def kv_bytes(self, context: int, kv_dtype: str) -> int:
+        """Bytes of a KV cache of ``context`` positions (``new_kv``'s)."""
+        cfg = self.config
+        return 2 * cfg.n_layers * cfg.n_kv_heads * -(-context // KV_BLOCK) * KV_BLOCK * cfg.head_dim * \
+            getattr(torch, kv_dtype).itemsize
 
     def cache_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.cache_k, self.cache_v) if t is not None)

@@ -98,8 +98,8 @@ class Tokenizer:
         from tokenizers import AddedToken
 
         model = meta.get("tokenizer.ggml.model")
-        if model not in VOCABULARIES:
-            raise ModelFormatError(f"{source}: tokenizer.ggml.model={model!r} is not supported; supported: "
+        if not isinstance(model, str) or model not in VOCABULARIES:
+            raise ModelFormatError(f"{source}: tokenizer.ggml.model={model!r:.60} is not supported; supported: "
                                    + ", ".join(f"{k!r} ({v})" for k, v in VOCABULARIES.items()))
         tokens = meta.get("tokenizer.ggml.tokens")
         if not isinstance(tokens, list) or not tokens:

@@ -91,3 +91,31 @@ def pytest_terminal_summary(terminalreporter):
         for target, c in sorted(results.items()):
             outcomes = ", ".join(f"{n} {what}" for what, n in sorted(c.items(), key=lambda kv: -kv[1]))
             terminalreporter.write_line(f"  {target:<16} {sum(c.values()):>6}: {outcomes}")
+
+
+def copy_gguf(src, dst, change=None, add=None) -> None:
+    """Write ``src``'s GGUF to ``dst`` with ``change(writer, name, value, vtype, subtype)`` deciding each metadata
+    field (it writes what it wants, returns True; False or None: the field is copied as it is), then ``add(writer)``;
+    tensors as they are."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(src))
+    w = gguf.GGUFWriter(str(dst), str(reader.fields["general.architecture"].contents()))
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        value, vtype = field.contents(), field.types[0]
+        if change is not None and change(w, name, value, vtype, field.types[-1]):
+            continue
+        if vtype == gguf.GGUFValueType.ARRAY:
+            w.add_key_value(name, value, vtype, sub_type=field.types[-1])
+        else:
+            w.add_key_value(name, value, vtype)
+    if add is not None:
+        add(w)
+    for t in reader.tensors:
+        w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

@@ -670,3 +670,120 @@ def layout_cases(d: str):
 
 HOSTILE_TARGETS = {"cache": cache_cases, "bombs": bombs_cases, "special": special_cases, "nesting": nesting_cases,
                    "types": types_cases, "layout": layout_cases}
+
+
+# ---- hub refs ---------------------------------------------------------------------------------------------------
+
+REF_VALUES = ["/", "/etc", "/tmp", "..", "../../..", "snapshots/../../..", "0" * 40, "0" * 39, "g" * 40, "",
+              "\n", "\x00" * 40, "a" * 10 ** 6, "\u2603" * 40, "THE-SNAPSHOT", "THE-SNAPSHOT\n", "/THE-SNAPSHOT-PATH",
+              "OTHER-SNAPSHOT"]
+REF_FILES = ["fifo", "/dev/zero", "/dev/urandom", "/dev/null", "directory", "dangling link", "link loop"]
+
+
+def hub_refs_cases(d: str):
+    """A cached repo whose ``refs/main`` holds another value (a path, a traversal, another repo's commit, bytes)
+    or is a special file: resolving it by name returns a file inside the repo's own snapshot or is refused
+    naming the ref; never a path elsewhere, never a hang or an unbounded read."""
+    from tmac import ModelFormatError
+    from tmac.models import hub
+
+    commit, other = "0123456789abcdef0123456789abcdef01234567", "89abcdef0123456789abcdef0123456789abcdef"
+    counter = [0]
+
+    def lay_out(root: str, repo: str, sha: str) -> str:
+        base = os.path.join(root, "models--" + repo.replace("/", "--"))
+        snap = os.path.join(base, "snapshots", sha)
+        os.makedirs(snap)
+        os.makedirs(os.path.join(base, "refs"), exist_ok=True)
+        with open(os.path.join(snap, "m.gguf"), "wb") as f:
+            f.write(b"GGUF")
+        with open(os.path.join(base, "refs", "main"), "w") as f:
+            f.write(sha)
+        return base
+
+    def check(case) -> str:
+        value, special = case
+        counter[0] += 1
+        root = os.path.join(d, f"hub{counter[0]}")
+        base = lay_out(root, "acme/repo", commit)
+        lay_out(root, "acme/other", other)
+        ref = os.path.join(base, "refs", "main")
+        os.unlink(ref)
+        if special is not None:
+            _special(ref, special)
+        else:
+            text = value.replace("THE-SNAPSHOT-PATH", os.path.join(base, "snapshots", commit)) \
+                .replace("THE-SNAPSHOT", commit).replace("OTHER-SNAPSHOT", other)
+            with open(ref, "w", encoding="utf-8", errors="surrogatepass") as f:
+                f.write(text)
+        os.environ.update(HF_HUB_CACHE=root, HF_HUB_OFFLINE="1")
+        try:
+            path = hub.resolve("acme/repo")
+        except (ModelFormatError, FileNotFoundError, ValueError) as e:
+            assert "refs" in str(e) or "not in the Hugging Face cache" in str(e), f"{type(e).__name__}: {e}"
+            outcome = "rejected"
+        else:
+            assert os.path.realpath(path).startswith(os.path.realpath(base) + os.sep), (case, path)
+            outcome = "accepted"
+        finally:
+            for k in ("HF_HUB_CACHE", "HF_HUB_OFFLINE"):
+                os.environ.pop(k, None)
+        shutil.rmtree(root)
+        if value == "THE-SNAPSHOT" and special is None:
+            assert outcome == "accepted", case
+        return outcome
+    cases = [(v, None) for v in REF_VALUES] + [(None, s) for s in REF_FILES]
+    check.space = len(cases)
+    return st.sampled_from(cases), check
+
+
+# ---- API keys ---------------------------------------------------------------------------------------------------
+
+KEY_VALUES = ["", " ", "\t", "k", "sesame", "sesame ", " sesame", "ses ame", "a\nb", "\x00", "ключ", "k" * 10 ** 4,
+              "Bearer", "bearer x"]
+SENT = ["", "Bearer", "Bearer ", "Bearer  ", "bearer KEY", "Bearer KEY", "BEARER KEY", "Bearer KEY ", "Basic KEY",
+        "Bearer KEYx", "Bearer xKEY", "KEY", "Bearer  KEY", "Bearer \x00"]
+
+
+def api_keys_cases(d: str):
+    """A server key and an ``Authorization`` header: a key no client could send (empty, blank, spaces at its ends,
+    control or non-ASCII characters) is refused at start-up; for the others a request gets through exactly when
+    it carries ``Bearer KEY`` (any case of the scheme), else 401."""
+    import asyncio
+
+    from tmac.serve import _RequireKey, check_api_key
+
+    def check(case) -> str:
+        key, sent = case
+        try:
+            check_api_key(key)
+        except ValueError as e:
+            assert "API key" in str(e)
+            assert not key.strip() or key != key.strip() or not key.isprintable() or not key.isascii(), key
+            return "refused at start-up"
+        header = sent.replace("KEY", key)
+        passed = []
+
+        async def app(scope, receive, send):
+            passed.append(True)
+
+        async def send(message):
+            if message["type"] == "http.response.start":
+                passed.append(message["status"])
+
+        async def receive():
+            return {"type": "http.request", "body": b""}
+
+        scope = {"type": "http", "path": "/v1/models", "method": "GET",
+                 "headers": [(b"authorization", header.encode("latin-1", "replace"))] if sent else []}
+        asyncio.run(_RequireKey(app, key)(scope, receive, send))
+        scheme, _, token = header.partition(" ")
+        want = scheme.lower() == "bearer" and token.strip() == key
+        assert (passed == [True]) == want, (key, header, passed)
+        return "let through" if want else "401"
+    cases = [(k, s) for k in KEY_VALUES for s in SENT]
+    check.space = len(cases)
+    return st.sampled_from(cases), check
+
+
+HOSTILE_TARGETS.update({"hub-refs": hub_refs_cases, "api-keys": api_keys_cases})

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import tmac
+from conftest import copy_gguf
 from tmac import cli
 from tmac.cpu import usable_cpus
 
@@ -132,24 +133,14 @@ def _gguf_with_tokens(path, extra: int):
     """The stored Q4_0 mix with ``extra`` more tokens than its 300 token rows."""
     import gguf
 
-    reader = gguf.GGUFReader(GGUF)
-    w = gguf.GGUFWriter(str(path), "llama")
-    for name, field in reader.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture":
-            continue
-        value, vtype = field.contents(), field.types[0]
-        if name in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type"):
-            value = value + ([f"<extra{i}>" for i in range(extra)] if name.endswith("tokens") else [1] * extra)
-        if vtype == gguf.GGUFValueType.ARRAY:
-            w.add_key_value(name, value, vtype, sub_type=field.types[-1])
-        else:
-            w.add_key_value(name, value, vtype)
-    for t in reader.tensors:
-        w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    def more(w, name, value, vtype, subtype):
+        if name not in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type"):
+            return False
+        value = value + ([f"<extra{i}>" for i in range(extra)] if name.endswith("tokens") else [1] * extra)
+        w.add_key_value(name, value, vtype, sub_type=subtype)
+        return True
+
+    copy_gguf(GGUF, path, more)
     return path
 
 

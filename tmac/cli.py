@@ -24,6 +24,8 @@ class Parser(argparse.ArgumentParser):
 
     def parse_known_args(self, args=None, namespace=None):
         namespace, extras = super().parse_known_args(args, namespace)
+        if self._subparsers is not None:
+            _merge_model_flag(self, namespace)
         if extras and self._subparsers is None:
             flags = [s for s in self._option_string_actions if s.startswith("--")]
             word = extras[0].split("=", 1)[0]
@@ -36,7 +38,6 @@ class Parser(argparse.ArgumentParser):
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    _merge_model_flag(parser, args)
     if not args.debug:  # a warning is one line for a person, not a source line of tmac's
         warnings.showwarning = _show_warning
     from .memory import one_malloc_arena
@@ -69,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
 def _merge_model_flag(parser, args) -> None:
     """``-m/--model MODEL`` (llama.cpp's spelling) as the positional MODEL."""
     flag = getattr(args, "model_flag", None)
+    if hasattr(args, "model_flag"):
+        del args.model_flag
     if flag is None:
         return
     if getattr(args, "model", None) not in (None, flag):
@@ -88,6 +91,10 @@ def describe(e: Exception) -> str:
     if isinstance(e, (ValueError, OSError, ModelFormatError, KernelUnavailableError)) and \
             type(e).__module__.startswith(("builtins", "tmac")) and str(e):
         return str(e)
+    if isinstance(e, MemoryError) or isinstance(e, RuntimeError) and "can't allocate memory" in str(e):
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return (f"not enough memory ({first[:200]}): a smaller --context, a smaller model, or fewer requests at "
+                f"once need less")
     return f"{type(e).__name__}: {e} (unexpected; run with --debug for the traceback)"
 
 
@@ -412,22 +419,38 @@ def cmd_compile(args) -> int:
         if not specs:
             raise ValueError(f"{path}: every projection is float; nothing to compile (give --bits to quantize)")
     output = args.output or f"tmac-kernels-{isa.name}"
-    cache.read_manifest_for_update(output, isa)  # refuses a directory of another ISA before compiling
+    done = cache.read_manifest_for_update(output, isa)  # refuses a directory of another ISA before compiling
     check_room(output, KERNEL_ROOM)
-    entries, rows = {}, []
+    rows, listed = [], len(done)
     for i, spec in enumerate(specs, 1):
+        path = os.path.join(output, spec.name + ".so")
+        if spec.name in done and _whole(path, isa, done[spec.name]):  # (an earlier compile's, stopped or not)
+            rows.append((spec.name, getattr(spec, "k", "-"), getattr(spec, "bits", "-"),
+                         getattr(spec, "group_size", "-"), "kept", os.path.getsize(path)))
+            continue
         print(f"[{i}/{len(specs)}] compiling {spec.name} ({linker.name}) ...", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
-        path = os.path.join(output, spec.name + ".so")
-        entries[spec.name] = build_into(spec, isa, path)
+        # the manifest lists each kernel once it is whole: a compile stopped half-way keeps what it finished
+        listed = cache.add_to_manifest(output, isa, {spec.name: build_into(spec, isa, path)})
         rows.append((spec.name, getattr(spec, "k", "-"), getattr(spec, "bits", "-"), getattr(spec, "group_size", "-"),
                      f"{time.perf_counter() - t0:.2f}", os.path.getsize(path)))
-    listed = cache.add_to_manifest(output, isa, entries)
     _print_table(rows, header=("kernel", "K", "bits", "group", "seconds", "bytes"))
-    print(f"wrote {len(rows)} kernel(s) to {os.path.abspath(output)} ({isa.arch}, {isa.name}; manifest.json lists "
+    kept = sum(r[4] == "kept" for r in rows)
+    print(f"wrote {len(rows) - kept} kernel(s){f', kept {kept}' if kept else ''} to {os.path.abspath(output)} ({isa.arch}, {isa.name}; manifest.json lists "
           f"{listed})")
     print(_compile_next_step(args, isa, output))
     return 0
+
+
+def _whole(path: str, isa, entry: dict) -> bool:
+    """Whether ``path`` is the kernel its manifest entry records (size and sha256)."""
+    from . import cache
+
+    try:
+        cache.check_entry(path, isa.arch, entry, "the manifest")
+        return True
+    except Exception:
+        return False
 
 
 def _compile_next_step(args, isa, output: str) -> str:

@@ -477,6 +477,9 @@ def cmd_serve(args) -> int:
         raise ValueError(f"tmac serve needs FastAPI and uvicorn ({e}); pip install fastapi uvicorn") from None
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    from .serve import check_api_key
+
+    check_api_key(args.api_key)
     check_port_free(args.host, args.port)  # before loading: a busy port is said at once
     if (warning := open_bind_warning(args.host, args.api_key)) is not None:
         print(warning, file=sys.stderr)
@@ -485,6 +488,9 @@ def cmd_serve(args) -> int:
     served = Served(args.alias or model_name(model.source), given, os.path.basename(model.source),
                     model_name(model.source))
     app = create_app(model, served, args.api_key, args.max_batch, args.max_queue, log=log_line)
+    if app.state.batcher.max_caches < args.max_batch:
+        print(f"tmac serve: KV caches of {model.context} positions for {app.state.batcher.max_caches} requests fit "
+              f"in memory, not --max-batch {args.max_batch}: the others wait (503 past --max-queue)", file=sys.stderr)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False,
                             timeout_graceful_shutdown=1)
     server = _Server(config, app.state.shutdown)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import zlib
 
 import numpy as np
@@ -50,6 +51,19 @@ def lut_linear_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
 @lut_linear_op.register_fake
 def _(x, qweight, scales, zeros, bias, spec, out_features, kernel_dir):
     return x.new_empty((x.shape[0], out_features), dtype=torch.float32)
+
+
+# inputs whose magnitude reaches this are scaled down by a power of two first (exact): the kernels add activations
+# into table entries and scale sums of K products in float32, which overflows from about 1e36 on
+SAFE_INPUT = 2.0 ** 100
+
+
+def _overflow_shift(x: torch.Tensor) -> int:
+    """0 for inputs of ordinary size, else the power of two that brings their largest magnitude to 1."""
+    top = float(x.abs().max()) if x.numel() else 0.0
+    if top < SAFE_INPUT or top != top or top == float("inf"):
+        return 0
+    return math.frexp(top)[1]
 
 
 def layout_checksum(spec: KernelSpec, *tensors) -> int:
@@ -190,7 +204,13 @@ class Linear(nn.Module):
             b = self._buffers  # (not four nn.Module.__getattr__ calls: this path is the layer's whole overhead)
             packed = (b["qweight"], b["scales"], b["zeros"], b["bias"])
             bound = bind_packed(self, self.spec, self.out_features, packed, self.kernel_dir)
+            shift = _overflow_shift(x2)
+            if shift:  # sums of huge inputs in the tables would overflow float32: a power of two out and back in
+                x2 = x2 * 2.0 ** -shift
+                packed = (*packed[:3], None)
             y = lut_linear(x2, *packed, self.spec, self.out_features, self.kernel_dir, bound=bound, checked=True)
+            if shift:
+                y = y * 2.0 ** shift + (b["bias"] if b["bias"] is not None else 0.0)
         else:  # tracing (dynamo, export, fake tensors): go through the registered op
             y = lut_linear_op(x2, self.qweight, self.scales, self.zeros, self.bias, self._spec_json,
                               self.out_features, self.kernel_dir or "")

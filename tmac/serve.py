@@ -34,11 +34,6 @@ from .models.text import check_prompt_size
 MAX_STOPS = 4  # as OpenAI's API
 SWITCH_INTERVAL = 0.0005  # seconds: the interpreter's, while a server runs
 MAX_TOP_LOGPROBS = {"chat": 20, "completions": 5}  # OpenAI's bounds
-# fields a request may carry that do not change the answer tmac gives (the rest of the body is read below)
-IGNORED = {"store", "metadata", "service_tier", "parallel_tool_calls", "user", "suffix", "cache_prompt",
-           "modalities", "prediction", "reasoning_effort", "tools", "tool_choice", "functions", "function_call",
-           "web_search_options", "safety_identifier", "prompt_cache_key", "verbosity", "best_of", "id_slot",
-           "audio", "stream_options", "timings_per_token", "return_tokens"}
 ROLES = ("system", "developer", "user", "assistant")
 
 
@@ -78,6 +73,7 @@ def create_app(model, model_name: str | Served, api_key: str | None = None, max_
     """The API over ``model`` (a loaded tmac model with its tokenizer), answering to ``model_name``; ``log``: where
     the per-request lines and notices go (None: nowhere)."""
     served = model_name if isinstance(model_name, Served) else Served(model_name)
+    check_api_key(api_key)
     batcher = Batcher(model, max_batch, max_queue)
     log = log or (lambda text: None)
     counters = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0, "errors": 0}
@@ -107,9 +103,18 @@ def create_app(model, model_name: str | Served, api_key: str | None = None, max_
             log(f"ignoring request field{'s' if len(new) > 1 else ''} {', '.join(new)}: not served, and the "
                 f"answer does not depend on {'them' if len(new) > 1 else 'it'} (said once)")
 
+    paths = sorted({p for p in (str(model.source), os.path.dirname(str(model.source)),
+                                os.path.realpath(str(model.source))) if len(p) > 1}, key=len, reverse=True)
+
+    def redact(text: str) -> str:
+        """An error's words without the model's place on this machine: the API names models, never paths."""
+        for p in paths:
+            text = text.replace(p, served.name)
+        return text
+
     @app.exception_handler(APIError)
     async def _api_error(request, e: APIError):
-        return _error(e.status, e.message, e.kind, e.code, e.param, e.headers)
+        return _error(e.status, redact(e.message), e.kind, e.code, e.param, e.headers)
 
     @app.exception_handler(404)
     async def _not_found(request, e):
@@ -253,7 +258,7 @@ def create_app(model, model_name: str | Served, api_key: str | None = None, max_
             if name in OPTIONS and name != "logprobs":
                 if value is not None or name in ("seed", "max_tokens"):
                     options[key] = value
-            elif key not in read and key not in ("model", "stream", "n"):
+            elif key not in read and key not in ("model", "stream", "n", "stream_options"):
                 unknown.append(key)
         ignore(unknown)
         n = body.get("n", 1)
@@ -322,7 +327,7 @@ def create_app(model, model_name: str | Served, api_key: str | None = None, max_
             include_usage = bool((body.get("stream_options") or {}).get("include_usage")) \
                 if isinstance(body.get("stream_options"), dict) else False
             return StreamingResponse(_stream(generation, events, meta, chat, usage, include_usage, lp, prefix,
-                                             account, watcher),
+                                             account, watcher, redact),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         text, finish, entries = [prefix], None, []
         try:
@@ -338,6 +343,9 @@ def create_app(model, model_name: str | Served, api_key: str | None = None, max_
             if finish is None:
                 generation.cancel()
             account(finish)
+        if finish == "busy":
+            raise APIError(503, f"the server is busy: {''.join(text[1:])}; try again shortly", "server_error", "busy",
+                           headers={"Retry-After": "1"})
         if finish == "error":
             raise APIError(500, "".join(text[1:]), "server_error")
         content = "".join(text)
@@ -454,7 +462,7 @@ class _Logprobs:
 
 
 async def _stream(generation, events: asyncio.Queue, meta: dict, chat: bool, usage, include_usage: bool, lp,
-                  prefix: str, account, watcher):
+                  prefix: str, account, watcher, redact):
     kind = "chat.completion.chunk" if chat else "text_completion"
 
     def chunk(piece: str | None, finish: str | None, entries=(), first: bool = False) -> str:
@@ -480,12 +488,12 @@ async def _stream(generation, events: asyncio.Queue, meta: dict, chat: bool, usa
             if event is None:  # the client left
                 return
             piece, finish, entries = event
-            if finish == "error":
-                yield f"data: {json.dumps({'error': {'message': piece, 'type': 'server_error'}})}\n\n"
+            if finish in ("error", "busy"):
+                yield f"data: {json.dumps({'error': {'message': redact(piece), 'type': 'server_error'}})}\n\n"
                 break
             if piece or finish or entries:
                 yield chunk(piece, finish, entries)
-        if include_usage and finish != "error":
+        if include_usage and finish not in ("error", "busy"):
             yield f"data: {json.dumps({**meta, 'object': kind, 'choices': [], 'usage': usage()})}\n\n"
         yield "data: [DONE]\n\n"
     finally:  # a client gone mid-stream: its sequence leaves the batch at the next step
@@ -550,6 +558,19 @@ class _LogRequests:
             else:
                 line += f" | {(time.perf_counter() - started) * 1e3:.1f} ms"
             self.log(line)
+
+
+def check_api_key(key: str | None) -> None:
+    """A key a client can send: not empty or blank (an empty one let ``Authorization: Bearer `` in), no spaces at
+    its ends, no control characters (headers cannot carry them)."""
+    if key is None:
+        return
+    if not isinstance(key, str) or not key.strip():
+        raise ValueError("the API key (--api-key or TMAC_API_KEY) is empty: give a key, or set neither for a server "
+                         "without one")
+    if key != key.strip() or not key.isprintable() or not key.isascii():
+        raise ValueError("the API key (--api-key or TMAC_API_KEY) has spaces at its ends, control or non-ASCII "
+                         "characters, which an HTTP header cannot carry as they are")
 
 
 def _model_card(name: str, created: int) -> dict:
