@@ -20,6 +20,9 @@ from typing import Any
 import numpy as np
 
 
+MAX_STOPS, MAX_STOP_CHARS = 16, 1000
+
+
 class SamplingError(ValueError):
     """An option out of its bounds or of the wrong type; ``option`` names it."""
 
@@ -170,6 +173,9 @@ def _checked(f: dataclasses.Field, v: Any):
         if any(not s for s in stops):
             raise SamplingError(name, "stop strings must not be empty (an empty one would stop before the first "
                                       "token)")
+        if len(stops) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise SamplingError(name, f"stop: at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters "
+                                      f"(each is matched against the text at every token)")
         return tuple(stops)
     if kind == "bias":
         if v is None:

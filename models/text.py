@@ -56,9 +56,18 @@ class TextStream:
         return piece
 
     def _forming(self, text: str) -> int:
-        """Characters at the end of ``text`` that may be the start of a stop string."""
-        return max((k for s in self.stop for k in range(min(len(s) - 1, len(text)), 0, -1)
-                    if text.endswith(s[:k])), default=0)
+        """Characters at the end of ``text`` that may be the start of a stop string: the longest tail that begins
+        one, found from where the stop's first character occurs in the tail (not by trying every length)."""
+        longest = 0
+        for s in self.stop:
+            start = max(0, len(text) - len(s) + 1)
+            at = text.find(s[0], start)
+            while at != -1 and len(text) - at > longest:
+                if s.startswith(text[at:]):
+                    longest = len(text) - at
+                    break
+                at = text.find(s[0], at + 1)
+        return longest
 
     def finish(self) -> str:
         """What is left once generation ended (a held-back tail that turned out not to be a stop string)."""

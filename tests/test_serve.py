@@ -222,6 +222,11 @@ def test_sampling_penalties_are_applied_as_defined(server, model, options):
     ({"model": "M", "prompt": "x", "min_p": 1.5}, 400, "min_p"),
     (b'{"model": "M", "prompt": "x", "temperature": Infinity}', 400, "temperature"),
     (b'[1, 2]', 400, "JSON object"),
+    (b'{"model": "M", "prompt": "\\ud800"}', 400, "prompt: not valid Unicode"),
+    (b'{"model": "M", "messages": [{"role": "user", "content": "a\\ud83d"}]}', 400, "messages.0.content"),
+    (b'{"model": "M", "prompt": "\xff\xfe"}', 400, "JSON"),
+    (b'{"model": "M", "prompt": ' + b"[" * 100000 + b"]" * 100000 + b"}", 400, "JSON"),
+    ({"model": "M", "prompt": "x", "stop": ["y" * 1001]}, 400, "stop"),
     ({"model": "M", "messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
     ({"model": "M", "messages": []}, 400, "messages"),
     ({"model": "M", "messages": [{"role": "user", "content": "x " * 5000}]}, 400, "context"),
@@ -473,3 +478,33 @@ def test_forward_rows_gives_each_row_what_a_one_row_forward_gives(model):
     assert torch.equal(rows, torch.stack(alone))
     with pytest.raises(ValueError, match="outside a sequence's context"):
         model.forward_rows(torch.tensor([1]), [64], batched[:1])
+
+
+@pytest.mark.parametrize("extreme", [dict(temperature=1e308, top_k=5), dict(temperature=1e-300, top_p=0.5),
+                                     dict(top_p=1e-320), dict(repeat_penalty=5e-324), dict(repeat_penalty=1e300),
+                                     dict(temperature=2.0, min_p=1.0), dict(frequency_penalty=2, presence_penalty=-2)])
+def test_sampling_values_at_their_bounds_answer(server, extreme):
+    body = {"model": name(server), "prompt": "Once upon a time", "max_tokens": 4, **extreme}
+    status, _, answer = call(server, "POST", "/v1/completions", body)
+    assert status == 200 and answer["usage"]["completion_tokens"] >= 1, answer
+
+
+def test_a_body_past_the_limit_is_413_and_the_server_goes_on(model):
+    with serving(model, max_body=4096) as url:
+        big = {"model": "m", "prompt": "x " * 4000, "max_tokens": 1}
+        status, _, answer = call(url, "POST", "/v1/completions", big)
+        assert status == 413 and answer["error"]["code"] == "request_too_large"
+        host, port = url.removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)  # chunked: no Content-Length to refuse by
+        conn.putrequest("POST", "/v1/completions")
+        conn.putheader("Content-Type", "application/json")
+        conn.putheader("Transfer-Encoding", "chunked")
+        conn.endheaders()
+        payload = json.dumps(big).encode()
+        for i in range(0, len(payload), 1000):
+            piece = payload[i:i + 1000]
+            conn.send(b"%x\r\n%s\r\n" % (len(piece), piece))
+        conn.send(b"0\r\n\r\n")
+        assert conn.getresponse().status == 413
+        conn.close()
+        assert call(url, "POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 2})[0] == 200

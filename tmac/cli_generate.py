@@ -47,6 +47,8 @@ def add_parsers(sub, common) -> None:
     s.add_argument("--port", type=int, default=8080, help="(default: 8080)")
     s.add_argument("--api-key", default=os.environ.get("TMAC_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/ (default: $TMAC_API_KEY, else none)")
+    s.add_argument("--max-body", type=int, default=8 << 20, metavar="BYTES",
+                   help="the largest request body; larger ones get 413 (default: 8 MiB)")
     s.add_argument("--alias", "-a", help="the model's name in the API (default: the file's name without .gguf)")
     s.add_argument("--max-batch", type=int, default=4, help="requests generated together at most (default: 4)")
     s.add_argument("--max-queue", type=int, default=16,
@@ -477,6 +479,8 @@ def cmd_serve(args) -> int:
         raise ValueError(f"tmac serve needs FastAPI and uvicorn ({e}); pip install fastapi uvicorn") from None
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    if args.max_body < 1024:
+        raise ValueError(f"--max-body must be at least 1024 bytes, got {args.max_body}")
     from .serve import check_api_key
 
     check_api_key(args.api_key)
@@ -487,7 +491,8 @@ def cmd_serve(args) -> int:
     given = getattr(args, "model_name", None)
     served = Served(args.alias or model_name(model.source), given, os.path.basename(model.source),
                     model_name(model.source))
-    app = create_app(model, served, args.api_key, args.max_batch, args.max_queue, log=log_line)
+    app = create_app(model, served, args.api_key, args.max_batch, args.max_queue, log=log_line,
+                     max_body=args.max_body)
     if app.state.batcher.max_caches < args.max_batch:
         print(f"tmac serve: KV caches of {model.context} positions for {app.state.batcher.max_caches} requests fit "
               f"in memory, not --max-batch {args.max_batch}: the others wait (503 past --max-queue)", file=sys.stderr)

@@ -68,10 +68,13 @@ class Served:
         self.names = list(dict.fromkeys(n for n in (name, *others) if n))
 
 
+MAX_BODY = 8 << 20  # bytes of a request body, by default: a long conversation is well under a MiB
+
+
 def create_app(model, model_name: str | Served, api_key: str | None = None, max_batch: int = 4,
-               max_queue: int = 16, log=log_line) -> FastAPI:
+               max_queue: int = 16, log=log_line, max_body: int = MAX_BODY) -> FastAPI:
     """The API over ``model`` (a loaded tmac model with its tokenizer), answering to ``model_name``; ``log``: where
-    the per-request lines and notices go (None: nowhere)."""
+    the per-request lines and notices go (None: nowhere); ``max_body``: the largest request body, in bytes."""
     served = model_name if isinstance(model_name, Served) else Served(model_name)
     check_api_key(api_key)
     batcher = Batcher(model, max_batch, max_queue)
@@ -126,6 +129,7 @@ def create_app(model, model_name: str | Served, api_key: str | None = None, max_
 
     if api_key is not None:
         app.add_middleware(_RequireKey, key=api_key)
+    app.add_middleware(_LimitBody, limit=max_body)
     app.add_middleware(_LogRequests, log=log)
 
     @app.get("/")
@@ -230,7 +234,7 @@ def create_app(model, model_name: str | Served, api_key: str | None = None, max_
         messages = _messages(body.get("messages"))
         check_prompt_size_or_400(model, sum(len(m["content"]) for m in messages))
         try:
-            ids = model.tokenizer.encode(model.tokenizer.render_chat(messages))
+            ids = await asyncio.to_thread(lambda: model.tokenizer.encode(model.tokenizer.render_chat(messages)))
         except ValueError as e:
             raise bad(str(e), "messages") from None
         logprobs, top = body.get("logprobs", False), body.get("top_logprobs")
@@ -363,15 +367,37 @@ def create_app(model, model_name: str | Served, api_key: str | None = None, max_
 
 
 async def _json(request: Request) -> dict:
-    """The request's body as a JSON object, or a 400 in OpenAI's shape."""
+    """The request's body as a JSON object of valid Unicode, or a 400 in OpenAI's shape; parsed off the event loop
+    (a large body does not stall the other clients' streams)."""
     raw = await request.body()
     try:
-        body = json.loads(raw)
+        body = await asyncio.to_thread(json.loads, raw)
     except (ValueError, RecursionError) as e:
         raise bad(f"the body is not valid JSON ({str(e)[:120]})") from None
     if not isinstance(body, dict):
         raise bad("the body must be a JSON object")
+    where = await asyncio.to_thread(_lone_surrogate, body)
+    if where is not None:
+        raise bad(f"{where or 'body'}: not valid Unicode (a lone surrogate: half of a UTF-16 pair)", where or None)
     return body
+
+
+def _lone_surrogate(value, where: str = "") -> str | None:
+    """Where in ``value`` a string holds a lone surrogate (JSON's "\\ud800"), which no text can encode; None if
+    nowhere."""
+    stack = [(value, where)]
+    while stack:
+        v, at = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return at
+        elif isinstance(v, dict):
+            stack += [(x, f"{at}.{k}" if at else str(k)) for k, x in v.items()]
+        elif isinstance(v, list):
+            stack += [(x, f"{at}.{i}" if at else str(i)) for i, x in enumerate(v)]
+    return None
 
 
 def _messages(messages) -> list[dict]:
@@ -524,6 +550,46 @@ class _RequireKey:
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class _LimitBody:
+    """413 for a request body past ``limit`` bytes: by its Content-Length at once, else (chunked) as it arrives,
+    before more of it is held in memory."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+        too_large = _error(413, f"the request body is larger than {self.limit} bytes (--max-body)",
+                           "invalid_request_error", "request_too_large")
+        if length is not None and (not length.isdigit() or int(length) > self.limit):
+            return await too_large(scope, receive, send)
+        seen, started = [0], [False]
+
+        async def counting():
+            message = await receive()
+            if message["type"] == "http.request":
+                seen[0] += len(message.get("body", b""))
+                if seen[0] > self.limit:
+                    raise _TooLarge
+            return message
+
+        async def sending(message):
+            started[0] = started[0] or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counting, sending)
+        except _TooLarge:
+            if not started[0]:
+                await too_large(scope, receive, send)
+
+
+class _TooLarge(Exception):
+    pass
 
 
 class _LogRequests:
