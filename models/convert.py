@@ -25,6 +25,7 @@ def convert(source: str, output: str, *, bits: int | None = None, group_size: in
     t0 = time.perf_counter()
     model = load_model(source, bits=bits, group_size=group_size, head_bits=head_bits, context=1, progress=progress)
     shared = save_model(model, output, shared_table)
+    _compile_for(output)
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     parts = {"projections": 0, "head": 0, "token table": 0, "other": 0}
     for name, t in model.state_dict().items():
@@ -39,6 +40,19 @@ def convert(source: str, output: str, *, bits: int | None = None, group_size: in
             "file_bytes": os.path.getsize(output), "source_bytes": _size_of(source),
             "table_from_head": bool(shared) and isinstance(model.tok_embeddings, Embedding),
             "seconds": time.perf_counter() - t0}
+
+
+def _compile_for(path: str) -> None:
+    """Every kernel a run of the converted file takes on this CPU into the kernel cache (compiled where missing):
+    its first run then compiles nothing."""
+    from tmac.kernels import best_isa
+    from tmac.runtime import load_kernels
+
+    from .kernel_specs import model_kernel_specs
+
+    isa = best_isa()
+    for spec in model_kernel_specs(path, isa):
+        load_kernels(spec, isa)
 
 
 def _size_of(path: str) -> int:

@@ -57,7 +57,8 @@ def test_compile_arm64_bits_2_as_typed_needs_no_compiler(tmp_path):
     specs = [e["spec"] for e in manifest["kernels"]]
     # SmolLM2 at 2 bits: K = 576 (q|k|v, gate|up) and 1536 (down), the head its own Q8_0, glue for both caches
     assert sorted({(s["bits"], s["k"]) for s in specs if "bits" in s}) == [(2, 576), (2, 1536), (8, 576)]
-    assert sorted(s["kv_dtype"] for s in specs if "bits" not in s) == ["float16", "float32"]
+    # each KV dtype's glue, for the GGUF's table and for its packed copy's
+    assert sorted(s["kv_dtype"] for s in specs if "bits" not in s) == ["float16", "float16", "float32", "float32"]
     for entry in manifest["kernels"]:
         lib = (out / entry["file"]).read_bytes()
         assert lib[:4] == b"\x7fELF" and int.from_bytes(lib[18:20], "little") == 183  # EM_AARCH64
@@ -139,7 +140,8 @@ def test_convert_then_run_gives_the_same_greedy_ids(tmp_path):
     # once, as the head's weights (28.7 MiB less), rebuilt on load
     for flags, table_stored in (([], True), (["--shared-table"], False)):
         out = tmp_path / f"smollm2{len(flags)}.tmac"
-        r = tmac("convert", smollm2_path(), "-o", str(out), *flags)
+        fresh = dict(os.environ, TMAC_CACHE_DIR=str(tmp_path / f"cache{len(flags)}"))  # convert compiles what runs
+        r = tmac("convert", smollm2_path(), "-o", str(out), *flags, env=fresh)
         assert r.returncode == 0, r.stderr
         assert "quantized layers" in r.stdout and "q4_1" in r.stdout
         with safe_open(str(out), framework="pt") as f:
@@ -149,7 +151,9 @@ def test_convert_then_run_gives_the_same_greedy_ids(tmp_path):
         assert ("token table 0.0 (the head's, shared)" in r.stdout) != table_stored
         # never larger than the GGUF it came from, but for the head, which is the GGUF's table a second time
         assert out.stat().st_size <= os.path.getsize(smollm2_path()) + table_stored * head
-        run = json.loads(tmac("run", str(out), "-p", "Name three colors.", "-n", "12", "--json", "--temp", "0").stdout)
+        r = tmac("run", str(out), "-p", "Name three colors.", "-n", "12", "--json", "--temp", "0", env=fresh)
+        assert "compiling" not in r.stderr, r.stderr
+        run = json.loads(r.stdout)
         assert run["generated_ids"] == runs[0]["generated_ids"]
         assert run["prompt_ids"] == runs[0]["prompt_ids"]  # tokenizer and chat template travel in the file
     r = tmac("run", str(out), "-p", "x", "--bits", "2")
@@ -268,14 +272,19 @@ def test_compile_for_a_model_gives_every_kernel_it_runs(tmp_path):
     assert sorted({(s["bits"], s["k"], s["has_zeros"], s["zero_dtype"]) for s in specs if "bits" in s}) == [
         (4, 576, True, "float16"), (4, 576, True, "float32"), (4, 1536, True, "float16"), (4, 1536, True, "float32"),
         (8, 576, False, "float32")]
-    glue = [s for s in specs if "bits" not in s]  # and the decode glue of its shape
+    glue = [s for s in specs if "bits" not in s]  # and the decode glue of its shape, for each KV dtype and for the
+    # table as the GGUF holds it (its blocks) and as its packed copy holds it
     assert sorted((s["dim"], s["n_heads"], s["n_kv_heads"], s["ffn_dim"], s["kv_dtype"]) for s in glue) == [
-        (576, 9, 3, 1536, "float16"), (576, 9, 3, 1536, "float32")]
+        (576, 9, 3, 1536, "float16")] * 2 + [(576, 9, 3, 1536, "float32")] * 2
+    assert len({json.dumps(s, sort_keys=True) for s in glue}) == 4
     env = dict(os.environ, TMAC_KERNEL_DIR=str(tmp_path / "k"), TMAC_CACHE_DIR=str(tmp_path / "empty-cache"))
     for kv in ("float16", "float32"):
         r = tmac("run", "-p", "Hi", "-n", "4", "--json", "--kv-dtype", kv, env=env)
         assert r.returncode == 0 and "compiling" not in r.stderr, r.stderr
         assert len(json.loads(r.stdout)["generated_ids"]) > 0
+    for _ in range(2):  # with the packed copy: written and run from, then mapped
+        r = tmac("run", "-p", "Hi", "-n", "4", "--json", env={**env, "TMAC_MODEL_CACHE": "1"})
+        assert r.returncode == 0 and "compiling" not in r.stderr and json.loads(r.stdout)["packed_copy"], r.stderr
     # requantized: every projection at 2 bits, the head still the file's own (Q8_0)
     r = tmac("compile", "--model", smollm2_path(), "--bits", "2", "-o", str(tmp_path / "k2"))
     assert r.returncode == 0, r.stderr

@@ -36,8 +36,11 @@ class Parser(argparse.ArgumentParser):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except KeyboardInterrupt:  # (building the flags imports numpy: a while)
+        print("interrupted", file=sys.stderr)
+        return 130
     if not args.debug:  # a warning is one line for a person, not a source line of tmac's
         warnings.showwarning = _show_warning
     from .memory import one_malloc_arena
@@ -50,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
             args.model_name, args.model = args.model, resolve(args.model)
             if args.model != args.model_name:  # a repo id: say which file it gave
                 print(f"tmac: {args.model_name}: {_shown_path(args.model)}", file=sys.stderr)
-            if not os.path.exists(args.model):  # (before torch is imported: said at once)
+            if not os.path.exists(args.model) and not getattr(args, "shape", None):  # (before torch is imported:
+                # said at once; with --shape the two refuse each other first)
                 raise FileNotFoundError(f"no such model file or directory: {args.model}")
         return args.func(args) or 0
     except KeyboardInterrupt:

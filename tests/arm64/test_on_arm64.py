@@ -19,7 +19,7 @@ import environment
 
 CPUS = {"cortex-a76": "neon_dotprod", "cortex-a72": "neon"}
 PROMPT = "The capital of France is"
-RUN = ["run", "--ignore-eos", "-n", "16", "-p", PROMPT, "--json"]
+RUN = ["run", "--ignore-eos", "-n", "16", "-p", PROMPT, "--json", "--temperature", "0"]
 HOST_LINKER = f"{sys.executable} -m ziglang cc -target aarch64-linux-gnu"
 NO_COMPILERS = {"PATH": os.path.join(environment.ROOT, "usr", "bin")}  # aarch64 programs: none can run here
 
