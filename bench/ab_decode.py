@@ -37,7 +37,7 @@ def _python(site: str, cache: str, threads: int, args: list[str], what: str) -> 
 
 def run(site: str, cache: str, tokens: int, threads: int, model: str | None) -> dict:
     args = ["-m", "tmac.cli", "run", *([model] if model else []), "-p", PROMPT, "-n", str(tokens), "--ignore-eos",
-            "--json"]
+            "--json", "--temperature", "0"]
     return json.loads(_python(site, cache, threads, args, "tmac run"))
 
 
@@ -48,7 +48,7 @@ PROMPT = {PROMPT!r}
 model = tmac.load_model(sys.argv[1] if len(sys.argv) > 1 else default_model_path())
 session = tmac.Session(model)
 ids = model.tokenizer.encode(PROMPT)
-session.generate(ids, max_new_tokens=4, ignore_eos=True, temperature=0)
+session.generate(ids, max_new_tokens=4, temperature=0)
 plan, pos, times = session.decode_plan(), len(ids) + 4, []
 for i in range(300):
     t = time.perf_counter()

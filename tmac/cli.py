@@ -328,7 +328,10 @@ def cmd_pull(args) -> int:
         print(f"{args.model} is in the cache: {_shown_path(e.path)} — {e.path}\n(the hub cannot be reached: "
               f"{e.why}; it was not checked for a newer version)\nrun it: tmac run {args.model} -p \"Hello\"")
         return 0
-    print(f"{args.model}: {_shown_path(path)} — {path}\nrun it: tmac run {args.model} -p \"Hello\"")
+    from .models.hub import offline
+
+    where = " (in the cache; HF_HUB_OFFLINE is set, so the hub was not asked for a newer version)" if offline() else ""
+    print(f"{args.model}: {_shown_path(path)} — {path}{where}\nrun it: tmac run {args.model} -p \"Hello\"")
     return 0
 
 
