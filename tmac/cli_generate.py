@@ -176,10 +176,11 @@ def _load(args):
     model = load_for_generation(args.model, bits=args.bits, group_size=args.group_size, head_bits=args.head_bits,
                                 context=args.context, kv_dtype=args.kv_dtype)
     args.packed_copy = model.packed_copy
+    load_s = time.perf_counter() - t0
     if model.tokenizer is None:
         raise ValueError(f"{model.source}: the model has no tokenizer (tokenizer.json), so it cannot take text")
     print(f"tmac: {precision_line(model, args.bits)}", file=sys.stderr)
-    return model, time.perf_counter() - t0
+    return model, load_s
 
 
 def precision_line(model, bits: int | None) -> str:
