@@ -243,7 +243,6 @@ class Sampler:
         return np.clip(x, -1e300, 1e300, out=x)
 
     def _pick(self, raw: np.ndarray) -> int:
-        p = self.params
         with np.errstate(over="ignore", under="ignore"):  # (overflow clipped, underflow 0: both as meant)
             return self._filtered(raw, self._adjusted(raw))
 
