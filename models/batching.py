@@ -48,9 +48,9 @@ class _Cancelled(Exception):
 @dataclass
 class Request:
     """One generation. ``emit(piece, finish_reason, logprobs)`` is called from the batching thread with each new
-    text piece and the ``TokenLogprob`` of the tokens it completes (with ``params.logprobs``; else empty)
-    (``finish_reason`` None until the last call: ``"stop"`` or ``"length"``, or ``"error"`` with the message as the
-    piece)."""
+    text piece and the ``TokenLogprob`` of the tokens it completes (with ``params.logprobs``; else empty).
+    ``finish_reason`` is None until the last call: ``"stop"`` or ``"length"``; ``"abort"`` when the server stops;
+    ``"busy"`` (no memory for its KV cache now) or ``"error"`` with the message as the piece."""
 
     prompt_ids: list[int]
     params: SamplingParams
@@ -93,7 +93,7 @@ class Batcher:
             raise ValueError("serving text needs the model's tokenizer, and this model was loaded without one")
         self.model, self.max_batch, self.max_queue = model, max_batch, max_queue
         self.max_caches = kv_caches_that_fit(model, max_batch)  # (the batch's caches budgeted together)
-        self.waiting: collections.deque[Request] = collections.deque()
+        self.waiting: collections.deque[tuple[Request, Generation]] = collections.deque()
         self.active: list[_Active] = []
         self.admitting: collections.deque[_Active] = collections.deque()  # prompts being prefilled, in turn
         self.steps = 0
@@ -142,8 +142,8 @@ class Batcher:
 
     def load(self) -> dict:
         return {"running": len(self.active), "prefilling": len(self.admitting), "waiting": len(self.waiting),
-                "max_batch": self.max_batch, "kv_caches": self.max_caches, "max_queue": self.max_queue, "steps": self.steps, "widest": self.widest,
-                "stepped": self.stepped,
+                "max_batch": self.max_batch, "kv_caches": self.max_caches, "max_queue": self.max_queue,
+                "steps": self.steps, "widest": self.widest, "stepped": self.stepped,
                 "step_seconds": round(self.step_seconds, 6), "prefilled": self.prefilled, "reused": self.reused}
 
     # ---- the batching thread ---------------------------------------------------------------------------------

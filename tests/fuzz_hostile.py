@@ -48,7 +48,8 @@ def _run_model(path: str, **kw) -> None:
     model = tmac.load_model(path, progress=False, **kw)
     logits = tmac.Session(model).logits([0, 1, 2])
     assert logits.shape == (3, model.config.vocab_size), logits.shape
-    tmac.Session(model).generate([0, 1, 2], max_new_tokens=2, ignore_eos=True, temperature=0)  # the decode plan: its glue kernels too
+    tmac.Session(model).generate([0, 1, 2],
+            max_new_tokens=2, ignore_eos=True, temperature=0)  # the decode plan: its glue kernels too
 
 
 def _forget_loaded_kernels() -> None:

@@ -135,7 +135,8 @@ def test_run_errors_are_one_line(tmp_path):
 def test_convert_then_run_gives_the_same_greedy_ids(tmp_path):
     from safetensors import safe_open
 
-    runs = [json.loads(tmac("run", smollm2_path(), "-p", "Name three colors.", "-n", "12", "--json", "--temp", "0").stdout)]
+    runs = [json.loads(tmac("run", smollm2_path(), "-p", "Name three colors.", "-n", "12", "--json", "--temp",
+                            "0").stdout)]
     # by default the tied Q8_0 table is stored as a table (it stays in the mapped file); --shared-table stores it
     # once, as the head's weights (28.7 MiB less), rebuilt on load
     for flags, table_stored in (([], True), (["--shared-table"], False)):

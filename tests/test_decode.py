@@ -308,7 +308,8 @@ def test_generation_uses_the_plan_and_agrees_with_eager(tmp_path):
     assert model.tok_embeddings.format.name == "w8g32s" and model.tok_embeddings.codes.dtype == torch.uint8
     prompt = list(range(5, 25))
     fast = tmac.Session(model).generate(prompt, max_new_tokens=12, ignore_eos=True, temperature=0)
-    assert tmac.Session(model, static_decode=False).generate(prompt, max_new_tokens=12, ignore_eos=True, temperature=0) == fast
+    assert tmac.Session(model, static_decode=False).generate(prompt,
+            max_new_tokens=12, ignore_eos=True, temperature=0) == fast
     float_model = tmac.load_model(tmp_path, context=64)
     with torch.inference_mode():
         tmac.Session(float_model).logits(prompt)

@@ -147,7 +147,8 @@ def test_the_readme_raspberry_pi_example_runs_the_default_model_from_the_compile
     assert variable.startswith("TMAC_KERNEL_DIR=")
     run = command.split()[2:]  # after "tmac run"
     r = subprocess.run([sys.executable, "-m", "tmac.cli", "run", *[a.strip('"') for a in run], "-n", "16",
-                        "--json", "--temperature", "0"], capture_output=True, text=True, env=dict(env, TMAC_KERNEL_DIR=str(out)), timeout=600)
+                        "--json", "--temperature", "0"], capture_output=True, text=True,
+                       env=dict(env, TMAC_KERNEL_DIR=str(out)), timeout=600)
     assert r.returncode == 0 and "compiling" not in r.stderr, r.stderr
     model = tmac.load_model(smollm2_path(), progress=False)
     got = json.loads(r.stdout)

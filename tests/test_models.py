@@ -126,7 +126,8 @@ def test_generation_controls(tmp_path):
         with pytest.raises(ValueError, match="seed must be"):
             session.generate(prompt, temperature=0.7, seed=seed)
     streamed = []
-    assert session.generate(prompt, max_new_tokens=4, callback=streamed.append, ignore_eos=True, temperature=0) == streamed
+    assert session.generate(prompt, max_new_tokens=4,
+            callback=streamed.append, ignore_eos=True, temperature=0) == streamed
 
 
 def _kept(logits, top_k=0, top_p=1.0, min_p=0.0):
@@ -259,7 +260,8 @@ def test_smollm2_greedy_matches_llama_cpp(smollm2):
         gaps.append(((best - logits[torch.arange(len(cont)), cont]) / best.abs()).max().item())
         hits += sum(a == b for a, b in zip(logits.argmax(-1).tolist(), cont))
         total += len(cont)
-        ids = tmac.Session(smollm2).generate(prompt, max_new_tokens=len(cont), temperature=0)  # a fresh prefill, as llama.cpp's
+        # a fresh prefill, as llama.cpp's
+        ids = tmac.Session(smollm2).generate(prompt, max_new_tokens=len(cont), temperature=0)
         at = next((i for i, (a, b) in enumerate(zip(ids, cont)) if a != b), None)
         if at is not None:
             last = tmac.Session(smollm2).logits(prompt + ids[:at])[-1]

@@ -106,6 +106,7 @@ def test_a_sentencepiece_gguf_generates_from_text(tmp_path):
     write_gguf(hf_model("phi3"), "phi3", path)
     model = tmac.load_model(str(path), progress=False)
     assert model.tokenizer.encode("hello world") == [1] + sp.encode("hello world")
-    ids = tmac.Session(model).generate(model.tokenizer.encode("hello world"), max_new_tokens=4, ignore_eos=True, temperature=0)
+    ids = tmac.Session(model).generate(model.tokenizer.encode("hello world"),
+            max_new_tokens=4, ignore_eos=True, temperature=0)
     assert tmac.Session(model).generate("hello world", max_new_tokens=4, ignore_eos=True, temperature=0) == \
         model.tokenizer.decode(ids, skip_special=True) == sp.decode(ids)

@@ -413,7 +413,8 @@ def test_a_request_cancelled_while_prefilled_leaves_what_it_fed_for_the_next(tin
     said, done = [], threading.Event()
     batcher = Batcher(tiny, max_batch=2)
     try:
-        running = Generation([5, 6, 7], greedy(400), lambda piece, end, logprobs: None)  # (so that the prompt goes in pieces)
+        # (so that the prompt goes in pieces)
+        running = Generation([5, 6, 7], greedy(400), lambda piece, end, logprobs: None)
         batcher.submit(running)
         until(lambda: len(running.ids) >= 1)
         left = Generation(LONG_PROMPT, greedy(4), lambda piece, end, logprobs: said.append((piece, end)))

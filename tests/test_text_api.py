@@ -102,5 +102,6 @@ def test_two_sessions_on_one_model_interleaved_token_by_token_each_give_what_the
             together[i].append(next(stream))
     assert together == alone and first.sequence.k is not second.sequence.k
     # and each continues its own conversation: only the new turn is prefilled
-    again = first.generate(prompts[0] + together[0] + tok.encode(" And Italy?"), max_new_tokens=4, ignore_eos=True, temperature=0)
+    again = first.generate(prompts[0] + together[0] + tok.encode(" And Italy?"),
+            max_new_tokens=4, ignore_eos=True, temperature=0)
     assert first.stats["prefill_tokens"] < 8 and len(again) == 4

@@ -319,7 +319,8 @@ def cmd_pull(args) -> int:
     if args.model is None:
         raise ValueError("name the repo: tmac pull ORG/NAME[:QUANT or FILE.gguf]")
     if not is_repo_id(args.model):
-        raise ValueError(f"{args.model!r} is not a Hugging Face repo id (ORG/NAME, ORG/NAME:QUANT or ORG/NAME:FILE.gguf)")
+        raise ValueError(f"{args.model!r} is not a Hugging Face repo id (ORG/NAME, ORG/NAME:QUANT or "
+                         f"ORG/NAME:FILE.gguf)")
     try:
         path = pull(args.model)
     except CachedOnly as e:
@@ -443,7 +444,8 @@ def cmd_compile(args) -> int:
                      f"{time.perf_counter() - t0:.2f}", os.path.getsize(path)))
     _print_table(rows, header=("kernel", "K", "bits", "group", "seconds", "bytes"))
     kept = sum(r[4] == "kept" for r in rows)
-    print(f"wrote {len(rows) - kept} kernel(s){f', kept {kept}' if kept else ''} to {os.path.abspath(output)} ({isa.arch}, {isa.name}; manifest.json lists "
+    print(f"wrote {len(rows) - kept} kernel(s){f', kept {kept}' if kept else ''} to {os.path.abspath(output)} "
+          f"({isa.arch}, {isa.name}; manifest.json lists "
           f"{listed})")
     print(_compile_next_step(args, isa, output))
     return 0

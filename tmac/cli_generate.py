@@ -57,7 +57,8 @@ def add_parsers(sub, common) -> None:
 
 
 MODEL_HELP = ("a GGUF file, a Hugging Face directory, a .tmac file (tmac convert), or a Hugging Face repo id "
-              "(ORG/NAME; ORG/NAME:Q4_K_M for its GGUF of that quantization, ORG/NAME:FILE.gguf for one file; downloaded once into the Hugging Face "
+              "(ORG/NAME; ORG/NAME:Q4_K_M for its GGUF of that quantization, ORG/NAME:FILE.gguf for one file; "
+              "downloaded once into the Hugging Face "
               "cache, see tmac pull) (default: SmolLM2-135M-Instruct Q4_1)")
 HEAD_BITS_HELP = (f"the output head: {', '.join(map(str, BITS))} bits, or float (default: the file's own; with --bits, "
                   "8 bits in Q8_0's layout)")

@@ -17,8 +17,8 @@ def add_parser(sub, common) -> None:
                    help="GGUF file, Hugging Face directory or .tmac file (default: SmolLM2-135M-Instruct Q4_1)")
     p.add_argument("--text", metavar="FILE", help="a UTF-8 text file (default: a public-domain sample tmac ships, "
                                                    "about 3,500 tokens)")
-    p.add_argument("-c", "--context", type=int, default=512, help="tokens per window; the second half of each is scored "
-                                                            "(default 512, as llama-perplexity)")
+    p.add_argument("-c", "--context", type=int, default=512,
+                   help="tokens per window; the second half of each is scored (default 512, as llama-perplexity)")
     p.add_argument("--windows", type=int, help="score at most this many windows (default: all the text holds)")
     p.add_argument("--bits", type=int, choices=BITS, help="requantize the projections to this many bits")
     p.add_argument("--group-size", type=int, choices=GROUP_SIZES, help="group size with --bits")
