@@ -166,3 +166,18 @@ def test_tmac_cache_lists_and_clears(tmp_path, source):
     assert listed["models"] == [] and listed["kernels"]  # the kernels stay
     tmac_cli("cache", "clear")
     assert json.loads(tmac_cli("cache", "--json").stdout)["kernels"] == []
+
+
+def test_a_llama_cpp_mix_maps_from_its_copy_as_it_loads(cache, tmp_path, monkeypatch):
+    """Q4_K_M (a Q4_K q and k beside a Q6_K v in one fused projection): the copy gives the file's own logits."""
+    path = tmp_path / "Q4_K_M.gguf"
+    shutil.copyfile(os.path.join(os.path.dirname(__file__), "data", "mixes", "Q4_K_M.gguf"), path)
+    prompt = [1, 5, 17, 42, 99, 250]
+    direct = tmac.Session(tmac.load_model(str(path), packed_copy=False)).logits(prompt)
+    packed = loads_from_source(monkeypatch)
+    first = tmac.load_model(str(path))
+    second = tmac.load_model(str(path))
+    assert second.packed_copy and len(packed) == 1
+    for model in (first, second):
+        got = tmac.Session(model).logits(prompt)
+        assert float((got - direct).abs().max()) <= 1e-5 * float(direct.abs().max())
