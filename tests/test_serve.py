@@ -18,6 +18,7 @@ import uvicorn
 import tmac
 from conftest import smollm2_path
 from tmac.serve import create_app, model_name
+from tmac.serve_http import server_config
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPTS = ["Tell me a story about a lighthouse keeper.", "Name three fruits.", "Write a haiku about the sea.",
@@ -35,8 +36,9 @@ def serving(model, **options):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    limits = {k: options.pop(k) for k in ("request_timeout", "max_connections") if k in options}
     app = create_app(model, options.pop("name", model_name(model.source)), **{"log": None, **options})
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(server_config(app, "127.0.0.1", port, log_level="warning", **limits))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

@@ -12,6 +12,7 @@ import time
 
 from .formats import BITS, GROUP_SIZES
 from .glue import KV_DTYPES
+from .serve_http import MAX_CONNECTIONS, REQUEST_TIMEOUT
 
 
 def add_parsers(sub, common) -> None:
@@ -49,6 +50,11 @@ def add_parsers(sub, common) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1/ (default: $TMAC_API_KEY, else none)")
     s.add_argument("--max-body", type=int, default=8 << 20, metavar="BYTES",
                    help="the largest request body; larger ones get 413 (default: 8 MiB)")
+    s.add_argument("--request-timeout", type=float, default=REQUEST_TIMEOUT, metavar="SECONDS",
+                   help="a request must arrive whole (headers and body) within this, else 408 and the connection "
+                        f"is closed (default: {REQUEST_TIMEOUT:g})")
+    s.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS, metavar="N",
+                   help=f"connections held at once; more get 503 and are closed (default: {MAX_CONNECTIONS})")
     s.add_argument("--alias", "-a", help="the model's name in the API (default: the file's name without .gguf)")
     s.add_argument("--max-batch", type=int, default=4, help="requests generated together at most (default: 4)")
     s.add_argument("--max-queue", type=int, default=16,
@@ -474,15 +480,17 @@ def _chat_turn(model, session, args, params, messages: list[dict]) -> bool:
 
 def cmd_serve(args) -> int:
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401  (said here, before loading, where it is missing)
 
         from .serve import Served, create_app, log_line, model_name
+        from .serve_http import check_limits, server_config
     except ImportError as e:
         raise ValueError(f"tmac serve needs FastAPI and uvicorn ({e}); pip install fastapi uvicorn") from None
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
     if args.max_body < 1024:
         raise ValueError(f"--max-body must be at least 1024 bytes, got {args.max_body}")
+    check_limits(args.request_timeout, args.max_connections)
     from .serve import check_api_key
 
     check_api_key(args.api_key)
@@ -498,8 +506,8 @@ def cmd_serve(args) -> int:
     if app.state.batcher.max_caches < args.max_batch:
         print(f"tmac serve: KV caches of {model.context} positions for {app.state.batcher.max_caches} requests fit "
               f"in memory, not --max-batch {args.max_batch}: the others wait (503 past --max-queue)", file=sys.stderr)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False,
-                            timeout_graceful_shutdown=1)
+    config = server_config(app, args.host, args.port, args.request_timeout, args.max_connections,
+                           log_level="warning", access_log=False, timeout_graceful_shutdown=1)
     server = _Server(config, app.state.shutdown)
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"tmac: serving {served.name} at http://{host}:{args.port}/v1 (OpenAI API; context {model.context} tokens, "

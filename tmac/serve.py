@@ -327,31 +327,39 @@ def create_app(model, model_name: str | Served, api_key: str | None = None, max_
             counters["generated_tokens"] += len(generation.ids)
             counters["errors"] += finish == "error"
 
-        if body.get("stream"):
-            include_usage = bool((body.get("stream_options") or {}).get("include_usage")) \
-                if isinstance(body.get("stream_options"), dict) else False
-            return StreamingResponse(_stream(generation, events, meta, chat, usage, include_usage, lp, prefix,
-                                             account, watcher, redact),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        text, finish, entries = [prefix], None, []
+        def failed(piece: str, finish: str) -> APIError:
+            if finish == "busy":
+                return APIError(503, f"the server is busy: {piece}; try again shortly", "server_error", "busy",
+                                headers={"Retry-After": "1"})
+            return APIError(500, redact(piece), "server_error")
+
+        stream = bool(body.get("stream"))
+        text, finish, entries, streaming = [prefix], None, [], False
         try:
             while finish is None:
                 event = await events.get()
                 if event is None:  # the client left
                     return JSONResponse({}, 499)
                 piece, finish, logprobs = event
+                if finish in ("busy", "error"):  # (a stream's status waits for its first event: a 503 or 500,
+                    raise failed(piece, finish)  # never a 200 that carries an error)
+                if stream:
+                    streaming = True
+                    break
                 text.append(piece)
                 entries += logprobs
         finally:
-            watcher.cancel()
-            if finish is None:
-                generation.cancel()
-            account(finish)
-        if finish == "busy":
-            raise APIError(503, f"the server is busy: {''.join(text[1:])}; try again shortly", "server_error", "busy",
-                           headers={"Retry-After": "1"})
-        if finish == "error":
-            raise APIError(500, "".join(text[1:]), "server_error")
+            if not streaming:  # (a stream's end is its own)
+                watcher.cancel()
+                if finish is None:
+                    generation.cancel()
+                account(finish)
+        if stream:
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage")) \
+                if isinstance(body.get("stream_options"), dict) else False
+            return StreamingResponse(_stream(generation, events, event, meta, chat, usage, include_usage, lp, prefix,
+                                             account, watcher, redact),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         content = "".join(text)
         choice = {"index": 0, "finish_reason": finish,
                   "logprobs": lp.whole(entries, len(prefix)) if lp is not None else None}
@@ -487,14 +495,15 @@ class _Logprobs:
                 "top_logprobs": [{self._piece(t): v for t, v in e.top} for e in entries], "text_offset": offsets}
 
 
-async def _stream(generation, events: asyncio.Queue, meta: dict, chat: bool, usage, include_usage: bool, lp,
-                  prefix: str, account, watcher, redact):
+async def _stream(generation, events: asyncio.Queue, first: tuple, meta: dict, chat: bool, usage, include_usage: bool,
+                  lp, prefix: str, account, watcher, redact):
+    """The stream's events as server-sent events, ``first`` (the generation's first, already taken) and the rest."""
     kind = "chat.completion.chunk" if chat else "text_completion"
 
-    def chunk(piece: str | None, finish: str | None, entries=(), first: bool = False) -> str:
+    def chunk(piece: str | None, finish: str | None, entries=(), opening: bool = False) -> str:
         logprobs = lp.chunk(list(entries)) if lp is not None else None
         if chat:
-            delta = ({"role": "assistant"} if first else {}) | ({"content": piece} if piece else {})
+            delta = ({"role": "assistant"} if opening else {}) | ({"content": piece} if piece else {})
             choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
         else:
             choice = {"index": 0, "text": piece or "", "finish_reason": finish, "logprobs": logprobs}
@@ -506,14 +515,16 @@ async def _stream(generation, events: asyncio.Queue, meta: dict, chat: bool, usa
     finish = None
     try:
         if chat:
-            yield chunk("", None, first=True)
+            yield chunk("", None, opening=True)
         elif prefix:
             yield chunk(prefix, None)
+        event = first
         while finish is None:
-            event = await events.get()
-            if event is None:  # the client left
-                return
-            piece, finish, entries = event
+            if event is None:
+                event = await events.get()
+                if event is None:  # the client left
+                    return
+            (piece, finish, entries), event = event, None
             if finish in ("error", "busy"):
                 yield f"data: {json.dumps({'error': {'message': redact(piece), 'type': 'server_error'}})}\n\n"
                 break
