@@ -21,6 +21,10 @@ def convert(source: str, output: str, *, bits: int | None = None, group_size: in
     output is checked first (never the input, a special file or a missing directory). Returns what was written:
     its layers, formats, bytes by part (projections, head, token table, other), file and source sizes, whether the
     token table is the head's (``shared_table``: ``save_model``), and the seconds taken."""
+    from .hub import resolve
+    from .load import default_model_path
+
+    source = default_model_path() if source is None else resolve(os.fspath(source))  # (a repo id: its file)
     check_output(output, [source])  # before the conversion, not after it
     t0 = time.perf_counter()
     model = load_model(source, bits=bits, group_size=group_size, head_bits=head_bits, context=1, progress=progress)

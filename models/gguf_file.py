@@ -17,7 +17,7 @@ import numpy as np
 
 from tmac import files
 from tmac.errors import ModelFormatError
-from tmac.memory import whole_pages
+from tmac.memory import read_file, whole_pages
 
 MAGIC = b"GGUF"
 # value type → (struct code, size); 8 = string, 9 = array
@@ -64,14 +64,19 @@ def ggml_type_row(type_id: int) -> tuple[str, int, int] | None:
 
 
 class GGUFFile:
-    def __init__(self, path: str):
+    def __init__(self, path: str, mapped: bool = True):
+        """``mapped=False``: the file read into memory, not mapped (``tmac.memory.read_file``)."""
         self.path = path
         with open(files.require_regular(path), "rb") as f:
             size = os.fstat(f.fileno()).st_size
             if size < 24:
                 raise self._error("header", f"file is {size} bytes, shorter than a GGUF header")
-            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        self._buf = memoryview(self._map)
+            if mapped:
+                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            else:
+                self._map = None
+                self._read = read_file(f, size, path)  # (held: the tensors view it)
+        self._buf = memoryview(self._map) if mapped else memoryview(self._read.numpy())
         self._pos = 0
         if bytes(self._take(4, "magic")) != MAGIC:
             raise self._error("magic", "not a GGUF file (bad magic)")
@@ -178,5 +183,5 @@ class GGUFFile:
         that converts tensor by tensor would otherwise hold the whole file in its resident memory besides what it
         made of it (1B Q4_0: 630 MiB). They stay in the page cache; reading them again faults them back in."""
         start, end = whole_pages(tensor.offset, tensor.data.nbytes)
-        if end > start and hasattr(mmap, "MADV_DONTNEED"):
+        if end > start and self._map is not None and hasattr(mmap, "MADV_DONTNEED"):  # (read, not mapped: kept)
             self._map.madvise(mmap.MADV_DONTNEED, start, end - start)

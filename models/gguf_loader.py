@@ -37,11 +37,11 @@ DEQUANT_ROWS = 1024
 class GGUFModel:
     """An open GGUF file: ``config``, ``tokenizer`` and ``weight(name, exact)``."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, mmap: bool = True):
         self.path = path
         if not os.path.isfile(path):
             raise FileNotFoundError(f"no such model file: {path}")
-        self.file = file = GGUFFile(path)
+        self.file = file = GGUFFile(path, mmap)
         self.meta, self.tensors = file.metadata, file.tensors
         self.config = self._config()
         self.tokenizer = Tokenizer.from_gguf_metadata(self.meta, path, self.config.vocab_size)

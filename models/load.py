@@ -53,7 +53,7 @@ def default_model_path() -> str:
 def load_model(source: str | os.PathLike | None = None, *, bits: int | None = None, group_size: int | None = None,
                symmetric: bool = False, head_bits: int | str | None = None, context: int | None = None,
                kv_dtype: str = "float16", isa: str | None = None, kernel_dir: str | None = None,
-               progress: bool | None = None, packed_copy: bool = True) -> Transformer:
+               progress: bool | None = None, packed_copy: bool = True, mmap: bool = True) -> Transformer:
     """Load a model for generation.
 
     ``source``: a GGUF file, a Hugging Face directory, a ``.tmac`` file, or a Hugging Face repo id (``ORG/NAME``,
@@ -73,20 +73,23 @@ def load_model(source: str | os.PathLike | None = None, *, bits: int | None = No
     ``"float16"`` (as llama.cpp; half the bytes attention reads per token) or ``"float32"``.
     ``packed_copy``: a GGUF's first load writes its packed model to the cache, later loads map that copy
     (``tmac.models.packed_cache``; ``model.packed_copy`` is its path, None where none was used or written).
+    ``mmap``: a ``.tmac`` file (or packed copy) is mapped, its pages shared with every process running it; False
+    reads it (and a GGUF) into memory instead, as llama.cpp's ``--no-mmap``: the run then cannot be killed (SIGBUS)
+    by the file being truncated or overwritten in place meanwhile.
     """
     _check_arguments(bits, head_bits, group_size, context, kv_dtype)  # before the load, not after it
     path = resolve(os.fspath(source)) if source is not None else default_model_path()
     if os.path.isfile(path) and is_tmac_file(path):
         if bits is not None or head_bits is not None or group_size is not None:
             raise ValueError(f"{path} is already converted (pre-packed); bits/group_size/head_bits do not apply")
-        return _mapped(path, context, kv_dtype)
+        return _mapped(path, context, kv_dtype, mmap)
     key = None
     if packed_copy and isa is None and kernel_dir is None and packed_cache.enabled() and _is_gguf(path):
         key, copy = packed_cache.lookup(path, dict(bits=bits, group_size=group_size, symmetric=symmetric,
                                                    head_bits=head_bits))
         if copy is not None:
             try:
-                model = _mapped(copy, context, kv_dtype)
+                model = _mapped(copy, context, kv_dtype, mmap)
             except Exception as e:  # damaged, or written by something else: rebuilt from the source
                 warnings.warn(f"the packed copy of {path} ({copy}) cannot be used ({e}); packing it again")
                 packed_cache.remove(key)
@@ -94,7 +97,8 @@ def load_model(source: str | os.PathLike | None = None, *, bits: int | None = No
                 packed_cache.touch(key)
                 model.source, model.packed_copy = path, copy
                 return model
-    model = _from_source(path, bits, group_size, symmetric, head_bits, context, kv_dtype, isa, kernel_dir, progress)
+    model = _from_source(path, bits, group_size, symmetric, head_bits, context, kv_dtype, isa, kernel_dir, progress,
+                         mmap)
     copy = packed_cache.store(key, path, model) if key is not None else None
     if copy is None:
         return model
@@ -102,22 +106,22 @@ def load_model(source: str | os.PathLike | None = None, *, bits: int | None = No
     # GGUF blocks' one) compiled once, and the same numbers
     del model
     release_freed_memory()
-    model = _mapped(copy, context, kv_dtype)
+    model = _mapped(copy, context, kv_dtype, mmap)
     model.source, model.packed_copy = path, copy
     return model
 
 
-def _mapped(path: str, context: int | None, kv_dtype: str) -> Transformer:
+def _mapped(path: str, context: int | None, kv_dtype: str, mmap: bool = True) -> Transformer:
     """A ``.tmac`` file's model, its cache set up."""
-    model = gather_packed(load_model_file(path))
+    model = gather_packed(load_model_file(path, mmap))
     model.setup_cache(min(model.config.context_length, DEFAULT_CONTEXT) if context is None else context, kv_dtype)
     return model.eval()
 
 
 def _from_source(path, bits, group_size, symmetric, head_bits, context, kv_dtype, isa, kernel_dir,
-                 progress) -> Transformer:
+                 progress, mmap: bool = True) -> Transformer:
     """A model decoded and packed from its source file or directory."""
-    src = open_source(path)
+    src = open_source(path, mmap)
     cfg = src.config
     if context is None:
         context = min(cfg.context_length, DEFAULT_CONTEXT)
@@ -231,8 +235,9 @@ def _load_head(model: Transformer, head, head_bits, opts: dict) -> None:
         model.output = make_linear([head], **{**opts, **head_format})
 
 
-def open_source(path: str):
-    """The loader object for ``path``: a GGUF file or a Hugging Face directory."""
+def open_source(path: str, mmap: bool = True):
+    """The loader object for ``path``: a GGUF file (``mmap=False``: read into memory) or a Hugging Face
+    directory."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"no such model file or directory: {path}")
     if os.path.isdir(path):
@@ -242,7 +247,7 @@ def open_source(path: str):
     if _is_gguf(path):
         from .gguf_loader import GGUFModel
 
-        return GGUFModel(path)
+        return GGUFModel(path, mmap)
     raise ModelFormatError(f"{path}: not a model; supported: GGUF files, Hugging Face "
                            f"directories (config.json + safetensors) and .tmac files (tmac convert)")
 

@@ -97,7 +97,7 @@ def is_tmac_file(path: str) -> bool:
     return len(head) == 9 and head[8:9] == b"{" and read_model_info(path) is not None
 
 
-def load_model_file(path: str) -> Transformer:
+def load_model_file(path: str, mmap: bool = True) -> Transformer:
     info = read_model_info(path)
     try:
         if info.get("version") != FORMAT_VERSION:
@@ -134,7 +134,7 @@ def load_model_file(path: str) -> Transformer:
             model.tok_embeddings = nn.Identity()
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ModelFormatError(f"{path}: malformed tmac model metadata ({type(e).__name__}: {e})") from None
-    load(path, model)
+    load(path, model, mmap=mmap)
     if table_from_head:
         if not isinstance(model.output, Linear):
             raise ModelFormatError(f"{path}: table_from_head, but the head is not a quantized layer")

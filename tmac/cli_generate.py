@@ -86,6 +86,10 @@ def _load_args(p) -> None:
     p.add_argument("--threads", "-t", type=int, help="kernel and torch threads (default: physical cores)")
     p.add_argument("-c", "--context", type=int, help="context size in tokens (default: the model's, at most 4096)")
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default="float16", help="KV cache dtype (default: float16)")
+    p.add_argument("--no-mmap", dest="mmap", action="store_false",
+                   help="read the model into memory instead of mapping it: the process cannot be killed by the file "
+                        "being truncated or overwritten in place while it runs, at the cost of a slower start and "
+                        "pages of its own (by default a .tmac file or packed copy is mapped, its pages shared)")
 
 
 def _model_args(p) -> None:
@@ -181,7 +185,7 @@ def _load(args):
     args.import_s = process_seconds()  # since the process started: the interpreter, tmac, numpy, torch
     t0 = time.perf_counter()
     model = load_for_generation(args.model, bits=args.bits, group_size=args.group_size, head_bits=args.head_bits,
-                                context=args.context, kv_dtype=args.kv_dtype)
+                                context=args.context, kv_dtype=args.kv_dtype, mmap=args.mmap)
     args.packed_copy = model.packed_copy
     load_s = time.perf_counter() - t0
     if model.tokenizer is None:
@@ -386,7 +390,7 @@ def cmd_convert(args) -> int:
         print(json.dumps(done))
         return 0
     mib = {k: v / 2**20 for k, v in done["bytes"].items()}
-    rows = [("source", getattr(args, "model_name", args.model)), ("output", args.output),
+    rows = [("source", getattr(args, "model_name", None) or args.model or done["source"]), ("output", args.output),
             ("quantized layers", f"{done['quantized_layers']} ({', '.join(done['formats']) or 'none'})" +
              ("; the weights stay float (slow to run): --bits 4 quantizes them" if not done["quantized_layers"]
               else "")),

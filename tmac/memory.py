@@ -205,6 +205,29 @@ def mapped_file(fd: int, size: int) -> torch.Tensor:
     return data
 
 
+def read_file(f, size: int, path: str) -> torch.Tensor:
+    """The ``size`` bytes of the open file ``f`` read into memory of this process's own (huge pages, as the packed
+    weights), for a run that must not depend on the file staying as it is (``--no-mmap``): a file truncated or
+    replaced in place while mapped kills its reader with SIGBUS; read, it is only a file. A file changed while it
+    is read (shorter than it was, or written meanwhile) is refused naming it."""
+    from .errors import ModelFormatError
+
+    before = os.fstat(f.fileno())
+    data = huge_page_empty(size)
+    view, done = memoryview(data.numpy()), 0
+    f.seek(0)
+    while done < size:
+        n = f.readinto(view[done:])
+        if not n:
+            break
+        done += n
+    after = os.fstat(f.fileno())
+    if done < size or (after.st_size, after.st_mtime_ns) != (before.st_size, before.st_mtime_ns):
+        raise ModelFormatError(f"{path}: the file changed while it was read ({done} of {size} bytes read; "
+                               f"now {after.st_size} bytes): read it again once it is written")
+    return data
+
+
 def _in_mapped_file(t: torch.Tensor) -> bool:
     at = t.data_ptr()
     return any(start <= at < end for start, end in _MAPPED.items())

@@ -22,7 +22,7 @@ from .errors import ModelFormatError
 from .embedding import Embedding
 from .float_linear import FLOAT_LINEARS
 from .linear import Linear
-from .memory import ALIGN, mapped_file
+from .memory import ALIGN, mapped_file, read_file
 
 FILE_VERSION = 2  # 2: every tensor starts on an ``ALIGN`` boundary of the file (1: where safetensors put it)
 READ_VERSIONS = (1, 2)
@@ -95,14 +95,17 @@ def _write_aligned(path: str, tensors: dict[str, torch.Tensor], meta: dict[str, 
             f.write(part if isinstance(part, bytes) else memoryview(part.reshape(-1).view(torch.uint8).numpy()))
 
 
-def load(path: str | os.PathLike, model: nn.Module | None = None, *, strict: bool = True) -> nn.Module:
-    """Fill ``model`` (e.g. built under ``torch.device("meta")``) from a file ``tmac.save`` wrote; returns it."""
+def load(path: str | os.PathLike, model: nn.Module | None = None, *, strict: bool = True,
+         mmap: bool = True) -> nn.Module:
+    """Fill ``model`` (e.g. built under ``torch.device("meta")``) from a file ``tmac.save`` wrote; returns it.
+    ``mmap``: its tensors view a mapping of the file (shared page cache, nothing copied), else the file is read into
+    memory (a file replaced in place meanwhile cannot harm the run)."""
     if model is None:
         raise TypeError("tmac.load(path, model) needs the model to fill, e.g. the float architecture built under "
                         "torch.device('meta'); the file stores weights, not code")
     if not isinstance(model, nn.Module):
         raise TypeError(f"tmac.load fills an nn.Module, got {type(model).__name__}")
-    state = read_state(path)
+    state = read_state(path, mmap)
     for key, extra in state.items():
         if not key.endswith("_extra_state") or not isinstance(extra, dict):
             continue
@@ -171,20 +174,27 @@ SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.f
                       "BOOL": torch.bool}
 
 
-def _map_tensors(path: str) -> dict[str, torch.Tensor]:
-    """Every tensor of a safetensors file, as views of one private, read-mostly mapping of it: the pages are the
-    file's (shared with every process that maps it, read from disk as they are first touched) and nothing is copied;
-    a tensor that does not start on an ``ALIGN`` boundary (a file of version 1) is copied into memory of its own."""
+def _map_tensors(path: str, mmap: bool = True) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The metadata and every tensor of a safetensors file, as views of one private, read-mostly mapping of it:
+    the pages are the file's (shared with every process that maps it, read from disk as they are first touched)
+    and nothing is copied; a tensor that does not start on an ``ALIGN`` boundary (a file of version 1) is copied
+    into memory of its own. ``mmap=False``: views of the whole file read into memory instead (``read_file``)."""
     out = {}
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
+        if size < 8:
+            raise ValueError(f"{size} bytes, shorter than a safetensors header")
         (n,) = struct.unpack("<Q", f.read(8))
         if n > size - 8:
             raise ValueError(f"header of {n} bytes in a file of {size}")
-        header = files.parse_json(f.read(n), path)
+        if mmap:
+            header = files.parse_json(f.read(n), path)
+            data = mapped_file(f.fileno(), size) if size > 8 + n else None  # (this file, even if the path was
+        else:                                                                # replaced)
+            data = read_file(f, size, path)
+            header = files.parse_json(data[8:8 + n].numpy().tobytes(), path)
         if not isinstance(header, dict):
             raise ValueError("the header is not a JSON object")
-        data = mapped_file(f.fileno(), size) if size > 8 + n else None  # (this file, even if the path was replaced)
     for key, entry in header.items():
         if key == "__metadata__" or key.startswith(PAD_PREFIX):
             continue
@@ -204,20 +214,27 @@ def _map_tensors(path: str) -> dict[str, torch.Tensor]:
         if at % ALIGN:
             raw = raw.clone()
         out[key] = raw.view(dtype).view(shape)
-    return out
+    meta = header.get("__metadata__") or {}
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise ValueError("__metadata__ is not an object of strings")
+    return meta, out
 
 
-def read_state(path: str | os.PathLike) -> dict:
-    """The state dict stored in ``path`` (tensors, aliases resolved, extra states), validated."""
+def read_state(path: str | os.PathLike, mmap: bool = True) -> dict:
+    """The state dict stored in ``path`` (tensors, aliases resolved, extra states), validated; ``mmap=False``:
+    read into memory, not mapped (``_map_tensors``)."""
     from safetensors import safe_open
 
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no such model file: {path}")
     try:
-        with safe_open(files.require_regular(path), framework="pt") as f:  # (validates the header and offsets)
-            meta = f.metadata() or {}
-        state = _map_tensors(path)
+        if mmap:  # (safetensors validates the header and offsets, through a mapping of its own)
+            with safe_open(files.require_regular(path), framework="pt") as f:
+                f.metadata()
+        else:
+            files.require_regular(path)
+        meta, state = _map_tensors(path, mmap)
     except Exception as e:  # safetensors raises its own error types for malformed headers
         raise ModelFormatError(f"{path}: not a readable safetensors file ({e})") from None
     try:
