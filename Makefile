@@ -50,7 +50,8 @@ bench: $(STAMP)
 	$(BIN)/python -m pytest -q bench --benchmark-columns=median,ops --benchmark-sort=name
 
 # a longer fuzz campaign: 1,000 fresh cases for each target (model files, misuse of the kernels, and each class of
-# hostile input: cache tampering, resource bombs, special files, nesting, type lies, layout lies, hub refs, API keys)
+# hostile input: cache tampering, resource bombs, special files, nesting, type lies, layout lies, hub refs, API keys,
+# the server's requests and slow clients, model files changed while mapped or read)
 fuzz: $(STAMP)
 	TMAC_FUZZ_EXAMPLES=1000 $(BIN)/python -m pytest -q -n auto tests/test_fuzz.py
 

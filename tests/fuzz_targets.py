@@ -36,6 +36,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fuzz_hostile import HOSTILE_TARGETS
+from fuzz_server import SERVER_TARGETS
 from fuzz_outputs import OUTPUT_TARGETS
 
 DIM, FFN, HEADS, KV_HEADS, LAYERS = 64, 64, 2, 1, 1
@@ -380,7 +381,8 @@ def kernel_misuse_cases():
 
 
 FILE_TARGETS = ("gguf", "hf-config", "hf-safetensors", "tmac")
-TARGETS = FILE_TARGETS + ("linear-misuse", "kernel-misuse") + tuple(HOSTILE_TARGETS) + tuple(OUTPUT_TARGETS)
+TARGETS = FILE_TARGETS + ("linear-misuse", "kernel-misuse") + tuple(HOSTILE_TARGETS) + tuple(OUTPUT_TARGETS) + \
+    tuple(SERVER_TARGETS)
 
 
 def campaign(target: str, examples: int, d: str, randomize: bool) -> dict[str, int]:
@@ -388,8 +390,8 @@ def campaign(target: str, examples: int, d: str, randomize: bool) -> dict[str, i
         strategy, check = linear_misuse_cases()
     elif target == "kernel-misuse":
         strategy, check = kernel_misuse_cases()
-    elif target in HOSTILE_TARGETS or target in OUTPUT_TARGETS:
-        strategy, check = {**HOSTILE_TARGETS, **OUTPUT_TARGETS}[target](d)
+    elif target in HOSTILE_TARGETS or target in OUTPUT_TARGETS or target in SERVER_TARGETS:
+        strategy, check = {**HOSTILE_TARGETS, **OUTPUT_TARGETS, **SERVER_TARGETS}[target](d)
     else:
         write_seeds(d)
         strategy, write = file_cases(target, d)

@@ -10,9 +10,8 @@ import subprocess
 import sys
 import threading
 
-import pytest
-
 import fuzz_targets
+import pytest
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 REPO = "acme/tiny"

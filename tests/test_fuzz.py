@@ -1,11 +1,12 @@
 """Fuzzing: every damaged GGUF, Hugging Face directory or .tmac file either loads into a model that runs, or raises
 ``ModelFormatError`` naming the file — in bounded time and memory, never a crash; misuse of the kernel paths is a
 clear Python exception; and each class of hostile input (a tampered kernel cache, resource bombs, special files,
-deep nesting, type lies, layout lies: ``fuzz_hostile.py``) ends as its target says.
+deep nesting, type lies, layout lies: ``fuzz_hostile.py``; the server and mapped files: ``fuzz_server.py``) ends as
+its target says.
 
 Each target runs in its own process (``tests/fuzz_targets.py``) with its private memory capped, so a crash
 shows as a signal and an unchecked allocation as a MemoryError. CI runs ``TMAC_FUZZ_EXAMPLES`` (default 40)
-derandomized cases per target; ``make fuzz`` runs 1,000 fresh ones per target (12,000 in all).
+derandomized cases per target; ``make fuzz`` runs 1,000 fresh ones per target.
 """
 import json
 import os
