@@ -55,6 +55,13 @@ def add_parsers(sub, common) -> None:
                         f"is closed (default: {REQUEST_TIMEOUT:g})")
     s.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS, metavar="N",
                    help=f"connections held at once; more get 503 and are closed (default: {MAX_CONNECTIONS})")
+    s.add_argument("--ray", action="store_true",
+                   help="serve on Ray Serve: --replicas copies of the model, each with its own batcher, behind one "
+                        "address; a conversation goes to the replica holding its prefix (pip install 'tmac[cluster]'; "
+                        "the cluster is $RAY_ADDRESS's, else a local one)")
+    s.add_argument("--replicas", type=int, default=2, help="with --ray: replicas, each on --threads CPUs (default: 2)")
+    s.add_argument("--min-replicas", type=int, help="with --ray: autoscale between this and --max-replicas")
+    s.add_argument("--max-replicas", type=int, help="with --ray: the most replicas autoscaling starts")
     s.add_argument("--alias", "-a", help="the model's name in the API (default: the file's name without .gguf)")
     s.add_argument("--max-batch", type=int, default=4, help="requests generated together at most (default: 4)")
     s.add_argument("--max-queue", type=int, default=16,
@@ -499,6 +506,8 @@ def cmd_serve(args) -> int:
 
     check_api_key(args.api_key)
     check_port_free(args.host, args.port)  # before loading: a busy port is said at once
+    if args.ray:
+        return _serve_on_ray(args)
     if (warning := open_bind_warning(args.host, args.api_key)) is not None:
         print(warning, file=sys.stderr)
     model, _ = _load(args)
@@ -518,6 +527,43 @@ def cmd_serve(args) -> int:
           f"up to {args.max_batch} requests at once{', API key required' if args.api_key else ''}); Ctrl-C stops",
           file=sys.stderr)
     server.run()
+    return 0
+
+
+def _serve_on_ray(args) -> int:
+    """``tmac serve --ray``: the app deployed on Ray Serve (``tmac.cluster``) until SIGINT or SIGTERM."""
+    check_load_args(args)
+    try:
+        import ray
+        from ray import serve
+
+        from .cluster import APP_NAME, deployment
+    except ImportError as e:
+        raise ValueError(f"tmac serve --ray needs Ray Serve ({e}): pip install 'tmac[cluster]'") from None
+    app = deployment(args.model, replicas=args.replicas, threads=args.threads or 1, context=args.context,
+                     max_batch=args.max_batch, max_queue=args.max_queue, alias=args.alias, api_key=args.api_key,
+                     max_body=args.max_body, min_replicas=args.min_replicas, max_replicas=args.max_replicas,
+                     mmap=args.mmap)
+    address = os.environ.get("RAY_ADDRESS")
+    print(f"tmac serve: {'joining the Ray cluster at ' + address if address else 'starting a local Ray cluster'}",
+          file=sys.stderr, flush=True)
+    ray.init(address=address or "local", include_dashboard=False, logging_level="warning", log_to_driver=False)
+    stop = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.append(True))
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(app, name=APP_NAME, route_prefix="/")
+        host = f"[{args.host}]" if ":" in args.host else args.host
+        print(f"tmac: serving at http://{host}:{args.port}/v1 on Ray Serve ({args.replicas} replicas of "
+              f"{args.threads or 1} thread{'s' if (args.threads or 1) > 1 else ''}); Ctrl-C stops", file=sys.stderr,
+              flush=True)
+        while not stop:
+            time.sleep(0.2)
+        print("tmac serve: shutting down", file=sys.stderr, flush=True)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
     return 0
 
 
