@@ -15,9 +15,10 @@ ray = pytest.importorskip("ray", reason="Ray Serve is not installed (pip install
                                         "installs it")
 serve = pytest.importorskip("ray.serve")
 
-import tmac  # noqa: E402
 from conftest import smollm2_path  # noqa: E402
 from test_serve import serving  # noqa: E402
+
+import tmac  # noqa: E402
 from tmac.cluster import APP_NAME, affinity_key, deployment, rendezvous  # noqa: E402
 
 
