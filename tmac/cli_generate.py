@@ -192,7 +192,7 @@ def _load(args):
     args.import_s = process_seconds()  # since the process started: the interpreter, tmac, numpy, torch
     t0 = time.perf_counter()
     model = load_for_generation(args.model, bits=args.bits, group_size=args.group_size, head_bits=args.head_bits,
-                                context=args.context, kv_dtype=args.kv_dtype, mmap=args.mmap)
+                                context=args.context, kv_dtype=args.kv_dtype, mmap=getattr(args, "mmap", True))
     args.packed_copy = model.packed_copy
     load_s = time.perf_counter() - t0
     if model.tokenizer is None:

@@ -109,11 +109,12 @@ class Replica:
                  alias: str | None, api_key: str | None, mmap: bool = True):
         import tmac
 
-        from .cli_generate import load_for_generation
         from .serve import SWITCH_INTERVAL, Served, create_app, model_name
 
         tmac.set_num_threads(threads)
-        loaded = load_for_generation(model, context=context, mmap=mmap)
+        loaded = tmac.load_model(model, context=context, mmap=mmap)
+        if loaded.tokenizer is None:
+            raise ValueError(f"{loaded.source}: the model has no tokenizer, so it cannot serve text")
         served = Served(alias or model_name(loaded.source), model, os.path.basename(loaded.source),
                         model_name(loaded.source))
         self.app = create_app(loaded, served, api_key, max_batch, max_queue, log=None)

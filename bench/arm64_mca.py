@@ -1,0 +1,160 @@
+"""Cycles per inner-loop iteration of arm64 kernels, by llvm-mca's model of a Cortex-A76 and a Cortex-A72: tmac's
+generated NEON kernels (cross-compiled here for ``neon_dotprod`` and ``neon``) and llama.cpp's dot-product kernels
+for the same types (from an aarch64 llama-bench built with symbols), with the stack loads and stores in each loop
+(register spills) counted.
+
+    python bench/arm64_mca.py KERNEL.so... [--llama-bench PATH] [--json]
+    python bench/arm64_mca.py --compile [--bits 1 2 3 4] [--llama-bench PATH]   # kernels for a 2048x2048 GEMV
+
+A loop is a backward branch inside one function; those that do the arithmetic (SIMD table lookups, dot products,
+multiply-adds; no call or return inside) and hold no smaller such loop are measured: their body, the branch back to
+its start included, as a block llvm-mca repeats 100 times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+MCPUS = ("cortex-a76", "cortex-a72")
+BRANCH = re.compile(r"^(b\.\w+|b|cbz|cbnz|tbz|tbnz)\s")
+STACK = re.compile(r"^(ldr|str|ldp|stp|ldur|stur)\w*\s.*\[sp")
+LLAMA_DOTS = re.compile(r"^ggml_vec_dot_(q4_0_q8_0|q4_K_q8_K|q2_K_q8_K|tq2_0_q8_K|tq1_0_q8_K|q6_K_q8_K|q3_K_q8_K|"
+                        r"q4_1_q8_1)$")
+ARITHMETIC = re.compile(r"^(tbl|sdot|udot|fmla|smlal|mla|smull)\s")
+MIN_INSNS = 6
+
+
+def objdump() -> str:
+    tool = shutil.which("aarch64-linux-gnu-objdump") or shutil.which("llvm-objdump")
+    if tool is None:
+        raise SystemExit("aarch64-linux-gnu-objdump (binutils-aarch64-linux-gnu) or llvm-objdump is needed")
+    return tool
+
+
+def functions(binary: str, only=None) -> dict[str, list[tuple[int, str]]]:
+    """Each function's instructions as (address, text), from the disassembly."""
+    text = subprocess.run([objdump(), "-d", "--no-show-raw-insn", binary], capture_output=True, text=True,
+                          check=True).stdout
+    out, current = {}, None
+    for line in text.splitlines():
+        head = re.match(r"^([0-9a-f]+) <(.+)>:$", line)
+        if head:
+            name = head.group(2)
+            current = out.setdefault(name, []) if only is None or only(name) else None
+            continue
+        m = re.match(r"^\s+([0-9a-f]+):\s+(.*)$", line)
+        if m and current is not None:
+            current.append((int(m.group(1), 16), m.group(2).split("//")[0].strip()))
+    return out
+
+
+def functions_range(binary: str, start: int, stop: int) -> list[tuple[int, str]]:
+    """The instructions of ``binary`` from address ``start`` up to ``stop``."""
+    text = subprocess.run([objdump(), "-d", "--no-show-raw-insn", f"--start-address={start:#x}",
+                           f"--stop-address={stop:#x}", binary], capture_output=True, text=True, check=True).stdout
+    return [(int(m.group(1), 16), m.group(2).split("//")[0].strip())
+            for m in re.finditer(r"^\s+([0-9a-f]+):\s+(.*)$", text, re.M)]
+
+
+def compute_loops(insns: list[tuple[int, str]]) -> list[list[tuple[int, str]]]:
+    """The loops (a backward branch's target to the branch) that do the arithmetic — SIMD table lookups, dot
+    products or multiply-adds, no call or return inside — and hold no smaller such loop."""
+    loops = []
+    for i, (addr, text) in enumerate(insns):
+        target = re.search(r"\b([0-9a-f]+) <", text) if BRANCH.match(text) else None
+        if not target or int(target.group(1), 16) >= addr:
+            continue
+        to = int(target.group(1), 16)
+        start = next((j for j, (a, _) in enumerate(insns) if a == to), None)
+        if start is None or i - start + 1 < MIN_INSNS:
+            continue
+        body = [t for _, t in insns[start:i + 1]]
+        if any(t.startswith(("ret", "bl ", "blr")) for t in body) or not any(ARITHMETIC.match(t) for t in body):
+            continue
+        loops.append((start, i))
+    inner = [(s, e) for s, e in loops if not any(s <= s2 and e2 <= e and (s2, e2) != (s, e) for s2, e2 in loops)]
+    return [insns[s:e + 1] for s, e in inner]
+
+
+def mca(loop: list[tuple[int, str]], mcpu: str) -> float:
+    """Cycles per iteration of ``loop`` (its last instruction branches back to its first)."""
+    lines = [".Ltop:"]
+    for _, text in loop:
+        if BRANCH.match(text):
+            text = re.sub(r"\s[0-9a-f]+ <[^>]*>", " .Ltop", text)
+        lines.append("    " + re.sub(r"<[^>]*>", "", text))
+    with tempfile.NamedTemporaryFile("w", suffix=".s", delete=False) as f:
+        f.write("\n".join(lines) + "\n")
+    try:
+        tool = shutil.which("llvm-mca") or shutil.which("llvm-mca-14")
+        r = subprocess.run([tool, "-mtriple=aarch64", f"-mcpu={mcpu}", "-iterations=100", f.name],
+                           capture_output=True, text=True)
+    finally:
+        os.unlink(f.name)
+    if r.returncode:
+        raise RuntimeError(r.stderr[-500:])
+    cycles = int(re.search(r"Total Cycles:\s+(\d+)", r.stdout).group(1))
+    return cycles / 100
+
+
+def measure(label: str, insns: list[tuple[int, str]]) -> list[dict]:
+    rows = []
+    for loop in compute_loops(insns):
+        row = {"kernel": label, "at": hex(loop[0][0]), "insns": len(loop),
+               "spills": sum(bool(STACK.match(t)) for _, t in loop),
+               "dot": sum(t.startswith(("sdot", "udot")) for _, t in loop),
+               "tbl": sum(t.startswith("tbl") for _, t in loop)}
+        for mcpu in MCPUS:
+            row[mcpu] = mca(loop, mcpu)
+        rows.append(row)
+    return rows
+
+
+def compile_kernels(bits: list[int], out: str) -> list[str]:
+    paths = []
+    for isa in ("neon_dotprod", "neon"):
+        for b in bits:
+            d = os.path.join(out, f"{isa}-b{b}")
+            subprocess.run([sys.executable, "-m", "tmac.cli", "compile", "--arch", "aarch64", "--isa", isa,
+                            "--bits", str(b), "--shape", "2048x2048", "-o", d], check=True, capture_output=True)
+            paths += [os.path.join(d, f) for f in sorted(os.listdir(d)) if f.startswith("lut_")]
+    return paths
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("kernels", nargs="*")
+    p.add_argument("--compile", action="store_true", help="cross-compile tmac's kernels for a 2048x2048 GEMV first")
+    p.add_argument("--bits", nargs="+", type=int, default=[1, 2, 3, 4])
+    p.add_argument("--llama-bench", help="an aarch64 llama-bench with symbols (its ggml_vec_dot_* are measured)")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+    paths = list(args.kernels)
+    if args.compile:
+        paths += compile_kernels(args.bits, tempfile.mkdtemp(prefix="arm64-mca-"))
+    rows = []
+    for path in paths:
+        for name, insns in functions(path, lambda n: n.startswith("__tvm_ffi_")).items():
+            rows += measure(f"{os.path.basename(path)}:{name}", insns)
+    if args.llama_bench:
+        for name, insns in functions(args.llama_bench, LLAMA_DOTS.match).items():
+            rows += measure(f"llama.cpp {name}", insns)
+    if args.json:
+        print(json.dumps(rows))
+        return 0
+    print(f"{'kernel loop':<78} {'insns':>5} {'spills':>6} {'dot':>4} {'tbl':>4} {'A76 c/it':>8} {'A72 c/it':>8}")
+    for r in rows:
+        print(f"{r['kernel'][:70] + ' ' + r['at']:<78} {r['insns']:>5} {r['spills']:>6} {r['dot']:>4} {r['tbl']:>4} "
+              f"{r['cortex-a76']:>8.1f} {r['cortex-a72']:>8.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
