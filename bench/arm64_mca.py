@@ -23,6 +23,8 @@ import sys
 import tempfile
 
 MCPUS = ("cortex-a76", "cortex-a72")
+MATTR = {"cortex-a76": "+lse,+dotprod,+fullfp16,+rcpc", "cortex-a72": "+crc"}  # (what each core has: its code may use
+#                                                                                them, and llvm-mca must parse it)
 BRANCH = re.compile(r"^(b\.\w+|b|cbz|cbnz|tbz|tbnz)\s")
 STACK = re.compile(r"^(ldr|str|ldp|stp|ldur|stur)\w*\s.*\[sp")
 LLAMA_DOTS = re.compile(r"^ggml_vec_dot_(q4_0_q8_0|q4_K_q8_K|q2_K_q8_K|tq2_0_q8_K|tq1_0_q8_K|q6_K_q8_K|q3_K_q8_K|"
@@ -94,8 +96,8 @@ def mca(loop: list[tuple[int, str]], mcpu: str) -> float:
         f.write("\n".join(lines) + "\n")
     try:
         tool = shutil.which("llvm-mca") or shutil.which("llvm-mca-14")
-        r = subprocess.run([tool, "-mtriple=aarch64", f"-mcpu={mcpu}", "-iterations=100", f.name],
-                           capture_output=True, text=True)
+        r = subprocess.run([tool, "-mtriple=aarch64", f"-mcpu={mcpu}", f"-mattr={MATTR[mcpu]}", "-iterations=100",
+                            f.name], capture_output=True, text=True)
     finally:
         os.unlink(f.name)
     if r.returncode:

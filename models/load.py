@@ -53,7 +53,8 @@ def default_model_path() -> str:
 def load_model(source: str | os.PathLike | None = None, *, bits: int | None = None, group_size: int | None = None,
                symmetric: bool = False, head_bits: int | str | None = None, context: int | None = None,
                kv_dtype: str = "float16", isa: str | None = None, kernel_dir: str | None = None,
-               progress: bool | None = None, packed_copy: bool = True, mmap: bool = True) -> Transformer:
+               progress: bool | None = None, packed_copy: bool = True, mmap: bool = True,
+               compile_ahead: bool = False) -> Transformer:
     """Load a model for generation.
 
     ``source``: a GGUF file, a Hugging Face directory, a ``.tmac`` file, or a Hugging Face repo id (``ORG/NAME``,
@@ -76,6 +77,8 @@ def load_model(source: str | os.PathLike | None = None, *, bits: int | None = No
     ``mmap``: a ``.tmac`` file (or packed copy) is mapped, its pages shared with every process running it; False
     reads it (and a GGUF) into memory instead, as llama.cpp's ``--no-mmap``: the run then cannot be killed (SIGBUS)
     by the file being truncated or overwritten in place meanwhile.
+    ``compile_ahead``: the kernels a GGUF or Hugging Face model needs and the cache lacks compile in a child process
+    while it loads (``tmac.prefetch``; the command line does), not one after another at its first forward.
     """
     _check_arguments(bits, head_bits, group_size, context, kv_dtype)  # before the load, not after it
     path = resolve(os.fspath(source)) if source is not None else default_model_path()
@@ -97,8 +100,18 @@ def load_model(source: str | os.PathLike | None = None, *, bits: int | None = No
                 packed_cache.touch(key)
                 model.source, model.packed_copy = path, copy
                 return model
-    model = _from_source(path, bits, group_size, symmetric, head_bits, context, kv_dtype, isa, kernel_dir, progress,
-                         mmap)
+    ahead = None
+    if compile_ahead:
+        from tmac.prefetch import CompileAhead
+
+        ahead = CompileAhead(kernel_dir)
+        ahead.held = key is not None  # (a run goes on from its packed copy: the glue that reads a held table)
+    try:
+        model = _from_source(path, bits, group_size, symmetric, head_bits, context, kv_dtype, isa, kernel_dir,
+                             progress, mmap, ahead)
+    finally:
+        if ahead is not None:
+            ahead.close()
     copy = packed_cache.store(key, path, model) if key is not None else None
     if copy is None:
         return model
@@ -119,7 +132,7 @@ def _mapped(path: str, context: int | None, kv_dtype: str, mmap: bool = True) ->
 
 
 def _from_source(path, bits, group_size, symmetric, head_bits, context, kv_dtype, isa, kernel_dir,
-                 progress, mmap: bool = True) -> Transformer:
+                 progress, mmap: bool = True, ahead=None) -> Transformer:
     """A model decoded and packed from its source file or directory."""
     src = open_source(path, mmap)
     cfg = src.config
@@ -137,11 +150,14 @@ def _from_source(path, bits, group_size, symmetric, head_bits, context, kv_dtype
     model.norm.weight = _param(weight("norm.weight"))
 
     with Progress(f"loading {os.path.basename(path)}", cfg.n_layers + 1, progress) as bar:
-        _load_layers(model, weight, src, opts, bar)
+        built = None if ahead is None else (lambda i: _compile_ahead(model, i, ahead, kv_dtype))
+        _load_layers(model, weight, src, opts, bar, built)
         head_name = "tok_embeddings.weight" if cfg.tie_embeddings else "output.weight"
         head = tied if tied is not None and head_bits is None else weight(head_name, exact=head_bits is None)
         del tied
         _load_head(model, head, head_bits, opts)
+        if ahead is not None and isinstance(model.output, Linear):
+            ahead.want(model.output.spec)
         del head  # its codes or floats (100 MB and more at 49152 rows), before the model is gathered
         bar.advance("output head")
     model.tokenizer = src.tokenizer
@@ -172,7 +188,23 @@ def _check_arguments(bits, head_bits, group_size, context, kv_dtype) -> None:
 LOAD_LAYERS = 4
 
 
-def _load_layers(model: Transformer, weight, src, opts: dict, bar) -> None:
+def _compile_ahead(model: Transformer, i: int, ahead, kv_dtype: str) -> None:
+    """Name layer ``i``'s kernels to ``ahead`` (``tmac.prefetch``), and after the first layer the decode glue."""
+    linears = [m for m in model.layers[i].modules() if isinstance(m, Linear)]
+    for m in linears:
+        ahead.want(m.spec)
+    if i == 0 and linears:
+        from tmac.kernels import isa_by_name
+
+        from .decode import glue_spec
+
+        act_quant = any(isinstance(m, ActivationQuantized) for m in model.layers[0].modules())
+        held = getattr(ahead, "held", False)
+        ahead.want(glue_spec(model.config, act_quant, isa_by_name(linears[0].spec.isa), kv_dtype,
+                             model.tok_embeddings, held))
+
+
+def _load_layers(model: Transformer, weight, src, opts: dict, bar, built_layer=None) -> None:
     """Every layer's weights, read, converted and packed on the threads tmac computes with (at most ``LOAD_LAYERS``
     layers at once): decoding and packing are numpy work that releases the GIL (docs/decisions.md, "Models load on
     every kernel thread"); a layer's temporaries live only while a thread builds it. On an error the layers not yet
@@ -210,6 +242,8 @@ def _load_layers(model: Transformer, weight, src, opts: dict, bar) -> None:
                 owner, _, attr = name.rpartition(".")
                 setattr(model.layers[i].get_submodule(owner), attr, value)
             del built
+            if built_layer is not None:
+                built_layer(i)
             release_freed_memory()  # the layer's temporaries
             bar.advance(f"layer {i}")
     finally:

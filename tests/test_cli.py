@@ -363,7 +363,27 @@ def test_run_compiles_its_kernels_without_a_system_compiler(tmp_path):
     env.pop("TMAC_CC", None)
     r = tmac("run", "-p", "Hi", "-n", "2", "--json", env=env)
     assert r.returncode == 0, r.stderr
-    assert "compiling kernel" in r.stderr and len(json.loads(r.stdout)["generated_ids"]) == 2
+    assert "ahead, while loading" in r.stderr and len(json.loads(r.stdout)["generated_ids"]) == 2
+
+
+@pytest.mark.slow
+def test_a_first_run_compiles_its_kernels_ahead_in_a_child_process(tmp_path):
+    """With an empty kernel cache, `tmac run` names each kernel as the load meets it and a child process compiles
+    them while the load goes on: each once, none in the run's own process (it never imports the compiler), the
+    same set `tmac compile --model` builds; a second run compiles nothing and says the same."""
+    import re
+
+    env = dict(os.environ, TMAC_CACHE_DIR=str(tmp_path / "cache"))
+    first = tmac("run", "-p", "Hi", "-n", "4", "--json", "--temperature", "0", env=env)
+    assert first.returncode == 0, first.stderr
+    ahead = re.findall(r"compiled kernel (\S+) ahead, while loading", first.stderr)
+    assert ahead and len(set(ahead)) == len(ahead) and "compiling kernel" not in first.stderr, first.stderr
+    listed = tmac("compile", "-o", str(tmp_path / "kernels"), env=env)
+    assert listed.returncode == 0, listed.stderr
+    assert set(ahead) <= {f[:-3] for f in os.listdir(tmp_path / "kernels") if f.endswith(".so")}
+    second = tmac("run", "-p", "Hi", "-n", "4", "--json", "--temperature", "0", env=env)
+    assert second.returncode == 0 and "compil" not in second.stderr, second.stderr
+    assert json.loads(second.stdout)["generated_ids"] == json.loads(first.stdout)["generated_ids"]
 
 
 @pytest.mark.slow

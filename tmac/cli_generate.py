@@ -164,7 +164,7 @@ def load_for_generation(source, **options):
 
     torch.set_num_threads(1)
     try:
-        return tmac.load_model(source, **options)
+        return tmac.load_model(source, compile_ahead=True, **options)
     finally:
         torch.set_num_threads(tmac.get_num_threads())
 

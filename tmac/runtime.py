@@ -253,6 +253,12 @@ def _from_cache(spec: KernelSpec, isa, progress: bool) -> str:
         found = cached_library(d, spec, isa)
         if found:
             return found
+        from .prefetch import wait_for
+
+        wait_for(spec.name)  # (a child compiling it ahead: loaded when it is done)
+        found = cached_library(d, spec, isa)
+        if found:
+            return found
     d = writable_cache(d)
     check_room(d, KERNEL_ROOM)  # before anything is written: a compiler that runs out of room aborts the process
     lock = os.path.join(d, spec.name + ".lock")
