@@ -7,7 +7,7 @@ process compiles those the cache lacks into the cache, each under the per-kernel
 The load goes on meanwhile; the first forward finds them cached, waits on the lock of the one being compiled, or
 compiles one the child has not reached yet itself (then the child finds it cached and goes on).
 
-    python -m tmac.prefetch     # the child: one kernel spec as JSON a line on standard input
+The child is ``python -m tmac.compile_ahead`` (one kernel spec as JSON a line on its standard input).
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ import sys
 import time
 
 from .glue import GlueSpec
-from .spec import KernelSpec
-
 
 _RUNNING: list["CompileAhead"] = []  # this process's children, for ``wait_for``
 
@@ -60,7 +58,7 @@ class CompileAhead:
             return
         try:
             if self.child is None:
-                self.child = subprocess.Popen([sys.executable, "-m", "tmac.prefetch"], stdin=subprocess.PIPE,
+                self.child = subprocess.Popen([sys.executable, "-m", "tmac.compile_ahead"], stdin=subprocess.PIPE,
                                               text=True)
                 atexit.register(_stop, self.child)
                 _RUNNING.append(self)
@@ -93,36 +91,3 @@ def _stop(child: subprocess.Popen) -> None:
             child.wait(5)
         except subprocess.TimeoutExpired:
             child.kill()
-
-
-def main() -> int:
-    for line in sys.stdin:
-        try:
-            item = json.loads(line)
-            spec = GlueSpec(**item["spec"]) if item["kind"] == "glue" else KernelSpec.from_dict(item["spec"])
-            started = time.perf_counter()
-            if _compile(spec):
-                print(f"tmac: compiled kernel {spec.name} ahead, while loading ... {time.perf_counter() - started:.1f}s",
-                      file=sys.stderr, flush=True)
-        except Exception as e:  # noqa: BLE001  (the run compiles it on first use, and says why it cannot)
-            print(f"tmac: compiling a kernel ahead failed ({type(e).__name__}: {e}); it compiles on first use",
-                  file=sys.stderr, flush=True)
-    return 0
-
-
-def _compile(spec) -> bool:
-    """Compile ``spec`` into the cache unless it is there (or another process compiled it meanwhile); whether it
-    was compiled here."""
-    from .cache import cache_dir, cached_library
-    from .kernels import isa_by_name
-    from .runtime import _from_cache
-
-    isa = isa_by_name(spec.isa)
-    if cached_library(cache_dir(), spec, isa):
-        return False
-    _from_cache(spec, isa, progress=False)
-    return True
-
-
-if __name__ == "__main__":
-    sys.exit(main())
