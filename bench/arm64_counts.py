@@ -219,18 +219,16 @@ def main() -> int:
         for cpu in args.cpu:
             kernels = os.path.join(work, f"kernels-{CPUS[cpu]}")
             if "tmac" in args.engine:
-                rows.append(measure_tmac(model, cpu, so, work, kernels))
+                rows.append(done(measure_tmac(model, cpu, so, work, kernels)))
             if cpu in peers and "llama.cpp" in args.engine:
                 print(f"{os.path.basename(model)} on {cpu}: llama.cpp ...", file=sys.stderr, flush=True)
                 runs = {key: run_llama(peers[cpu], cpu, model, prompt, gen, so, work)
                         for key, (prompt, gen) in {"d0": (0, DECODE[0]), "d1": (0, DECODE[1]), "p0": (PREFILL[0], 0),
                                                    "p1": (PREFILL[1], 0)}.items()}
-                rows.append({"file": os.path.basename(model), "cpu": cpu, "engine": "llama.cpp",
-                             "file_bytes": os.path.getsize(model),
-                             "decode": per_token(runs["d0"], runs["d1"], DECODE[1] - DECODE[0]),
-                             "prefill": per_token(runs["p0"], runs["p1"], PREFILL[1] - PREFILL[0])})
-    for r in rows:
-        r["estimate"] = board_estimate(r, r["file_bytes"])
+                rows.append(done({"file": os.path.basename(model), "cpu": cpu, "engine": "llama.cpp",
+                                  "file_bytes": os.path.getsize(model),
+                                  "decode": per_token(runs["d0"], runs["d1"], DECODE[1] - DECODE[0]),
+                                  "prefill": per_token(runs["p0"], runs["p1"], PREFILL[1] - PREFILL[0])}))
     return report(rows, args.json)
 
 
@@ -247,10 +245,21 @@ def measure_tmac(model: str, cpu: str, so: str, work: str, kernels: str) -> dict
             "prefill": per_token(runs["p0"], runs["p1"], PREFILL[1] - PREFILL[0])}
 
 
+def done(row: dict) -> dict:
+    """``row`` with its board estimate, said at once on standard error (a long campaign keeps what it measured)."""
+    row["estimate"] = board_estimate(row, row["file_bytes"])
+    print(json.dumps(_plain(row)), file=sys.stderr, flush=True)
+    return row
+
+
+def _plain(row: dict) -> dict:
+    return {k: v for k, v in row.items()} | {p: {k: v for k, v in row[p].items() if k[0] != "_"}
+                                             for p in ("decode", "prefill")}
+
+
 def report(rows: list[dict], as_json: bool) -> int:
     if as_json:
-        print(json.dumps([{k: v for k, v in r.items()} | {p: {k: v for k, v in r[p].items() if k[0] != "_"}
-                          for p in ("decode", "prefill")} for r in rows]))
+        print(json.dumps([_plain(r) for r in rows]))
         return 0
     print(f"{'file':<30} {'cpu':<11} {'engine':<9} {'decode Minsn/tok':>16} {'prefill Minsn/tok':>17} "
           f"{'est. Mcycles/tok':>16} {'est. tok/s':>10}  decode split (Minsn)")
