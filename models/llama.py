@@ -94,6 +94,9 @@ class LlamaConfig:
                     if type(getattr(self, name)) is not int or not 0 <= getattr(self, name) <= most]
         if not problems and self.head_dim == 0 and self.n_heads:
             self.head_dim = self.dim // self.n_heads
+            if self.head_dim > LIMITS["head_dim"]:  # (derived: dim 4096 in one head ran for minutes)
+                problems.append(f"head_dim={self.head_dim} (dim {self.dim} / {self.n_heads} heads; at most "
+                                f"{LIMITS['head_dim']})")
         problems += [f"{name}={getattr(self, name)!r}" for name in LIMITS if getattr(self, name) == 0]
         for name, most in (("norm_eps", 1.0), ("rope_theta", 1e12)):  # (real models: 1e-6..1e-5, 1e4..1e8)
             value = getattr(self, name)

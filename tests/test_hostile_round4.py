@@ -169,6 +169,17 @@ def test_a_config_with_no_heads_is_named(tmp_path, heads):
         tmac.load_model(str(tmp_path))
 
 
+def test_a_head_wider_than_any_model_is_refused():
+    """dim 4096 in a single head (head_dim derived, 4096) ran past a minute; it is refused as a stated head_dim
+    above 1024 is."""
+    from tmac.models.llama import LlamaConfig
+
+    for head_dim in (0, 4096):
+        with pytest.raises(ValueError, match="head_dim=4096"):
+            LlamaConfig(vocab_size=64, dim=4096, n_layers=1, n_heads=1, n_kv_heads=1, ffn_dim=64, head_dim=head_dim)
+    assert LlamaConfig(vocab_size=64, dim=1024, n_layers=1, n_heads=1, n_kv_heads=1, ffn_dim=64).head_dim == 1024
+
+
 # ---- resources ---------------------------------------------------------------------------------------------------
 
 def test_the_batchs_kv_caches_are_budgeted_together(model, monkeypatch):

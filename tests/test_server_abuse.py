@@ -201,3 +201,28 @@ def test_a_stream_that_cannot_be_admitted_is_a_503_not_a_200(model, monkeypatch)
         assert status == 503, body[:300]
         error = json.loads(body)["error"]
         assert error["code"] == "busy" and "no memory for another KV cache" in error["message"]
+
+
+def test_the_server_listens_on_ipv6_loopback(model):
+    import uvicorn
+
+    from tmac.serve import create_app
+    from tmac.serve_http import server_config
+
+    with socket.socket(socket.AF_INET6) as s:
+        s.bind(("::1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(server_config(create_app(model, "m", log=None), "::1", port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline and thread.is_alive(), "the server did not start on ::1"
+            time.sleep(0.05)
+        with socket.create_connection(("::1", port), timeout=10) as c:
+            c.sendall(b"GET /health HTTP/1.1\r\nHost: [::1]\r\nConnection: close\r\n\r\n")
+            assert _read_all(c).startswith(b"HTTP/1.1 200 ")
+    finally:
+        server.should_exit = True
+        thread.join(30)
