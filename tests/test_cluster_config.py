@@ -66,3 +66,21 @@ def test_rendezvous_moves_only_the_removed_replicas_keys():
     for k in keys:
         new = rendezvous(k, left)[0]
         assert new == home[k] if home[k] != "r2" else new in left
+
+
+def test_replica_options_give_serve_a_count_or_autoscaling_bounds():
+    from ray.serve.config import AutoscalingConfig
+
+    from tmac.cluster import deployment, replica_options
+
+    fixed = replica_options(3, 2, max_batch=4, max_queue=16, min_replicas=None, max_replicas=None)
+    assert fixed["num_replicas"] == 3 and fixed["ray_actor_options"] == {"num_cpus": 2}
+    assert fixed["max_ongoing_requests"] == 20 and "autoscaling_config" not in fixed
+    scaled = replica_options(2, 1, max_batch=8, max_queue=16, min_replicas=1, max_replicas=6)
+    bounds = AutoscalingConfig(**scaled["autoscaling_config"])  # (Serve's own validation)
+    assert (bounds.min_replicas, bounds.max_replicas, bounds.initial_replicas) == (1, 6, 2)
+    assert bounds.target_ongoing_requests == 8 and "num_replicas" not in scaled
+    assert replica_options(1, 1, 4, 16, None, 3)["autoscaling_config"]["min_replicas"] == 1
+    with pytest.raises(ValueError, match="at least 1"):
+        replica_options(0, 1, 4, 16, None, None)
+    deployment(None, replicas=2, min_replicas=1, max_replicas=3)  # (Serve takes them)

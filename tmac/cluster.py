@@ -284,25 +284,32 @@ def deployment(model: str | None = None, replicas: int = 1, threads: int = 1, co
     one ``Ingress``."""
     from ray.serve.config import RequestRouterConfig
 
-    scaling: dict = {"num_replicas": replicas}
-    if min_replicas is not None or max_replicas is not None:
-        low = min_replicas if min_replicas is not None else 1
-        high = max_replicas if max_replicas is not None else max(low, replicas)
-        if not 1 <= low <= high:
-            raise ValueError(f"--min-replicas {low} and --max-replicas {high}: need 1 <= min <= max")
-        scaling = {"autoscaling_config": {"min_replicas": low, "max_replicas": high, "initial_replicas":
-                                          min(max(replicas, low), high), "target_ongoing_requests": max_batch}}
-    if replicas < 1 or threads < 1:
-        raise ValueError(f"--replicas and --threads must be at least 1, got {replicas} and {threads}")
+    options = replica_options(replicas, threads, max_batch, max_queue, min_replicas, max_replicas)
     replica = serve.deployment(
-        Replica, name="Replica", ray_actor_options={"num_cpus": threads},
-        max_ongoing_requests=max_batch + max_queue, health_check_period_s=10, health_check_timeout_s=30,
-        request_router_config=RequestRouterConfig(request_router_class=PrefixAffinityRouter,
-                                                  request_router_kwargs={"imbalance": max(2, max_batch // 2)}),
-        **scaling)
+        Replica, name="Replica", request_router_config=RequestRouterConfig(
+            request_router_class=PrefixAffinityRouter, request_router_kwargs={"imbalance": max(2, max_batch // 2)}),
+        **options)
     ingress = serve.deployment(serve.ingress()(Ingress), name="Ingress", ray_actor_options={"num_cpus": 0},
                                max_ongoing_requests=10_000)
     return ingress.bind(replica.bind(model, threads, context, max_batch, max_queue, alias, api_key, mmap), max_body)
+
+
+def replica_options(replicas: int, threads: int, max_batch: int, max_queue: int, min_replicas: int | None,
+                    max_replicas: int | None) -> dict:
+    """Serve's options for the replicas: their CPUs, requests in flight, health check, and a fixed count or
+    autoscaling bounds (on requests in flight per replica, against ``max_batch``)."""
+    if replicas < 1 or threads < 1:
+        raise ValueError(f"--replicas and --threads must be at least 1, got {replicas} and {threads}")
+    options = {"ray_actor_options": {"num_cpus": threads}, "max_ongoing_requests": max_batch + max_queue,
+               "health_check_period_s": 10, "health_check_timeout_s": 30}
+    if min_replicas is None and max_replicas is None:
+        return {**options, "num_replicas": replicas}
+    low = min_replicas if min_replicas is not None else 1
+    high = max_replicas if max_replicas is not None else max(low, replicas)
+    if not 1 <= low <= high:
+        raise ValueError(f"--min-replicas {low} and --max-replicas {high}: need 1 <= min <= max")
+    return {**options, "autoscaling_config": {"min_replicas": low, "max_replicas": high, "initial_replicas":
+                                              min(max(replicas, low), high), "target_ongoing_requests": max_batch}}
 
 
 _NUMBERS = {"replicas", "threads", "context", "max_batch", "max_queue", "max_body", "min_replicas", "max_replicas"}
