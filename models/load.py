@@ -104,8 +104,7 @@ def load_model(source: str | os.PathLike | None = None, *, bits: int | None = No
     if compile_ahead:
         from tmac.prefetch import CompileAhead
 
-        ahead = CompileAhead(kernel_dir)
-        ahead.held = key is not None  # (a run goes on from its packed copy: the glue that reads a held table)
+        ahead = CompileAhead(kernel_dir, held=key is not None)  # (a run goes on from the packed copy it writes)
     try:
         model = _from_source(path, bits, group_size, symmetric, head_bits, context, kv_dtype, isa, kernel_dir,
                              progress, mmap, ahead)
@@ -199,9 +198,8 @@ def _compile_ahead(model: Transformer, i: int, ahead, kv_dtype: str) -> None:
         from .decode import glue_spec
 
         act_quant = any(isinstance(m, ActivationQuantized) for m in model.layers[0].modules())
-        held = getattr(ahead, "held", False)
         ahead.want(glue_spec(model.config, act_quant, isa_by_name(linears[0].spec.isa), kv_dtype,
-                             model.tok_embeddings, held))
+                             model.tok_embeddings, ahead.held))
 
 
 def _load_layers(model: Transformer, weight, src, opts: dict, bar, built_layer=None) -> None:

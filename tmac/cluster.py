@@ -112,9 +112,7 @@ class Replica:
         from .serve import SWITCH_INTERVAL, Served, create_app, model_name
 
         tmac.set_num_threads(threads)
-        loaded = tmac.load_model(model, context=context, mmap=mmap)
-        if loaded.tokenizer is None:
-            raise ValueError(f"{loaded.source}: the model has no tokenizer, so it cannot serve text")
+        loaded = tmac.load_model(model, context=context, mmap=mmap)  # (create_app refuses one with no tokenizer)
         served = Served(alias or model_name(loaded.source), model, os.path.basename(loaded.source),
                         model_name(loaded.source))
         self.app = create_app(loaded, served, api_key, max_batch, max_queue, log=None)

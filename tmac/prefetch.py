@@ -40,8 +40,10 @@ def wait_for(name: str) -> None:
 class CompileAhead:
     """The child process, started with the first kernel the cache lacks; ``close`` says there are no more."""
 
-    def __init__(self, kernel_dir: str | None = None):
+    def __init__(self, kernel_dir: str | None = None, held: bool = False):
+        """``held``: the run goes on from a packed copy, whose token table another glue kernel reads."""
         self.enabled = not (kernel_dir or os.environ.get("TMAC_KERNEL_DIR"))  # (a directory has them, or not)
+        self.held = held
         self.child: subprocess.Popen | None = None
         self.named: set[str] = set()
         self.given: set[str] = set()
