@@ -35,7 +35,8 @@ def _each_row(rows, body) -> None:
         body(row)
 
 
-def rms_norm_func(name: str, n: int, widest: int, residual: bool, batched: bool = False):
+def rms_norm_func(name: str, n: int, widest: int, residual: bool, batched: bool = False, residual_scale: float = 0.0):
+    """``out = rmsnorm(x)·w``, after ``x += delta`` (times ``residual_scale`` where it is set) with ``residual``."""
     from tvm.script.ir_builder import tirx as T
 
     lanes = lanes_of(n, widest)
@@ -50,7 +51,8 @@ def rms_norm_func(name: str, n: int, widest: int, residual: bool, batched: bool 
         def norm(row):
             def square(at):
                 if residual:
-                    T.buffer_store(X, X[row, at] + D[row, at], [row, at])
+                    delta = D[row, at] * bcast(f32(residual_scale), lanes) if residual_scale else D[row, at]
+                    T.buffer_store(X, X[row, at] + delta, [row, at])
                 return X[row, at] * X[row, at]
 
             scale = rms_scale(T, n, lanes, square, eps)
@@ -173,12 +175,13 @@ def module(spec: GlueSpec, isa):
 
     widest = max(isa.vector_bytes // 4, 4)
     q_dim = spec.n_heads * spec.head_dim
-    funcs = {"norm_final": rms_norm_func("norm_final", spec.dim, widest, True),
+    residual = spec.residual_scale
+    funcs = {"norm_final": rms_norm_func("norm_final", spec.dim, widest, True, residual_scale=residual),
              "attend": attend_func(spec, widest, isa.sum_vectors),
              "attend" + ROWS: attend_func(spec, widest, isa.sum_vectors, batched=True)}
     for batched in (False, True):  # each function of one row, and its _rows variant
         suffix = ROWS * batched
-        funcs["norm_in" + suffix] = rms_norm_func("norm_in" + suffix, spec.dim, widest, True, batched)
+        funcs["norm_in" + suffix] = rms_norm_func("norm_in" + suffix, spec.dim, widest, True, batched, residual)
         funcs["gated_act" + suffix] = gated_act_func(spec, widest, batched)
         if spec.post_norms:
             for name in ("norm_post_attn", "norm_post_ffn"):

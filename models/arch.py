@@ -64,6 +64,11 @@ class Architecture:
     gguf_swa_every: int = 0  # GGUF: every n-th layer full attention, the others a sliding window (Gemma 3)
     gguf_local_rope_theta: float = 0.0  # GGUF: the sliding layers' RoPE base, which llama.cpp fixes (Gemma 3)
     hf_variants: dict = field(default_factory=dict)  # a config.json key → what it must be (else refused)
+    # the family's own scalars, read by both loaders as they are: a LlamaConfig field → its GGUF key (after
+    # "{general.architecture}.") and its config.json key; a file without one gets the field's default
+    gguf_keys: dict = field(default_factory=dict)
+    hf_keys: dict = field(default_factory=dict)
+    gguf_nope_every: int = 0  # GGUF: every n-th layer without RoPE, which llama.cpp fixes (SmolLM3: 4)
 
     def layer_tensors(self) -> dict[str, tuple[str, str]]:
         """Ours → (GGUF, Hugging Face) of one layer's tensors, unfused."""
@@ -96,6 +101,13 @@ ARCHITECTURES = {a.name: a for a in (
                  hf_activations=("gelu_pytorch_tanh", "gelu_tanh"), qk_norm=True, post_norms=True,
                  hf_norm_shift=1.0, embed_scale=True, gguf_swa_every=6, gguf_local_rope_theta=10000.0),
     Architecture("phi3", "Phi-3, Phi-3.5, Phi-4-mini", "phi3", ("Phi3ForCausalLM",), fused=True),
+    Architecture("granite", "Granite 3.x (dense)", "granite", ("GraniteForCausalLM",), gguf_interleaved_qk=True,
+                 gguf_keys={"embed_scale": "embedding_scale", "residual_scale": "residual_scale",
+                            "attn_scale": "attention.scale", "logit_scale": "logit_scale"},
+                 hf_keys={"embed_scale": "embedding_multiplier", "residual_scale": "residual_multiplier",
+                          "attn_scale": "attention_multiplier", "logit_scale": "logits_scaling"}),
+    Architecture("smollm3", "SmolLM3", "smollm3", ("SmolLM3ForCausalLM",), gguf_interleaved_qk=True,
+                 gguf_nope_every=4, hf_variants={"use_sliding_window": False}),
 )}
 HF_ACTIVATIONS = {"silu": "silu", "relu2": "relu2", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 BY_GGUF = {a.gguf: a for a in ARCHITECTURES.values()}
@@ -113,7 +125,7 @@ def tensor_names(arch: Architecture, name: str) -> tuple[str, str]:
 
 def model_table() -> str:
     """The README's table of supported families (markdown)."""
-    rows = ["| family | models | GGUF | Hugging Face |", "|---|---|---|---|"]
-    rows += [f"| {a.name} | {a.models} | `{a.gguf}` | {', '.join(f'`{h}`' for h in a.hf)} |"
-             for a in ARCHITECTURES.values()]
+    rows = ["| family (GGUF's too) | models | Hugging Face |", "|---|---|---|"]
+    rows += [f"| `{a.name}`{'' if a.gguf == a.name else f' (`{a.gguf}`)'} | {a.models} | "
+             f"{', '.join(f'`{h}`' for h in a.hf)} |" for a in ARCHITECTURES.values()]
     return "\n".join(rows)

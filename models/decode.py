@@ -10,8 +10,10 @@ makes ``build`` return ``None`` and generation stays on the eager ``forward``; a
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
+import warnings
 
 import torch
 from torch import nn
@@ -108,7 +110,26 @@ def glue_spec(cfg, act_quant: bool, isa, kv_dtype: str = "float16", table=None, 
                     cfg.activation, cfg.sub_norms, act_quant, kv_dtype, **embed, qkv_bias=cfg.qkv_bias,
                     qk_norm=cfg.qk_norm, rotary_dim=0 if cfg.rotary_dim == cfg.head_dim else cfg.rotary_dim,
                     attn_scale=0.0 if default_scale else cfg.attn_scale, window=bool(cfg.sliding_window),
-                    post_norms=cfg.post_norms, softcap=cfg.attn_softcap)
+                    post_norms=cfg.post_norms, softcap=cfg.attn_softcap,
+                    residual_scale=0.0 if cfg.residual_scale == 1.0 else cfg.residual_scale)
+
+
+# The config fields whose computation the plan was taught: each is read above (the glue's spec), by the plan's calls
+# (``_build``: the embedding's scale, the logits' divisor and cap) or through the model's modules and tables (sizes,
+# RoPE's tables, a layer's window). A field outside this set that is away from its default names a computation
+# the plan would silently skip: such a model runs on the eager path (``untaught``), never on wrong numbers.
+TAUGHT = frozenset({
+    "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "head_dim", "norm_eps", "context_length",
+    "tie_embeddings", "arch", "activation", "sub_norms", "qkv_bias", "qk_norm", "post_norms", "embed_scale",
+    "attn_scale", "attn_softcap", "final_softcap", "residual_scale", "logit_scale", "sliding_window",
+    "sliding_layers", "rotary_dim", "rope_theta", "rope_scaling", "rope_factors", "rope_factors_long",
+    "rope_original_context", "rope_attn_factor", "rope_local_theta", "nope_layers"})
+
+
+def untaught(cfg) -> list[str]:
+    """The fields of ``cfg`` that change the model's computation and that the plan was not taught (``TAUGHT``)."""
+    return [f.name for f in dataclasses.fields(cfg) if f.name not in TAUGHT and getattr(cfg, f.name) != (
+        f.default if f.default is not dataclasses.MISSING else f.default_factory())]
 
 
 def plan_key(model) -> tuple:
@@ -116,7 +137,8 @@ def plan_key(model) -> tuple:
     and a LUT projection's kernels. A plan built under another key is stale (a module swapped, a cache set up again).
     Checked once a generation, a fraction of building the plan (docs/decisions.md, "The decode plan")."""
     cache = tuple(None if t is None else (t.data_ptr(), tuple(t.shape), t.dtype)
-                  for t in (model.cache_k, model.cache_v, model.cos, model.sin, model.cos_local, model.sin_local))
+                  for t in (model.cache_k, model.cache_v, model.cos, model.sin, model.cos_local, model.sin_local,
+                            model.cos_none, model.sin_none))
 
     def tensors(m):
         return (*m._parameters.values(), *m._buffers.values())
@@ -188,6 +210,11 @@ class DecodePlan:
     @classmethod
     def _build(cls, model, rows: int = 1, prefill: bool = False) -> "DecodePlan":
         cfg = model.config
+        fields = untaught(cfg)
+        if fields:
+            warnings.warn(f"the decode plan does not compute {', '.join(fields)} of this {cfg.arch} model: it runs "
+                          f"on the eager path (slower, same numbers)", stacklevel=4)
+            raise _Unsupported(f"untaught variations {fields}")
         if model.cache_k is None or not isinstance(model.tok_embeddings, (nn.Embedding, Embedding)):
             raise _Unsupported("no cache or another embedding module")
         first = model.layers[0].attention.wqkv
@@ -297,6 +324,9 @@ class DecodePlan:
         else:
             each_row(glue.norm_final, "x", residual, _norm(model.norm), eps, "xn")
             project(model.output, "xn", "logits")
+        if cfg.logit_scale != 1.0:  # Granite's logits divided, in place
+            calls.append((buf["logits"].div_, [cfg.logit_scale]))
+            labels[id(calls[-1][0])] = "logit scale"
         if cfg.final_softcap:  # Gemma 2's capped logits: c·tanh(l/c), in place
             cap, logits = cfg.final_softcap, buf["logits"]
             calls += [(logits.div_, [cap]), (torch.tanh_, [logits]), (logits.mul_, [cap])]

@@ -74,7 +74,7 @@ class GGUFModel:
         linear = get("rope.scaling.factor", float, 1.0) if self.meta.get(f"{name}.rope.scaling.type") == "linear" \
             else 1.0
         try:
-            return LlamaConfig(
+            return LlamaConfig(**dict(dict(
                 vocab_size=embd.shape[0], dim=dim, n_layers=n_layers, n_heads=n_heads,
                 n_kv_heads=get("attention.head_count_kv", int, n_heads), ffn_dim=get("feed_forward_length", int),
                 head_dim=head_dim, norm_eps=get("attention.layer_norm_rms_epsilon", float, 1e-5),
@@ -88,7 +88,10 @@ class GGUFModel:
                 sliding_layers=[i for i in range(n_layers) if (i + 1) % arch.gguf_swa_every] if window else None,
                 rope_local_theta=arch.gguf_local_rope_theta if window else 0.0,
                 attn_softcap=get("attn_logit_softcapping", float, 0.0),
-                final_softcap=get("final_logit_softcapping", float, 0.0), **self._rope_factors(get))
+                final_softcap=get("final_logit_softcapping", float, 0.0), **self._rope_factors(get),
+                nope_layers=[i for i in range(n_layers) if (i + 1) % arch.gguf_nope_every == 0]
+                if arch.gguf_nope_every else None),
+                **{field: get(key, float) for field, key in arch.gguf_keys.items() if f"{name}.{key}" in self.meta}))
         except ValueError as e:
             raise ModelFormatError(f"{self.path}: {e}") from None
 

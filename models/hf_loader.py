@@ -140,7 +140,7 @@ class HFModel:
         partial = c.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
         window, sliding = self._sliding(c)
         query_scalar = c.get("query_pre_attn_scalar")
-        return LlamaConfig(
+        return LlamaConfig(**dict(dict(
             vocab_size=c["vocab_size"], dim=c["hidden_size"], n_layers=c["num_hidden_layers"], n_heads=heads,
             n_kv_heads=c.get("num_key_value_heads") or heads, ffn_dim=c["intermediate_size"],
             head_dim=head_dim, norm_eps=float(c.get("rms_norm_eps", 1e-6)),
@@ -154,7 +154,18 @@ class HFModel:
             attn_scale=float(query_scalar) ** -0.5 if query_scalar else 0.0, rotary_dim=int(head_dim * partial),
             sliding_window=window, sliding_layers=sliding, rope_local_theta=local_theta,
             attn_softcap=c.get("attn_logit_softcapping") or 0.0, final_softcap=c.get("final_logit_softcapping") or 0.0,
-            **self._longrope(c, rope, int(head_dim * partial)))
+            nope_layers=self._nope(c), **self._longrope(c, rope, int(head_dim * partial))),
+            **{field: c[key] for field, key in arch.hf_keys.items() if c.get(key) is not None}))
+
+    def _nope(self, c: dict) -> list | None:
+        """The layers without RoPE: SmolLM3's ``no_rope_layers`` (1: the layer turns q and k, 0: it does not)."""
+        flags = c.get("no_rope_layers")
+        if flags is None:
+            return None
+        if not isinstance(flags, list) or len(flags) != c["num_hidden_layers"] or not all(f in (0, 1) for f in flags):
+            raise ModelFormatError(f"{self.path}/config.json: no_rope_layers={flags!r:.60} is not a 0 or 1 for each "
+                                   f"of the {c['num_hidden_layers']} layers")
+        return [i for i, turns in enumerate(flags) if not turns] or None
 
     def _rope(self, c: dict) -> tuple[dict, float]:
         """The global layers' RoPE parameters (``rope_type`` always set) and the sliding layers' base (0: the same).

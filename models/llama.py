@@ -84,6 +84,9 @@ class LlamaConfig:
     rope_attn_factor: float = 1.0  # LongRoPE: cos and sin scaled by it
     attn_softcap: float = 0.0  # Gemma 2: attention scores s become c·tanh(s/c); 0: none
     final_softcap: float = 0.0  # Gemma 2: logits likewise
+    residual_scale: float = 1.0  # Granite: the attention's and the FFN's outputs times it, then added to the residual
+    logit_scale: float = 1.0  # Granite: the logits divided by it
+    nope_layers: list | None = None  # SmolLM3: the layers whose q and k RoPE leaves unturned (every fourth)
 
     @property
     def family(self) -> str:
@@ -136,7 +139,8 @@ class LlamaConfig:
                 problems.append(f"{name}={getattr(self, name)!r:.20}")
         for name, low, most in (("embed_scale", 0.0, 1e4), ("attn_scale", -1e-30, 10.0), ("rope_local_theta", -1e-30, 1e12),
                                 ("rope_attn_factor", 0.0, 100.0), ("attn_softcap", -1e-30, 1e4),
-                                ("final_softcap", -1e-30, 1e4)):
+                                ("final_softcap", -1e-30, 1e4), ("residual_scale", 0.0, 1e4),
+                                ("logit_scale", 0.0, 1e6)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not low < value <= most:
                 problems.append(f"{name}={value!r:.40}")
@@ -150,6 +154,10 @@ class LlamaConfig:
         if layers is not None and (not isinstance(layers, list) or len(layers) > LIMITS["n_layers"] or not all(
                 type(i) is int and 0 <= i < self.n_layers for i in layers) or not self.sliding_window):
             problems.append(f"sliding_layers={layers!r:.60} (layer indices below n_layers, with a sliding_window)")
+        layers = self.nope_layers
+        if layers is not None and (not isinstance(layers, list) or len(layers) > LIMITS["n_layers"] or not all(
+                type(i) is int and 0 <= i < self.n_layers for i in layers)):
+            problems.append(f"nope_layers={layers!r:.60} (layer indices below n_layers)")
         return problems
 
     def window(self, layer: int) -> int:
@@ -347,6 +355,7 @@ class FeedForward(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg: LlamaConfig, layer: int = 0):
         super().__init__()
+        self.residual_scale = cfg.residual_scale
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg, layer)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
@@ -355,13 +364,17 @@ class Block(nn.Module):
         self.post_ffn_norm = _norm_or_none(cfg.post_norms, cfg.dim, cfg.norm_eps)
 
     def forward(self, x, cos, sin, cache_k, cache_v, start):
-        h = x + self.post_attention_norm(self.attention(self.attention_norm(x), cos, sin, cache_k, cache_v, start))
-        return h + self.post_ffn_norm(self.feed_forward(self.ffn_norm(h)))
+        h = x + self._scaled(self.post_attention_norm(self.attention(self.attention_norm(x), cos, sin, cache_k,
+                                                                    cache_v, start)))
+        return h + self._scaled(self.post_ffn_norm(self.feed_forward(self.ffn_norm(h))))
 
     def forward_rows(self, x, cos, sin, caches_k, caches_v, starts):
-        h = x + self.post_attention_norm(self.attention.forward_rows(self.attention_norm(x), cos, sin, caches_k,
-                                                                     caches_v, starts))
-        return h + self.post_ffn_norm(self.feed_forward(self.ffn_norm(h)))
+        h = x + self._scaled(self.post_attention_norm(self.attention.forward_rows(self.attention_norm(x), cos, sin,
+                                                                                  caches_k, caches_v, starts)))
+        return h + self._scaled(self.post_ffn_norm(self.feed_forward(self.ffn_norm(h))))
+
+    def _scaled(self, out):
+        return out if self.residual_scale == 1.0 else out * self.residual_scale
 
 
 class Transformer(nn.Module):
@@ -380,6 +393,7 @@ class Transformer(nn.Module):
         self.context = 0
         self.kv_dtype = "float16"
         self.cache_k = self.cache_v = self.cos = self.sin = self.cos_local = self.sin_local = None
+        self.cos_none = self.sin_none = None  # the tables of a layer without RoPE: cos 1, sin 0 (x unturned, exactly)
 
     @classmethod
     def skeleton(cls, cfg: LlamaConfig) -> "Transformer":
@@ -413,10 +427,14 @@ class Transformer(nn.Module):
         self.cos, self.sin = rope_table(self.config, context)
         if any(layer.attention.local for layer in self.layers):
             self.cos_local, self.sin_local = rope_table(self.config, context, local=True)
+        if self.config.nope_layers:
+            self.cos_none, self.sin_none = torch.ones_like(self.cos), torch.zeros_like(self.sin)
         self.context = context
 
     def rope(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The cos and sin tables layer ``layer`` turns q and k with."""
+        if self.config.nope_layers and layer in self.config.nope_layers:
+            return self.cos_none, self.sin_none
         if self.layers[layer].attention.local:
             return self.cos_local, self.sin_local
         return self.cos, self.sin
@@ -468,8 +486,10 @@ class Transformer(nn.Module):
         return self.logits(x)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """The head's float32 logits of the last layer's output ``x`` (Gemma 2: capped)."""
+        """The head's float32 logits of the last layer's output ``x`` (Granite: divided; Gemma 2: capped)."""
         out = self.output(self.norm(x)).float()
+        if self.config.logit_scale != 1.0:
+            out = out / self.config.logit_scale
         cap = self.config.final_softcap
         return out if not cap else torch.tanh(out / cap) * cap
 

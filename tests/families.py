@@ -13,6 +13,7 @@ import sentencepiece
 import torch
 import transformers
 
+from tmac.models.arch import ARCHITECTURES
 from tmac.models.llama import LlamaConfig
 from tmac.models.synthetic import add_llama_metadata
 
@@ -65,6 +66,12 @@ def hf_config(family: str):
     if family == "phi3":
         return transformers.Phi3Config(**SIZES, pad_token_id=0, rope_parameters=_longrope(),
                                        original_max_position_embeddings=ORIGINAL_CONTEXT)
+    if family == "granite":  # multipliers far from 1, so that one left out shows
+        return transformers.GraniteConfig(**SIZES, rope_theta=10000.0, embedding_multiplier=6.0,
+                                          residual_multiplier=0.3, attention_multiplier=0.05, logits_scaling=4.0)
+    if family == "smollm3":  # eight layers: two of them without RoPE
+        return transformers.SmolLM3Config(**{**SIZES, "num_hidden_layers": 8}, rope_theta=10000.0, pad_token_id=0,
+                                          bos_token_id=1, eos_token_id=2)
     raise ValueError(family)
 
 
@@ -72,9 +79,9 @@ CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "bitnet
            "bitnet-silu": "BitNetForCausalLM",
            "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
            "gemma3": "Gemma3ForCausalLM",
-           "phi3": "Phi3ForCausalLM"}
+           "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "bitnet": "bitnet", "bitnet-silu": "bitnet", "qwen2": "qwen2", "qwen3": "qwen3",
-             "gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3"}
+             "gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3", "granite": "granite", "smollm3": "smollm3"}
 
 
 def hf_model(family: str, seed: int = 0):
@@ -173,6 +180,11 @@ def write_gguf(model, family: str, path, weight_type: str = "F32") -> dict:
     if family == "gemma2":
         w.add_attn_logit_softcapping(c.attn_logit_softcapping)
         w.add_final_logit_softcapping(c.final_logit_softcapping)
+    if family == "granite":
+        w.add_embedding_scale(c.embedding_multiplier)
+        w.add_residual_scale(c.residual_multiplier)
+        w.add_attention_scale(c.attention_multiplier)
+        w.add_logit_scale(c.logits_scaling)
     if family == "phi3":
         w.add_rope_scaling_attn_factors(float(np.sqrt(1 + np.log(c.max_position_embeddings / ORIGINAL_CONTEXT)
                                                       / np.log(ORIGINAL_CONTEXT))))
@@ -199,7 +211,7 @@ def write_gguf(model, family: str, path, weight_type: str = "F32") -> dict:
                                                                qtype).reshape(t.shape))
         if family.startswith("gemma") and hf.endswith("norm.weight"):
             t = t + 1  # llama.cpp's converter: Gemma's (1 + w) stored as the weight
-        if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
+        if ARCHITECTURES[arch].gguf_interleaved_qk and name.endswith(("attn_q.weight", "attn_k.weight")):
             t = _permute(t, c.num_attention_heads if "attn_q" in name else c.num_key_value_heads)
         if kind in ("F32", "F16"):
             w.add_tensor(name, np.ascontiguousarray(t, np.float16 if kind == "F16" else np.float32))

@@ -17,10 +17,11 @@ from families import hf_model, write_gguf
 from tmac.models.arch import ARCHITECTURES
 from tmac.models.decode import DecodePlan
 
-FAMILIES = ["llama", "mistral", "bitnet", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"]
-GGUF_FAMILIES = ["llama", "bitnet-silu", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"]  # (llama's GGUF: no window)
+FAMILIES = ["llama", "mistral", "bitnet", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "granite", "smollm3"]
+GGUF_FAMILIES = ["llama", "bitnet-silu", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "granite",
+                 "smollm3"]  # (llama's GGUF: no window)
 QUANTIZED = [("llama", "Q4_0"), ("bitnet-silu", "TQ2_0"), ("qwen2", "Q8_0"), ("qwen3", "Q4_0"), ("gemma2", "Q8_0"),
-             ("gemma3", "Q8_0"), ("phi3", "Q4_0")]
+             ("gemma3", "Q8_0"), ("phi3", "Q4_0"), ("granite", "Q4_0"), ("smollm3", "Q4_0")]
 IDS = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(7))  # past the windows and LongRoPE's 16
 
 
@@ -194,3 +195,41 @@ def test_a_synthetic_file_of_each_family_holds_what_the_record_names(family, tmp
     assert model.config.arch == family
     assert DecodePlan.build(model) is not None
     assert len(tmac.Session(model).generate([1, 2, 3], max_new_tokens=4, ignore_eos=True, temperature=0)) == 4
+
+
+def test_a_variation_the_plan_was_not_taught_runs_eagerly_not_wrongly(models, tmp_path, monkeypatch):
+    """The decode plan computes the config fields it was taught (``decode.TAUGHT``). One it was not — Granite's
+    residual multiplier with that teaching taken back, or a field new to the config — makes the plan refuse with a
+    warning naming it: the model runs on the eager path, at the exact model's numbers, never the plan's without it."""
+    import dataclasses
+
+    from tmac.models import decode
+    from tmac.models.llama import LlamaConfig
+
+    hf = _hf(models, "granite")
+    held = write_gguf(hf, "granite", tmp_path / "m.gguf", "Q4_0")
+    exact = hf_model("granite")
+    exact.load_state_dict(held, strict=False)
+    with torch.no_grad():
+        want = exact(IDS[None]).logits[0].double()
+    model = tmac.load_model(str(tmp_path / "m.gguf"), progress=False)
+    assert DecodePlan.build(model) is not None
+    taught = tmac.Session(model).logits(IDS.tolist()).double()
+
+    monkeypatch.setattr(decode, "TAUGHT", decode.TAUGHT - {"residual_scale"})
+    with pytest.warns(UserWarning, match="does not compute residual_scale of this granite model"):
+        assert DecodePlan.build(model) is None
+    eager = tmac.Session(model).logits(IDS.tolist()).double()
+    assert rel_l2(eager, want) < 0.04 and rel_l2(taught, want) < 0.04, (rel_l2(eager, want), rel_l2(taught, want))
+    assert rel_l2(eager, taught) < 0.02  # (the int8 tables' rounding apart: the same model)
+    monkeypatch.undo()
+
+    @dataclasses.dataclass
+    class Extended(LlamaConfig):
+        new_variation: float = 1.0
+
+    model.config = Extended(**{**dataclasses.asdict(model.config), "new_variation": 2.0})
+    with pytest.warns(UserWarning, match="new_variation"):
+        assert DecodePlan.build(model) is None
+    model.config = Extended(**{**dataclasses.asdict(model.config), "new_variation": 1.0})  # at its default it changes nothing: taught or not
+    assert DecodePlan.build(model) is not None

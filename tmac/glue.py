@@ -4,7 +4,7 @@ Eager PyTorch spends ~20 small ops per layer on RMSNorm, RoPE, the KV-cache writ
 the gated activation, each dispatched on its own — together more than the projections on a small model. The
 glue kernels do each of those stretches in one call (``tmac.codegen.glue`` generates them):
 
-- ``norm_in(x, delta, w, eps, out)``: the residual ``x += delta``, then ``out = rmsnorm(x)·w`` (``norm_final``
+- ``norm_in(x, delta, w, eps, out)``: the residual ``x += delta`` (Granite: ``x += r·delta``), then ``out = rmsnorm(x)·w`` (``norm_final``
   is the same function for the head, a separate symbol so a profile tells them apart);
 - ``norm_attn(x, w, eps, out)``, ``norm_hidden``: BitNet's norms before the output and down projections
   (``sub_norms``);
@@ -80,6 +80,7 @@ class GlueSpec:
     window: bool = False  # ``attend`` takes a sliding window (0: none)
     post_norms: bool = False  # Gemma's norms on the attention's and the FFN's outputs
     softcap: float = 0.0  # Gemma 2: ``attend`` caps the scores s to c·tanh(s/c); 0: none
+    residual_scale: float = 0.0  # Granite: ``norm_in``/``norm_final`` add ``delta`` times it; 0: times 1
 
     def __post_init__(self):
         sizes = (self.dim, self.n_heads, self.n_kv_heads, self.head_dim, self.ffn_dim)
@@ -89,9 +90,10 @@ class GlueSpec:
             raise ValueError(f"activation {self.act!r} has no glue kernel; known: {ACTIVATIONS}")
         check_kv_dtype(self.kv_dtype)
         if type(self.rotary_dim) is not int or self.rotary_dim % 2 or not 0 <= self.rotary_dim <= self.head_dim or \
-                not 0 <= self.attn_scale <= 10 or not 0 <= self.softcap <= 1e4:
+                not 0 <= self.attn_scale <= 10 or not 0 <= self.softcap <= 1e4 or not 0 <= self.residual_scale <= 1e4:
             raise ValueError(f"invalid glue spec attention: rotary_dim {self.rotary_dim!r:.20} of head_dim "
-                             f"{self.head_dim}, scale {self.attn_scale!r:.20}, soft cap {self.softcap!r:.20}")
+                             f"{self.head_dim}, scale {self.attn_scale!r:.20}, soft cap {self.softcap!r:.20}, residual scale "
+                             f"{self.residual_scale!r:.20}")
         if self.embed_blocks not in EMBED_BLOCKS or self.embed_blocks and self.embed_bits:
             raise ValueError(f"invalid token table for the glue: blocks {self.embed_blocks!r:.20} (one of "
                              f"{EMBED_BLOCKS}, without embed_bits)")
@@ -112,9 +114,10 @@ class GlueSpec:
         rot = self.rotary_dim not in (0, self.head_dim)
         scale = struct.pack(">f", self.attn_scale).hex() if self.attn_scale else ""  # float32 bits: exact, no dots
         cap = struct.pack(">f", self.softcap).hex() if self.softcap else ""
+        residual = struct.pack(">f", self.residual_scale).hex() if self.residual_scale else ""
         return (f"{'_qb' if self.qkv_bias else ''}{'_qkn' if self.qk_norm else ''}{f'_r{self.rotary_dim}' if rot else ''}"
                 f"{f'_s{scale}' if scale else ''}{'_win' if self.window else ''}{'_post' if self.post_norms else ''}"
-                f"{f'_c{cap}' if cap else ''}")
+                f"{f'_c{cap}' if cap else ''}{f'_rs{residual}' if residual else ''}")
 
     @property
     def attend_args(self) -> tuple[str, ...]:
