@@ -12,7 +12,7 @@ MACHINE := $(shell uname -s)-$(shell uname -m)
 TORCH := $(if $(filter aarch64 arm64,$(shell uname -m)),torch==2.9.1,$(if $(filter Linux-x86_64,$(MACHINE)),torch==2.13.0+cpu,torch==2.13.0))
 TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
 
-.PHONY: demo test check test-arm64 bench fuzz clean
+.PHONY: demo test check unit lint test-arm64 bench fuzz clean
 
 $(STAMP): pyproject.toml
 	@echo "setting up $(VENV): torch, tmac and the default model (a few minutes, once)"
@@ -35,10 +35,17 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n auto --dist worksteal
 
-# the quick tier for the edit loop (a few minutes): the suite without the tests marked slow (subprocess CLI runs, tuning,
-# cache damage, fuzzing, the generic fallback's kernels)
-check: $(STAMP)
-	$(BIN)/python -m pytest -q -n auto --dist worksteal -m "not slow"
+# the quick tier for the edit loop (a few minutes): the linter, then the suite without the tests marked slow (subprocess
+# CLI runs, tuning, cache damage, fuzzing, the generic fallback's kernels), compiled kernels kept between runs
+check: lint
+	TMAC_TEST_KERNEL_CACHE=.cache/test-kernels $(BIN)/python -m pytest -q -n auto --dist worksteal -m "not slow"
+
+# the tier that needs no compiler (under a minute): TVM cannot be imported, and the tests marked unit run
+unit: $(STAMP)
+	TMAC_NO_COMPILER=1 $(BIN)/python -m pytest -q -n auto -m unit
+
+lint: $(STAMP)
+	$(BIN)/ruff check --quiet .
 
 # the whole runtime as aarch64 code under qemu-aarch64 (Cortex-A76 and A72): an arm64 Python from Debian's packages
 # and PyPI's aarch64 wheels, kept in .arm64/ (about 1.3 GB; built once, then reused)

@@ -64,6 +64,28 @@ def rms_norm_func(name: str, n: int, widest: int, residual: bool, batched: bool 
     return ib.get()
 
 
+def add_func(name: str, n: int, widest: int, batched: bool = False, residual_scale: float = 0.0):
+    """``out = x += delta`` (times ``residual_scale`` where it is set): the residual with no norm after it."""
+    from tvm.script.ir_builder import tirx as T
+
+    lanes = lanes_of(n, widest)
+    with prim_func(name) as ib:
+        rows = _rows(batched)
+        X = arg("x", (rows, n))
+        D = arg("delta", (rows, n))
+        OUT = arg("out", (rows, n))
+
+        def add(row):
+            with T.serial(0, n // lanes) as c:
+                at = vec(c * lanes, lanes)
+                delta = D[row, at] * bcast(f32(residual_scale), lanes) if residual_scale else D[row, at]
+                T.buffer_store(X, X[row, at] + delta, [row, at])
+                T.buffer_store(OUT, X[row, at], [row, at])
+
+        _each_row(rows, add)
+    return ib.get()
+
+
 def quantize_func(name: str, n: int, widest: int, batched: bool = False):
     """Per-token absmax int8 fake-quantization in place: ``x·s`` rounded half-to-even, clamped, divided back."""
     from tvm import tirx
@@ -181,7 +203,10 @@ def module(spec: GlueSpec, isa):
              "attend" + ROWS: attend_func(spec, widest, isa.sum_vectors, batched=True)}
     for batched in (False, True):  # each function of one row, and its _rows variant
         suffix = ROWS * batched
-        funcs["norm_in" + suffix] = rms_norm_func("norm_in" + suffix, spec.dim, widest, True, batched, residual)
+        if spec.pre_norms:
+            funcs["norm_in" + suffix] = rms_norm_func("norm_in" + suffix, spec.dim, widest, True, batched, residual)
+        else:
+            funcs["add_in" + suffix] = add_func("add_in" + suffix, spec.dim, widest, batched, residual)
         funcs["gated_act" + suffix] = gated_act_func(spec, widest, batched)
         if spec.post_norms:
             for name in ("norm_post_attn", "norm_post_ffn"):
@@ -193,6 +218,9 @@ def module(spec: GlueSpec, isa):
         if spec.act_quant:
             for name, n in (("dim", spec.dim), ("q", q_dim), ("ffn", spec.ffn_dim)):
                 funcs[f"quantize_{name}{suffix}"] = quantize_func(f"quantize_{name}{suffix}", n, widest, batched)
+    if spec.qk_norm_whole:  # in place: each element is read before it is written
+        funcs["norm_q"] = rms_norm_func("norm_q", q_dim, widest, False)
+        funcs["norm_k"] = rms_norm_func("norm_k", spec.n_kv_heads * spec.head_dim, widest, False)
     if spec.embed_bits:
         funcs["embed"] = embed_func(spec)
     elif spec.embed_blocks:

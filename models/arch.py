@@ -57,6 +57,8 @@ class Architecture:
     qk_norm: bool = False
     sub_norms: bool = False
     post_norms: bool = False  # Gemma: norms after attention and FFN (the FFN's input norm has another HF name)
+    pre_norms: bool = True  # the attention's and the FFN's input norms (OLMo 2 has none: post-norms only)
+    qk_norm_whole: bool = False  # OLMo 2: q and k normalized over all their heads at once, not head by head
     hf_norm_shift: float = 0.0  # Hugging Face stores norm weights as w − shift (Gemma: (1 + w)·x̂; GGUF stores w)
     embed_scale: bool = False  # embeddings × √dim
     gguf_interleaved_qk: bool = False  # llama.cpp's converter interleaves q/k rows for its non-NEOX RoPE (llama)
@@ -77,7 +79,14 @@ class Architecture:
                                (self.post_norms, POST_NORMS)):
             if present:
                 table.update(extra)
+        if not self.pre_norms:
+            del table["attention_norm.weight"], table["ffn_norm.weight"]
         return table
+
+    def config_flags(self) -> dict:
+        """The ``LlamaConfig`` fields a family fixes, whatever the file says: its record's variations."""
+        return dict(arch=self.name, sub_norms=self.sub_norms, qkv_bias=self.qkv_bias, qk_norm=self.qk_norm,
+                    post_norms=self.post_norms, pre_norms=self.pre_norms, qk_norm_whole=self.qk_norm_whole)
 
     def norms(self) -> list[str]:
         """Our names of one layer's norm weights."""
@@ -106,6 +115,8 @@ ARCHITECTURES = {a.name: a for a in (
                             "attn_scale": "attention.scale", "logit_scale": "logit_scale"},
                  hf_keys={"embed_scale": "embedding_multiplier", "residual_scale": "residual_multiplier",
                           "attn_scale": "attention_multiplier", "logit_scale": "logits_scaling"}),
+    Architecture("olmo2", "OLMo 2", "olmo2", ("Olmo2ForCausalLM",), qk_norm=True, qk_norm_whole=True,
+                 post_norms=True, pre_norms=False),
     Architecture("smollm3", "SmolLM3", "smollm3", ("SmolLM3ForCausalLM",), gguf_interleaved_qk=True,
                  gguf_nope_every=4, hf_variants={"use_sliding_window": False}),
 )}

@@ -24,7 +24,6 @@ from typing import Callable
 
 import torch
 
-from tmac import runtime
 
 from .decode import Plans
 from .generate import check_prompt
@@ -192,7 +191,7 @@ class Batcher:
             try:
                 if a.request.cancelled:
                     raise _Cancelled
-                with torch.inference_mode(), runtime.torch_single_threaded():  # (alone, a chunk at a time: a
+                with torch.inference_mode():  # (alone, a chunk at a time: a
                     piece = g.feed(self._plans, budget if self.active else PREFILL_CHUNK)  # shutdown is seen)
                 done = len(g.sequence.ids) - fed
                 self.prefilled, budget = self.prefilled + done, budget - done
@@ -257,7 +256,7 @@ class Batcher:
         batch = self.active
         start = time.perf_counter()
         try:
-            with torch.inference_mode(), runtime.torch_single_threaded():
+            with torch.inference_mode():
                 pieces = step_together(self.model, self._plans, [a.generation for a in batch])
         except Exception as e:
             for a in batch:

@@ -108,7 +108,8 @@ def glue_spec(cfg, act_quant: bool, isa, kv_dtype: str = "float16", table=None, 
     default_scale = cfg.attn_scale in (0.0, cfg.head_dim ** -0.5)  # (the same kernel as every other model's)
     return GlueSpec(isa.name, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim,
                     cfg.activation, cfg.sub_norms, act_quant, kv_dtype, **embed, qkv_bias=cfg.qkv_bias,
-                    qk_norm=cfg.qk_norm, rotary_dim=0 if cfg.rotary_dim == cfg.head_dim else cfg.rotary_dim,
+                    qk_norm=cfg.qk_norm and not cfg.qk_norm_whole, qk_norm_whole=cfg.qk_norm_whole,
+                    pre_norms=cfg.pre_norms, rotary_dim=0 if cfg.rotary_dim == cfg.head_dim else cfg.rotary_dim,
                     attn_scale=0.0 if default_scale else cfg.attn_scale, window=bool(cfg.sliding_window),
                     post_norms=cfg.post_norms, softcap=cfg.attn_softcap,
                     residual_scale=0.0 if cfg.residual_scale == 1.0 else cfg.residual_scale)
@@ -120,7 +121,8 @@ def glue_spec(cfg, act_quant: bool, isa, kv_dtype: str = "float16", table=None, 
 # the plan would silently skip: such a model runs on the eager path (``untaught``), never on wrong numbers.
 TAUGHT = frozenset({
     "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "head_dim", "norm_eps", "context_length",
-    "tie_embeddings", "arch", "activation", "sub_norms", "qkv_bias", "qk_norm", "post_norms", "embed_scale",
+    "tie_embeddings", "arch", "activation", "sub_norms", "qkv_bias", "qk_norm", "qk_norm_whole", "post_norms",
+    "pre_norms", "embed_scale",
     "attn_scale", "attn_softcap", "final_softcap", "residual_scale", "logit_scale", "sliding_window",
     "sliding_layers", "rotary_dim", "rope_theta", "rope_scaling", "rope_factors", "rope_factors_long",
     "rope_original_context", "rope_attn_factor", "rope_local_theta", "nope_layers"})
@@ -284,6 +286,13 @@ class DecodePlan:
             each_row(fn, "delta", _norm(norm), eps, "post")
             return "post"
 
+        def norm_in(norm, residual: str) -> None:
+            """``x += residual``, then ``xn`` its norm (without input norms, OLMo 2's: ``x`` itself)."""
+            if cfg.pre_norms:
+                each_row(glue.norm_in, "x", residual, _norm(norm), eps, "xn")
+            else:
+                each_row(glue.add_in, "x", residual, "xn")
+
         residual = "zero"
         for i, layer in enumerate(model.layers):
             attn, ffn = layer.attention, layer.feed_forward
@@ -296,10 +305,15 @@ class DecodePlan:
             if cfg.qkv_bias:
                 biases.append(_qkv_bias(attn.wqkv))
                 shared["bias"] = _handle(biases[-1])
-            if cfg.qk_norm:
+            if cfg.qk_norm and not cfg.qk_norm_whole:
                 shared.update(q_norm=_norm(attn.q_norm), k_norm=_norm(attn.k_norm), eps=eps)
-            each_row(glue.norm_in, "x", residual, _norm(layer.attention_norm), eps, "xn")
+            norm_in(layer.attention_norm, residual)
             project(attn.wqkv, "xn", "qkv", biased=cfg.qkv_bias)
+            if cfg.qk_norm_whole:  # OLMo 2: q and k each normalized whole, in place, before attend turns them
+                q_norm, k_norm = _norm(attn.q_norm), _norm(attn.k_norm)
+                for qkv in buf["qkv"].split(1):
+                    q, k = _handle(qkv[:, :q_dim]), _handle(qkv[:, q_dim:q_dim + kv_dim])
+                    calls += [(glue.norm_q, [q, q_norm, eps, q]), (glue.norm_k, [k, k_norm, eps, k])]
             if prefill and rows >= PARALLEL_TABLE_ROWS:  # the rows' attention in one call, on the pool
                 named = dict(shared, qkv=whole["qkv"], out=whole["att"], last=rows - 1,
                              scores=_handle(task_scores))
@@ -312,7 +326,7 @@ class DecodePlan:
                     calls.append((glue.attend, positions[r][-1]))
             project(attn.wo, "att", "delta", attn.out_norm, getattr(glue, "norm_attn", None))
             residual = post_norm(getattr(glue, "norm_post_attn", None), layer.post_attention_norm)
-            each_row(glue.norm_in, "x", residual, _norm(layer.ffn_norm), eps, "xn")
+            norm_in(layer.ffn_norm, residual)
             project(ffn.w13, "xn", "gu")
             each_row(glue.gated_act, "gu", "hid")
             project(ffn.w2, "hid", "delta", ffn.hidden_norm, getattr(glue, "norm_hidden", None))
@@ -485,7 +499,8 @@ def _check_layer(cfg, layer) -> None:
     attn, ffn = layer.attention, layer.feed_forward
     optional = ((attn.out_norm, cfg.sub_norms), (ffn.hidden_norm, cfg.sub_norms), (attn.q_norm, cfg.qk_norm),
                 (attn.k_norm, cfg.qk_norm), (layer.post_attention_norm, cfg.post_norms),
-                (layer.post_ffn_norm, cfg.post_norms))
+                (layer.post_ffn_norm, cfg.post_norms), (layer.attention_norm, cfg.pre_norms),
+                (layer.ffn_norm, cfg.pre_norms))
     if ffn.act is not ACTIVATION_FUNCTIONS[cfg.activation] or not all(
             isinstance(n, RMSNorm if present else nn.Identity) for n, present in optional):
         raise _Unsupported("a layer with other norms or activation")

@@ -9,15 +9,11 @@ server take too.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import time
 from typing import Callable, Iterator
 
 import torch
 
-from tmac import runtime
-from tmac.linear import Linear
 
 from .decode import DecodePlan, Plans
 from .generation import PREFILL_CHUNK, Generation, prefill, prefill_chunks, reusable_prefix  # noqa: F401
@@ -87,7 +83,7 @@ class Session:
         if len(ids) > self.model.context:
             raise ValueError(f"{len(ids)} tokens exceed the context of {self.model.context} tokens")
         self.cached_ids = []
-        with torch.inference_mode(), self._torch_threads(prefill=True):
+        with torch.inference_mode():
             out = torch.cat([logits for _, logits in self._prefill(ids, 0)])
         self.cached_ids = ids
         return out
@@ -162,7 +158,7 @@ class Session:
         self.last = g
         if g.finish is not None:  # max_tokens 0
             return
-        with torch.inference_mode(), self._torch_threads(prefill=True):
+        with torch.inference_mode():
             t0 = time.perf_counter()
             plans = self._plans.current() if self.static_decode else None
             if plans is not None:  # the plans (the prefill's chunks' sizes and the decode's) are set-up too
@@ -195,7 +191,7 @@ class Session:
                 raise RuntimeError("another generation of this session used its sequence while this one was paused; "
                                    "finish or close one stream before starting the next (or use another Session)")
             t0 = time.perf_counter()
-            with torch.inference_mode(), self._torch_threads():
+            with torch.inference_mode():
                 piece = g.step(plans)
             stats["decode_s"] += time.perf_counter() - t0
             stats["decode_steps"] += 1
@@ -206,17 +202,6 @@ class Session:
         model runs, compiling what the cache lacks, before anything is timed."""
         return self._plans.current().decode(1)
 
-    def _torch_threads(self, prefill: bool = False):
-        """torch on one thread while LUT layers run: the torch ops beside them are small or (a float head) slower
-        sharing the cores with the kernels' pool than alone; a float model keeps torch's threads. So does an eager
-        ``prefill`` (no plans) where torch's idle OpenMP workers sleep (``OMP_WAIT_POLICY=PASSIVE``, set by tmac
-        when imported before torch): attention over a long prompt is its largest torch op (docs/decisions.md,
-        "torch runs on one thread")."""
-        passive = os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"
-        if not any(isinstance(m, Linear) for m in self.model.modules()) or \
-                prefill and passive and not self.static_decode:
-            return contextlib.nullcontext()
-        return runtime.torch_single_threaded()
 
 
 def check_prompt(ids, vocab: int) -> list[int]:

@@ -73,6 +73,8 @@ class LlamaConfig:
     qkv_bias: bool = False  # Qwen2: biases on the q, k and v projections
     qk_norm: bool = False  # Qwen3, Gemma 3: an RMSNorm over each head of q and k, before RoPE
     post_norms: bool = False  # Gemma: RMSNorms on the attention's and the FFN's outputs, before the residual
+    pre_norms: bool = True  # RMSNorms on the attention's and the FFN's inputs (OLMo 2: none)
+    qk_norm_whole: bool = False  # OLMo 2: qk_norm over all of q's heads at once (and k's), not each head
     embed_scale: float = 1.0  # Gemma: the token embeddings times √dim
     attn_scale: float = 0.0  # the scores' scale; 0: head_dim^-½
     rotary_dim: int = 0  # leading dimensions of each head that RoPE turns; 0: all
@@ -134,7 +136,7 @@ class LlamaConfig:
         problems = []
         if self.arch not in ARCHITECTURES:
             problems.append(f"arch={self.arch!r:.40} (one of {', '.join(ARCHITECTURES)})")
-        for name in ("qkv_bias", "qk_norm", "post_norms"):
+        for name in ("qkv_bias", "qk_norm", "post_norms", "pre_norms", "qk_norm_whole"):
             if type(getattr(self, name)) is not bool:
                 problems.append(f"{name}={getattr(self, name)!r:.20}")
         for name, low, most in (("embed_scale", 0.0, 1e4), ("attn_scale", -1e-30, 10.0), ("rope_local_theta", -1e-30, 1e12),
@@ -177,8 +179,9 @@ def expected_shape(cfg: LlamaConfig, name: str) -> tuple[int, ...]:
               "feed_forward.w1.weight": (cfg.ffn_dim, cfg.dim), "feed_forward.w3.weight": (cfg.ffn_dim, cfg.dim),
               "feed_forward.w2.weight": (cfg.dim, cfg.ffn_dim), "attention.out_norm.weight": (q,),
               "feed_forward.hidden_norm.weight": (cfg.ffn_dim,), "attention.wq.bias": (q,), "attention.wk.bias": (kv,),
-              "attention.wv.bias": (kv,), "attention.q_norm.weight": (cfg.head_dim,),
-              "attention.k_norm.weight": (cfg.head_dim,), "post_attention_norm.weight": (cfg.dim,),
+              "attention.wv.bias": (kv,), "attention.q_norm.weight": (q if cfg.qk_norm_whole else cfg.head_dim,),
+              "attention.k_norm.weight": (kv if cfg.qk_norm_whole else cfg.head_dim,),
+              "post_attention_norm.weight": (cfg.dim,),
               "post_ffn_norm.weight": (cfg.dim,), "attention.wqkv.weight": (q + 2 * kv, cfg.dim),
               "feed_forward.w13.weight": (2 * cfg.ffn_dim, cfg.dim)}
     return shapes[name.split(".", 2)[2] if name.startswith("layers.") else name]
@@ -282,8 +285,10 @@ class Attention(nn.Module):
         self.local = bool(self.window) and cfg.rope_local_theta > 0
         self.wqkv = FloatLinear(cfg.dim, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, bias=cfg.qkv_bias)
         self.wo = FloatLinear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
-        self.q_norm = _norm_or_none(cfg.qk_norm, cfg.head_dim, cfg.norm_eps)
-        self.k_norm = _norm_or_none(cfg.qk_norm, cfg.head_dim, cfg.norm_eps)
+        self.qk_norm_whole = cfg.qk_norm_whole
+        self.q_norm = _norm_or_none(cfg.qk_norm, cfg.head_dim * (cfg.n_heads if cfg.qk_norm_whole else 1), cfg.norm_eps)
+        self.k_norm = _norm_or_none(cfg.qk_norm, cfg.head_dim * (cfg.n_kv_heads if cfg.qk_norm_whole else 1),
+                                    cfg.norm_eps)
         self.out_norm = _norm_or_none(cfg.sub_norms, cfg.n_heads * cfg.head_dim, cfg.norm_eps)
 
     def forward(self, x, cos, sin, cache_k, cache_v, start: int):
@@ -305,8 +310,13 @@ class Attention(nn.Module):
         and values written to the cache."""
         t, h = qkv.shape[0], self.n_heads
         qk_width = (h + self.n_kv) * self.hd
-        qk = qkv[:, :qk_width].view(t, h + self.n_kv, self.hd)
-        if not isinstance(self.q_norm, nn.Identity):
+        if self.qk_norm_whole:  # (OLMo 2) each of q and k normalized as one vector
+            q_width = h * self.hd
+            qk = torch.cat((self.q_norm(qkv[:, :q_width]), self.k_norm(qkv[:, q_width:qk_width])), dim=1)
+            qk = qk.view(t, h + self.n_kv, self.hd)
+        else:
+            qk = qkv[:, :qk_width].view(t, h + self.n_kv, self.hd)
+        if not isinstance(self.q_norm, nn.Identity) and not self.qk_norm_whole:
             qk = torch.cat((self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])), dim=1)
         qk = apply_rope(qk, cos, sin)  # q and k at once
         q, k = qk[:, :h], qk[:, h:]
@@ -356,9 +366,9 @@ class Block(nn.Module):
     def __init__(self, cfg: LlamaConfig, layer: int = 0):
         super().__init__()
         self.residual_scale = cfg.residual_scale
-        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention_norm = _norm_or_none(cfg.pre_norms, cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg, layer)
-        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.ffn_norm = _norm_or_none(cfg.pre_norms, cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
         self.post_attention_norm = _norm_or_none(cfg.post_norms, cfg.dim, cfg.norm_eps)
         self.post_ffn_norm = _norm_or_none(cfg.post_norms, cfg.dim, cfg.norm_eps)
@@ -377,6 +387,12 @@ class Block(nn.Module):
         return out if self.residual_scale == 1.0 else out * self.residual_scale
 
 
+def _embedding(n: int, dim: int) -> nn.Embedding:
+    """A token table, random; on the meta device (``Transformer.skeleton``) uninitialized."""
+    weight = torch.empty(n, dim)
+    return nn.Embedding(n, dim, _weight=weight) if weight.is_meta else nn.Embedding(n, dim)
+
+
 class Transformer(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
@@ -384,7 +400,7 @@ class Transformer(nn.Module):
         self.tokenizer = None  # set by the loader
         self.packed_copy = None  # the packed copy of a GGUF it was mapped from or written to (models/packed_cache.py)
         self.cache_owner = None  # a weak reference to the Sequence that holds this model's own cache (models/sequence.py)
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.tok_embeddings = _embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = FloatLinear(cfg.dim, cfg.vocab_size, bias=False)
@@ -398,17 +414,10 @@ class Transformer(nn.Module):
     @classmethod
     def skeleton(cls, cfg: LlamaConfig) -> "Transformer":
         """The modules on the meta device, uninitialized, for a loader to fill. (Random init on meta tensors
-        goes through torch's Python reference ops, which import torch._dynamo: 1.6 s for nothing.)"""
-        names = ("normal_", "uniform_", "kaiming_uniform_")
-        saved = {n: getattr(nn.init, n) for n in names}
-        try:
-            for n in names:
-                setattr(nn.init, n, lambda tensor, *args, **kwargs: tensor)
-            with torch.device("meta"):
-                return cls(cfg)
-        finally:
-            for n, f in saved.items():
-                setattr(nn.init, n, f)
+        goes through torch's Python reference ops, which import torch._dynamo: 1.6 s for nothing; the modules skip
+        it there: ``_embedding``, ``FloatLinear.reset_parameters``.)"""
+        with torch.device("meta"):
+            return cls(cfg)
 
     def setup_cache(self, context: int, kv_dtype: str = "float16") -> None:
         """Preallocate the model's own KV cache (``kv_dtype``: float16 or float32) and the RoPE tables for

@@ -94,7 +94,7 @@ def load_model(source: str | os.PathLike | None = None, *, bits: int | None = No
             try:
                 model = _mapped(copy, context, kv_dtype, mmap)
             except Exception as e:  # damaged, or written by something else: rebuilt from the source
-                warnings.warn(f"the packed copy of {path} ({copy}) cannot be used ({e}); packing it again")
+                warnings.warn(f"the packed copy of {path} ({copy}) cannot be used ({e}); packing it again", stacklevel=3)
                 packed_cache.remove(key)
             else:
                 packed_cache.touch(key)
@@ -376,5 +376,7 @@ def _param(t) -> nn.Parameter:
 
 
 def _is_gguf(path: str) -> bool:
+    if os.path.isdir(path):  # (a Hugging Face directory)
+        return False
     with open(files.require_regular(path), "rb") as f:
         return f.read(4) == b"GGUF"

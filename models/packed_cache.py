@@ -115,7 +115,8 @@ def store(key: str, source: str, model) -> str | None:
         files.write_atomically(os.path.join(where, key + ".json"), lambda tmp: _write_json(tmp, entry), "write")
         return copy
     except Exception as e:  # the copy is a saving, never a reason for the run to fail
-        warnings.warn(f"could not keep a packed copy of {source} in {where} ({e}); the next run packs it again")
+        warnings.warn(f"could not keep a packed copy of {source} in {where} ({e}); the next run packs it again",
+                      stacklevel=4)
         remove(key)
         return None
 

@@ -9,30 +9,31 @@ size and an end-of-text token), enough for both to tokenize and generate; or a r
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import numpy as np
 
 from .llama import LlamaConfig
 
-# the projections of one layer: GGUF name → (rows, columns) from the config
-LAYER_MATRICES = {
-    "attn_q": lambda c: (c.n_heads * c.head_dim, c.dim), "attn_k": lambda c: (c.n_kv_heads * c.head_dim, c.dim),
-    "attn_v": lambda c: (c.n_kv_heads * c.head_dim, c.dim), "attn_output": lambda c: (c.dim, c.n_heads * c.head_dim),
-    "ffn_gate": lambda c: (c.ffn_dim, c.dim), "ffn_up": lambda c: (c.ffn_dim, c.dim),
-    "ffn_down": lambda c: (c.dim, c.ffn_dim),
-}
-# a family's other per-layer tensors (GGUF name) → their shape; norms not named here are (dim,)
-LAYER_VECTORS = {
-    "attn_q.bias": lambda c: (c.n_heads * c.head_dim,), "attn_k.bias": lambda c: (c.n_kv_heads * c.head_dim,),
-    "attn_v.bias": lambda c: (c.n_kv_heads * c.head_dim,), "attn_q_norm.weight": lambda c: (c.head_dim,),
-    "attn_k_norm.weight": lambda c: (c.head_dim,), "ffn_sub_norm.weight": lambda c: (c.ffn_dim,),
-}
-FUSED_MATRICES = {  # the fused layout (Phi-3): one tensor for q|k|v and one for gate|up
-    "attn_qkv": lambda c: ((c.n_heads + 2 * c.n_kv_heads) * c.head_dim, c.dim),
-    "ffn_up": lambda c: (2 * c.ffn_dim, c.dim), "ffn_down": LAYER_MATRICES["ffn_down"],
-    "attn_output": LAYER_MATRICES["attn_output"],
-}
+
+def layer_tensors(arch, cfg: LlamaConfig) -> dict[str, tuple[str, str, tuple[int, ...]]]:
+    """One layer's tensors of family ``arch`` (a ``models.arch`` record) at ``cfg``'s sizes, as the record names
+    them (q|k|v and gate|up as one tensor each where the family stores them fused): ours → (GGUF name, Hugging
+    Face name, shape), the shapes the loaders check (``expected_shape`` of the config the family's flags make)."""
+    from .arch import FUSED, FUSED_NAMES
+    from .llama import expected_shape
+
+    cfg = dataclasses.replace(cfg, **arch.config_flags())
+    table = arch.layer_tensors()
+    if arch.fused:
+        for fused, parts in FUSED.items():
+            for part in parts:
+                del table[part]
+            table[fused] = FUSED_NAMES[fused]
+    return {ours: (gguf, hf, expected_shape(cfg, f"layers.0.{ours}")) for ours, (gguf, hf) in table.items()}
+
+
 SLIDING_WINDOW = 512  # Gemma 3's
 SOFT_CAPS = {"gemma2": (50.0, 30.0)}  # a family's attention and logit soft caps, as its real files have them
 
@@ -172,13 +173,10 @@ def write_random_gguf(path: str, cfg: LlamaConfig, weight_type: str | Callable[[
     add("output_norm.weight", (cfg.dim,))
     if not cfg.tie_embeddings:
         add("output.weight", (cfg.vocab_size, cfg.dim))
-    vectors = [g for g, _ in arch.layer_tensors().values() if g.removesuffix(".weight") not in LAYER_MATRICES]
-    matrices = FUSED_MATRICES if arch.fused else LAYER_MATRICES
+    tensors = sorted(layer_tensors(arch, cfg).values(), key=lambda t: len(t[2]))  # (a layer's vectors first)
     for i in range(cfg.n_layers):
-        for name in vectors:
-            add(f"blk.{i}.{name}", LAYER_VECTORS.get(name, lambda c: (c.dim,))(cfg))
-        for name, shape in matrices.items():
-            add(f"blk.{i}.{name}.weight", shape(cfg))
+        for name, _, shape in tensors:
+            add(f"blk.{i}.{name}", shape)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -206,23 +204,23 @@ def write_random_bitnet_dir(path: str, cfg: LlamaConfig, seed: int = 0,
                                       "quantization_mode": "offline"}}
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
-    hf = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-          "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-          "ffn_down": "mlp.down_proj"}
     tensors = {"model.embed_tokens.weight": (rng.standard_normal((cfg.vocab_size, cfg.dim), np.float32) * 0.02
                                              ).astype(np.float16),
                "lm_head.weight": (rng.standard_normal((cfg.vocab_size, cfg.dim), np.float32) * 0.02).astype(np.float16),
                "model.norm.weight": np.ones(cfg.dim, np.float16)}
+    from .arch import ARCHITECTURES
+
+    layers = layer_tensors(ARCHITECTURES["bitnet"], cfg).values()
     for i in range(cfg.n_layers):
         p = f"model.layers.{i}."
-        for norm, n in (("input_layernorm", cfg.dim), ("post_attention_layernorm", cfg.dim),
-                        ("self_attn.attn_sub_norm", cfg.dim), ("mlp.ffn_sub_norm", cfg.ffn_dim)):
-            tensors[p + norm + ".weight"] = np.ones(n, np.float16)
-        for name, shape in LAYER_MATRICES.items():
-            rows, cols = shape(cfg)
+        for _, name, shape in layers:
+            if len(shape) == 1:
+                tensors[p + name] = np.ones(shape, np.float16)
+                continue
+            rows, cols = shape
             fields = rng.integers(0, 3, (4, rows // 4, cols), dtype=np.uint8)  # w + 1, four rows per byte
-            tensors[p + hf[name] + ".weight"] = fields[0] | fields[1] << 2 | fields[2] << 4 | fields[3] << 6
-            tensors[p + hf[name] + ".weight_scale"] = np.array([40.0], np.float32)
+            tensors[p + name] = fields[0] | fields[1] << 2 | fields[2] << 4 | fields[3] << 6
+            tensors[p + name.removesuffix(".weight") + ".weight_scale"] = np.array([40.0], np.float32)
         if progress:
             progress(f"layer {i}")
     save_file(tensors, os.path.join(path, "model.safetensors"))

@@ -5,8 +5,15 @@ import os
 import re
 import tempfile
 
-import numpy as np
-import pytest
+# the suite owns its processes: torch's OpenMP workers sleep when idle, as under the command line (tmac.process)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+if os.environ.get("TMAC_NO_COMPILER"):  # the unit tier (make unit): a test that would compile fails at the import
+    import sys
+
+    sys.modules["tvm"] = None
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 # the arm64 suite runs under qemu in an environment of its own: `make test-arm64`, not `make test`
 collect_ignore = [] if os.environ.get("TMAC_TEST_ARM64") else ["arm64"]
@@ -46,8 +53,14 @@ def rel_l2(a, b) -> float:
 @pytest.fixture(scope="session", autouse=True)
 def _kernel_cache(tmp_path_factory):
     """Tests compile into their own cache, so a stale user cache can neither hide nor cause a failure. The workers
-    of one parallel run (pytest-xdist) share it: each kernel is compiled once, under the cache's file lock."""
-    if os.environ.get("PYTEST_XDIST_WORKER"):
+    of one parallel run (pytest-xdist) share it: each kernel is compiled once, under the cache's file lock.
+    ``TMAC_TEST_KERNEL_CACHE=DIR`` (``make check``) keeps one between runs instead: safe, since the cache's
+    directory is keyed by TVM's and the generator's versions and every entry is checked before it is loaded."""
+    kept = os.environ.get("TMAC_TEST_KERNEL_CACHE")
+    if kept:
+        os.makedirs(kept, exist_ok=True)
+        os.environ["TMAC_CACHE_DIR"] = os.path.abspath(kept)
+    elif os.environ.get("PYTEST_XDIST_WORKER"):
         shared = tmp_path_factory.getbasetemp().parent / "tmac-cache"
         shared.mkdir(exist_ok=True)
         os.environ["TMAC_CACHE_DIR"] = str(shared)

@@ -69,6 +69,8 @@ def hf_config(family: str):
     if family == "granite":  # multipliers far from 1, so that one left out shows
         return transformers.GraniteConfig(**SIZES, rope_theta=10000.0, embedding_multiplier=6.0,
                                           residual_multiplier=0.3, attention_multiplier=0.05, logits_scaling=4.0)
+    if family == "olmo2":
+        return transformers.Olmo2Config(**SIZES, rope_theta=10000.0, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     if family == "smollm3":  # eight layers: two of them without RoPE
         return transformers.SmolLM3Config(**{**SIZES, "num_hidden_layers": 8}, rope_theta=10000.0, pad_token_id=0,
                                           bos_token_id=1, eos_token_id=2)
@@ -79,9 +81,11 @@ CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "bitnet
            "bitnet-silu": "BitNetForCausalLM",
            "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
            "gemma3": "Gemma3ForCausalLM",
-           "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
+           "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM",
+           "smollm3": "SmolLM3ForCausalLM"}
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "bitnet": "bitnet", "bitnet-silu": "bitnet", "qwen2": "qwen2", "qwen3": "qwen3",
-             "gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3", "granite": "granite", "smollm3": "smollm3"}
+             "gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3", "granite": "granite", "olmo2": "olmo2",
+             "smollm3": "smollm3"}
 
 
 def hf_model(family: str, seed: int = 0):

@@ -31,7 +31,6 @@ import struct
 import sys
 import time
 
-import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -331,7 +330,6 @@ def linear_misuse_cases():
 
 
 def kernel_misuse_cases():
-    import torch
 
     from tmac.lut_ops import lut_linear
     from tmac.spec import packed_shapes

@@ -131,7 +131,6 @@ def test_a_layers_shape_is_read_only():
 
 def _gguf_with_tokens(path, extra: int):
     """The stored Q4_0 mix with ``extra`` more tokens than its 300 token rows."""
-    import gguf
 
     def more(w, name, value, vtype, subtype):
         if name not in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type"):

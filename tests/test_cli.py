@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from conftest import cross_tools_lock, smollm2_path
+from conftest import smollm2_path
 
 
 def tmac(*args, **kw):
@@ -430,3 +430,16 @@ def test_ctrl_c_during_start_up_is_one_line(after):
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130 and "Traceback" not in err and err.strip().splitlines()[-1] == "interrupted", err
+
+
+def test_debug_shows_the_error_a_message_was_made_from(tmp_path):
+    """A clear one-line error for a person; with --debug the traceback, including the exception tmac's message
+    replaced (``raise … from None``): here the JSON decoder's, behind "config.json: malformed"."""
+    (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "hidden_size": 64,')
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    plain = subprocess.run([sys.executable, "-m", "tmac", "run", str(tmp_path), "-p", "hi"], capture_output=True,
+                           text=True, timeout=300)
+    assert plain.returncode == 1 and "Traceback" not in plain.stderr and "config.json" in plain.stderr, plain.stderr
+    debug = subprocess.run([sys.executable, "-m", "tmac", "--debug", "run", str(tmp_path), "-p", "hi"],
+                           capture_output=True, text=True, timeout=300)
+    assert debug.returncode != 0 and "JSONDecodeError" in debug.stderr and "config.json" in debug.stderr, debug.stderr

@@ -11,6 +11,7 @@ import transformers
 import tmac
 from conftest import rel_l2, runnable_isas
 from tmac import runtime
+from tmac.process import torch_single_threaded
 from tmac.glue import PARALLEL_ATTENTION_WORK
 from tmac.spec import PARALLEL_TABLE_ROWS
 from tmac.glue import GlueSpec
@@ -357,40 +358,37 @@ def test_a_deleted_model_is_freed_at_once_with_its_plan(tmp_path):
         gc.enable()
 
 
-def test_generation_runs_torch_on_one_thread_beside_lut_layers_only(tmp_path, monkeypatch):
+def test_generation_leaves_torch_threads_to_the_process_owner(tmp_path, monkeypatch):
+    """Library code never changes torch's thread count: a session generates with torch as the caller set it. The
+    command line, which owns its process, sets one thread for a model with LUT layers (torch's threads would spin
+    on the kernels' cores) and leaves a float model's (``tmac.process.own_torch_threads``, called by
+    ``load_for_generation``)."""
+    from tmac.cli_generate import load_for_generation
     from tmac.models.sampling import Sampler
 
     original = Sampler.sample
-
-    """While LUT layers generate, torch runs on one thread (its threads would spin on the kernels' cores), and
-    gets its thread count back afterwards, also when generation fails; a float model keeps torch's threads."""
     _tiny(tmp_path)
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
+    before, kernels_before = torch.get_num_threads(), tmac.get_num_threads()
     try:
-        for bits, expected in ((4, 1), (None, 2)):
+        for bits, owned in ((4, 1), (None, 2)):
+            torch.set_num_threads(2)
+            tmac.set_num_threads(2)
             model = tmac.load_model(tmp_path, bits=bits, group_size=64, context=64)
-            seen, between, session = [], [], tmac.Session(model)
+            seen, session = [], tmac.Session(model)
 
             def sampling(*args, **kwargs):  # runs inside each decode step
                 seen.append(torch.get_num_threads())
                 return original(*args, **kwargs)
 
             monkeypatch.setattr(Sampler, "sample", sampling)
-            session.generate(list(range(5, 25)), max_new_tokens=3, ignore_eos=True, temperature=0,
-                             callback=lambda _: between.append(torch.get_num_threads()))
+            session.generate(list(range(5, 25)), max_new_tokens=3, ignore_eos=True, temperature=0)
             monkeypatch.undo()
-            # the caller's code between tokens (a stream's consumer) has torch as it left it
-            assert seen == [expected] * 3 and between == [2] * 3 and torch.get_num_threads() == 2
-
-            def fail(_):
-                raise KeyboardInterrupt
-
-            with pytest.raises(KeyboardInterrupt):
-                session.generate([5, 6], max_new_tokens=3, ignore_eos=True, temperature=0, callback=fail)
-            assert torch.get_num_threads() == 2
+            assert seen == [2] * 3 and torch.get_num_threads() == 2
+            load_for_generation(str(tmp_path), bits=bits, group_size=64, context=64, progress=False)
+            assert torch.get_num_threads() == owned
     finally:
         torch.set_num_threads(before)
+        tmac.set_num_threads(kernels_before)
 
 
 @pytest.mark.parametrize("family, weight_type, n", [
@@ -410,7 +408,7 @@ def test_a_plan_for_several_sequences_gives_each_what_it_gives_alone(tmp_path, f
     model = tmac.load_model(str(tmp_path / "m.gguf"), context=640, progress=False)
     prompts = [[1, 2, 3], list(range(5, 25)), [i % 500 for i in range(40, 560)]]  # the last past Gemma 3's window
     prompts = [[10 + i, *prompts[i % 3]] for i in range(n)]
-    with torch.inference_mode(), runtime.torch_single_threaded():
+    with torch.inference_mode(), torch_single_threaded():
         one, several = DecodePlan.build(model), DecodePlan.build(model, rows=n)
         assert one is not None and several is not None and several.rows == n
         together, alone = ([Sequence(model, adopt=False) for _ in prompts] for _ in range(2))
@@ -446,7 +444,7 @@ def test_a_prefill_plan_gives_what_a_token_by_token_decode_gives(tmp_path, famil
     write_random_gguf(str(tmp_path / "m.gguf"), cfg, weight_type, family=family)
     model = tmac.load_model(str(tmp_path / "m.gguf"), context=640, progress=False)
     plans = Plans(model).current()
-    with torch.inference_mode(), runtime.torch_single_threaded():
+    with torch.inference_mode(), torch_single_threaded():
         one = plans.decode(1)
         for n in (1, 13, 16, 37, PREFILL_CHUNK + 44):
             prompt = [(i * 37 + n) % 500 + 3 for i in range(n)]

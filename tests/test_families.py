@@ -17,11 +17,13 @@ from families import hf_model, write_gguf
 from tmac.models.arch import ARCHITECTURES
 from tmac.models.decode import DecodePlan
 
-FAMILIES = ["llama", "mistral", "bitnet", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "granite", "smollm3"]
-GGUF_FAMILIES = ["llama", "bitnet-silu", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "granite",
+FAMILIES = ["llama", "mistral", "bitnet", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "granite", "olmo2",
+            "smollm3"]
+GGUF_FAMILIES = ["llama", "bitnet-silu", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "granite", "olmo2",
                  "smollm3"]  # (llama's GGUF: no window)
 QUANTIZED = [("llama", "Q4_0"), ("bitnet-silu", "TQ2_0"), ("qwen2", "Q8_0"), ("qwen3", "Q4_0"), ("gemma2", "Q8_0"),
-             ("gemma3", "Q8_0"), ("phi3", "Q4_0"), ("granite", "Q4_0"), ("smollm3", "Q4_0")]
+             ("gemma3", "Q8_0"), ("phi3", "Q4_0"), ("granite", "Q4_0"), ("olmo2", "Q4_0"),
+             ("smollm3", "Q4_0")]
 IDS = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(7))  # past the windows and LongRoPE's 16
 
 

@@ -242,23 +242,23 @@ def test_k_quant_super_scales(rng, isa, type_name):
     s13 = np.repeat(d13, supers, axis=1) * a.astype(np.float32)
     z13 = None if zeros is None else \
         np.repeat(zero_factors[1], supers, axis=1) * zero_factors[0].astype(np.float32) - np.float32(fmt.offset) * s13
-    for qw, halves in ((qw, True), (QuantizedWeight(qw.codes, s13, z13, fmt), False)):
-        spec = spec_for(qw, ISAS[isa])
+    for weight, halves in ((qw, True), (QuantizedWeight(qw.codes, s13, z13, fmt), False)):
+        spec = spec_for(weight, ISAS[isa])
         assert spec.super_groups == supers and spec.super_bytes == (2 if halves else 4)
         with pytest.raises(ValueError, match="even count"):  # the kernels take a super group's lut groups in pairs
             dataclasses.replace(spec, super_groups=1)
-        packed = pack(qw, spec)
+        packed = pack(weight, spec)
         assert packed.scales.dtype == (np.uint8 if fmt.has_zeros else np.int8)
         assert packed.scales.nbytes == spec.blocks(m) * spec.block_rows * k * (supers + spec.super_bytes) // 256
         lw = LutWeight(packed)
         for n in (1, 2, 5, 20):
             x = rng.standard_normal((n, k)).astype(np.float32)
-            assert rel_l2(lw.matmul(torch.from_numpy(x)).numpy(), ref.lut_matmul(x, qw)) <= 1e-5
+            assert rel_l2(lw.matmul(torch.from_numpy(x)).numpy(), ref.lut_matmul(x, weight)) <= 1e-5
         back = unpack(packed, fmt)
-        for got, want in ((back.codes, qw.codes), (back.scales, qw.scales), (back.zeros, qw.zeros)):
+        for got, want in ((back.codes, weight.codes), (back.scales, weight.scales), (back.zeros, weight.zeros)):
             np.testing.assert_array_equal(got, want)
     with pytest.raises(ValueError, match="not all float16"):
-        pack(qw, dataclasses.replace(spec, scale_dtype="float16", zero_dtype="float16"))
+        pack(weight, dataclasses.replace(spec, scale_dtype="float16", zero_dtype="float16"))
     qw = QuantizedWeight(qw.codes, scales, zeros, fmt)
     odd = QuantizedWeight(qw.codes, rng.uniform(0.01, 0.02, scales.shape).astype(np.float32), zeros, fmt)
     assert spec_for(odd, ISAS[isa]).super_groups == 0

@@ -9,12 +9,31 @@ def test_import_tmac_is_light():
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-def test_import_tmac_chooses_passive_openmp_only_when_it_can_and_the_user_did_not():
-    """torch's OpenMP workers must not spin on the kernels' cores; a user's own setting wins, and torch imported
-    first has read the policy already. The flag tells the benchmark's llama.cpp peer what to undo."""
-    code = "import os, sys; {} import tmac; print(os.environ.get('OMP_WAIT_POLICY'), tmac.OMP_WAIT_POLICY_SET_BY_TMAC)"
+def test_library_code_leaves_the_process_as_it_found_it():
+    """``import tmac``, loading a model and generating from it change neither the environment (but for TVM's own
+    pool settings, which only tmac's kernels read), torch's thread count nor torch's functions (``skeleton`` builds
+    without patching ``torch.nn.init``)."""
+    code = ("import os, torch; env = dict(os.environ); torch.set_num_threads(2); inits = dict(vars(torch.nn.init)); "
+            "import tmac; assert dict(os.environ) == env, 'import'; "
+            "model = tmac.load_model(context=64, progress=False); "
+            "tmac.Session(model).generate([1, 2, 3], max_new_tokens=4, temperature=0, ignore_eos=True); "
+            "changed = {k for k in set(os.environ) | set(env) if os.environ.get(k) != env.get(k)}; "
+            "assert changed <= {'TVM_NUM_THREADS', 'TVM_THREAD_POOL_SPIN_COUNT'}, changed; "
+            "assert torch.get_num_threads() == 2, torch.get_num_threads(); "
+            "assert dict(vars(torch.nn.init)) == inits; print('ok')")
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    for before, extra, expected in [("", {}, "PASSIVE True"), ("", {"OMP_WAIT_POLICY": "ACTIVE"}, "ACTIVE False"),
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr[-3000:]
+
+
+def test_the_command_line_chooses_passive_openmp_only_when_it_can_and_the_user_did_not():
+    """The CLI owns its process: torch's OpenMP workers must not spin on the kernels' cores, so it asks them to
+    sleep — unless the user set the policy, or torch was imported first and has read it already. What it chose is
+    taken out of the environment the benchmark's llama.cpp peer runs in."""
+    code = ("import os, sys; {} from tmac import process; process.prefer_passive_openmp(); "
+            "print(os.environ.get('OMP_WAIT_POLICY'), 'OMP_WAIT_POLICY' in process.user_environment())")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    for before, extra, expected in [("", {}, "PASSIVE False"), ("", {"OMP_WAIT_POLICY": "ACTIVE"}, "ACTIVE True"),
                                     ("import torch;", {}, "None False")]:
         r = subprocess.run([sys.executable, "-c", code.format(before)], capture_output=True, text=True,
                            env={**env, **extra})

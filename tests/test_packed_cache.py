@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import tmac
 from conftest import smollm2_path
@@ -181,3 +182,18 @@ def test_a_llama_cpp_mix_maps_from_its_copy_as_it_loads(cache, tmp_path, monkeyp
     for model in (first, second):
         got = tmac.Session(model).logits(prompt)
         assert float((got - direct).abs().max()) <= 1e-5 * float(direct.abs().max())
+
+
+def test_a_hugging_face_directory_loads_with_the_cache_on(cache, tmp_path):
+    """Packed copies are made of GGUF files; a checkpoint directory is loaded as it is (it was once refused as
+    "not a regular file" whenever the cache was on, as it is by default)."""
+    from families import hf_model
+
+    hf = hf_model("llama")
+    hf.save_pretrained(tmp_path / "checkpoint")
+    model = tmac.load_model(str(tmp_path / "checkpoint"), context=64, kv_dtype="float32")
+    assert model.packed_copy is None and not os.path.exists(cache)
+    with torch.no_grad():
+        want = hf(torch.tensor([[1, 17, 42, 5, 250, 9]])).logits[0, -1].double()
+    got = tmac.Session(model).logits([1, 17, 42, 5, 250, 9])[-1].double()
+    assert float((got - want).abs().max()) <= 1e-4 * float(want.abs().max())

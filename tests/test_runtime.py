@@ -279,7 +279,7 @@ def test_kernel_dir_for_another_arch_warns_once_naming_both(tmp_path, recwarn):
         LutWeight.from_quantized(qw, kernel_dir=str(out)).matmul(torch.ones(1, 128))  # compiled for this machine
     isa = best_isa()
     (warning,) = [w for w in recwarn if str(out) in str(w.message)]
-    assert f"arm64/neon_dotprod" in str(warning.message) and f"{isa.arch}/{isa.name}" in str(warning.message)
+    assert "arm64/neon_dotprod" in str(warning.message) and f"{isa.arch}/{isa.name}" in str(warning.message)
 
 
 def test_no_linker_is_one_clear_message(tmp_path, monkeypatch):
@@ -461,7 +461,7 @@ def test_elf_checks_refuse_what_would_crash_the_loader(tmp_path, monkeypatch, rn
              "a writable, executable segment": _edit_phdr(data, loads[1], "flags", 7),
              "the dynamic section moved away": _edit_phdr(data, dynamic, "vaddr", 1 << 40),
              "truncated": data[:len(data) // 2]}
-    for what, bad in edits.items():
+    for bad in edits.values():
         path = tmp_path / "bad.so"
         path.write_bytes(bad)
         with pytest.raises(KernelUnavailableError, match="bad.so"):

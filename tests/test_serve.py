@@ -17,6 +17,7 @@ import uvicorn
 
 import tmac
 from conftest import smollm2_path
+from tmac.process import torch_single_threaded
 from tmac.serve import create_app, model_name
 from tmac.serve_http import server_config
 
@@ -164,13 +165,12 @@ def penalized_greedy(model, prompt: str, n: int, presence=0.0, frequency=0.0, re
     import numpy as np
     import torch
 
-    from tmac import runtime
     from tmac.models.decode import Plans
     from tmac.models.sequence import Sequence
 
     plan, sequence = Plans(model).current().decode(1), Sequence(model, adopt=False)
     ids, out = model.tokenizer.encode(prompt), []
-    with torch.inference_mode(), runtime.torch_single_threaded():
+    with torch.inference_mode(), torch_single_threaded():
         for pos, token in enumerate(ids[:-1]):
             plan.step(token, pos, sequence)
         token = ids[-1]

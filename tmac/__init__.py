@@ -6,15 +6,6 @@
 from __future__ import annotations
 
 import importlib
-import os
-import sys
-
-# torch's OpenMP threads spin after each op by default and then starve the kernels' own thread pool on the same
-# cores; passive waiting must be chosen before torch loads its OpenMP runtime. Whether tmac chose it is kept for
-# child processes that should run with the user's own setting (the benchmark's llama.cpp peer).
-OMP_WAIT_POLICY_SET_BY_TMAC = "torch" not in sys.modules and "OMP_WAIT_POLICY" not in os.environ
-if OMP_WAIT_POLICY_SET_BY_TMAC:
-    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
 from .errors import KernelUnavailableError, ModelFormatError
 

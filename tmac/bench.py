@@ -211,9 +211,11 @@ def _tmac_candidate(path, bits, head_bits, prompt, gen_tokens) -> _Candidate:
 
     from .models.generate import Session
     from .models.load import default_model_path, load_model
+    from .process import own_torch_threads
 
     path = path or default_model_path()
     model = load_model(path, bits=bits, head_bits=head_bits, context=len(prompt) + gen_tokens + 8, progress=False)
+    own_torch_threads(model)  # (as the command line runs it)
     tensors = {t.data_ptr(): t for t in model.state_dict().values() if isinstance(t, torch.Tensor)}  # tied once
     size = sum(t.numel() * t.element_size() for t in tensors.values())
     fp16_size = 2 * sum(p.numel() for p in type(model).skeleton(model.config).parameters())  # tied once
@@ -291,17 +293,17 @@ def prefill_profile(model, prompt: list[int], notes: list[str], rounds: int = 3)
 
     import torch
 
-    from . import runtime
     from .models.decode import Plans
     from .models.generate import prefill, prefill_chunks
     from .models.sequence import Sequence
+    from .process import torch_single_threaded
 
     plans = Plans(model).current()
     if any(plans.prefill(end - start) is None for start, end in prefill_chunks(0, len(prompt))):
         notes.append("no prefill profile: this model prefills on the eager path")
         return {}
     best, sequence = None, Sequence(model, adopt=False)  # (each round writes the same positions)
-    with torch.inference_mode(), runtime.torch_single_threaded():
+    with torch.inference_mode(), torch_single_threaded():
         for _ in range(rounds):
             spent: dict[str, float] = {}
             t0 = time.perf_counter()
@@ -349,12 +351,10 @@ def _llama_cpp_candidate(path, threads, prompt, gen_tokens) -> _Candidate:
     import subprocess
     import sys
 
-    from . import OMP_WAIT_POLICY_SET_BY_TMAC
     from .memory import peak_rss_mib
+    from .process import user_environment
 
-    env = dict(os.environ)
-    if OMP_WAIT_POLICY_SET_BY_TMAC:
-        del env["OMP_WAIT_POLICY"]
+    env = user_environment()
     script = os.path.join(os.path.dirname(__file__), "peer_llama_cpp.py")
     proc = subprocess.Popen([sys.executable, script, path, str(threads), str(len(prompt) + gen_tokens + 8),
                              str(len(prompt))], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)

@@ -43,10 +43,12 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     if not args.debug:  # a warning is one line for a person, not a source line of tmac's
         warnings.showwarning = _show_warning
-    from .memory import one_malloc_arena
-
-    one_malloc_arena()
     try:
+        from .memory import one_malloc_arena
+        from .process import prefer_passive_openmp
+
+        prefer_passive_openmp()  # (the command line owns its process: tmac.process)
+        one_malloc_arena()
         if getattr(args, "model", None) and args.func is not cmd_pull:
             from .models.hub import resolve
 
@@ -66,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         return 141
     except Exception as e:  # one clear line for a person; the traceback only on request
         if args.debug:
+            _show_causes(e)
             raise
         print(f"tmac {args.command}: error: {describe(e)}", file=sys.stderr)
         return 1
@@ -81,6 +84,16 @@ def _merge_model_flag(parser, args) -> None:
     if getattr(args, "model", None) not in (None, flag):
         parser.error(f"two models given: {args.model} and -m {flag}")
     args.model = flag
+
+
+def _show_causes(e: BaseException) -> None:
+    """Every exception behind ``e`` shown in its traceback: tmac's messages name the file and field and hide the
+    error they were made from (``raise … from None``), which is what a person debugging wants to see."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        e.__suppress_context__ = False
+        e = e.__cause__ or e.__context__
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
@@ -566,7 +579,7 @@ def cmd_bench(args) -> int:
         if args.model or args.e2e or args.profile:
             raise ValueError("give either MODEL/--e2e/--profile (end-to-end) or --shape (kernels), not both")
         shapes = [parse_shape(s) for s in args.shape]
-        for (m, k), text in zip(shapes, args.shape):
+        for (_, k), text in zip(shapes, args.shape):
             if not kernels_take(k):
                 raise ValueError(f"--shape {text}: K={k} must be a multiple of {K_MULTIPLE}")
         bits = _int_list(args.bits or "1,2,3,4", "--bits", BITS)

@@ -155,18 +155,24 @@ def sampling_params(args):
 
 def load_for_generation(source, **options):
     """``tmac.load_model(source, **options)`` as the command line loads: torch on one thread meanwhile (the
-    loader's work is numpy's and the kernel pool's; torch's own workers would only take memory), then on as many as
-    the kernels, for whatever the model runs eagerly."""
+    loader's work is numpy's and the kernel pool's; torch's own workers would only take memory), then on one for a
+    model with LUT layers and on as many as the kernels for a float one (``tmac.process``: the command line owns
+    its process)."""
     import torch
 
     import tmac
     from tmac.models import load  # noqa: F401  (imported here: its time is the import's, not the load's)
+    from tmac.process import own_torch_threads
 
     torch.set_num_threads(1)
+    model = None
     try:
-        return tmac.load_model(source, compile_ahead=True, **options)
+        model = tmac.load_model(source, compile_ahead=True, **options)
+        return model
     finally:
         torch.set_num_threads(tmac.get_num_threads())
+        if model is not None:
+            own_torch_threads(model)
 
 
 def check_load_args(args) -> None:

@@ -109,10 +109,12 @@ class Replica:
                  alias: str | None, api_key: str | None, mmap: bool = True):
         import tmac
 
+        from .process import own_torch_threads
         from .serve import SWITCH_INTERVAL, Served, create_app, model_name
 
         tmac.set_num_threads(threads)
         loaded = tmac.load_model(model, context=context, mmap=mmap)  # (create_app refuses one with no tokenizer)
+        own_torch_threads(loaded)  # (a replica owns its worker process)
         served = Served(alias or model_name(loaded.source), model, os.path.basename(loaded.source),
                         model_name(loaded.source))
         self.app = create_app(loaded, served, api_key, max_batch, max_queue, log=None)

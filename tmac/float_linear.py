@@ -12,6 +12,10 @@ class FloatLinear(nn.Linear):
     streams in half the time (a decode step reads every weight once); the input is rounded to the weight's dtype,
     as llama.cpp does for its F16/BF16 tensors, and the output returns in the input's dtype."""
 
+    def reset_parameters(self) -> None:
+        if not self.weight.is_meta:  # (on the meta device a skeleton's, for a loader to fill: no init to run)
+            super().reset_parameters()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         if x.dtype == w.dtype:

@@ -6,6 +6,8 @@ glue kernels do each of those stretches in one call (``tmac.codegen.glue`` gener
 
 - ``norm_in(x, delta, w, eps, out)``: the residual ``x += delta`` (Granite: ``x += r·delta``), then ``out = rmsnorm(x)·w`` (``norm_final``
   is the same function for the head, a separate symbol so a profile tells them apart);
+- ``add_in(x, delta, out)``: ``norm_in`` without the norm, ``out = x += delta`` (no input norms: OLMo 2);
+- ``norm_q(q, w, eps, out)``, ``norm_k``: OLMo 2's norms of q and k, each over all its heads, in place;
 - ``norm_attn(x, w, eps, out)``, ``norm_hidden``: BitNet's norms before the output and down projections
   (``sub_norms``);
 - ``quantize_dim(x)``, ``quantize_q``, ``quantize_ffn``: int8 absmax fake-quantization in place, in front of
@@ -81,6 +83,8 @@ class GlueSpec:
     post_norms: bool = False  # Gemma's norms on the attention's and the FFN's outputs
     softcap: float = 0.0  # Gemma 2: ``attend`` caps the scores s to c·tanh(s/c); 0: none
     residual_scale: float = 0.0  # Granite: ``norm_in``/``norm_final`` add ``delta`` times it; 0: times 1
+    pre_norms: bool = True  # False (OLMo 2): ``add_in`` instead of ``norm_in``, the residual added, not normalized
+    qk_norm_whole: bool = False  # OLMo 2: ``norm_q``/``norm_k`` normalize all of q's heads (k's) as one vector
 
     def __post_init__(self):
         sizes = (self.dim, self.n_heads, self.n_kv_heads, self.head_dim, self.ffn_dim)
@@ -117,7 +121,8 @@ class GlueSpec:
         residual = struct.pack(">f", self.residual_scale).hex() if self.residual_scale else ""
         return (f"{'_qb' if self.qkv_bias else ''}{'_qkn' if self.qk_norm else ''}{f'_r{self.rotary_dim}' if rot else ''}"
                 f"{f'_s{scale}' if scale else ''}{'_win' if self.window else ''}{'_post' if self.post_norms else ''}"
-                f"{f'_c{cap}' if cap else ''}{f'_rs{residual}' if residual else ''}")
+                f"{f'_c{cap}' if cap else ''}{f'_rs{residual}' if residual else ''}{'' if self.pre_norms else '_nopre'}"
+                f"{'_qkw' if self.qk_norm_whole else ''}")
 
     @property
     def attend_args(self) -> tuple[str, ...]:
@@ -147,14 +152,15 @@ class GlueSpec:
     def row_functions(self) -> tuple[str, ...]:
         """The functions of one row that also come batched: ``NAME_rows``, the same over every row of its
         ``[rows, n]`` buffers, the rows on the thread pool (a prefill's)."""
-        return ("norm_in", "gated_act", *self.sub_norms * ("norm_attn", "norm_hidden"),
+        return ("norm_in" if self.pre_norms else "add_in", "gated_act", *self.sub_norms * ("norm_attn", "norm_hidden"),
                 *self.post_norms * ("norm_post_attn", "norm_post_ffn"),
                 *self.act_quant * ("quantize_dim", "quantize_q", "quantize_ffn"))
 
     @property
     def functions(self) -> tuple[str, ...]:
         return (*self.row_functions, *(name + ROWS for name in self.row_functions), "norm_final", "attend",
-                "attend" + ROWS, *bool(self.embed_bits or self.embed_blocks) * ("embed",))
+                "attend" + ROWS, *self.qk_norm_whole * ("norm_q", "norm_k"),
+                *bool(self.embed_bits or self.embed_blocks) * ("embed",))
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -160,11 +160,6 @@ def huge_page_full(shape, value, dtype) -> torch.Tensor:
     return huge_page_empty(math.prod(shape) * itemsize).view(dtype).view(shape).fill_(value)
 
 
-def to_huge_pages(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous copy of ``t`` in huge pages."""
-    return _copy_into(huge_page_empty(t.nbytes), t)
-
-
 def huge_page_copies(tensors, n: int) -> list[tuple]:
     """``n`` copies of the tuple ``tensors`` (None entries stay None), laid one after another in one huge-page
     arena as a model's weights lie: cycling through enough of them streams them from DRAM (cold timing)."""

@@ -124,12 +124,6 @@ def quantize_tables(tables: np.ndarray, lut_group: int, per_table: int = 4) -> t
     return q, (amax / np.float32(127)).astype(np.float32)
 
 
-def group_sums(x: np.ndarray, group: int) -> np.ndarray:
-    """``Σ x`` over each run of ``group`` activations, float64 ``[N, K/group]``."""
-    x = np.asarray(x, dtype=np.float64)
-    return x.reshape(x.shape[0], -1, group).sum(axis=2)
-
-
 def lut_accumulate(qtables: np.ndarray, codes: np.ndarray, bits: int, lut_group: int) -> np.ndarray:
     """The kernels' integer part: ``R[n, m, g] = Σ_i 2^i Σ_{t∈g} qT[n, t, nibble_i[m, t]]`` (int32)."""
     nib = plane_nibbles(codes, bits)  # [b, M, K/4]

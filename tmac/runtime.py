@@ -95,21 +95,6 @@ def apply_threads() -> None:
         _local.threads = n
 
 
-@contextlib.contextmanager
-def torch_single_threaded():
-    """Run torch on one thread inside the block, for code whose heavy work is in the kernels: each multi-threaded
-    torch op between kernel calls leaves torch's OpenMP workers spinning (actively, if torch was imported before
-    tmac) on the cores the kernels' pool needs (docs/decisions.md, "torch on one thread")."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 # ---- loading --------------------------------------------------------------------------------------------------
 
 def tvm_runtime_library() -> str:
