@@ -7,10 +7,15 @@ import tempfile
 
 # the suite owns its processes: torch's OpenMP workers sleep when idle, as under the command line (tmac.process)
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-if os.environ.get("TMAC_NO_COMPILER"):  # the unit tier (make unit): a test that would compile fails at the import
+if os.environ.get("TMAC_NO_COMPILER"):  # the unit tier (make unit): TVM cannot be imported here or in a child
     import sys
 
-    sys.modules["tvm"] = None
+    _blocker = tempfile.mkdtemp(prefix="tmac-no-tvm-")
+    os.mkdir(os.path.join(_blocker, "tvm"))
+    with open(os.path.join(_blocker, "tvm", "__init__.py"), "w") as _f:
+        _f.write('raise ImportError("TVM is unavailable in the unit tier (make unit)")\n')
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_blocker, os.environ.get("PYTHONPATH")) if p)
+    sys.path.insert(0, _blocker)
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

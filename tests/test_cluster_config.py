@@ -13,6 +13,8 @@ import yaml  # noqa: E402  (Ray's dependency)
 
 from tmac.cluster import affinity_key, build, rendezvous  # noqa: E402
 
+pytestmark = pytest.mark.unit  # needs no compiler (make unit)
+
 MANIFEST = os.path.join(os.path.dirname(__file__), "..", "deploy", "rayservice.yaml")
 
 

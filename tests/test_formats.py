@@ -4,6 +4,8 @@ import pytest
 from tmac import FORMATS, QuantizedWeight, WeightFormat
 from tmac.formats import GGUF_EXACT
 
+pytestmark = pytest.mark.unit  # needs no compiler (make unit)
+
 
 def test_gguf_formats_described_once():
     assert set(GGUF_EXACT) == {"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "TQ1_0",

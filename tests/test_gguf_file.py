@@ -11,6 +11,8 @@ from conftest import smaps_kib, smollm2_path
 from tmac import ModelFormatError
 from tmac.models.gguf_file import GGML_TYPES, GGUFFile, ggml_type_row
 
+pytestmark = pytest.mark.unit  # needs no compiler (make unit)
+
 
 @pytest.mark.slow
 def test_reads_smollm2_like_the_gguf_package():

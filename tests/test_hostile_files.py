@@ -12,6 +12,8 @@ import transformers
 
 import tmac
 
+pytestmark = pytest.mark.unit  # needs no compiler (make unit)
+
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory, smollm2_tokenizer_json):

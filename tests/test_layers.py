@@ -7,6 +7,10 @@ import fnmatch
 import os
 import tomllib
 
+import pytest
+
+pytestmark = pytest.mark.unit  # needs no compiler (make unit)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -27,8 +31,18 @@ def _modules() -> dict[str, str]:
     return out
 
 
-def _imports(name: str, path: str, modules: dict[str, str]) -> set[str]:
-    """The tmac modules ``name`` imports (``from X import y`` counts as X, and as X.y where that is a module)."""
+def _lazy_exports() -> dict[str, str]:
+    """``tmac``'s lazy façade (``_LAZY`` in ``tmac/__init__.py``): a name → the module that defines it."""
+    tree = ast.parse(open(os.path.join(ROOT, "tmac", "__init__.py")).read())
+    return next(ast.literal_eval(node.value) for node in ast.walk(tree)
+                if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "_LAZY" for t in node.targets))
+
+
+def _imports(name: str, path: str, modules: dict[str, str], lazy: dict[str, str] | None = None) -> set[str]:
+    """The tmac modules ``name`` imports (``from X import y`` counts as X, and as X.y where that is a module). A
+    name of the lazy façade counts as the module behind it: ``tmac.load_model`` (after ``import tmac``) and ``from
+    tmac import Session`` are imports of ``tmac.models.load`` and ``tmac.models.generate``."""
+    lazy = _lazy_exports() if lazy is None else lazy
     tree = ast.parse(open(path).read(), path)
     skip = set()
     for node in ast.walk(tree):  # `if TYPE_CHECKING:` bodies are for type checkers only
@@ -47,6 +61,11 @@ def _imports(name: str, path: str, modules: dict[str, str]) -> set[str]:
                 parts = package.split(".")[:len(package.split(".")) - node.level + 1]
                 base = ".".join(parts + ([base] if base else []))
             targets = [base] + [f"{base}.{a.name}" for a in node.names]
+            if base == "tmac":
+                targets += [lazy[a.name] for a in node.names if a.name in lazy]
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "tmac" \
+                and node.attr in lazy and name != "tmac":
+            targets = [lazy[node.attr]]
         else:
             continue
         found.update(t for t in targets if t in modules and t != name)
@@ -54,8 +73,8 @@ def _imports(name: str, path: str, modules: dict[str, str]) -> set[str]:
 
 
 def _graph():
-    modules = _modules()
-    return {name: _imports(name, path, modules) for name, path in modules.items()}
+    modules, lazy = _modules(), _lazy_exports()
+    return {name: _imports(name, path, modules, lazy) for name, path in modules.items()}
 
 
 def _layer_of(name: str, layers: dict[str, list[str]]) -> int | None:
@@ -103,3 +122,14 @@ def test_the_checks_see_function_level_imports_and_cycles(tmp_path):
     assert _imports("tmac.a", modules["tmac.a"], modules) == {"tmac.b"}
     (tmp_path / "a.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import b\n")
     assert _imports("tmac.a", modules["tmac.a"], modules) == set()
+
+
+def test_the_checks_see_through_the_lazy_facade(tmp_path):
+    """``tmac.load_model`` and ``from tmac import Session`` are imports of the modules behind the names."""
+    modules = {"tmac": "", "tmac.a": str(tmp_path / "a.py"), "tmac.models.load": "", "tmac.models.generate": ""}
+    lazy = {"load_model": "tmac.models.load", "Session": "tmac.models.generate"}
+    (tmp_path / "a.py").write_text("import tmac\ndef f():\n    return tmac.load_model('x')\n")
+    assert _imports("tmac.a", modules["tmac.a"], modules, lazy) == {"tmac", "tmac.models.load"}
+    (tmp_path / "a.py").write_text("from tmac import Session\n")
+    assert _imports("tmac.a", modules["tmac.a"], modules, lazy) == {"tmac", "tmac.models.generate"}
+    assert _lazy_exports()["load_model"] == "tmac.models.load"

@@ -8,6 +8,8 @@ from tmac.choose import tiled
 from tmac.kernels import ISAS
 from tmac.layout import Planes, Quads, Triples
 
+pytestmark = pytest.mark.unit  # needs no compiler (make unit)
+
 WIDTHS = {16: "neon", 32: "avx2", 64: "avx512_vbmi"}
 
 

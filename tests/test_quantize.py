@@ -10,6 +10,8 @@ from conftest import rel_l2, smollm2_path
 from tmac import import_gguf, quantize_weight
 from tmac.errors import InexactImport
 
+pytestmark = pytest.mark.unit  # needs no compiler (make unit)
+
 
 @pytest.mark.parametrize("bits, bound", [(1, 0.62), (2, 0.42), (3, 0.19), (4, 0.09), (5, 0.045)])
 def test_asymmetric_min_max_error_bounds(rng, bits, bound):

@@ -6,6 +6,8 @@ from conftest import rel_l2
 from tmac import quantize_weight
 from tmac import reference as ref
 
+pytestmark = pytest.mark.unit  # needs no compiler (make unit)
+
 
 @pytest.mark.parametrize("bits", [1, 2, 3, 4])
 @pytest.mark.parametrize("group", [32, 128, "row"])

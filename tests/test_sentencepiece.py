@@ -13,6 +13,8 @@ from families import CORPUS, sentencepiece_vocabulary
 from tmac.errors import ModelFormatError
 from tmac.models.tokenizer import Tokenizer, hf_backend
 
+pytestmark = pytest.mark.unit  # needs no compiler (make unit)
+
 WIDE = CORPUS + ("Über größer Straße café naïve déjà vu", "日本語のテキスト 한국어 текст ελληνικά",
                  "tabs\tand  double  spaces, digits 12345 67890", "line one\nline two\n\nline four")
 TEXTS = ["hello world", "Hello World", "  two leading spaces", "trailing  ", "a\nb\n\nc", "\ttab", "x",
