@@ -233,7 +233,7 @@ def main() -> int:
 
 
 def measure_tmac(model: str, cpu: str, so: str, work: str, kernels: str) -> dict:
-    subprocess.run([sys.executable, "-m", "tmac.cli", "compile", "--arch", "aarch64", "--isa", CPUS[cpu], "--model",
+    subprocess.run([sys.executable, "-m", "tmac.apps.cli", "compile", "--arch", "aarch64", "--isa", CPUS[cpu], "--model",
                     model, "-o", kernels], check=True, capture_output=True)
     print(f"{os.path.basename(model)} on {cpu}: tmac ...", file=sys.stderr, flush=True)
     run_tmac(cpu, model, 1, 1, so, work, kernels)  # (writes the packed copy the runs below all map)

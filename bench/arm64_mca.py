@@ -124,7 +124,7 @@ def compile_kernels(bits: list[int], out: str) -> list[str]:
     for isa in ("neon_dotprod", "neon"):
         for b in bits:
             d = os.path.join(out, f"{isa}-b{b}")
-            subprocess.run([sys.executable, "-m", "tmac.cli", "compile", "--arch", "aarch64", "--isa", isa,
+            subprocess.run([sys.executable, "-m", "tmac.apps.cli", "compile", "--arch", "aarch64", "--isa", isa,
                             "--bits", str(b), "--shape", "2048x2048", "-o", d], check=True, capture_output=True)
             paths += [os.path.join(d, f) for f in sorted(os.listdir(d)) if f.startswith("lut_")]
     return paths

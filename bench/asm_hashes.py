@@ -23,7 +23,7 @@ GLUE_DIMS = dict(dim=576, n_heads=9, n_kv_heads=3, head_dim=64, ffn_dim=1536)  #
 
 
 def jobs() -> list[tuple]:
-    from tmac.formats import FORMATS
+    from tmac.base.formats import FORMATS
     from tmac.kernels import ISAS
 
     out = []
@@ -35,10 +35,10 @@ def jobs() -> list[tuple]:
 
 
 def spec_of(kind: str, isa_name: str, what: str, k: int):
-    from tmac.formats import FORMATS
-    from tmac.glue import GlueSpec
+    from tmac.base.formats import FORMATS
+    from tmac.base.glue import GlueSpec
     from tmac.kernels import ISAS
-    from tmac.choose import spec_for_format
+    from tmac.quant.choose import spec_for_format
 
     isa = ISAS[isa_name]
     if kind == "lut":

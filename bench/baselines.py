@@ -2,8 +2,8 @@
 import numpy as np
 import torch
 
-from tmac.bench import bench_group, int4_linear, int4pack  # noqa: F401
-from tmac.timing import COLD_BYTES  # noqa: F401  (re-exported for the benches)
+from tmac.apps.bench import bench_group, int4_linear, int4pack  # noqa: F401
+from tmac.base.timing import COLD_BYTES  # noqa: F401  (re-exported for the benches)
 
 
 

@@ -4,7 +4,7 @@ import pytest
 
 import tmac  # before torch, so that torch's OpenMP workers wait passively instead of spinning on the kernels' cores
 import torch
-from tmac.timing import BUSY_LIMIT, cpu_busy_fraction
+from tmac.base.timing import BUSY_LIMIT, cpu_busy_fraction
 
 RESULTS: dict[tuple, float] = {}  # (regime, threads, shape, candidate) → median seconds
 

@@ -22,11 +22,11 @@ import argparse
 import sys
 import time
 
-from tmac.models.arch import ARCHITECTURES
-from tmac.models.llama import LlamaConfig
-from tmac.models.load import default_model_path
-from tmac.models.synthetic import write_random_gguf
-from tmac.progress import Progress
+from tmac.models.family.arch import ARCHITECTURES
+from tmac.models.family.llama import LlamaConfig
+from tmac.models.files.load import default_model_path
+from tmac.models.files.synthetic import write_random_gguf
+from tmac.base.progress import Progress
 
 SHAPES = {
     "llama-1b": LlamaConfig(vocab_size=49152, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192,

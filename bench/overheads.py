@@ -17,14 +17,14 @@ import subprocess
 import sys
 
 OPEN_GGUF = {
-    "tmac": "from tmac.models.gguf_file import GGUFFile; GGUFFile(path)",
+    "tmac": "from tmac.models.files.gguf_file import GGUFFile; GGUFFile(path)",
     "gguf.GGUFReader": "import gguf; gguf.GGUFReader(path)",
 }
 
 
 def open_once(reader: str, path: str) -> float:
     """Seconds of one open of ``path`` by ``reader`` in a fresh process, its modules imported before the clock."""
-    code = (f"import gguf, sys, time, tmac.models.gguf_file\npath = sys.argv[1]\nt = time.perf_counter()\n"
+    code = (f"import gguf, sys, time, tmac.models.files.gguf_file\npath = sys.argv[1]\nt = time.perf_counter()\n"
             f"{OPEN_GGUF[reader]}\nprint(time.perf_counter() - t)")
     out = subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True, check=True).stdout
     return float(out)
@@ -38,10 +38,10 @@ def main() -> int:
     import torch
 
     import tmac
-    from tmac.linear import lut_linear_op
-    from tmac.models import decode
-    from tmac.models.load import default_model_path
-    from tmac.timing import warm_medians
+    from tmac.nn.linear import lut_linear_op
+    from tmac.models.run import decode
+    from tmac.models.files.load import default_model_path
+    from tmac.base.timing import warm_medians
 
     rows = []
     layer = tmac.Linear.from_float(torch.nn.Linear(64, 64, bias=False), bits=4, group_size=32)

@@ -42,7 +42,7 @@ print(json.dumps({"import_s": imported, "load_s": loaded - imported, "first_toke
 
 def tmac_run(model: str, cache: str, threads: int, env_extra=None) -> dict:
     env = dict(os.environ, TMAC_CACHE_DIR=cache, **(env_extra or {}))
-    r = subprocess.run([sys.executable, "-m", "tmac.cli", "run", model, "-p", PROMPT, "-n", "16", "--temperature",
+    r = subprocess.run([sys.executable, "-m", "tmac.apps.cli", "run", model, "-p", PROMPT, "-n", "16", "--temperature",
                         "0", "--json", "--threads", str(threads)], capture_output=True, text=True, env=env)
     if r.returncode:
         raise SystemExit(f"tmac run failed:\n{r.stderr[-2000:]}")
@@ -74,7 +74,7 @@ def main() -> int:
             rows.setdefault("tmac, first run", []).append(tmac_run(args.model, cache, args.threads))
             rows.setdefault("tmac, second run", []).append(tmac_run(args.model, cache, args.threads))
             if i == 0:
-                subprocess.run([sys.executable, "-m", "tmac.cli", "convert", args.model, "-o", converted],
+                subprocess.run([sys.executable, "-m", "tmac.apps.cli", "convert", args.model, "-o", converted],
                                capture_output=True, env=dict(os.environ, TMAC_CACHE_DIR=cache), check=True)
             rows.setdefault("tmac, .tmac file", []).append(tmac_run(converted, cache, args.threads))
             peer = llama_cpp_run(args.model, args.threads)

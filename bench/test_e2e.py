@@ -22,7 +22,7 @@ import os
 
 import pytest
 
-from tmac.bench import e2e_bench, table
+from tmac.apps.bench import e2e_bench, table
 
 CACHE = os.path.join(os.path.dirname(__file__), "..", ".benchmarks")
 LLAMA_FTYPE_MOSTLY_Q2_K = 10  # llama.cpp's enum llama_ftype
@@ -31,7 +31,7 @@ LLAMA_FTYPE_MOSTLY_Q2_K = 10  # llama.cpp's enum llama_ftype
 def _synthetic(shape: str, weight_type: str, embd_type: str = "Q8_0") -> str:
     from make_synthetic_gguf import SHAPES, weight_types
 
-    from tmac.models.synthetic import write_random_gguf
+    from tmac.models.files.synthetic import write_random_gguf
 
     ternary = "-bitnet-scales" if weight_type.startswith("TQ") else ""  # files before that held N(0, σ) blocks
     path = os.path.join(CACHE, f"{shape}-{weight_type.lower()}{ternary}.gguf")
@@ -45,7 +45,7 @@ def _synthetic(shape: str, weight_type: str, embd_type: str = "Q8_0") -> str:
 def _bitnet_dir(shape: str) -> str:
     from make_synthetic_gguf import SHAPES
 
-    from tmac.models.synthetic import write_random_bitnet_dir
+    from tmac.models.files.synthetic import write_random_bitnet_dir
 
     path = os.path.join(CACHE, f"{shape}-hf")
     if not os.path.exists(os.path.join(path, "model.safetensors")):

@@ -3,7 +3,7 @@ of 128 weights (64 where K is not a multiple of 128).
 
 warm: one matrix, weights cache-resident. cold: cycle through enough copies (≥ 1 GiB in all) that weights
 stream from DRAM, the regime of real models. Every candidate's copies, and the bandwidth probe, lie in huge pages,
-as a model's weights do once tmac loads them (tmac.memory). Run: `make bench` (or pytest bench -k 4096x4096
+as a model's weights do once tmac loads them (tmac.base.memory). Run: `make bench` (or pytest bench -k 4096x4096
 --threads 1).
 """
 import pytest
@@ -12,9 +12,9 @@ import torch
 from baselines import COLD_BYTES, bench_group, int4_linear, int4pack, random_weights
 from conftest import BYTES, RESULTS, record
 from tmac import quantize_weight
-from tmac.timing import cold_medians_beside_probe, read_probe
-from tmac.lut_ops import LutWeight
-from tmac.memory import huge_page_copies
+from tmac.base.timing import cold_medians_beside_probe, read_probe
+from tmac.execution.lut_ops import LutWeight
+from tmac.base.memory import huge_page_copies
 
 SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008), (3200, 8640), (8640, 3200)]
 

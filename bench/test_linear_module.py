@@ -21,9 +21,9 @@ import tmac
 from baselines import int4_linear, int4pack, random_weights
 from conftest import BYTES, RESULTS
 from tmac import quantize_weight
-from tmac.timing import cold_medians, warm_medians
-from tmac.lut_ops import LutWeight
-from tmac.memory import huge_page_copies
+from tmac.base.timing import cold_medians, warm_medians
+from tmac.execution.lut_ops import LutWeight
+from tmac.base.memory import huge_page_copies
 
 SHAPES = [(64, 64), (4096, 4096), (11008, 4096)]
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 import tmac
-from tmac.models.perplexity import DEFAULT_TEXT, perplexity
+from tmac.models.run.perplexity import DEFAULT_TEXT, perplexity
 
 pytest.importorskip("llama_cpp", reason="llama.cpp comparisons need the peer extra (see docs/llama-cpp.md)")
 
@@ -20,7 +20,7 @@ CONTEXT = 512
 
 
 def _models():
-    from tmac.models.load import default_model_path
+    from tmac.models.files.load import default_model_path
 
     return {"SmolLM2-135M-Instruct Q4_1": default_model_path()}
 

@@ -1,14 +1,14 @@
-"""Generate ``attend``, the decode step's attention over the KV cache (what it does: ``tmac.glue``), as TIR: the new
+"""Generate ``attend``, the decode step's attention over the KV cache (what it does: ``tmac.base.glue``), as TIR: the new
 position's biases, q/k norms, RoPE and cache update, then the scores, the softmax and the values in three phases,
 serial over a short context and parallel over a long one; over the positions a sliding window sees, where it has
 one."""
 
 from __future__ import annotations
 
-from tmac.glue import KV_BLOCK, PARALLEL_ATTENTION_WORK, ROWS, GlueSpec
+from tmac.base.glue import KV_BLOCK, PARALLEL_ATTENTION_WORK, ROWS, GlueSpec
 
-from .tir import arg, prim_func
-from .vectors import F32, bcast, exp, f32, lane_fold, lanes_of, rms_scale, spans_of, vec
+from tmac.codegen.tir import arg, prim_func
+from tmac.codegen.vectors import F32, bcast, exp, f32, lane_fold, lanes_of, rms_scale, spans_of, vec
 
 # TVM keeps a scratch buffer smaller than this on the stack; a larger one comes from its workspace allocator, memory
 # LLVM cannot tell from the arguments, so an accumulator kept there is stored back on every loop iteration

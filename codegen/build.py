@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-from tmac.glue import GlueSpec
-from tmac.spec import KernelSpec
+from tmac.base.glue import GlueSpec
+from tmac.quant.spec import KernelSpec
 
-from .link import LINK_OPTIONS, find_linker
+from tmac.codegen.link import LINK_OPTIONS, find_linker
 
 
 def compile_kernel(spec: KernelSpec | GlueSpec, isa):
     """The compiled (not yet exported) TVM executable of ``spec`` (LUT kernels or decode glue) for ``isa``."""
     import tvm
 
-    from . import glue, lut
+    from tmac.codegen import glue, lut
 
     if spec.isa != isa.name:
         raise ValueError(f"kernel spec {spec.name} is not for ISA {isa.name}")

@@ -1,4 +1,4 @@
-"""Generate the decode glue of one ``GlueSpec`` (what each function does: ``tmac.glue``) as TIR.
+"""Generate the decode glue of one ``GlueSpec`` (what each function does: ``tmac.base.glue``) as TIR.
 
 The float operations follow the eager model's order (RMSNorm: ``x·rsqrt(mean(x²)+eps)·w``; RoPE then the
 ``head_dim^-½`` scale; softmax as ``exp(s − max) / Σ``), so the two paths differ only in summation order.
@@ -8,12 +8,12 @@ run in vector lanes and are folded once at the end.
 
 from __future__ import annotations
 
-from tmac.formats import STORAGE_BITS, code_offset
-from tmac.glue import ROWS, GlueSpec
+from tmac.base.formats import STORAGE_BITS, code_offset
+from tmac.base.glue import ROWS, GlueSpec
 
-from .attention import attend_func
-from .tir import arg, prim_func
-from .vectors import F32, bcast, exp, f32, lane_fold, lanes_of, rms_scale, vec
+from tmac.codegen.attention import attend_func
+from tmac.codegen.tir import arg, prim_func
+from tmac.codegen.vectors import F32, bcast, exp, f32, lane_fold, lanes_of, rms_scale, vec
 
 
 def _rows(batched: bool):

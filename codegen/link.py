@@ -17,8 +17,8 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from tmac.cpu import machine_arch
-from tmac.errors import KernelUnavailableError
+from tmac.base.cpu import machine_arch
+from tmac.base.errors import KernelUnavailableError
 
 TRIPLES = {"arm64": "aarch64-linux-gnu", "x86_64": "x86_64-linux-gnu"}
 NATIVE_COMPILERS = ("cc", "gcc", "clang")

@@ -1,9 +1,9 @@
 """Generate the LUT kernels of one ``KernelSpec`` as TIR, composing an ISA's primitives.
 
-The functions of a spec (the weights' layout: ``tmac.layout``; scales, tables, K chunks: ``tmac.packing``):
+The functions of a spec (the weights' layout: ``tmac.quant.layout``; scales, tables, K chunks: ``tmac.execution.packing``):
 
 - ``build_tables(X[N, K], LUT[N', K/4, 16], LS[N', K/LG], XS[N', K/WG])``: the int8 tables, their scales and
-  the activation sums, in exactly the float operations of ``tmac.reference`` (``codegen/tables.py``);
+  the activation sums, in exactly the float operations of ``tmac.base.reference`` (``codegen/tables.py``);
 - ``lut_gemm(W, S[, Z], LUT, LS, XS, Y[N, M])``: parallel over row blocks; per activation-row tile, per lut
   group, the unrolled inner loop loads each weight vector once and looks it up in the tables of every row of the
   tile (``n_tile`` rows), then a float epilogue applies table scale × weight scale and the ``(½s + z)·Σx`` term;
@@ -22,12 +22,12 @@ then ``emit_epilogue``: the float sums), ``emit_store``.
 
 from __future__ import annotations
 
-from tmac.formats import code_offset
-from tmac.spec import KernelSpec, packed_shapes
+from tmac.base.formats import code_offset
+from tmac.quant.spec import KernelSpec, packed_shapes
 
-from .tables import build_tables_func, emit_tables
-from .tir import arg, prefetch, prim_func
-from .vectors import vec
+from tmac.codegen.tables import build_tables_func, emit_tables
+from tmac.codegen.tir import arg, prefetch, prim_func
+from tmac.codegen.vectors import vec
 
 F32 = "float32"
 
@@ -76,7 +76,7 @@ class _Gemm:
         return tirx.Broadcast(tirx.IntImm("uint8", value), self.vl)
 
     def positions(self, planes):
-        """Quads (tmac.layout): in a quad chunk of P planes, byte p of a row's four holds plane p mod P of table
+        """Quads (tmac.quant.layout): in a quad chunk of P planes, byte p of a row's four holds plane p mod P of table
         p div P of the low nibbles' window of four tables and of the high nibbles'; with P = 1 those are the chunk's
         tables 0-3 and 4-7, with P = 2 both are its four tables, the high nibbles indexing the last two. The table
         within the window each lane's low and high nibble index."""
@@ -108,7 +108,7 @@ class _Gemm:
         return tirx.Select(mask, tirx.Broadcast(tirx.IntImm("int8", 0), self.vl) - looked, looked)
 
     def chunk_row(self, blk, r, r0, rc):
-        """K chunks (tmac.packing): chunk c of W, S and Z holds every block's rows (steps, weight or super groups)
+        """K chunks (tmac.execution.packing): chunk c of W, S and Z holds every block's rows (steps, weight or super groups)
         of its lut groups, so row r of block blk in a chunk of rows [r0, r0 + rc) is flat row mb·r0 + blk·rc +
         (r − r0)."""
         return self.mb * r0 + blk * rc + (r - r0)

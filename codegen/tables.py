@@ -1,11 +1,11 @@
 """``build_tables``: the int8 tables of a spec's activations, their scales and the activation sums, in exactly the
-float operations of ``tmac.reference``; ``emit_tables`` also opens ``lut_gemv``, which builds its own."""
+float operations of ``tmac.base.reference``; ``emit_tables`` also opens ``lut_gemv``, which builds its own."""
 
 from __future__ import annotations
 
-from tmac.spec import PARALLEL_TABLE_ROWS, KernelSpec
+from tmac.quant.spec import PARALLEL_TABLE_ROWS, KernelSpec
 
-from .tir import arg, prim_func
+from tmac.codegen.tir import arg, prim_func
 
 
 def build_tables_func(spec: KernelSpec):

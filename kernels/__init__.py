@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import os
 
-from tmac.cpu import cpu_features, machine_arch
-from tmac.errors import KernelUnavailableError
-from .base import Isa
-from .arm import NEON, NEON_DOTPROD
-from .generic import GENERIC_ARM64, GENERIC_X86
-from .x86 import AVX2, AVX2_VNNI, AVX512, AVX512_VBMI, AVX512_VNNI
+from tmac.base.cpu import cpu_features, machine_arch
+from tmac.base.errors import KernelUnavailableError
+from tmac.kernels.base import Isa
+from tmac.kernels.arm import NEON, NEON_DOTPROD
+from tmac.kernels.generic import GENERIC_ARM64, GENERIC_X86
+from tmac.kernels.x86 import AVX2, AVX2_VNNI, AVX512, AVX512_VBMI, AVX512_VNNI
 
 # best first within an architecture
 ISAS: dict[str, Isa] = {i.name: i for i in (AVX512_VBMI, AVX512_VNNI, AVX512, AVX2_VNNI, AVX2, GENERIC_X86,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import Isa, plane_weights
+from tmac.kernels.base import Isa, plane_weights
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ class Isa:
     name: str
     arch: str  # "x86_64" or "arm64"
     vector_bytes: int  # bytes in one lookup vector
-    features: frozenset[str]  # tmac.cpu feature names a machine needs to run it
+    features: frozenset[str]  # tmac.base.cpu feature names a machine needs to run it
     target: dict = field(hash=False, compare=False)  # LLVM target, always with explicit triple and cpu/attrs
     description: str = ""
     wide_lookup: bool = False  # has ``lookup64`` (1- to 3-bit weights and triples then use quads)

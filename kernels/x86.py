@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import Isa, broadcast_table, plane_weights
+from tmac.kernels.base import Isa, broadcast_table, plane_weights
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ import os
 import re
 import tempfile
 
-# the suite owns its processes: torch's OpenMP workers sleep when idle, as under the command line (tmac.process)
+# the suite owns its processes: torch's OpenMP workers sleep when idle, as under the command line (tmac.apps.process)
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 if os.environ.get("TMAC_NO_COMPILER"):  # the unit tier (make unit): TVM cannot be imported here or in a child
     import sys
@@ -88,7 +88,7 @@ def cross_tools_lock():
 
 def runnable_isas():
     from tmac.kernels import ISAS
-    from tmac.cpu import cpu_features, machine_arch
+    from tmac.base.cpu import cpu_features, machine_arch
 
     return [n for n, i in ISAS.items() if i.arch == machine_arch() and i.features <= cpu_features()]
 

@@ -13,9 +13,9 @@ import sentencepiece
 import torch
 import transformers
 
-from tmac.models.arch import ARCHITECTURES
-from tmac.models.llama import LlamaConfig
-from tmac.models.synthetic import add_llama_metadata
+from tmac.models.family.arch import ARCHITECTURES
+from tmac.models.family.llama import LlamaConfig
+from tmac.models.files.synthetic import add_llama_metadata
 
 SIZES = dict(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False)

@@ -54,7 +54,8 @@ def _run_model(path: str, **kw) -> None:
 
 def _forget_loaded_kernels() -> None:
     """This process's loaded libraries and warnings forgotten: the next load reads the (damaged) files again."""
-    from tmac import cache, lut_ops, runtime
+    from tmac.quant import cache
+    from tmac.execution import lut_ops, runtime
 
     runtime._loaded.clear()
     cache.warned_dirs.clear()
@@ -95,7 +96,9 @@ def cache_cases(d: str):
     (or ``tuning.json``), and computes with that kernel through the runtime."""
     import torch
 
-    from tmac import cache, choose, lut_ops, quantize_weight
+    from tmac import quantize_weight
+    from tmac.quant import cache, choose
+    from tmac.execution import lut_ops
 
     pristine = os.path.join(d, "pristine")
     os.environ["TMAC_CACHE_DIR"] = pristine
@@ -128,7 +131,7 @@ def cache_cases(d: str):
             key = choose.key(spec.isa, spec.bits, spec.k, spec.group_size, spec.lut_group, spec.has_zeros)
             with open(path, "w") as f:
                 json.dump({key: {"block_rows": value, "unroll": 3, "n_tile": 2, "k_chunk": 5}}, f)
-        # re-signed edits of a library stay in its ELF and program headers, which tmac.elf vets in full: past them
+        # re-signed edits of a library stay in its ELF and program headers, which tmac.base.elf vets in full: past them
         # lie the dynamic tables, symbols and code — the library's content, which a sidecar re-signed by the cache's
         # owner vouches for, as for any library the user builds. Unsigned edits go anywhere (the sha256 catches them)
         hot = _elf_header_ranges(path) if resign and target == ".so" else [(0, 1 << 30)]
@@ -248,7 +251,7 @@ def _special(path: str, kind: str) -> None:
 
 def _resign(so: str, sidecar: str) -> None:
     """Update the sidecar to the library's present bytes, as someone tampering with the cache would."""
-    from tmac import cache
+    from tmac.quant import cache
 
     try:
         meta = json.load(open(sidecar))
@@ -685,7 +688,7 @@ def hub_refs_cases(d: str):
     or is a special file: resolving it by name returns a file inside the repo's own snapshot or is refused
     naming the ref; never a path elsewhere, never a hang or an unbounded read."""
     from tmac import ModelFormatError
-    from tmac.models import hub
+    from tmac.models.files import hub
 
     commit, other = "0123456789abcdef0123456789abcdef01234567", "89abcdef0123456789abcdef0123456789abcdef"
     counter = [0]
@@ -751,7 +754,7 @@ def api_keys_cases(d: str):
     it carries ``Bearer KEY`` (any case of the scheme), else 401."""
     import asyncio
 
-    from tmac.serve import _RequireKey, check_api_key
+    from tmac.apps.serve import _RequireKey, check_api_key
 
     def check(case) -> str:
         key, sent = case

@@ -30,7 +30,7 @@ OUTPUT_KINDS = ["input", "hard link to input", "symlink to input", "input via ..
 
 def _cli(*args) -> tuple[int, str]:
     """``tmac ARGS`` in this process: exit code and standard error."""
-    from tmac import cli
+    from tmac.apps import cli
 
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
@@ -140,7 +140,7 @@ def environment_cases(d: str):
         if name not in ("TMAC_CACHE_DIR",):
             env["TMAC_CACHE_DIR"] = os.path.join(d, "cache")  # one warm cache, so a case is a run, not a compile
         # (in the case's directory: a relative value such as TMAC_CACHE_DIR=abc makes its directory there)
-        r = subprocess.run([sys.executable, "-m", "tmac.cli", "run", seed, "-p", "hi", "-n", "2", "--no-chat"],
+        r = subprocess.run([sys.executable, "-m", "tmac.apps.cli", "run", seed, "-p", "hi", "-n", "2", "--no-chat"],
                            capture_output=True, text=True, timeout=120, env=env, cwd=d)
         assert r.returncode in (0, 1), f"{name}={value!r}: exit {r.returncode}: {r.stderr[-800:]}"
         assert "unexpected" not in r.stderr and "Traceback" not in r.stderr, f"{name}={value!r}: {r.stderr[-800:]}"

@@ -42,8 +42,8 @@ def _start_server(d: str):
     from fuzz_targets import write_gguf
 
     import tmac
-    from tmac.serve import create_app
-    from tmac.serve_http import server_config
+    from tmac.apps.serve import create_app
+    from tmac.apps.serve_http import server_config
 
     write_gguf(os.path.join(d, "seed.gguf"))
     model = tmac.load_model(os.path.join(d, "seed.gguf"), context=64, progress=False)
@@ -223,7 +223,7 @@ IN_PLACE_CHANGES = ["truncated", "overwritten in place", "bytes flipped in place
 def mapped_cases(d: str):
     import numpy as np
     from fuzz_targets import write_gguf, write_tmac
-    from tmac.models.tmac_file import save_model
+    from tmac.models.files.tmac_file import save_model
 
     import tmac
     from tmac import ModelFormatError

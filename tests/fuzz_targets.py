@@ -48,8 +48,8 @@ FLOAT_BITS = [math.nan, math.inf, -math.inf, 0.0, -0.0, 1e38, 1e-45]
 
 def write_gguf(path: str) -> None:
     """A 1-layer llama GGUF whose projections are Q4_0, Q4_1 and F16, with a tokenizer and a chat template."""
-    from tmac.models.llama import LlamaConfig
-    from tmac.models.synthetic import write_random_gguf
+    from tmac.models.family.llama import LlamaConfig
+    from tmac.models.files.synthetic import write_random_gguf
 
     types = {"attn_output": "Q4_1", "ffn_down": "F16", "token_embd": "F32"}
     cfg = LlamaConfig(vocab_size=260, dim=DIM, n_layers=LAYERS, n_heads=HEADS, n_kv_heads=KV_HEADS, ffn_dim=FFN,
@@ -84,7 +84,7 @@ def write_hf_dir(path: str, vocab: int = 96) -> None:
 def write_tmac(gguf_path: str, path: str) -> None:
     """The GGUF seed converted to a ``.tmac`` file (what ``tmac convert`` writes)."""
     import tmac
-    from tmac.models.tmac_file import save_model
+    from tmac.models.files.tmac_file import save_model
 
     save_model(tmac.load_model(gguf_path, context=8, progress=False), path)
 
@@ -221,7 +221,7 @@ def write_seeds(d: str) -> None:
 
 def file_cases(target: str, d: str):
     """(hypothesis strategy of a mutation, function writing one mutated case and returning the path to load)."""
-    from tmac.models.gguf_file import GGUFFile
+    from tmac.models.files.gguf_file import GGUFFile
 
     if target == "gguf":
         seed = open(os.path.join(d, "seed.gguf"), "rb").read()
@@ -331,12 +331,12 @@ def linear_misuse_cases():
 
 def kernel_misuse_cases():
 
-    from tmac.lut_ops import lut_linear
-    from tmac.spec import packed_shapes
+    from tmac.execution.lut_ops import lut_linear
+    from tmac.quant.spec import packed_shapes
 
     lin = _linear_layers()[2]  # 3 bits, zeros, bias
     spec, m, k = lin.spec, lin.out_features, lin.in_features
-    lib = __import__("tmac.lut_ops", fromlist=["kernels_for"]).kernels_for(spec)
+    lib = __import__("tmac.execution.lut_ops", fromlist=["kernels_for"]).kernels_for(spec)
     w_shape, s_shape = packed_shapes(spec, m)
     rows = spec.n_tile
 

@@ -9,10 +9,10 @@ import pytest
 
 from conftest import cross_tools_lock, rel_l2
 from tmac import QuantizedWeight, quantize_weight
-from tmac import reference as ref
+from tmac.base import reference as ref
 from tmac.kernels import ISAS
-from tmac.choose import spec_for
-from tmac.packing import pack
+from tmac.quant.choose import spec_for
+from tmac.execution.packing import pack
 
 HARNESS = os.path.join(os.path.dirname(__file__), "..", "tmac", "harness", "run_kernels.c")
 TOOLS = {"aarch64-linux-gnu-gcc": "gcc-aarch64-linux-gnu", "qemu-aarch64": "qemu-user"}
@@ -58,8 +58,8 @@ def _write(d, name, a):
                                                  ("Q6_K", False, "super")])
 def test_arm64_kernels_under_qemu(harness, tmp_path, rng, isa, bits, zeros, params):
     from tmac.codegen.build import build_library
-    from tmac.models.synthetic import k_quant_blocks
-    from tmac.quantize import import_gguf
+    from tmac.models.files.synthetic import k_quant_blocks
+    from tmac.quant.quantize import import_gguf
 
     triples = bits == "ternary triples"
     m, k, n = 72, 576 if triples else 256, 3
@@ -133,7 +133,7 @@ def test_arm64_decode_glue_under_qemu(harness, tmp_path, rng, isa):
     from test_decode import _attend_ref, _key_blocks, _keys_of_blocks, _quantize_ref, _rms_ref
 
     from tmac.codegen.build import build_library
-    from tmac.glue import GlueSpec
+    from tmac.base.glue import GlueSpec
 
     dim, h, kv, hd, ffn, ctx, pos = 96, 6, 2, 20, 80, 10, 6  # head_dim 20: vectors of 2 and 4 lanes as well
     spec = GlueSpec(isa, dim, h, kv, hd, ffn, "silu", True, True)

@@ -11,14 +11,14 @@ from torch import nn
 
 import tmac
 from conftest import copy_gguf
-from tmac import cli
-from tmac.cpu import usable_cpus
+from tmac.apps import cli
+from tmac.base.cpu import usable_cpus
 
 GGUF = os.path.join(os.path.dirname(__file__), "data", "mixes", "Q4_0.gguf")
 
 
 def _tmac(*args, **env):
-    return subprocess.run([sys.executable, "-m", "tmac.cli", *args], capture_output=True, text=True, timeout=600,
+    return subprocess.run([sys.executable, "-m", "tmac.apps.cli", *args], capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, **env))
 
 
@@ -60,11 +60,11 @@ def _memory_cgroup(limit: int) -> str | None:
 
 
 def test_a_kv_cache_larger_than_the_containers_memory_is_refused(monkeypatch):
-    import tmac.memory
+    import tmac.base.memory
 
     model = tmac.load_model(GGUF, context=64, progress=False)
     need = 2 * model.config.n_layers * model.config.n_kv_heads * 4096 * model.config.head_dim * 2
-    monkeypatch.setattr(tmac.memory, "cgroup_memory_left", lambda: need)  # the machine has more; the cgroup not
+    monkeypatch.setattr(tmac.base.memory, "cgroup_memory_left", lambda: need)  # the machine has more; the cgroup not
     with pytest.raises(ValueError, match="more than 80% of the .* memory available .*container"):
         model.setup_cache(4096)
     model.setup_cache(2048)  # half of it fits in 80 %
@@ -73,7 +73,7 @@ def test_a_kv_cache_larger_than_the_containers_memory_is_refused(monkeypatch):
     if group is not None:  # (and where none can be made here, the limit above stands for it)
         try:
             r = subprocess.run(["sh", "-c", f'echo $$ > {group}/cgroup.procs && exec "$@"', "sh", sys.executable,
-                                "-m", "tmac.cli", "run", "-p", "Hi", "--context", "65536", "-n", "2"],
+                                "-m", "tmac.apps.cli", "run", "-p", "Hi", "--context", "65536", "-n", "2"],
                                capture_output=True, text=True, timeout=600)
         finally:
             os.rmdir(group)
@@ -95,7 +95,7 @@ def test_chat_with_standard_input_closed_says_so(monkeypatch, capsys):
 
 
 def test_ctrl_c_before_an_answer_begins_keeps_the_chat(monkeypatch, capsys):
-    from tmac import cli_generate
+    from tmac.apps import cli_generate
 
     monkeypatch.setattr(sys, "stdin", io.StringIO("first\nsecond\n/exit\n"))
     original, calls = cli_generate.fit_context, []
@@ -148,7 +148,7 @@ def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused(tmp_path, monk
     with pytest.raises(tmac.ModelFormatError, match="tokenizer.ggml.tokens holds 301 tokens, more than the model's "
                                                     "300 token rows"):
         tmac.load_model(str(path))
-    import tmac.models.gguf_file as gguf_file  # an array of strings past the largest vocabulary: refused unread
+    import tmac.models.files.gguf_file as gguf_file  # an array of strings past the largest vocabulary: refused unread
 
     monkeypatch.setattr(gguf_file, "MAX_STRINGS", 200)
     with pytest.raises(tmac.ModelFormatError, match=r"tokenizer.ggml.tokens: 301 strings; tmac reads at most 200"):

@@ -12,7 +12,7 @@ from conftest import smollm2_path
 
 
 def tmac(*args, **kw):
-    return subprocess.run([sys.executable, "-m", "tmac.cli", *args], capture_output=True, text=True, timeout=600, **kw)
+    return subprocess.run([sys.executable, "-m", "tmac.apps.cli", *args], capture_output=True, text=True, timeout=600, **kw)
 
 
 def test_info_lists_what_matters():
@@ -47,7 +47,7 @@ def test_compile_arm64_bits_2_as_typed_needs_no_compiler(tmp_path):
     `tmac run --bits 2` (projections, head, decode glue) in the default directory, as aarch64 shared objects."""
     bare = tmp_path / "bin"  # a PATH with no cc, gcc, clang or cross gcc
     bare.mkdir()
-    r = subprocess.run([sys.executable, "-m", "tmac.cli", "compile", "--arch", "arm64", "--bits", "2"],
+    r = subprocess.run([sys.executable, "-m", "tmac.apps.cli", "compile", "--arch", "arm64", "--bits", "2"],
                        capture_output=True, text=True, timeout=600, cwd=tmp_path, env=dict(os.environ, PATH=str(bare)))
     assert r.returncode == 0, r.stderr
     out = tmp_path / "tmac-kernels-neon_dotprod"
@@ -66,8 +66,8 @@ def test_compile_arm64_bits_2_as_typed_needs_no_compiler(tmp_path):
 
 
 def test_compile_spellings_of_arch_and_isa():
-    from tmac.cli import resolve_isa
-    from tmac.cpu import normalize_arch
+    from tmac.apps.cli import resolve_isa
+    from tmac.base.cpu import normalize_arch
 
     assert normalize_arch("aarch64") == normalize_arch("arm64") == "arm64"
     assert normalize_arch("x86-64") == normalize_arch("x86_64") == normalize_arch("AMD64") == "x86_64"
@@ -163,7 +163,7 @@ def test_convert_then_run_gives_the_same_greedy_ids(tmp_path):
 
 @pytest.mark.slow
 def test_ctrl_c_in_run_keeps_the_partial_output():
-    proc = subprocess.Popen([sys.executable, "-m", "tmac.cli", "run", "-p", "Write a long story about a dragon.",
+    proc = subprocess.Popen([sys.executable, "-m", "tmac.apps.cli", "run", "-p", "Write a long story about a dragon.",
                              "-n", "1500", "--context", "2048"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     first = ""
@@ -210,7 +210,7 @@ def test_bench_end_to_end_on_the_default_model():
     own, row = sorted(json.loads(r.stdout)["rows"], key=lambda row: row["candidate"] != "tmac file's own")
     assert own["candidate"] == "tmac file's own" and own["value"] > 0  # the Q4_1 file as imported
     profiles = {p["phase"]: p for p in json.loads(r.stdout)["profiles"] if p["candidate"] == row["candidate"]}
-    from tmac.runtime import ON_POOL
+    from tmac.execution.runtime import ON_POOL
 
     spent = profiles["decode"]["seconds"]  # every kind of call of the static decode step, the float head included
     assert {"lut_gemv (tables included)" + ON_POOL, "attend", "norm_in", "gated_act",
@@ -301,8 +301,8 @@ def test_compile_for_a_ternary_model_covers_rows_sharing_a_scale(tmp_path):
     triples where the CPU has 64-entry lookups (2-bit planes elsewhere: ``uses_triples``): `tmac compile --model`
     builds the kernels the loaded model runs, so running from its directory compiles nothing."""
     from tmac.kernels import best_isa
-    from tmac.models.llama import LlamaConfig
-    from tmac.models.synthetic import write_random_gguf
+    from tmac.models.family.llama import LlamaConfig
+    from tmac.models.files.synthetic import write_random_gguf
 
     cfg = LlamaConfig(dim=768, n_layers=1, n_heads=12, n_kv_heads=4, vocab_size=300, ffn_dim=1536,
                       context_length=64)
@@ -321,8 +321,8 @@ def test_compile_for_a_ternary_model_covers_rows_sharing_a_scale(tmp_path):
 
 
 def test_unexpected_errors_name_their_type():
-    from tmac.cli import describe
-    from tmac.errors import ModelFormatError
+    from tmac.apps.cli import describe
+    from tmac.base.errors import ModelFormatError
 
     assert describe(KeyError(6)).startswith("KeyError: 6 (unexpected")
     assert describe(ModelFormatError("m.gguf: bad field")) == "m.gguf: bad field"

@@ -18,7 +18,7 @@ import pytest
 import tmac
 from conftest import smollm2_path
 from test_serve import QUESTION, call, client, health, serving, streaming, wait_idle
-from tmac.models.sampling import SamplingParams
+from tmac.models.run.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +34,7 @@ def server(model):
 
 
 def tmac_serve_names(model):
-    from tmac.serve import Served
+    from tmac.apps.serve import Served
 
     return Served("smol", "ORG/NAME", os.path.basename(model.source))
 
@@ -50,8 +50,8 @@ def greedy_with_logits(model, prompt_ids, n, bias=None):
     rounds differently), ``bias`` (token → added logit) applied before the argmax."""
     import torch
 
-    from tmac.models.decode import Plans
-    from tmac.models.sequence import Sequence
+    from tmac.models.run.decode import Plans
+    from tmac.models.run.sequence import Sequence
 
     plan, sequence = Plans(model).current().decode(1), Sequence(model, adopt=False)
     ids, steps = list(prompt_ids), []
@@ -273,7 +273,7 @@ def test_a_busy_port_is_said_before_loading():
 
 
 def test_an_open_bind_without_a_key_is_warned_about():
-    from tmac.cli_generate import open_bind_warning
+    from tmac.apps.cli_generate import open_bind_warning
 
     assert "without --api-key" in open_bind_warning("0.0.0.0", None)
     assert open_bind_warning("0.0.0.0", "key") is None

@@ -1,4 +1,4 @@
-"""``tmac serve`` on Ray Serve (``tmac.cluster``): a local Ray cluster on loopback with 2 replicas of the default
+"""``tmac serve`` on Ray Serve (``tmac.apps.cluster``): a local Ray cluster on loopback with 2 replicas of the default
 model at 1 thread each, driven by the official ``openai`` client — greedy answers equal ``tmac serve``'s, 8
 concurrent clients are all answered, each conversation reaches its rendezvous-hash replica and reuses its cached
 prefix there, and a replica killed mid-run costs only its in-flight requests a retryable error (or a transparent
@@ -19,7 +19,7 @@ from conftest import smollm2_path  # noqa: E402
 from test_serve import serving  # noqa: E402
 
 import tmac  # noqa: E402
-from tmac.cluster import APP_NAME, affinity_key, deployment, rendezvous  # noqa: E402
+from tmac.apps.cluster import APP_NAME, affinity_key, deployment, rendezvous  # noqa: E402
 
 
 def _free_port() -> int:

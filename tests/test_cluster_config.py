@@ -1,4 +1,4 @@
-"""``tmac.cluster`` without a cluster: the KubeRay manifest's Serve config passes Ray Serve's own schema and its
+"""``tmac.apps.cluster`` without a cluster: the KubeRay manifest's Serve config passes Ray Serve's own schema and its
 import path builds the application; the builder refuses what it does not take; a conversation's affinity key stays
 the same as it grows; rendezvous hashing moves only a removed replica's conversations."""
 import json
@@ -11,7 +11,7 @@ pytest.importorskip("ray.serve", reason="Ray Serve is not installed (pip install
                                         "installs it")
 import yaml  # noqa: E402  (Ray's dependency)
 
-from tmac.cluster import affinity_key, build, rendezvous  # noqa: E402
+from tmac.apps.cluster import affinity_key, build, rendezvous  # noqa: E402
 
 pytestmark = pytest.mark.unit  # needs no compiler (make unit)
 
@@ -28,7 +28,7 @@ def test_the_rayservice_manifest_passes_ray_serves_schema_and_builds():
     config = ServeDeploySchema.model_validate(yaml.safe_load(manifest["spec"]["serveConfigV2"]))
     (app,) = config.applications
     module, _, name = app.import_path.partition(":")
-    assert (module, name) == ("tmac.cluster", "build")
+    assert (module, name) == ("tmac.apps.cluster", "build")
     assert isinstance(build(app.args), Application)
     wanted = tuple(int(x) for x in manifest["spec"]["rayClusterConfig"]["rayVersion"].split(".")[:2])
     assert wanted <= tuple(int(x) for x in ray.__version__.split(".")[:2])  # (the image's Ray, not newer than this)
@@ -73,7 +73,7 @@ def test_rendezvous_moves_only_the_removed_replicas_keys():
 def test_replica_options_give_serve_a_count_or_autoscaling_bounds():
     from ray.serve.config import AutoscalingConfig
 
-    from tmac.cluster import deployment, replica_options
+    from tmac.apps.cluster import deployment, replica_options
 
     fixed = replica_options(3, 2, max_batch=4, max_queue=16, min_replicas=None, max_replicas=None)
     assert fixed["num_replicas"] == 3 and fixed["ray_actor_options"] == {"num_cpus": 2}

@@ -10,13 +10,13 @@ import transformers
 
 import tmac
 from conftest import rel_l2, runnable_isas
-from tmac import runtime
-from tmac.process import torch_single_threaded
-from tmac.glue import PARALLEL_ATTENTION_WORK
-from tmac.spec import PARALLEL_TABLE_ROWS
-from tmac.glue import GlueSpec
+from tmac.execution import runtime
+from tmac.apps.process import torch_single_threaded
+from tmac.base.glue import PARALLEL_ATTENTION_WORK
+from tmac.quant.spec import PARALLEL_TABLE_ROWS
+from tmac.base.glue import GlueSpec
 from tmac.kernels import isa_by_name
-from tmac.models.decode import DecodePlan
+from tmac.models.run.decode import DecodePlan
 
 
 def _glue(isa_name, **shape):
@@ -41,8 +41,8 @@ def _quantize_ref(x):
 def test_embed_gives_the_token_tables_rows(fmt, rng):
     """The compiled token-table lookup returns ``tmac.Embedding``'s rows bit for bit, and refuses a token id outside
     the table by name."""
-    from tmac.models.decode import glue_spec
-    from tmac.models.llama import LlamaConfig
+    from tmac.models.run.decode import glue_spec
+    from tmac.models.family.llama import LlamaConfig
 
     table = tmac.Embedding(tmac.quantize_weight(rng.standard_normal((300, 96)).astype(np.float32), **fmt))
     cfg = LlamaConfig(vocab_size=300, dim=96, n_layers=1, n_heads=6, n_kv_heads=2, head_dim=16, ffn_dim=80)
@@ -296,7 +296,7 @@ def test_decode_plan_matches_the_eager_model(tmp_path, case):
 
 
 def _ternary(module):
-    from tmac.models.bitnet import ActivationQuantized
+    from tmac.models.family.bitnet import ActivationQuantized
 
     inner = module.linear if isinstance(module, ActivationQuantized) else module
     return ActivationQuantized(tmac.Linear.from_float(inner.weight.detach(), ternary=True))
@@ -361,10 +361,10 @@ def test_a_deleted_model_is_freed_at_once_with_its_plan(tmp_path):
 def test_generation_leaves_torch_threads_to_the_process_owner(tmp_path, monkeypatch):
     """Library code never changes torch's thread count: a session generates with torch as the caller set it. The
     command line, which owns its process, sets one thread for a model with LUT layers (torch's threads would spin
-    on the kernels' cores) and leaves a float model's (``tmac.process.own_torch_threads``, called by
+    on the kernels' cores) and leaves a float model's (``tmac.apps.process.own_torch_threads``, called by
     ``load_for_generation``)."""
-    from tmac.cli_generate import load_for_generation
-    from tmac.models.sampling import Sampler
+    from tmac.apps.cli_generate import load_for_generation
+    from tmac.models.run.sampling import Sampler
 
     original = Sampler.sample
     _tiny(tmp_path)
@@ -399,9 +399,9 @@ def test_a_plan_for_several_sequences_gives_each_what_it_gives_alone(tmp_path, f
     variants where they exist), each projection's LUT GEMM once for all the rows; every row's logits equal, bit for
     bit, the one-row plan's for that sequence, step after step (the sequences at different positions, a window
     outgrown)."""
-    from tmac.models.llama import LlamaConfig
-    from tmac.models.sequence import Sequence
-    from tmac.models.synthetic import write_random_gguf
+    from tmac.models.family.llama import LlamaConfig
+    from tmac.models.run.sequence import Sequence
+    from tmac.models.files.synthetic import write_random_gguf
 
     cfg = LlamaConfig(vocab_size=512, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=512, context_length=640)
     write_random_gguf(str(tmp_path / "m.gguf"), cfg, weight_type, family=family)
@@ -434,11 +434,11 @@ def test_a_prefill_plan_gives_what_a_token_by_token_decode_gives(tmp_path, famil
     cache that feeding it one token at a time through the one-row plan leaves, bit for bit: for one token, counts
     whose plan repeats its last row below 16 rows (glue row by row) and past (``_rows`` variants), 16, and a prompt
     of two chunks past Gemma 3's window. Against the eager model, within the plan's usual distance."""
-    from tmac.models.decode import Plans
-    from tmac.models.generate import PREFILL_CHUNK, prefill
-    from tmac.models.llama import LlamaConfig
-    from tmac.models.sequence import Sequence
-    from tmac.models.synthetic import write_random_gguf
+    from tmac.models.run.decode import Plans
+    from tmac.models.run.generate import PREFILL_CHUNK, prefill
+    from tmac.models.family.llama import LlamaConfig
+    from tmac.models.run.sequence import Sequence
+    from tmac.models.files.synthetic import write_random_gguf
 
     cfg = LlamaConfig(vocab_size=512, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=512, context_length=640)
     write_random_gguf(str(tmp_path / "m.gguf"), cfg, weight_type, family=family)

@@ -34,7 +34,7 @@ def test_rows_are_the_dequantized_table(rng, bits, group, symmetric):
 def test_k_quant_tables_are_gguf_rows(rng, type_name):
     """llama.cpp's mixes (Q4_K_M and the like) store the token table as Q6_K or another K-quant: its rows, looked up
     from the exact import, are the GGUF spec's dequantized rows (the gguf package's reference)."""
-    from tmac.models.synthetic import k_quant_blocks
+    from tmac.models.files.synthetic import k_quant_blocks
 
     shape = (40, 256)
     if type_name.endswith("_K"):
@@ -65,7 +65,7 @@ def test_a_gguf_table_stays_in_the_file_and_gives_its_rows():
     """Loading SmolLM2's GGUF leaves its tied Q8_0 table in the file (``StreamedEmbedding``: rows decoded from the
     mapped blocks on lookup; the head holds the packed weights): its rows are the gguf package's dequantized rows,
     bit for bit; a state dict holds the codes, and a plain ``tmac.Embedding`` loaded from it gives the same rows."""
-    from tmac.embedding import StreamedEmbedding
+    from tmac.quant.embedding import StreamedEmbedding
 
     model = tmac.load_model(smollm2_path(), context=8, progress=False)
     emb = model.tok_embeddings
@@ -84,7 +84,7 @@ def test_a_gguf_table_stays_in_the_file_and_gives_its_rows():
     with pytest.raises(TypeError, match="RowCodes"):
         StreamedEmbedding(import_gguf(np.asarray(t.data).reshape(-1)[:34], "Q8_0", (1, 32)))
     # the decode plan reads a row from the file's blocks in compiled code (the glue's embed for Q8_0): the same row
-    from tmac.models.decode import DecodePlan
+    from tmac.models.run.decode import DecodePlan
 
     plan = DecodePlan.build(model)
     assert plan is not None and plan._keep[0].spec.embed_blocks == "Q8_0"

@@ -14,8 +14,8 @@ import torch
 import tmac
 from conftest import rel_l2
 from families import hf_model, write_gguf
-from tmac.models.arch import ARCHITECTURES
-from tmac.models.decode import DecodePlan
+from tmac.models.family.arch import ARCHITECTURES
+from tmac.models.run.decode import DecodePlan
 
 FAMILIES = ["llama", "mistral", "bitnet", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "granite", "olmo2",
             "smollm3"]
@@ -95,7 +95,7 @@ def test_a_quantized_gguf_decodes_on_the_lut_kernels(family, weight_type, models
     # the tables' int8 rounding (docs/decisions.md, "Activation rounding"); ternary layers round twice (BitNet's
     # int8 activations, then the tables of their sums): 5.2 % here
     assert rel_l2(got, want) < (0.07 if weight_type.startswith("TQ") else 0.04), rel_l2(got, want)
-    from tmac.models.tmac_file import save_model
+    from tmac.models.files.tmac_file import save_model
 
     save_model(model, str(tmp_path / "m.tmac"))
     again = tmac.load_model(str(tmp_path / "m.tmac"), progress=False)
@@ -171,9 +171,9 @@ def test_an_unknown_architecture_lists_the_supported_ones(models, tmp_path):
 def test_which_kernels_a_model_needs_has_one_answer(models, tmp_path):
     """``tmac tune --model`` times the formats of the projections the loaded model has — the kernels ``tmac compile
     --model`` builds — whatever the source (here a Q4_0 Qwen2 GGUF with a float32 token table and head)."""
-    from tmac import cli
+    from tmac.apps import cli
     from tmac.kernels import best_isa
-    from tmac.models.kernel_specs import model_kernel_specs
+    from tmac.models.run.kernel_specs import model_kernel_specs
 
     write_gguf(_hf(models, "qwen2"), "qwen2", tmp_path / "m.gguf", "Q4_0")
     model = tmac.load_model(str(tmp_path / "m.gguf"), progress=False)
@@ -188,8 +188,8 @@ def test_which_kernels_a_model_needs_has_one_answer(models, tmp_path):
 def test_a_synthetic_file_of_each_family_holds_what_the_record_names(family, tmp_path):
     """``write_random_gguf(family=)`` (the per-family speed rows of ``bench/make_synthetic_gguf.py``) writes the
     record's tensors at the config's shapes: the file loads, and decodes on the static plan."""
-    from tmac.models.llama import LlamaConfig
-    from tmac.models.synthetic import write_random_gguf
+    from tmac.models.family.llama import LlamaConfig
+    from tmac.models.files.synthetic import write_random_gguf
 
     cfg = LlamaConfig(vocab_size=512, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=512, context_length=64)
     write_random_gguf(str(tmp_path / "m.gguf"), cfg, "TQ2_0" if family == "bitnet" else "Q4_0", family=family)
@@ -205,8 +205,8 @@ def test_a_variation_the_plan_was_not_taught_runs_eagerly_not_wrongly(models, tm
     warning naming it: the model runs on the eager path, at the exact model's numbers, never the plan's without it."""
     import dataclasses
 
-    from tmac.models import decode
-    from tmac.models.llama import LlamaConfig
+    from tmac.models.run import decode
+    from tmac.models.family.llama import LlamaConfig
 
     hf = _hf(models, "granite")
     held = write_gguf(hf, "granite", tmp_path / "m.gguf", "Q4_0")

@@ -11,7 +11,7 @@ import pytest
 
 import tmac
 from conftest import smollm2_path
-from tmac import cli
+from tmac.apps import cli
 from tmac.kernels import best_isa, isa_by_name
 
 README = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
@@ -36,7 +36,7 @@ def test_info_json_has_one_key_per_fact_and_null_for_what_is_unset(capsys, monke
 
 
 def test_tmac_isa_picks_the_kernels_or_says_what_this_cpu_runs(monkeypatch):
-    runnable = [i for i in tmac.kernels.isas_for(best_isa().arch) if i.features <= tmac.cpu.cpu_features()]
+    runnable = [i for i in tmac.kernels.isas_for(best_isa().arch) if i.features <= tmac.base.cpu.cpu_features()]
     for isa in runnable:
         monkeypatch.setenv("TMAC_ISA", isa.name.replace("_", "-").upper())
         assert best_isa() is isa
@@ -54,7 +54,7 @@ def test_run_and_chat_help_name_every_model_source_and_the_defaults(command, cap
     with pytest.raises(SystemExit):
         cli.main([command, "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    from tmac.models.sampling import OPTIONS
+    from tmac.models.run.sampling import OPTIONS
 
     for phrase in ("GGUF file", "Hugging Face directory", ".tmac file", "ORG/NAME", "(default: float16)",
                    "0: greedy", "(default: 0.8)", "(default: 40)", "(default: 0.95)", "(default: 0.05)",
@@ -82,7 +82,7 @@ def test_compile_says_how_to_run_what_it_compiled_with_the_same_options():
 
 
 def test_a_kernel_directory_of_another_architecture_is_one_warning_line(tmp_path, monkeypatch, capsys):
-    from tmac import cache
+    from tmac.quant import cache
 
     cache.write_manifest(str(tmp_path), isa_by_name("neon" if best_isa().arch == "x86_64" else "avx2"), [])
     monkeypatch.setenv("TMAC_KERNEL_DIR", str(tmp_path))
@@ -94,7 +94,7 @@ def test_a_kernel_directory_of_another_architecture_is_one_warning_line(tmp_path
 
 
 def test_the_peer_build_flags_follow_the_cpu_as_docs_llama_cpp_says():
-    from tmac.bench import peer_cmake_args
+    from tmac.apps.bench import peer_cmake_args
 
     doc = open(os.path.join(os.path.dirname(__file__), "..", "docs", "llama-cpp.md")).read()
     avx2_example = set(re.search(r'CMAKE_ARGS="([^"]+)"', doc).group(1).replace("\\\n", " ").split())
@@ -116,7 +116,7 @@ def test_a_transformers_5_directory_keeps_its_chat_template_in_chat_template_jin
     tok.save_pretrained(tmp_path)
     assert (tmp_path / "chat_template.jinja").exists()
     assert "chat_template" not in json.loads((tmp_path / "tokenizer_config.json").read_text())
-    from tmac.models.tokenizer import Tokenizer
+    from tmac.models.text.tokenizer import Tokenizer
 
     ours = Tokenizer.from_hf_dir(str(tmp_path))
     messages = [{"role": "user", "content": "Hi there"}]
@@ -140,13 +140,13 @@ def test_the_readme_raspberry_pi_example_runs_the_default_model_from_the_compile
     env = dict(os.environ, TMAC_CACHE_DIR=str(tmp_path / "empty-cache"))
     arguments = compile_line.split()[1:]  # after "tmac"
     arguments[arguments.index("--arch") + 1] = best_isa().arch
-    r = subprocess.run([sys.executable, "-m", "tmac.cli", *arguments, "-o", str(out)], capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "tmac.apps.cli", *arguments, "-o", str(out)], capture_output=True,
                        text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr
     variable, command = run_line.split(" ", 1)
     assert variable.startswith("TMAC_KERNEL_DIR=")
     run = command.split()[2:]  # after "tmac run"
-    r = subprocess.run([sys.executable, "-m", "tmac.cli", "run", *[a.strip('"') for a in run], "-n", "16",
+    r = subprocess.run([sys.executable, "-m", "tmac.apps.cli", "run", *[a.strip('"') for a in run], "-n", "16",
                         "--json", "--temperature", "0"], capture_output=True, text=True,
                        env=dict(env, TMAC_KERNEL_DIR=str(out)), timeout=600)
     assert r.returncode == 0 and "compiling" not in r.stderr, r.stderr

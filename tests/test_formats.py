@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from tmac import FORMATS, QuantizedWeight, WeightFormat
-from tmac.formats import GGUF_EXACT
+from tmac.base.formats import GGUF_EXACT
 
 pytestmark = pytest.mark.unit  # needs no compiler (make unit)
 

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import smaps_kib, smollm2_path
 from tmac import ModelFormatError
-from tmac.models.gguf_file import GGML_TYPES, GGUFFile, ggml_type_row
+from tmac.models.files.gguf_file import GGML_TYPES, GGUFFile, ggml_type_row
 
 pytestmark = pytest.mark.unit  # needs no compiler (make unit)
 

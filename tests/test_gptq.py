@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import tmac
-from tmac.models.gptq import import_gptq
+from tmac.models.files.gptq import import_gptq
 
 
 def _pack(values: np.ndarray, bits: int, axis: int) -> np.ndarray:

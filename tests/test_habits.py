@@ -11,11 +11,11 @@ import sys
 import pytest
 
 from conftest import smollm2_path
-from tmac import cli
+from tmac.apps import cli
 
 
 def tmac(*args, **kw):
-    return subprocess.run([sys.executable, "-m", "tmac.cli", *args], capture_output=True, text=True, timeout=600, **kw)
+    return subprocess.run([sys.executable, "-m", "tmac.apps.cli", *args], capture_output=True, text=True, timeout=600, **kw)
 
 
 def run_json(capsys, monkeypatch, *args, stdin=None) -> dict:
@@ -81,12 +81,12 @@ def test_chat_commands_and_a_piped_chat(tmp_path):
 
 @pytest.mark.slow
 def test_a_reader_leaving_early_ends_the_run_quietly():
-    proc = subprocess.Popen(f"{sys.executable} -m tmac.cli run -p 'Write a long story.' -n 400 --ignore-eos "
+    proc = subprocess.Popen(f"{sys.executable} -m tmac.apps.cli run -p 'Write a long story.' -n 400 --ignore-eos "
                             f"| head -c 5", shell=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             executable="/bin/bash")
     out, err = proc.communicate(timeout=300)
     assert len(out) == 5 and "Traceback" not in err and "Exception ignored" not in err, err
-    status = subprocess.run(f"set -o pipefail; {sys.executable} -m tmac.cli run -p 'Write a long story.' -n 400 "
+    status = subprocess.run(f"set -o pipefail; {sys.executable} -m tmac.apps.cli run -p 'Write a long story.' -n 400 "
                             f"--ignore-eos | head -c 5 > /dev/null", shell=True, executable="/bin/bash",
                             capture_output=True, text=True, timeout=300)
     assert status.returncode != 0 and "Traceback" not in status.stderr
@@ -138,7 +138,7 @@ def test_output_files_get_the_users_umask(tmp_path):
 
 
 def test_progress_in_a_log_is_lines_not_frames():
-    from tmac.progress import Progress
+    from tmac.base.progress import Progress
 
     log = io.StringIO()
     with Progress("scoring", 3, True, stream=log) as bar:

@@ -86,9 +86,9 @@ def test_deeply_nested_json_is_malformed_not_a_recursion_error(hf_dir, tmp_path,
 
 @pytest.fixture(scope="module")
 def tmac_file(tmp_path_factory):
-    from tmac.models.llama import LlamaConfig
-    from tmac.models.synthetic import write_random_gguf
-    from tmac.models.tmac_file import save_model
+    from tmac.models.family.llama import LlamaConfig
+    from tmac.models.files.synthetic import write_random_gguf
+    from tmac.models.files.tmac_file import save_model
 
     d = tmp_path_factory.mktemp("tmacfile")
     write_random_gguf(str(d / "m.gguf"), LlamaConfig(vocab_size=512, dim=256, n_layers=1, n_heads=4, n_kv_heads=2,

@@ -17,12 +17,13 @@ import tmac
 from conftest import copy_gguf, smollm2_path
 from fuzz_targets import write_gguf, write_hf_dir
 from test_serve import QUESTION, call, serving
-from tmac import ModelFormatError, cli
-from tmac.serve import create_app
+from tmac import ModelFormatError
+from tmac.apps import cli
+from tmac.apps.serve import create_app
 
 
 def tmac_cli(*args, env=None, timeout=120):
-    return subprocess.run([sys.executable, "-m", "tmac.cli", *args], capture_output=True, text=True, timeout=timeout,
+    return subprocess.run([sys.executable, "-m", "tmac.apps.cli", *args], capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, **(env or {})})
 
 
@@ -80,7 +81,7 @@ def _repo(cache, repo="acme/repo", ref=None):
 
 @pytest.mark.parametrize("ref", ["/", "/etc", "../../../..", "0" * 40, "fifo", "/dev/zero", "/dev/urandom"])
 def test_a_ref_is_a_commit_of_the_repos_own_snapshot_or_refused(tmp_path, monkeypatch, ref):
-    from tmac.models.hub import resolve
+    from tmac.models.files.hub import resolve
 
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -99,7 +100,7 @@ def test_a_ref_is_a_commit_of_the_repos_own_snapshot_or_refused(tmp_path, monkey
 
 
 def test_a_good_ref_resolves_and_names_are_printed_escaped(tmp_path, monkeypatch):
-    from tmac.models.hub import _gguf_of_quant, resolve
+    from tmac.models.files.hub import _gguf_of_quant, resolve
 
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -172,7 +173,7 @@ def test_a_config_with_no_heads_is_named(tmp_path, heads):
 def test_a_head_wider_than_any_model_is_refused():
     """dim 4096 in a single head (head_dim derived, 4096) ran past a minute; it is refused as a stated head_dim
     above 1024 is."""
-    from tmac.models.llama import LlamaConfig
+    from tmac.models.family.llama import LlamaConfig
 
     for head_dim in (0, 4096):
         with pytest.raises(ValueError, match="head_dim=4096"):
@@ -185,8 +186,8 @@ def test_a_head_wider_than_any_model_is_refused():
 def test_the_batchs_kv_caches_are_budgeted_together(model, monkeypatch):
     """Where only two KV caches fit the memory left, at most two requests run; the rest wait (503 past the queue)
     instead of failing with a 500 when their cache cannot be made."""
-    from tmac import memory
-    from tmac.models import batching
+    from tmac.base import memory
+    from tmac.models.run import batching
 
     one = model.kv_bytes(model.context, model.kv_dtype)
     monkeypatch.setattr(memory, "available_bytes", lambda: int(2.5 * one / 0.8))
@@ -234,7 +235,7 @@ def test_huge_inputs_give_finite_outputs_as_f_linear_does():
 
 
 def test_a_compile_stopped_half_way_keeps_what_it_finished(tmp_path, monkeypatch, capsys):
-    from tmac import runtime
+    from tmac.execution import runtime
 
     real, built = runtime.build_into, []
 

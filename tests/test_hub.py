@@ -9,8 +9,8 @@ import transformers
 
 import tmac
 from conftest import smollm2_path
-from tmac import cli
-from tmac.models.hub import is_repo_id, resolve
+from tmac.apps import cli
+from tmac.models.files.hub import is_repo_id, resolve
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -112,7 +112,7 @@ def test_a_quantization_tag_picks_that_gguf_and_the_run_says_which(hub, capsys):
 
 
 def test_pull_without_the_hub_says_what_the_cache_has(hub, monkeypatch, capsys):
-    from tmac.models import hub as hub_module
+    from tmac.models.files import hub as hub_module
 
     _lay_out(hub, "acme/SmolLM2-GGUF", {"SmolLM2-135M-Instruct.Q4_1.gguf": smollm2_path()})
     monkeypatch.delenv("HF_HUB_OFFLINE")

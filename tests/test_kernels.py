@@ -8,13 +8,13 @@ import torch
 
 from conftest import rel_l2, runnable_isas
 from tmac import QuantizedWeight, WeightFormat, quantize_weight
-from tmac import reference as ref
+from tmac.base import reference as ref
 from tmac.kernels import ISAS
-from tmac.cpu import machine_arch
-from tmac.lut_ops import LutWeight
-from tmac.choose import spec_for
-from tmac.packing import pack, unpack
-from tmac.spec import KernelSpec
+from tmac.base.cpu import machine_arch
+from tmac.execution.lut_ops import LutWeight
+from tmac.quant.choose import spec_for
+from tmac.execution.packing import pack, unpack
+from tmac.quant.spec import KernelSpec
 
 RUNNABLE = runnable_isas()
 FAST = [i for i in RUNNABLE if not i.startswith("generic")]
@@ -115,7 +115,7 @@ def test_integer_part_is_bit_exact(rng, isa, bits):
 
 @pytest.mark.parametrize("isa", FAST)
 def test_tables_are_bit_exact(rng, isa):
-    from tmac.lut_ops import _workspace
+    from tmac.execution.lut_ops import _workspace
 
     qw = quantize_weight(rng.standard_normal((64, 384)).astype(np.float32), bits=2, group_size=128)
     lw = LutWeight.from_quantized(qw, isa=isa)
@@ -145,7 +145,7 @@ def test_triples_match_reference(rng, isa, m, k, group):
 @pytest.mark.parametrize("isa", ISAS_SLOW_GENERIC)
 def test_triples_integer_part_and_tables_are_bit_exact(rng, isa):
     """Scale 1 and a table scale of 1 (each lut group's largest |x0|+|x1|+|x2| is 127): y = Σ_g R_g exactly."""
-    from tmac.lut_ops import _workspace
+    from tmac.execution.lut_ops import _workspace
 
     m, k = 96, 320  # padded to 384: two lut groups, the second one part padding
     codes = rng.integers(1, 4, (m, k)).astype(np.uint8)
@@ -223,9 +223,9 @@ def test_k_quant_super_scales(rng, isa, type_name):
     in the file), or of one float32 where those are not float16 values: GEMV and GEMM match the reference
     epilogue, a partial last block, an all-zero super group and a negative dmin included; packing round-trips
     exactly; parameters that do not factor so get plain float32 storage."""
-    from tmac.models.synthetic import k_quant_blocks
-    from tmac.kquant import factor_params
-    from tmac.quantize import import_gguf
+    from tmac.models.files.synthetic import k_quant_blocks
+    from tmac.quant.kquant import factor_params
+    from tmac.quant.quantize import import_gguf
 
     m, k = 200, 512
     qw = import_gguf(k_quant_blocks(rng, m, k, type_name), type_name, (m, k))
@@ -275,8 +275,8 @@ def test_k_chunks_reorder_rows_and_keep_results_bit_exact(rng, isa, kind):
     """K cut into chunks (the last shorter) stores each chunk's rows of every block before the next chunk's —
     checked row by row against the one-chunk packing — and the kernels give bit-identical GEMV and GEMM
     results (later chunks go on from Y, so the float sums keep their order); packing round-trips."""
-    from tmac.models.synthetic import k_quant_blocks
-    from tmac.quantize import import_gguf
+    from tmac.models.files.synthetic import k_quant_blocks
+    from tmac.quant.quantize import import_gguf
 
     m, k = 200, 2304
     if kind == "Q4_K":
@@ -324,8 +324,8 @@ def test_a_rows_output_is_the_same_alone_among_few_rows_and_among_many(rng, isa,
     one tile after another; either way, and in the GEMV, each row's float sums run in one order: its output is the
     same bit for bit (what a decode step of several sequences relies on)."""
     from tmac.codegen.lut import FEW_ROWS
-    from tmac.models.synthetic import k_quant_blocks
-    from tmac.quantize import import_gguf
+    from tmac.models.files.synthetic import k_quant_blocks
+    from tmac.quant.quantize import import_gguf
 
     m, k = 136, 768  # a partial last block
     if kind == "Q4_K":

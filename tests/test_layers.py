@@ -41,7 +41,7 @@ def _lazy_exports() -> dict[str, str]:
 def _imports(name: str, path: str, modules: dict[str, str], lazy: dict[str, str] | None = None) -> set[str]:
     """The tmac modules ``name`` imports (``from X import y`` counts as X, and as X.y where that is a module). A
     name of the lazy façade counts as the module behind it: ``tmac.load_model`` (after ``import tmac``) and ``from
-    tmac import Session`` are imports of ``tmac.models.load`` and ``tmac.models.generate``."""
+    tmac import Session`` are imports of ``tmac.models.files.load`` and ``tmac.models.run.generate``."""
     lazy = _lazy_exports() if lazy is None else lazy
     tree = ast.parse(open(path).read(), path)
     skip = set()
@@ -126,10 +126,10 @@ def test_the_checks_see_function_level_imports_and_cycles(tmp_path):
 
 def test_the_checks_see_through_the_lazy_facade(tmp_path):
     """``tmac.load_model`` and ``from tmac import Session`` are imports of the modules behind the names."""
-    modules = {"tmac": "", "tmac.a": str(tmp_path / "a.py"), "tmac.models.load": "", "tmac.models.generate": ""}
-    lazy = {"load_model": "tmac.models.load", "Session": "tmac.models.generate"}
+    modules = {"tmac": "", "tmac.a": str(tmp_path / "a.py"), "tmac.models.files.load": "", "tmac.models.run.generate": ""}
+    lazy = {"load_model": "tmac.models.files.load", "Session": "tmac.models.run.generate"}
     (tmp_path / "a.py").write_text("import tmac\ndef f():\n    return tmac.load_model('x')\n")
-    assert _imports("tmac.a", modules["tmac.a"], modules, lazy) == {"tmac", "tmac.models.load"}
+    assert _imports("tmac.a", modules["tmac.a"], modules, lazy) == {"tmac", "tmac.models.files.load"}
     (tmp_path / "a.py").write_text("from tmac import Session\n")
-    assert _imports("tmac.a", modules["tmac.a"], modules, lazy) == {"tmac", "tmac.models.generate"}
-    assert _lazy_exports()["load_model"] == "tmac.models.load"
+    assert _imports("tmac.a", modules["tmac.a"], modules, lazy) == {"tmac", "tmac.models.run.generate"}
+    assert _lazy_exports()["load_model"] == "tmac.models.files.load"

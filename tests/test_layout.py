@@ -1,12 +1,12 @@
-"""The weight layouts (``tmac.layout``) against their documented byte formulas, read back byte by byte from the
+"""The weight layouts (``tmac.quant.layout``) against their documented byte formulas, read back byte by byte from the
 codes, on every vector width, and their unpackers against their packers. numpy only: no kernel is compiled."""
 import numpy as np
 import pytest
 
-from tmac import reference as ref
-from tmac.choose import tiled
+from tmac.base import reference as ref
+from tmac.quant.choose import tiled
 from tmac.kernels import ISAS
-from tmac.layout import Planes, Quads, Triples
+from tmac.quant.layout import Planes, Quads, Triples
 
 pytestmark = pytest.mark.unit  # needs no compiler (make unit)
 
@@ -97,7 +97,7 @@ def test_a_saved_spec_carries_the_isa_vector_width_and_is_checked_against_it():
     disagrees with its ISA is refused."""
     import json
 
-    from tmac.spec import KernelSpec
+    from tmac.quant.spec import KernelSpec
 
     spec = _spec(64, 3, quads=True)
     saved = json.loads(spec.to_json())

@@ -10,7 +10,7 @@ from torch import nn
 
 import tmac
 from conftest import rel_l2
-from tmac.linear import Linear
+from tmac.nn.linear import Linear
 
 
 def _close(y, ref, bound=0.015):
@@ -174,7 +174,7 @@ def test_state_dict_round_trip_and_repacking(monkeypatch):
         ref = src(x)
     sd = src.state_dict()
     same = Linear(256, 100, bits=3, group_size=64)
-    monkeypatch.setattr("tmac.linear.pack", lambda *a, **k: pytest.fail("repacked although the spec matches"))
+    monkeypatch.setattr("tmac.nn.linear.pack", lambda *a, **k: pytest.fail("repacked although the spec matches"))
     same.load_state_dict(sd)
     monkeypatch.undo()
     with torch.no_grad():
@@ -215,8 +215,8 @@ def test_state_packed_for_a_foreign_isa_is_repacked(bits):
 def test_k_quant_state_round_trip(tmp_path, type_name):
     """A Q4_K layer's byte multipliers and super scales (Q6_K: signed ones) survive tmac.save/tmac.load, also
     packed for NEON (repacked here); a state with plain float32 parameters (an older tmac's) loads as such."""
-    from tmac.models.synthetic import k_quant_blocks
-    from tmac.quantize import import_gguf
+    from tmac.models.files.synthetic import k_quant_blocks
+    from tmac.quant.quantize import import_gguf
 
     qw = import_gguf(k_quant_blocks(np.random.default_rng(0), 96, 512, type_name), type_name, (96, 512))
     local, plain = Linear.from_quantized(qw), Linear.from_quantized(qw, super_groups=0)
@@ -333,7 +333,7 @@ def test_a_saved_file_is_aligned_safetensors_and_loads_as_views_of_its_mapping(t
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    import tmac.serialize as serialize
+    import tmac.nn.serialize as serialize
 
     model, ids, ref, path = _saved_tiny(tmp_path, bits=4)
     n = int.from_bytes(path.read_bytes()[:8], "little")
@@ -407,7 +407,7 @@ def test_lazy_views_sparse_nested_and_meta_outputs(rng):
     """A lazily negated view is computed with its sign (it was computed as +x); sparse and nested inputs and an
     output on the meta device are refused with TypeError before any kernel runs."""
     from tmac import quantize_weight
-    from tmac.lut_ops import LutWeight
+    from tmac.execution.lut_ops import LutWeight
 
     lin = Linear.from_float(torch.from_numpy(rng.standard_normal((64, 256)).astype(np.float32)), bits=2,
                             group_size=64)

@@ -11,8 +11,8 @@ import torch
 import transformers
 
 import tmac
-from tmac.models.llama import LlamaConfig
-from tmac.models.synthetic import add_llama_metadata
+from tmac.models.family.llama import LlamaConfig
+from tmac.models.files.synthetic import add_llama_metadata
 
 SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
            "original_max_position_embeddings": 16}  # small, so that positions past 16 feel the scaling
@@ -107,7 +107,7 @@ def test_quantized_and_converted_the_factors_travel(hf_model, tmp_path):
     prompt = list(range(5, 37))
     quantized = tmac.load_model(str(path), bits=4, group_size=32, progress=False)
     want = tmac.Session(quantized).generate(prompt, max_new_tokens=12, ignore_eos=True, temperature=0)
-    from tmac.models.tmac_file import save_model
+    from tmac.models.files.tmac_file import save_model
 
     save_model(quantized, str(tmp_path / "llama3.tmac"))
     converted = tmac.load_model(str(tmp_path / "llama3.tmac"), progress=False)

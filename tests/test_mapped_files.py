@@ -131,7 +131,7 @@ def test_no_mmap_runs_on_when_the_file_is_changed_in_place(files, tmp_path, chan
 
 
 def test_a_file_changed_while_it_is_read_is_refused(files, tmp_path):
-    from tmac.memory import read_file
+    from tmac.base.memory import read_file
 
     d, _ = files
     target = tmp_path / "model.tmac"

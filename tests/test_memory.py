@@ -1,4 +1,4 @@
-"""tmac.memory: packed weights and the KV cache in one huge-page arena — same results, aligned, really huge."""
+"""tmac.base.memory: packed weights and the KV cache in one huge-page arena — same results, aligned, really huge."""
 import sys
 
 import pytest
@@ -6,9 +6,9 @@ import torch
 from torch import nn
 
 import tmac
-import tmac.memory as memory
+import tmac.base.memory as memory
 from conftest import smaps_kib, smollm2_path
-from tmac.linear import Linear, gather_packed
+from tmac.nn.linear import Linear, gather_packed
 
 
 def test_huge_page_empty_is_aligned_and_advised(monkeypatch):
@@ -85,7 +85,7 @@ def test_peak_rss_is_a_process_own_not_inherited_from_its_parent():
     import subprocess
 
     held = torch.ones(1 << 27)  # 512 MiB resident here
-    code = "import resource; from tmac.memory import peak_rss_mib; " \
+    code = "import resource; from tmac.base.memory import peak_rss_mib; " \
            "print(peak_rss_mib(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
@@ -101,7 +101,7 @@ def _gguf_blocks(type_name: str, rows: int, k: int):
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
 
-    from tmac.models.synthetic import K_QUANT_TYPES, k_quant_blocks
+    from tmac.models.files.synthetic import K_QUANT_TYPES, k_quant_blocks
 
     if type_name in K_QUANT_TYPES:  # (gguf-py has no K-quant quantizer)
         return k_quant_blocks(np.random.default_rng(0), rows, k, type_name)
@@ -120,11 +120,11 @@ def test_a_large_tensor_converts_without_copies_of_its_codes(monkeypatch, type_n
 
     import numpy as np
 
-    import tmac.embedding as embedding
-    import tmac.packing as packing
-    import tmac.quantize as q
+    import tmac.quant.embedding as embedding
+    import tmac.execution.packing as packing
+    import tmac.quant.quantize as q
     from models.load import make_linear
-    from tmac.qweight import RowCodes
+    from tmac.base.qweight import RowCodes
 
     monkeypatch.setattr(q, "QUANTIZE_CHUNK", 1 << 16)  # slices of 16 rows below
     monkeypatch.setattr(packing, "PACK_WEIGHTS", 1 << 16)
@@ -159,8 +159,8 @@ def test_a_streamed_import_packs_what_the_held_one_packs(monkeypatch, type_name)
     place) give the very buffers of codes held whole, and the same codes."""
     import numpy as np
 
-    import tmac.quantize as q
-    import tmac.qweight as qweight
+    import tmac.quant.quantize as q
+    import tmac.base.qweight as qweight
     from models.load import make_linear
 
     rows, k = 96, 512
@@ -218,7 +218,7 @@ def test_loading_a_converted_file_peaks_no_higher_than_loading_its_gguf(converte
     r = subprocess.run([sys.executable, "-m", "tmac", "convert", smollm2_path(), "-o", str(shared), "--shared-table"],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    code = ("import sys, tmac; from tmac.memory import peak_rss_mib; m = tmac.load_model(sys.argv[1], progress=False); "
+    code = ("import sys, tmac; from tmac.base.memory import peak_rss_mib; m = tmac.load_model(sys.argv[1], progress=False); "
             "print(peak_rss_mib(), m.tok_embeddings.codes.nbytes / 2**20)")
     (gguf, _), (converted, _), (unpacked, table) = [
         map(float, subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True,
@@ -239,7 +239,7 @@ def test_two_processes_running_a_converted_file_share_its_pages(converted_smollm
 
     code = """if True:
         import json, os, re, sys, tmac
-        from tmac.linear import Linear
+        from tmac.nn.linear import Linear
         model = tmac.load_model(sys.argv[1], progress=False, context=64)
         tmac.Session(model).generate("Hi", max_new_tokens=2)
         path, maps, at = os.path.realpath(sys.argv[1]), [], None

@@ -72,7 +72,7 @@ def test_every_isa_this_cpu_runs_meets_the_same_bounds(ftype, isa):
 def test_every_ftype_round_trips_through_tmac_convert(ftype, tmp_path):
     """A converted file runs what its GGUF runs: the same logits and greedy tokens, for the mixes too (a fused q|k|v
     whose parts have different types: Q4_K q and k beside a Q6_K v)."""
-    from tmac.models.convert import convert
+    from tmac.models.files.convert import convert
 
     path = os.path.join(DATA, "mixes", f"{ftype}.gguf")
     out = str(tmp_path / f"{ftype}.tmac")

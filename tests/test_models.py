@@ -11,7 +11,7 @@ import transformers  # test-only dependency (the dev extra)
 
 import tmac
 from conftest import rel_l2, smollm2_path
-from tmac.float_linear import FloatLinear
+from tmac.base.float_linear import FloatLinear
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 
@@ -29,7 +29,7 @@ def _tiny_llama(tmp_path, **extra):
     "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
     "original_max_position_embeddings": 32}}], ids=["rope-default", "rope-llama3"])
 def test_float_llama_matches_transformers(tmp_path, rope, monkeypatch):
-    from tmac.models import generate as generation
+    from tmac.models.run import generate as generation
 
     hf = _tiny_llama(tmp_path, **rope)
     ids = torch.randint(0, 256, (60,), generator=torch.Generator().manual_seed(1))
@@ -144,14 +144,14 @@ def _kept(logits, top_k=0, top_p=1.0, min_p=0.0):
 
 
 def _draws(logits, n=400, seed=0, history=(), **options):
-    from tmac.models.sampling import Sampler, SamplingParams
+    from tmac.models.run.sampling import Sampler, SamplingParams
 
     sampler = Sampler(SamplingParams(seed=seed, **options), list(history))
     return [sampler.sample(torch.tensor(logits)) for _ in range(n)]
 
 
 def test_sampling_filters_match_their_definitions():
-    from tmac.models.sampling import SamplingParams
+    from tmac.models.run.sampling import SamplingParams
 
     rng = np.random.default_rng(0)
     for case in range(30):
@@ -207,8 +207,8 @@ def test_a_synthetic_model_takes_a_real_tokenizer(tmp_path):
     back, and tokenizes as llama.cpp tokenizes SmolLM2; a vocabulary of another size is refused by name."""
     import gguf
 
-    from tmac.models.llama import LlamaConfig
-    from tmac.models.synthetic import write_random_gguf
+    from tmac.models.family.llama import LlamaConfig
+    from tmac.models.files.synthetic import write_random_gguf
 
     cfg = LlamaConfig(vocab_size=49152, dim=64, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=128, context_length=256)
     write_random_gguf(str(tmp_path / "m.gguf"), cfg, "Q8_0", tokenizer_from=smollm2_path())
@@ -331,7 +331,7 @@ def test_packed_bitnet_matches_transformers_bitlinear(tmp_path):
     assert err <= 0.06
     # converted, its config says it is BitNet; a file written before the config did (family "bitnet" only) loads alike
     import fuzz_targets as ft
-    from tmac.models.tmac_file import save_model
+    from tmac.models.files.tmac_file import save_model
 
     save_model(model, str(tmp_path / "bitnet.tmac"))
     logits = tmac.Session(model).logits(ids.tolist())
@@ -465,7 +465,7 @@ def test_16_bit_float_weights_stay_16_bit(tmp_path):
     print(f"F16 GGUF, float16 weights and activations: logits rel L2 vs transformers in float32 {err:.5f}")
     assert 1e-5 < err < 1e-2  # the activations' rounding shows, and stays small
     out = tmp_path / "f16.tmac"
-    tmac_cli = [sys.executable, "-m", "tmac.cli", "convert", path, "-o", str(out)]
+    tmac_cli = [sys.executable, "-m", "tmac.apps.cli", "convert", path, "-o", str(out)]
     assert subprocess.run(tmac_cli, capture_output=True).returncode == 0
     converted = tmac.load_model(str(out), kv_dtype="float32")
     assert all(m.weight.dtype == torch.float16 for m in converted.modules() if isinstance(m, FloatLinear))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import tmac
-from tmac import cli
+from tmac.apps import cli
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "mixes")
 
@@ -74,12 +74,12 @@ def test_outputs_never_replace_a_special_file(gguf, tmp_path, kind, capsys):
 
 def test_concurrent_compiles_into_one_directory_keep_every_kernel(tmp_path):
     out = tmp_path / "kernels"
-    procs = [subprocess.Popen([sys.executable, "-m", "tmac.cli", "compile", "--shape", "256x256", "--bits", str(b),
+    procs = [subprocess.Popen([sys.executable, "-m", "tmac.apps.cli", "compile", "--shape", "256x256", "--bits", str(b),
                                "-o", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for b in (2, 3, 4)]
     results = [p.communicate(timeout=600) for p in procs]
     assert all(p.returncode == 0 for p in procs), [err for _, err in results]
-    from tmac.cache import read_manifest
+    from tmac.quant.cache import read_manifest
 
     _, kernels = read_manifest(str(out / "manifest.json"))
     libraries = sorted(n for n in os.listdir(out) if n.endswith(".so"))
@@ -88,7 +88,7 @@ def test_concurrent_compiles_into_one_directory_keep_every_kernel(tmp_path):
 
 
 def test_a_link_planted_at_a_temporary_name_is_not_followed(tmp_path):
-    from tmac.cache import atomic_write_text
+    from tmac.quant.cache import atomic_write_text
 
     victim = tmp_path / "victim"
     victim.write_text("precious")
@@ -106,7 +106,7 @@ def _limited(limit: int, *args, env=None):
     def cap():
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
-    return subprocess.run([sys.executable, "-m", "tmac.cli", *args], capture_output=True, text=True, timeout=600,
+    return subprocess.run([sys.executable, "-m", "tmac.apps.cli", *args], capture_output=True, text=True, timeout=600,
                           preexec_fn=cap, env=env)
 
 
@@ -132,13 +132,13 @@ def test_a_cold_compile_past_the_file_size_limit_says_so_and_leaves_no_lock(gguf
 
 def test_temporaries_of_killed_processes_are_removed_and_odd_files_in_the_cache_heal(gguf, tmp_path):
     env = dict(os.environ, TMAC_CACHE_DIR=str(tmp_path / "cache"))
-    d = subprocess.run([sys.executable, "-c", "from tmac.cache import cache_dir; print(cache_dir())"], env=env,
+    d = subprocess.run([sys.executable, "-c", "from tmac.quant.cache import cache_dir; print(cache_dir())"], env=env,
                        capture_output=True, text=True).stdout.strip()
     os.makedirs(d)
     open(os.path.join(d, ".build-999999999-abc.so"), "wb").write(b"\x7fELF half a library")
     open(os.path.join(d, ".damaged"), "w").write("a file where the quarantine directory goes")
     # each run a fresh process: nothing loaded before it reads the cache
-    run = [sys.executable, "-m", "tmac.cli", "run", str(gguf), "-p", "Hi", "-n", "2", "--no-chat"]
+    run = [sys.executable, "-m", "tmac.apps.cli", "run", str(gguf), "-p", "Hi", "-n", "2", "--no-chat"]
     assert subprocess.run(run, env=env, capture_output=True, timeout=600).returncode == 0
     library = sorted(n for n in os.listdir(d) if n.startswith("lut_") and n.endswith(".so"))[0]
     with open(os.path.join(d, library), "r+b") as f:  # damage one library: it must be moved aside, rebuilt

@@ -30,7 +30,7 @@ def test_the_command_line_chooses_passive_openmp_only_when_it_can_and_the_user_d
     """The CLI owns its process: torch's OpenMP workers must not spin on the kernels' cores, so it asks them to
     sleep — unless the user set the policy, or torch was imported first and has read it already. What it chose is
     taken out of the environment the benchmark's llama.cpp peer runs in."""
-    code = ("import os, sys; {} from tmac import process; process.prefer_passive_openmp(); "
+    code = ("import os, sys; {} from tmac.apps import process; process.prefer_passive_openmp(); "
             "print(os.environ.get('OMP_WAIT_POLICY'), 'OMP_WAIT_POLICY' in process.user_environment())")
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
     for before, extra, expected in [("", {}, "PASSIVE False"), ("", {"OMP_WAIT_POLICY": "ACTIVE"}, "ACTIVE True"),
@@ -83,7 +83,7 @@ def test_chat_templates_render_in_a_sandbox():
     import pytest
 
     import tmac
-    from tmac.models.chat_template import compile_template
+    from tmac.models.text.chat_template import compile_template
 
     hostile = "{{ ''.__class__.__mro__[1].__subclasses__() }}"
     with pytest.raises(tmac.ModelFormatError, match="SecurityError"):
@@ -110,7 +110,7 @@ def test_chat_templates_are_bounded_in_time_memory_and_output():
     import pytest
 
     import tmac
-    from tmac.models.chat_template import TEMPLATE_SECONDS, compile_template
+    from tmac.models.text.chat_template import TEMPLATE_SECONDS, compile_template
 
     for name, source in BOMBS.items():
         with pytest.raises(tmac.ModelFormatError, match="chat template") as e:
@@ -121,18 +121,18 @@ def test_chat_templates_are_bounded_in_time_memory_and_output():
 
 
 def test_readme_tables_are_made_from_the_format_table_and_the_isa_descriptions():
-    """The README's format and ISA tables are what tmac.doc_tables makes from the code (python -m tmac.doc_tables
+    """The README's format and ISA tables are what tmac.apps.doc_tables makes from the code (python -m tmac.apps.doc_tables
     README.md rewrites them), and the README stays a manual: short, and measurements live in docs/."""
     import os
     import re
 
-    from tmac.doc_tables import TABLES, render
+    from tmac.apps.doc_tables import TABLES, render
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     text = open(os.path.join(root, "README.md")).read()
     for name in TABLES:
         assert f"<!-- table: {name} -->" in text, name
-    assert render(text) == text, "README tables are stale: run python -m tmac.doc_tables README.md"
+    assert render(text) == text, "README tables are stale: run python -m tmac.apps.doc_tables README.md"
     assert len(text.encode()) <= 16 * 1024, len(text.encode())
     for doc in ("design.md", "performance.md", "decisions.md", "llama-cpp.md"):
         assert os.path.isfile(os.path.join(root, "docs", doc)), doc
@@ -150,7 +150,7 @@ def test_a_chat_template_renders_when_the_system_refuses_a_process(monkeypatch):
     runs here under its time limit, instead of a BlockingIOError."""
     import os
 
-    from tmac.models import chat_template
+    from tmac.models.text.stream import chat_template
 
     calls = []
 

@@ -1,4 +1,4 @@
-"""A GGUF is packed once: the first load writes its packed model to the cache (models/packed_cache.py), later loads
+"""A GGUF is packed once: the first load writes its packed model to the cache (models/files/packed_cache.py), later loads
 map that copy. The copy is keyed by the file and by the kernels' layout (a changed file, another ISA, another
 generator each miss), written atomically (a failed write leaves nothing), checked when loaded (a damaged copy is
 rebuilt, not trusted), bounded in size, and listed and cleared by ``tmac cache``."""
@@ -14,8 +14,8 @@ import torch
 
 import tmac
 from conftest import smollm2_path
-from tmac.models import load as load_module
-from tmac.models import packed_cache
+from tmac.models.files import load as load_module
+from tmac.models.files import packed_cache
 
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 28, 2]
 
@@ -80,7 +80,7 @@ def test_a_changed_file_another_isa_or_generator_misses(cache, source, monkeypat
     os.utime(source, ns=(0, 10 ** 18))
     tmac.load_model(source, context=64)
     assert len(packed) == 3
-    from tmac import cache as kernel_cache
+    from tmac.quant import cache as kernel_cache
     from tmac import kernels
 
     monkeypatch.setattr(kernel_cache, "generator_digest", lambda: "another generator")
@@ -100,7 +100,7 @@ def test_a_changed_file_another_isa_or_generator_misses(cache, source, monkeypat
 
 
 def test_a_failed_write_leaves_nothing_and_the_run_goes_on(cache, source, monkeypatch):
-    from tmac import serialize
+    from tmac.nn import serialize
 
     def fail(path, tensors, meta):
         with open(path, "wb") as f:
@@ -151,7 +151,7 @@ def test_tmac_cache_lists_and_clears(tmp_path, source):
     shutil.copytree(kernels, tmp_path / "root", ignore=shutil.ignore_patterns("*.lock", "models"))
 
     def tmac_cli(*args):
-        r = subprocess.run([sys.executable, "-m", "tmac.cli", *args], capture_output=True, text=True, timeout=600,
+        r = subprocess.run([sys.executable, "-m", "tmac.apps.cli", *args], capture_output=True, text=True, timeout=600,
                            env=env)
         assert r.returncode == 0, r.stderr
         return r

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 import tmac
-from tmac.models.llama import LlamaConfig
-from tmac.models.perplexity import perplexity
-from tmac.models.synthetic import write_random_gguf
+from tmac.models.family.llama import LlamaConfig
+from tmac.models.run.perplexity import perplexity
+from tmac.models.files.synthetic import write_random_gguf
 
 TEXT = "hello world, hello there. " * 12 + "the hell of help is held in hello."
 
@@ -68,7 +68,7 @@ def test_perplexity_cli_json_and_errors(tiny, tmp_path):
 def test_a_long_text_is_tokenized_in_pieces_exactly_and_only_as_far_as_needed(monkeypatch):
     """Pieces with an overlap give the ids of the whole text tokenized at once (words across a cut included); with
     --windows only the text those windows need is tokenized."""
-    import tmac.models.perplexity as module
+    import tmac.models.run.perplexity as module
     from conftest import smollm2_path
 
     tok = tmac.load_model(smollm2_path(), context=16, progress=False).tokenizer

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from conftest import rel_l2, smollm2_path
 from tmac import import_gguf, quantize_weight
-from tmac.errors import InexactImport
+from tmac.base.errors import InexactImport
 
 pytestmark = pytest.mark.unit  # needs no compiler (make unit)
 
@@ -105,7 +105,7 @@ def test_scales_float16_cannot_hold_fall_back_to_float32(rng):
 def test_large_matrices_quantize_in_row_slices_exactly_as_whole(rng, monkeypatch, fmt):
     """Row slices bound the float64 temporaries (a 49152-row head would need gigabytes); they must not change a
     single code or parameter — also where one slice's scales fall out of float16 and the whole matrix decides."""
-    import tmac.quantize as q
+    import tmac.quant.quantize as q
 
     w = rng.standard_normal((96, 256)).astype(np.float32)
     w[70:72] *= 1e6 if fmt.get("bits") == 2 and "group_size" not in fmt else 1  # beyond float16 in one slice only
@@ -122,7 +122,7 @@ def test_large_matrices_quantize_in_row_slices_exactly_as_whole(rng, monkeypatch
 def test_16_bit_tensors_quantize_as_their_float32_values(rng, monkeypatch, dtype):
     """A 16-bit torch weight (a bfloat16 head) is widened a slice at a time, with the codes of its float32 copy;
     a NaN in any slice is still found."""
-    import tmac.quantize as q
+    import tmac.quant.quantize as q
 
     monkeypatch.setattr(q, "QUANTIZE_CHUNK", 256 * 32)  # slices of 32 rows
     w = torch.from_numpy(rng.standard_normal((96, 256)).astype(np.float32)).to(dtype)
@@ -189,7 +189,7 @@ def test_gguf_q4_1_zeros_are_float16_only_where_every_one_is():
 @pytest.fixture(params=["whole", "row slices"])
 def import_slices(request, monkeypatch):
     """Imports decode in row slices (bounding their temporaries); at 2 rows a slice every check sees several."""
-    import tmac.quantize as q
+    import tmac.quant.quantize as q
 
     if request.param == "row slices":
         monkeypatch.setattr(q, "QUANTIZE_CHUNK", 2 * 512)
@@ -210,7 +210,7 @@ def test_gguf_k_quant_import_is_exact(rng, import_slices, type_name, bits, group
     """llama.cpp's K-quants: 256 weights a block in groups of 32 (Q4_K, Q5_K) or 16, each group with its own scale
     multiplier (4 to 8 bits; signed in Q3_K and Q6_K) and, in Q2_K, Q4_K and Q5_K, min multiplier; the codes' high
     bits apart in Q3_K, Q5_K and Q6_K. Random blocks: every bit pattern of the codes and multipliers occurs."""
-    from tmac.models.synthetic import k_quant_blocks
+    from tmac.models.files.synthetic import k_quant_blocks
 
     blocks = k_quant_blocks(rng, 6, 512, type_name)
     qw = import_gguf(blocks, type_name, (6, 512))

@@ -4,7 +4,7 @@ import pytest
 
 from conftest import rel_l2
 from tmac import quantize_weight
-from tmac import reference as ref
+from tmac.base import reference as ref
 
 pytestmark = pytest.mark.unit  # needs no compiler (make unit)
 

@@ -10,16 +10,18 @@ import pytest
 import torch
 
 import tmac
-from tmac import cache, quantize_weight, runtime
-from tmac import reference as ref
+from tmac import quantize_weight
+from tmac.quant import cache
+from tmac.execution import runtime
+from tmac.base import reference as ref
 from tmac.kernels import best_isa
-from tmac.lut_ops import LutWeight
-from tmac.choose import spec_for_format
+from tmac.execution.lut_ops import LutWeight
+from tmac.quant.choose import spec_for_format
 
 RUN_CACHED = """
 import sys, numpy as np, torch
 from tmac import quantize_weight
-from tmac.lut_ops import LutWeight
+from tmac.execution.lut_ops import LutWeight
 qw = quantize_weight(np.random.default_rng(0).standard_normal((64, 256)).astype(np.float32), bits={bits}, group_size=64)
 y = LutWeight.from_quantized(qw).matmul(torch.ones(1, 256))
 print('tvm' in sys.modules, float(y.sum()))
@@ -45,7 +47,7 @@ def test_cached_kernels_run_without_importing_tvm(tmp_path):
 def _resign(lib: str) -> None:
     """Update a cached library's sidecar to its current bytes, as someone tampering with the cache would."""
     meta = json.load(open(lib[:-3] + ".json"))
-    meta.update(sha256=tmac.cache.sha256(lib), bytes=os.path.getsize(lib))
+    meta.update(sha256=tmac.quant.cache.sha256(lib), bytes=os.path.getsize(lib))
     open(lib[:-3] + ".json", "w").write(json.dumps(meta))
 
 
@@ -101,7 +103,7 @@ def test_damaged_cache_entries_are_moved_aside_and_rebuilt(tmp_path, pristine_ca
     assert again.returncode == 0, again.stderr
     if damage != "lock is a directory":  # (the entry itself was sound)
         assert "compiling kernel" in again.stderr and "moved to" in again.stderr
-    assert json.load(open(meta))["sha256"] == tmac.cache.sha256(lib)
+    assert json.load(open(meta))["sha256"] == tmac.quant.cache.sha256(lib)
     third = _run(RUN_CACHED.format(bits=2), env)
     assert third.returncode == 0 and "compiling" not in third.stderr and "damaged" not in third.stderr, third.stderr
 
@@ -145,8 +147,8 @@ def test_a_read_only_cache_is_still_read(tmp_path, monkeypatch, rng):
 
 
 def test_invalid_tiling_in_tuning_json_falls_back_to_the_defaults(tmp_path, monkeypatch):
-    from tmac import choose
-    from tmac.formats import WeightFormat
+    from tmac.quant import choose
+    from tmac.base.formats import WeightFormat
 
     monkeypatch.setattr(choose, "tuning_file", lambda: str(tmp_path / "tuning.json"))
     isa = best_isa()
@@ -176,7 +178,7 @@ def test_concurrent_processes_compiling_the_same_kernel_both_succeed(tmp_path):
 @pytest.mark.slow
 def test_tmac_compile_directory_is_used_by_linear_kernels(tmp_path, rng):
     out = tmp_path / "kernels"
-    r = subprocess.run([sys.executable, "-m", "tmac.cli", "compile", "--bits", "2", "--group-size", "64",
+    r = subprocess.run([sys.executable, "-m", "tmac.apps.cli", "compile", "--bits", "2", "--group-size", "64",
                         "--shape", "64x256", "-o", str(out)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     manifest = json.load(open(out / "manifest.json"))
@@ -201,11 +203,11 @@ def test_kernel_cache_key_follows_the_generator_source(tmp_path):
     """The cache key hashes every module codegen imports, found from its import statements: among them the ones a
     hand-written list had left out (the reference, the format table); changing any of them moves
     the key, so kernels compiled by older code are never loaded."""
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(runtime.__file__)))
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(runtime.__file__))))
     sources = cache.generator_sources()
     names = {os.path.relpath(p, repo) for p in sources}
     assert {"codegen/lut.py", "codegen/glue.py", "codegen/attention.py", "kernels/x86.py", "kernels/arm.py",
-            "tmac/spec.py", "tmac/layout.py", "tmac/glue.py", "tmac/reference.py", "tmac/formats.py"} <= names
+            "tmac/quant/spec.py", "tmac/quant/layout.py", "tmac/base/glue.py", "tmac/base/reference.py", "tmac/base/formats.py"} <= names
     assert cache.generator_digest() == cache.source_digest(sources) and cache.cache_dir().endswith(
         cache.generator_digest())
     copies = []
@@ -228,14 +230,14 @@ def test_cache_key_is_the_same_in_a_checkout_and_an_installed_wheel(tmp_path):
     """Kernels compiled from a checkout (codegen/, kernels/ beside tmac/) serve an installed tmac (tmac/codegen/...)
     of the same source — a cross-compiled kernel directory is used on the device — so the key must not depend on
     the layout."""
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(runtime.__file__)))
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(runtime.__file__))))
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
     subprocess.run([*pip, "wheel", "--no-deps", "-w", str(tmp_path / "dist"), repo], check=True, capture_output=True,
                    timeout=600)
     shutil.rmtree(os.path.join(repo, "build"), ignore_errors=True)
     subprocess.run([*pip, "install", "--no-deps", "--target", str(tmp_path / "site"),
                     *map(str, (tmp_path / "dist").glob("*.whl"))], check=True, capture_output=True, timeout=600)
-    code = "import tmac.cache as r; print(r.__file__, r.generator_digest())"
+    code = "import tmac.quant.cache as r; print(r.__file__, r.generator_digest())"
     r = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, cwd=tmp_path,
                        env=dict(os.environ, PYTHONPATH=str(tmp_path / "site")))
     where, digest = r.stdout.split()
@@ -245,7 +247,7 @@ def test_cache_key_is_the_same_in_a_checkout_and_an_installed_wheel(tmp_path):
 @pytest.mark.slow
 def test_kernel_dir_with_tampered_library_is_refused(tmp_path):
     out = tmp_path / "kernels"
-    subprocess.run([sys.executable, "-m", "tmac.cli", "compile", "--bits", "2", "--group-size", "64", "--shape",
+    subprocess.run([sys.executable, "-m", "tmac.apps.cli", "compile", "--bits", "2", "--group-size", "64", "--shape",
                     "8x128", "-o", str(out)], check=True, capture_output=True, timeout=600)
     (lib,) = out.glob("*.so")
     good = lib.read_bytes()
@@ -272,7 +274,7 @@ def test_kernel_dir_with_tampered_library_is_refused(tmp_path):
 @pytest.mark.slow
 def test_kernel_dir_for_another_arch_warns_once_naming_both(tmp_path, recwarn):
     out = tmp_path / "arm64-kernels"
-    subprocess.run([sys.executable, "-m", "tmac.cli", "compile", "--arch", "arm64", "--bits", "2", "--group-size",
+    subprocess.run([sys.executable, "-m", "tmac.apps.cli", "compile", "--arch", "arm64", "--bits", "2", "--group-size",
                     "64", "--shape", "8x128", "-o", str(out)], check=True, capture_output=True, timeout=600)
     qw = quantize_weight(np.ones((8, 128), np.float32), bits=2, group_size=64)
     for _ in range(2):
@@ -333,7 +335,7 @@ def test_two_threads_give_the_same_result(rng, kind):
 def _tune(tmp_path, *args):
     """Run `tmac tune ARGS` with a fresh cache: (its environment, its output, the tuning file, its one entry)."""
     env = dict(os.environ, TMAC_CACHE_DIR=str(tmp_path))
-    r = subprocess.run([sys.executable, "-m", "tmac.cli", "tune", *args], capture_output=True, text=True, env=env,
+    r = subprocess.run([sys.executable, "-m", "tmac.apps.cli", "tune", *args], capture_output=True, text=True, env=env,
                        timeout=900)
     assert r.returncode == 0, r.stderr
     (path,) = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path) for f in fs if f == "tuning.json"]
@@ -348,7 +350,7 @@ def test_tune_persists_and_later_kernels_use_it(tmp_path):
     assert "_kc128" in r.stderr  # K in two chunks was compiled and timed too
     assert key.endswith("|b2|k256|g128|lg128|z") and set(tiling) == {"block_rows", "unroll", "n_tile", "k_chunk"}
     # (1024 rows: every tuned block size divides them; blocks that do not divide a matrix take half the rows)
-    check = ("import numpy as np, tmac; from tmac.lut_ops import LutWeight; "
+    check = ("import numpy as np, tmac; from tmac.execution.lut_ops import LutWeight; "
              "qw = tmac.quantize_weight(np.ones((1024, 256), np.float32), bits=2, group_size=128); "
              "s = LutWeight.from_quantized(qw).spec; print(s.block_rows, s.unroll, s.n_tile, s.k_chunk)")
     used = _run(check, env)
@@ -376,7 +378,7 @@ def test_tune_covers_ternary_weights(tmp_path):
     env, r, _, key, tiling = _tune(tmp_path, "--ternary", "--group-size", "tensor", "--k", "384")
     assert "ternary_gtensor" in r.stdout and ("_t3" in r.stderr) == triples  # which kernels were compiled and timed
     assert key.endswith("|b2|k384|g384|lg192|s|t3" if triples else "|b2|k384|g384|lg128|s")
-    check = ("import numpy as np, tmac; from tmac.lut_ops import LutWeight; "
+    check = ("import numpy as np, tmac; from tmac.execution.lut_ops import LutWeight; "
              "qw = tmac.quantize_weight(np.ones((1024, 384), np.float32), ternary=True, group_size='tensor'); "
              "s = LutWeight.from_quantized(qw).spec; print(s.triples, s.block_rows, s.unroll, s.n_tile, s.k_chunk)")
     used = _run(check, env)
@@ -389,8 +391,9 @@ def test_tune_keeps_the_default_unless_it_loses_in_the_same_pass(tmp_path, monke
     """The stages time their candidates in separate passes; a winner other than the default is timed against it
     once more, together, and kept only when faster by the margin there. Scripted timings (no kernel runs): the
     first stage makes 64-row blocks 20 % faster; the final pass makes them 10 % faster or 10 % slower."""
-    from tmac import choose, tuning
-    from tmac.formats import WeightFormat
+    from tmac.quant import choose
+    from tmac.nn import tuning
+    from tmac.base.formats import WeightFormat
 
     class Timed:  # stands in for LutWeight: only the spec matters to the scripted timings
         def __init__(self, packed):
@@ -413,7 +416,7 @@ def test_tune_keeps_the_default_unless_it_loses_in_the_same_pass(tmp_path, monke
                 else 1.0 for w in weights]
 
     monkeypatch.setenv("TMAC_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr("tmac.lut_ops.LutWeight", Timed)
+    monkeypatch.setattr("tmac.execution.lut_ops.LutWeight", Timed)
     monkeypatch.setattr(tuning, "cold_seconds", scripted)
     best, measured = tuning.tune(fmt, 256, isa, m=64)
     assert [s.block_rows for s in passes[2]] == [default.block_rows, other]  # the final pass: default, winner
@@ -441,10 +444,10 @@ def _phdrs(data: bytes) -> list[tuple]:
 
 
 def test_elf_checks_refuse_what_would_crash_the_loader(tmp_path, monkeypatch, rng):
-    """Each edit below passed the sha256 once re-signed and killed the process inside dlopen (SIGSEGV); tmac.elf
+    """Each edit below passed the sha256 once re-signed and killed the process inside dlopen (SIGSEGV); tmac.base.elf
     refuses it first, naming the file."""
-    from tmac.elf import check_library
-    from tmac.errors import KernelUnavailableError
+    from tmac.base.elf import check_library
+    from tmac.base.errors import KernelUnavailableError
 
     monkeypatch.setenv("TMAC_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(runtime, "_loaded", {})

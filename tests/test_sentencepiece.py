@@ -10,8 +10,8 @@ import pytest
 
 import tmac
 from families import CORPUS, sentencepiece_vocabulary
-from tmac.errors import ModelFormatError
-from tmac.models.tokenizer import Tokenizer, hf_backend
+from tmac.base.errors import ModelFormatError
+from tmac.models.text.tokenizer import Tokenizer, hf_backend
 
 pytestmark = pytest.mark.unit  # needs no compiler (make unit)
 

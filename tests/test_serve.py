@@ -17,9 +17,9 @@ import uvicorn
 
 import tmac
 from conftest import smollm2_path
-from tmac.process import torch_single_threaded
-from tmac.serve import create_app, model_name
-from tmac.serve_http import server_config
+from tmac.apps.process import torch_single_threaded
+from tmac.apps.serve import create_app, model_name
+from tmac.apps.serve_http import server_config
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPTS = ["Tell me a story about a lighthouse keeper.", "Name three fruits.", "Write a haiku about the sea.",
@@ -165,8 +165,8 @@ def penalized_greedy(model, prompt: str, n: int, presence=0.0, frequency=0.0, re
     import numpy as np
     import torch
 
-    from tmac.models.decode import Plans
-    from tmac.models.sequence import Sequence
+    from tmac.models.run.decode import Plans
+    from tmac.models.run.sequence import Sequence
 
     plan, sequence = Plans(model).current().decode(1), Sequence(model, adopt=False)
     ids, out = model.tokenizer.encode(prompt), []
@@ -344,8 +344,8 @@ def test_a_conversations_next_turn_feeds_only_what_is_new(model):
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A small random model (its greedy text rarely ends early) with a context of 1024."""
-    from tmac.models.llama import LlamaConfig
-    from tmac.models.synthetic import write_random_gguf
+    from tmac.models.family.llama import LlamaConfig
+    from tmac.models.files.synthetic import write_random_gguf
 
     path = str(tmp_path_factory.mktemp("tiny") / "m.gguf")
     cfg = LlamaConfig(vocab_size=512, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=512, context_length=1024)
@@ -361,7 +361,7 @@ def until(condition, seconds=60):
 
 
 def greedy(max_tokens):
-    from tmac.models.sampling import SamplingParams
+    from tmac.models.run.sampling import SamplingParams
 
     return SamplingParams(max_tokens=max_tokens, temperature=0)
 
@@ -372,8 +372,8 @@ LONG_PROMPT = [i % 250 + 1 for i in range(10 * 64 + 5)]  # (PREFILL_BUDGET is 64
 def test_a_long_prompt_is_prefilled_between_the_running_requests_steps(tiny):
     """A prompt of many ``PREFILL_BUDGET``s is fed a budget at a time, the running request stepped after each piece:
     it goes on generating while the prompt is prefilled, and both get the tokens a session gives each alone."""
-    from tmac.models.batching import PREFILL_BUDGET, Batcher
-    from tmac.models.batching import Request as Generation
+    from tmac.models.run.batching import PREFILL_BUDGET, Batcher
+    from tmac.models.run.batching import Request as Generation
 
     assert len(LONG_PROMPT) > 10 * PREFILL_BUDGET
     short = [5, 6, 7]
@@ -408,8 +408,8 @@ def test_a_long_prompt_is_prefilled_between_the_running_requests_steps(tiny):
 def test_a_request_cancelled_while_prefilled_leaves_what_it_fed_for_the_next(tiny):
     """Cancelled between two pieces of its prompt, a request leaves without a word; its cache keeps the pieces fed,
     and the next request with that prompt starts from them and gets the session's tokens."""
-    from tmac.models.batching import PREFILL_BUDGET, Batcher
-    from tmac.models.batching import Request as Generation
+    from tmac.models.run.batching import PREFILL_BUDGET, Batcher
+    from tmac.models.run.batching import Request as Generation
 
     alone = list(tmac.Session(tiny).generate(LONG_PROMPT, max_new_tokens=4, ignore_eos=True, temperature=0))
     said, done = [], threading.Event()
@@ -465,7 +465,7 @@ def test_forward_rows_gives_each_row_what_a_one_row_forward_gives(model):
     model without a decode plan — equals each sequence's own step, bit for bit."""
     import torch
 
-    from tmac.models.sequence import Sequence
+    from tmac.models.run.sequence import Sequence
 
     prompts = [[1, 2, 3, 4, 5], [10, 20, 30], [7, 8, 9, 10, 11, 12, 13]]
     new = [42, 43, 44]

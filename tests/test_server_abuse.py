@@ -188,7 +188,7 @@ def test_two_hundred_concurrent_completions_end_whole_or_with_a_status(model):
 
 
 def test_a_stream_that_cannot_be_admitted_is_a_503_not_a_200(model, monkeypatch):
-    from tmac.models.batching import Batcher
+    from tmac.models.run.batching import Batcher
 
     def no_memory(self, prompt):
         raise MemoryError("cannot allocate 1 GiB")
@@ -206,8 +206,8 @@ def test_a_stream_that_cannot_be_admitted_is_a_503_not_a_200(model, monkeypatch)
 def test_the_server_listens_on_ipv6_loopback(model):
     import uvicorn
 
-    from tmac.serve import create_app
-    from tmac.serve_http import server_config
+    from tmac.apps.serve import create_app
+    from tmac.apps.serve_http import server_config
 
     with socket.socket(socket.AF_INET6) as s:
         s.bind(("::1", 0))

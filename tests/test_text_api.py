@@ -5,7 +5,7 @@ import pytest
 
 import tmac
 from conftest import smollm2_path
-from tmac.models.text import TextStream
+from tmac.models.text.stream import TextStream
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 

@@ -7,30 +7,30 @@ from __future__ import annotations
 
 import importlib
 
-from .errors import KernelUnavailableError, ModelFormatError
+from tmac.base.errors import KernelUnavailableError, ModelFormatError
 
 __version__ = "0.1.0"
 
 # name → module that defines it, imported when first asked for (so the CLI starts before numpy and torch load)
 _LAZY = {
-    "FORMATS": "tmac.formats",
-    "PER_ROW": "tmac.formats",
-    "PER_TENSOR": "tmac.formats",
-    "WeightFormat": "tmac.formats",
-    "QuantizedWeight": "tmac.qweight",
-    "import_gguf": "tmac.quantize",
-    "quantize_weight": "tmac.quantize",
-    "set_num_threads": "tmac.runtime",
-    "get_num_threads": "tmac.runtime",
-    "Linear": "tmac.linear",
-    "Embedding": "tmac.embedding",
-    "quantize_model": "tmac.swap",
-    "save": "tmac.serialize",
-    "load": "tmac.serialize",
-    "load_model": "tmac.models.load",
-    "perplexity": "tmac.models.perplexity",
-    "Session": "tmac.models.generate",
-    "SamplingParams": "tmac.models.sampling",
+    "FORMATS": "tmac.base.formats",
+    "PER_ROW": "tmac.base.formats",
+    "PER_TENSOR": "tmac.base.formats",
+    "WeightFormat": "tmac.base.formats",
+    "QuantizedWeight": "tmac.base.qweight",
+    "import_gguf": "tmac.quant.quantize",
+    "quantize_weight": "tmac.quant.quantize",
+    "set_num_threads": "tmac.execution.runtime",
+    "get_num_threads": "tmac.execution.runtime",
+    "Linear": "tmac.nn.linear",
+    "Embedding": "tmac.quant.embedding",
+    "quantize_model": "tmac.nn.swap",
+    "save": "tmac.nn.serialize",
+    "load": "tmac.nn.serialize",
+    "load_model": "tmac.models.files.load",
+    "perplexity": "tmac.models.run.perplexity",
+    "Session": "tmac.models.run.generate",
+    "SamplingParams": "tmac.models.run.sampling",
 }
 
 

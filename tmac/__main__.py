@@ -1,5 +1,5 @@
 import sys
 
-from .console import main
+from tmac.apps.console import main
 
 sys.exit(main())

@@ -40,7 +40,7 @@ def report(record_property):
 
 @pytest.fixture(scope="session")
 def x86_run(tmp_path_factory):
-    r = subprocess.run([sys.executable, "-m", "tmac.cli", *RUN], capture_output=True, text=True, timeout=900,
+    r = subprocess.run([sys.executable, "-m", "tmac.apps.cli", *RUN], capture_output=True, text=True, timeout=900,
                        env={**os.environ, "TMAC_CACHE_DIR": str(tmp_path_factory.mktemp("x86-cache"))})
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)
@@ -54,9 +54,9 @@ def x86_logits():
     import torch
 
     import tmac
-    from tmac.models.decode import Plans
-    from tmac.models.generate import prefill
-    from tmac.models.sequence import Sequence
+    from tmac.models.run.decode import Plans
+    from tmac.models.run.generate import prefill
+    from tmac.models.run.sequence import Sequence
 
     model = tmac.load_model()
 
@@ -92,7 +92,7 @@ def _same_as_x86(report, cpu: str, how: str, got: dict, x86: dict, x86_logits) -
 
 @pytest.mark.parametrize("cpu", CPUS)
 def test_info_names_the_arm64_isa(cpu, report):
-    out = arm64(cpu, ["-m", "tmac.cli", "info"]).stdout
+    out = arm64(cpu, ["-m", "tmac.apps.cli", "info"]).stdout
     rows = {line[:16].strip(): line[16:].strip() for line in out.splitlines()}  # `tmac info`'s two columns
     report(f"{cpu}: tmac info: architecture {rows['architecture']}, kernel ISA {rows['kernel ISA']}")
     assert rows["architecture"] == "arm64"
@@ -102,10 +102,10 @@ def test_info_names_the_arm64_isa(cpu, report):
 @pytest.mark.parametrize("cpu", CPUS)
 def test_run_with_kernels_cross_compiled_on_x86(cpu, tmp_path, x86_run, x86_logits, report):
     kernels = tmp_path / "kernels"
-    compiled = subprocess.run([sys.executable, "-m", "tmac.cli", "compile", "--arch", "aarch64", "--isa", CPUS[cpu],
+    compiled = subprocess.run([sys.executable, "-m", "tmac.apps.cli", "compile", "--arch", "aarch64", "--isa", CPUS[cpu],
                                "-o", str(kernels)], capture_output=True, text=True, timeout=900)
     assert compiled.returncode == 0, compiled.stderr
-    r = arm64(cpu, ["-m", "tmac.cli", *RUN],
+    r = arm64(cpu, ["-m", "tmac.apps.cli", *RUN],
               {"TMAC_KERNEL_DIR": str(kernels), "TMAC_CACHE_DIR": str(tmp_path / "cache")})
     assert "compiling kernel" not in r.stderr  # every kernel came from the directory
     _same_as_x86(report, cpu, "kernels cross-compiled on x86-64", json.loads(r.stdout), x86_run, x86_logits)
@@ -113,7 +113,7 @@ def test_run_with_kernels_cross_compiled_on_x86(cpu, tmp_path, x86_run, x86_logi
 
 @pytest.mark.parametrize("cpu", CPUS)
 def test_run_compiling_kernels_on_the_device(cpu, tmp_path, x86_run, x86_logits, report):
-    r = arm64(cpu, ["-m", "tmac.cli", *RUN], {"TMAC_CACHE_DIR": str(tmp_path / "cache"), "TMAC_CC": HOST_LINKER})
+    r = arm64(cpu, ["-m", "tmac.apps.cli", *RUN], {"TMAC_CACHE_DIR": str(tmp_path / "cache"), "TMAC_CC": HOST_LINKER})
     assert f"for {CPUS[cpu]} ..." in r.stderr  # compiled here, by apache-tvm's aarch64 wheel
     _same_as_x86(report, cpu, "kernels compiled on the device", json.loads(r.stdout), x86_run, x86_logits)
 

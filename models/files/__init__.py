@@ -1,0 +1,1 @@
+"""Model files in and out: GGUF, Hugging Face, GPTQ, .tmac, the hub, packed copies, synthetic files."""

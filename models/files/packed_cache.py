@@ -1,0 +1,182 @@
+"""Packed copies of the GGUF files tmac runs, so that a file is decoded and packed once: the first load writes the
+packed model beside the kernel cache (a ``.tmac`` file, as ``tmac convert`` writes), later loads map it.
+
+A copy is keyed by the source file's identity (device, inode, size, modification time, and a hash of its first and
+last 64 KiB) and by what its layout depends on (the ISA, the kernel generator's digest, the tiling table, tmac's
+file format): a changed file, another ISA or other kernels miss and write a new copy. Copies are written
+atomically (a temporary file renamed: a reader mapping the old one keeps it), are checked as any ``.tmac`` file is
+when loaded (a damaged one is removed and rebuilt from the source), and are bounded in total size
+(``TMAC_MODEL_CACHE_GB``, default 20): the least recently used go first. ``TMAC_MODEL_CACHE=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+import warnings
+
+from tmac.base import files
+
+SAMPLE = 64 << 10  # bytes hashed at each end of a source file
+DEFAULT_GB = 20.0
+
+
+def enabled() -> bool:
+    return os.environ.get("TMAC_MODEL_CACHE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def directory() -> str:
+    root = os.environ.get("TMAC_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tmac")
+    return os.path.join(root, "models")
+
+
+def limit_bytes() -> int:
+    text = os.environ.get("TMAC_MODEL_CACHE_GB", "").strip()
+    try:
+        gb = float(text) if text else DEFAULT_GB
+    except ValueError:
+        raise ValueError(f"TMAC_MODEL_CACHE_GB={text!r}: a number of GiB is needed") from None
+    if not gb >= 0:
+        raise ValueError(f"TMAC_MODEL_CACHE_GB={text!r} must be >= 0")
+    return int(gb * 2 ** 30)
+
+
+def identity(path: str) -> dict:
+    """What says a source file is the one a copy was made from."""
+    st = os.stat(path)
+    h = hashlib.sha256()
+    with open(files.require_regular(path), "rb") as f:
+        h.update(f.read(SAMPLE))
+        if st.st_size > 2 * SAMPLE:
+            f.seek(st.st_size - SAMPLE)
+            h.update(f.read(SAMPLE))
+    return {"path": os.path.realpath(path), "device": st.st_dev, "inode": st.st_ino, "size": st.st_size,
+            "mtime_ns": st.st_mtime_ns, "sample_sha256": h.hexdigest()}
+
+
+def layout() -> dict:
+    """What a packed copy's bytes depend on besides the source: the ISA, the generator, the tilings chosen."""
+    from tmac.quant.cache import generator_digest
+    from tmac.kernels import best_isa
+
+    from tmac.models.files.tmac_file import FORMAT_VERSION
+
+    tuning = None
+    try:
+        from tmac.quant.choose import tuning_file
+
+        with open(tuning_file(), "rb") as f:
+            tuning = hashlib.sha256(f.read()).hexdigest()[:16]
+    except OSError:
+        pass
+    return {"isa": best_isa().name, "generator": generator_digest(), "tuning": tuning, "format": FORMAT_VERSION}
+
+
+def key_of(ident: dict, lay: dict) -> str:
+    text = json.dumps({"source": ident, "layout": lay}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def lookup(path: str, options: dict) -> tuple[str, str | None]:
+    """The key of ``path``'s copy loaded with ``options`` (bits, group size, head bits) and the copy's path where
+    one exists."""
+    key = key_of({**identity(path), "options": options}, layout())
+    copy = os.path.join(directory(), key + ".tmac")
+    return key, copy if os.path.isfile(copy) else None
+
+
+def touch(key: str) -> None:
+    """Mark a copy as used now (its index file's time: what eviction orders by)."""
+    try:
+        os.utime(os.path.join(directory(), key + ".json"))
+    except OSError:
+        pass
+
+
+def store(key: str, source: str, model) -> str | None:
+    """Write ``model`` as ``source``'s packed copy, atomically, after making room; the copy's path, or None where it
+    cannot be written (no room, a read-only cache: the model runs all the same)."""
+    from tmac.models.files.tmac_file import save_model
+
+    where = directory()
+    try:
+        os.makedirs(where, mode=0o700, exist_ok=True)
+        need = sum(t.numel() * t.element_size() for t in model.state_dict().values() if hasattr(t, "numel"))
+        if need > limit_bytes():
+            return None
+        evict(limit_bytes() - need, keep=key)
+        files.check_room(where, need + (64 << 20))
+        copy = os.path.join(where, key + ".tmac")
+        save_model(model, copy)
+        entry = {"source": os.path.realpath(source), "key": key, "bytes": os.path.getsize(copy),
+                 "created": time.time(), **{k: v for k, v in layout().items() if k in ("isa",)}}
+        files.write_atomically(os.path.join(where, key + ".json"), lambda tmp: _write_json(tmp, entry), "write")
+        return copy
+    except Exception as e:  # the copy is a saving, never a reason for the run to fail
+        warnings.warn(f"could not keep a packed copy of {source} in {where} ({e}); the next run packs it again",
+                      stacklevel=4)
+        remove(key)
+        return None
+
+
+def _write_json(path: str, value) -> None:
+    with open(path, "w") as f:
+        json.dump(value, f)
+
+
+def entries() -> list[dict]:
+    """The copies the cache holds, the most recently used first: source, key, bytes, last used."""
+    where = directory()
+    out = []
+    try:
+        names = os.listdir(where)
+    except OSError:
+        return []
+    for name in names:
+        if not name.endswith(".tmac") or name.startswith("."):
+            continue
+        key, copy = name[:-5], os.path.join(where, name)
+        index = os.path.join(where, key + ".json")
+        try:
+            size = os.path.getsize(copy)
+        except OSError:
+            continue
+        try:
+            meta = files.read_json(index, 1 << 16)
+            meta = meta if isinstance(meta, dict) else {}
+            used = os.path.getmtime(index)
+        except (OSError, ValueError):  # an index lost or damaged: the copy is listed, and goes first
+            meta, used = {}, 0.0
+        out.append({"key": key, "path": copy, "source": str(meta.get("source", "?")), "isa": str(meta.get("isa", "?")),
+                    "bytes": size, "used": used})
+    return sorted(out, key=lambda e: -e["used"])
+
+
+def remove(key: str) -> None:
+    for suffix in (".tmac", ".json"):
+        try:
+            os.unlink(os.path.join(directory(), key + suffix))
+        except FileNotFoundError:
+            pass
+
+
+def evict(budget: int, keep: str | None = None) -> list[dict]:
+    """Remove the least recently used copies until the rest take at most ``budget`` bytes; the removed."""
+    held = entries()
+    total, gone = sum(e["bytes"] for e in held), []
+    for e in reversed(held):  # the least recently used first
+        if total <= budget:
+            break
+        if e["key"] == keep:
+            continue
+        remove(e["key"])
+        total -= e["bytes"]
+        gone.append(e)
+    return gone
+
+
+def clear() -> list[dict]:
+    """Remove every copy; the removed."""
+    return evict(-1)

@@ -1,0 +1,1 @@
+"""Running a model: the decode plan, generation, batching, sampling, sequences, perplexity, its kernels."""

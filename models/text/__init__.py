@@ -1,0 +1,1 @@
+"""Text: the tokenizer, chat templates, generated ids as streamed text."""

@@ -1,0 +1,1 @@
+"""Running compiled kernels: packing for them, loading them (the runtime), their calls, compiling ahead."""

@@ -1,0 +1,1 @@
+"""Quantization and kernel specs: weight layouts, the kernel spec, K-quants, quantizing, token tables, the kernel cache."""

@@ -1,0 +1,369 @@
+"""How a kernel's weight bytes are laid out: one small class per layout, owning its shapes, its packer and unpacker,
+and what the code generator asks of it. ``KernelSpec.layout`` is the one a spec uses (``layout_of``).
+
+A layout arranges *codes*, which say what a table index means: ``PlaneCodes``, one bit plane of ``b``-bit codes
+indexing the table of 4 activations, or ``TripleCodes``, three ternary weights to an index plus a sign
+(``tmac.base.reference`` derives both). ``Planes`` and ``Triples`` look up 16-entry tables a nibble at a time;
+``Quads`` does 64-entry lookups, four tables at once, for either kind of codes.
+
+Common to all: rows are processed in blocks of ``block_rows`` (BM) and K in *steps* (the inner loop's unit);
+a packed weight is ``W [MB = ceil(M/BM), K'/step, step_bytes·BM]`` uint8, K' = ``k_padded(K)``, padded rows and
+activations being weight 0. Scales, zeros and the order of K chunks are ``tmac.execution.packing``'s.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import numpy as np
+
+from tmac.base.reference import LUT_GROUPS, SIGNS, TRIPLE_COEFFS, TRIPLE_LUT_GROUP, padded_k, plane_nibbles, triple_indices
+
+CHUNKS = {1: ((0, 1),), 2: ((0, 2),), 3: ((0, 2), (2, 1)), 4: ((0, 4),), 5: ((0, 4), (4, 1)), 6: ((0, 4), (4, 2)),
+          8: ((0, 4), (4, 4))}  # bits → ((first plane, planes), ...)
+
+QUAD_CHUNKS = {1: ((0, 1, 0),), 2: ((0, 2, 0),), 3: ((0, 2, 0), (0, 2, 4), (2, 1, 0)),
+               5: ((0, 2, 0), (0, 2, 4), (2, 2, 0), (2, 2, 4), (4, 1, 0))}  # index planes → ((plane, P, table), ...)
+
+UNPACK_ROWS = 4096  # rows unpacked at a time: the temporaries are ~5x the codes (a tied 8-bit head's: 140 MB at once)
+
+
+def quad_step(planes: int) -> int:
+    """Activations a quad step of ``planes`` index planes covers (4 per table; a chunk of P planes covers 8/P tables
+    from its first): 16 at 2 planes, else 32."""
+    return 4 * max(t0 + 8 // p for _, p, t0 in QUAD_CHUNKS[planes])
+
+
+# ---- codes: what a table index means --------------------------------------------------------------------------------
+class PlaneCodes:
+    """The bit planes of ``bits``-bit codes: bit j of plane i's index into the table of activations 4t .. 4t+3 is
+    bit i of code 4t+j; entry p is ½·Σ_j ±x_j with the signs of p's bits (``tmac.base.reference.SIGNS``)."""
+
+    per_table = 4  # activations a table covers
+    coefficients = SIGNS  # entry p of a table is Σ_j coefficients[p, j]·x_j (halved: ``table_sum``)
+    pad_code = 0  # of padded rows, whose scales are 0
+    symmetric = False  # the epilogue subtracts (½s + z)·Σx of each weight group
+    negated = False  # no sign flags
+    suffix = ""  # in the kernel's name
+
+    def __init__(self, bits: int):
+        self.bits = self.planes = bits  # index planes per table
+
+    def k_padded(self, k: int) -> int:
+        return k
+
+    @staticmethod
+    def table_sum(t, half):
+        """An entry of the products ``t`` = coefficient·x (or a table's largest |entry| of ``t`` = |x|), in the fp32
+        order of ``tmac.base.reference``; ``half`` is 0.5 as the caller's type."""
+        return half * ((t[0] + t[1]) + (t[2] + t[3]))
+
+    def problems(self, spec) -> list[str]:
+        k, g, lg = spec.k, spec.group_size, spec.lut_group
+        if lg not in LUT_GROUPS or k % lg or g % lg:
+            return [f"lut_group={lg} must be one of {LUT_GROUPS} and divide K={k} and the group size {g}"]
+        return []
+
+    def accepts(self, fmt, scale_groups: int = 1) -> bool:
+        """Whether weights of format ``fmt`` with ``scale_groups`` scales a row take these codes."""
+        return True
+
+    def indices(self, codes: np.ndarray, k_padded: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Table indices ``[planes, rows, K'/per_table]`` of codes ``[rows, K]``, and the sign flags (or None)."""
+        return plane_nibbles(codes, self.bits), None
+
+    def codes_of(self, nib: np.ndarray, neg, k: int) -> np.ndarray:
+        """Codes ``[rows, k]`` of ``indices``' output (its inverse)."""
+        bits, rows, t = nib.shape
+        codes = np.zeros((rows, 4 * t), dtype=np.uint8)
+        for plane in range(bits):
+            for j in range(4):
+                codes[:, j::4] |= ((nib[plane] >> j) & 1) << plane
+        return codes
+
+
+class TripleCodes:
+    """Ternary weights (2-bit codes 1..3, one scale per row) three to a table: a 4-bit index of the 14 patterns
+    up to negation and a sign flag (``tmac.base.reference``: 1.67 bits per weight). K is padded with zero activations
+    to whole lut groups (``TRIPLE_LUT_GROUP``)."""
+
+    per_table = 3
+    coefficients = TRIPLE_COEFFS
+    pad_code = 2  # weight 0
+    symmetric = True  # no Σx term
+    negated = True  # sign flags follow the indices
+    suffix = "_t3"
+    bits, planes = 2, 1
+    VERSION = 2  # of the packed triple bytes (2: flags as bit masks), stored with saved weights
+
+    k_padded = staticmethod(padded_k)
+
+    @staticmethod
+    def table_sum(t, half):
+        return (t[0] + t[1]) + t[2]
+
+    def problems(self, spec) -> list[str]:
+        if (spec.bits, spec.has_zeros, spec.group_size, spec.lut_group) != (2, False, spec.k, TRIPLE_LUT_GROUP):
+            return [f"triples need 2-bit codes without zeros, one scale per row (group_size = K) and "
+                    f"lut_group {TRIPLE_LUT_GROUP}"]
+        return []
+
+    def accepts(self, fmt, scale_groups: int = 1) -> bool:
+        return fmt.ternary and scale_groups == 1
+
+    def indices(self, codes: np.ndarray, k_padded: int) -> tuple[np.ndarray, np.ndarray]:
+        idx, neg = triple_indices(codes, k_padded)
+        return idx[None], neg
+
+    def codes_of(self, nib: np.ndarray, neg: np.ndarray, k: int) -> np.ndarray:
+        idx = nib[0]
+        e = np.where(neg, 26 - idx.astype(np.int16), idx).astype(np.uint8)  # 9·d0 + 3·d1 + d2, digits d = code − 1
+        digits = np.stack([e // 9, e // 3 % 3, e % 3], axis=2).reshape(idx.shape[0], -1)
+        return digits[:, :k] + 1
+
+
+# ---- layouts: where the indices go ----------------------------------------------------------------------------------
+class Layout(ABC):
+    """What every layout answers. ``chunks``: (first plane, bytes a row owns in a weight vector) of each run of
+    planes the ISA sums in one instruction; ``step_tables``: tables a step covers; ``step_bytes``: a row's bytes per
+    step. The ``lookups``/``mask_start`` hooks tell the code generator where a step's indices and flags are."""
+
+    wide_lookup = False  # 64-entry lookups, one serving four tables
+    quad_chunks: tuple = ()
+    chunks: tuple
+    step_tables: int
+    step_bytes: int
+
+    def __init__(self, codes):
+        self.codes = codes
+
+    @property
+    def suffix(self) -> str:
+        return self.codes.suffix
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row in the weight vectors of one lookup (all chunks)."""
+        return sum(planes for _, planes in self.chunks)
+
+    @property
+    def step_activations(self) -> int:
+        return self.step_tables * self.codes.per_table
+
+    def step_vectors(self, block_rows: int, vector_bytes: int) -> int:
+        """Weight vectors a block of ``block_rows`` rows reads per step."""
+        return block_rows * self.row_bytes // vector_bytes * max(1, len(self.quad_chunks))
+
+    def weight_shape(self, blocks: int, k: int, block_rows: int) -> tuple[int, int, int]:
+        return blocks, self.codes.k_padded(k) // self.step_activations, self.step_bytes * block_rows
+
+    def problems(self, spec) -> list[str]:
+        return self.codes.problems(spec)
+
+    @abstractmethod
+    def lookups(self, step, block_rows: int) -> list[tuple]:
+        """Per lookup of a step: (first table of the low nibbles', of the high nibbles', first weight byte of the
+        indices, planes P and first plane of a quad chunk, whose bytes are weighted 2^(first + p mod P))."""
+
+    def mask_start(self, j: int, v, h: int, block_rows: int, vector_bytes: int):
+        """First byte of the sign mask of lookup j's low (h = 0) or high nibbles, vector v (``codes.negated``)."""
+        raise TypeError(f"{type(self).__name__} of {type(self.codes).__name__} has no sign masks")
+
+    @abstractmethod
+    def pack(self, codes: np.ndarray, spec) -> np.ndarray:
+        """W rows ``[blocks, steps, step_bytes·BM]`` of whole row blocks of codes ``[blocks·BM, K]``."""
+
+    @abstractmethod
+    def unpack(self, w: np.ndarray, spec) -> np.ndarray:
+        """Codes ``[MB·BM, K]`` of W in block-major order (the inverse of ``pack``)."""
+
+
+class Planes(Layout):
+    """Bit planes, a table pair (8 activations: one table per nibble of a byte) a step. The ``bits`` planes are
+    split into chunks of 1, 2 or 4 planes (3 bits = 2 + 1) because the ISAs sum 1, 2 or 4 adjacent bytes of a row in
+    one instruction (widening add, ``pmaddubsw``, ``vpdpbusd``/``sdot``)::
+
+        W [MB, K/8, BM·bits]  uint8
+
+    Within one ``[blk, step]`` row of BM·bits bytes, chunk c (planes ``o_c .. o_c+P_c−1``) occupies bytes
+    ``[BM·o_c, BM·(o_c+P_c))``, cut into vectors of VL bytes (the ISA's vector width). Byte ``l`` of vector ``v``
+    of that chunk belongs to row ``v·(VL/P_c) + l // P_c`` of the block and plane ``o_c + l % P_c``; its low
+    nibble is the table index of that plane for activations ``8·step .. +3`` and its high nibble for
+    ``8·step+4 .. +7``. Padded rows are code 0."""
+
+    step_tables = 2
+
+    def __init__(self, codes: PlaneCodes):
+        super().__init__(codes)
+        self.chunks = CHUNKS.get(codes.bits, ())
+        self.step_bytes = codes.bits
+
+    def lookups(self, step, block_rows):
+        return [(2 * step, 2 * step + 1, 0, None, 0)]
+
+    def pack(self, codes, spec):
+        bm, vl, k, bits = spec.block_rows, spec.vector_bytes, spec.k, self.codes.bits
+        mb = codes.shape[0] // bm
+        nib, _ = self.codes.indices(codes, k)  # [bits, rows, K/4]
+        pair = nib[:, :, 0::2] | (nib[:, :, 1::2] << 4)  # [bits, rows, K/8]: low nibble table 2kp, high 2kp+1
+        pair = pair.reshape(bits, mb, bm, k // 8)
+        parts = []
+        for first, planes in self.chunks:
+            per_vec = vl // planes
+            # [planes, MB, BM, K/8] → [MB, K/8, vectors, rows-in-vector, planes]
+            c = pair[first:first + planes].reshape(planes, mb, bm // per_vec, per_vec, k // 8)
+            parts.append(c.transpose(1, 4, 2, 3, 0).reshape(mb, k // 8, bm * planes))
+        return np.concatenate(parts, axis=2)
+
+    def unpack(self, w, spec):
+        bm = spec.block_rows
+        step = max(1, UNPACK_ROWS // bm)  # a few blocks at a time
+        codes = np.empty((w.shape[0] * bm, spec.k), dtype=np.uint8)
+        for b in range(0, w.shape[0], step):
+            codes[b * bm:(b + step) * bm] = self._unpack_block_rows(w[b:b + step], spec)
+        return codes
+
+    def _unpack_block_rows(self, w, spec):
+        bm, vl, mb, k, bits = spec.block_rows, spec.vector_bytes, w.shape[0], spec.k, self.codes.bits
+        pair = np.empty((bits, mb, bm, k // 8), dtype=np.uint8)
+        start = 0
+        for first, planes in self.chunks:
+            per_vec = vl // planes
+            c = w[:, :, start:start + bm * planes].reshape(mb, k // 8, bm // per_vec, per_vec, planes)
+            pair[first:first + planes] = c.transpose(4, 0, 2, 3, 1).reshape(planes, mb, bm, k // 8)
+            start += bm * planes
+        nib = np.empty((bits, mb * bm, k // 4), dtype=np.uint8)
+        nib[:, :, 0::2] = pair.reshape(bits, mb * bm, k // 8) & 15
+        nib[:, :, 1::2] = pair.reshape(bits, mb * bm, k // 8) >> 4
+        return self.codes.codes_of(nib, None, k)
+
+
+class Triples(Layout):
+    """Ternary triples (``TripleCodes``) in 16-entry lookups, 8 triples = 4 table pairs a step (24
+    activations)::
+
+        W [MB, Kp/24, 5·BM]  uint8
+
+    Bytes ``[j·BM, (j+1)·BM)`` of a ``[blk, step]`` row hold table pair j (j < 4): byte r is row r of the block,
+    its low nibble the index of triple ``8·step + 2j``, its high nibble of triple ``8·step + 2j + 1``. Bytes
+    ``[4·BM, 5·BM)`` hold the negation flags as bit masks, VL/8 bytes each: mask ``b`` of vector v starts at byte
+    ``4·BM + v·VL + b·VL/8``, and its bit l (little-endian) negates the lookup of triple ``8·step + b`` by row
+    ``v·VL + l`` (AVX-512 loads a mask straight into a k register)."""
+
+    chunks = ((0, 1),)
+    step_tables = 8
+    step_bytes = 5
+
+    def lookups(self, step, block_rows):
+        return [(8 * step + 2 * j, 8 * step + 2 * j + 1, j * block_rows, None, 0) for j in range(4)]
+
+    def mask_start(self, j, v, h, block_rows, vector_bytes):
+        return 4 * block_rows + v * vector_bytes + (2 * j + h) * vector_bytes // 8
+
+    def pack(self, codes, spec):
+        bm, kp, vl = spec.block_rows, spec.k_padded, spec.vector_bytes
+        mb, steps = codes.shape[0] // bm, kp // 24
+        (idx,), neg = self.codes.indices(codes, kp)  # [rows, Kp/3]
+        pair = (idx[:, 0::2] | (idx[:, 1::2] << 4)).reshape(mb, bm, steps, 4).transpose(0, 2, 3, 1)
+        # [MB, vectors, VL rows, steps, 8 triples] → [MB, steps, vectors, 8 masks, VL bits]
+        flags = neg.reshape(mb, bm // vl, vl, steps, 8).transpose(0, 3, 1, 4, 2)
+        masks = np.packbits(flags, axis=4, bitorder="little").reshape(mb, steps, bm)
+        return np.concatenate([pair.reshape(mb, steps, 4 * bm), masks], axis=2)
+
+    def unpack(self, w, spec):
+        bm, vl, mb, steps = spec.block_rows, spec.vector_bytes, w.shape[0], spec.k_padded // 24
+        pair = w[:, :, :4 * bm].reshape(mb, steps, 4, bm).transpose(0, 3, 1, 2).reshape(mb * bm, steps * 4)
+        idx = np.stack([pair & 15, pair >> 4], axis=2).reshape(mb * bm, steps * 8)
+        masks = w[:, :, 4 * bm:].reshape(mb, steps, bm // vl, 8, vl // 8)
+        flags = np.unpackbits(masks, axis=4, bitorder="little")  # [MB, steps, vectors, 8, VL]
+        neg = flags.transpose(0, 2, 4, 1, 3).reshape(mb * bm, steps * 8).astype(bool)
+        return self.codes.codes_of(idx[None], neg, spec.k)
+
+
+class Quads(Layout):
+    """64-entry lookups (``vpermb``), four tables at once, of 1-, 2-, 3- or 5-bit planes or of triples. A step's
+    weights are cut into *quad chunks* (``QUAD_CHUNKS``: first plane o, planes P, first table t0). In a chunk every
+    row owns 4 adjacent bytes of a vector, which hold its P bit planes (P = 1 or 2) of 4/P tables per nibble, so
+    one lookup serves four tables and one ``vpdpbusd`` sums a row's four bytes (weighted 2^(o + p mod P): 1;
+    1, 2, 1, 2; or 4), every chunk into the same accumulator. A step covers T tables: 8 (32 activations; 24 for
+    triples), or 4 (16 activations) at 2 bits, whose one chunk holds both planes of 4 tables. At 1 bit and for
+    triples the one chunk is plane 0 of 8 tables; at 3 bits planes 0-1 of tables 0-3, planes 0-1 of tables 4-7,
+    then plane 2 of all 8; at 5 bits the same for planes 0-1 and 2-3, then plane 4 of all 8::
+
+        W [MB, K/32, 4·BM]  uint8           (1 bit)
+        W [MB, K/16, 4·BM]  uint8           (2 bits)
+        W [MB, K/32, 12·BM] uint8           (3 bits)
+        W [MB, K/32, 20·BM] uint8           (5 bits)
+        W [MB, Kp/24, 5·BM] uint8           (triples)
+
+    Chunk c occupies bytes ``[4·BM·c, 4·BM·(c+1))`` of a ``[blk, step]`` row. Its byte ``4i + p`` of vector v
+    (VL/4 rows) belongs to row ``v·VL/4 + i`` of the block and plane ``o + p mod P``; the low nibble indexes table
+    ``T·step + t0 + p div P``, the high nibble table ``T·step + t0 + 4/P + p div P``. Triples append their negation
+    flags, two masks of VL/8 bytes per vector: mask h of vector v starts at byte ``4·BM + v·VL/4 + h·VL/8`` and
+    its bit ``4i + p`` negates the lookup of table ``8·step + 4h + p`` by row ``v·VL/4 + i``."""
+
+    wide_lookup = True
+    chunks = ((0, 4),)
+
+    def __init__(self, codes):
+        super().__init__(codes)
+        self.quad_chunks = QUAD_CHUNKS.get(codes.planes, ())
+        self.step_tables = quad_step(codes.planes) // 4 if self.quad_chunks else 0
+        self.step_bytes = 4 * len(self.quad_chunks) + (1 if codes.negated else 0)
+
+    @property
+    def suffix(self) -> str:
+        return self.codes.suffix + "_q4"
+
+    def problems(self, spec):
+        if spec.vector_bytes != 64 or not self.quad_chunks:
+            return [f"quads need {sorted(QUAD_CHUNKS)}-bit weights or triples and 64-byte vectors"]
+        return super().problems(spec)
+
+    def lookups(self, step, block_rows):
+        t = self.step_tables * step
+        return [(t + t0, t + t0 + (4 if planes == 1 else 0), 4 * block_rows * c, planes, first)
+                for c, (first, planes, t0) in enumerate(self.quad_chunks)]
+
+    def mask_start(self, j, v, h, block_rows, vector_bytes):
+        return 4 * block_rows + v * vector_bytes // 4 + h * vector_bytes // 8
+
+    def pack(self, codes, spec):
+        bm, vl, tables = spec.block_rows, spec.vector_bytes, self.step_tables
+        mb, nv = codes.shape[0] // bm, bm * 4 // vl
+        nib, neg = self.codes.indices(codes, spec.k_padded)
+        steps = nib.shape[2] // tables
+        nib = nib.reshape(nib.shape[0], mb, nv, vl // 4, steps, tables)
+        parts = []
+        for first, planes, t0 in self.quad_chunks:
+            # [P, MB, vectors, VL/4 rows, steps, low/high nibble, table] → [MB, steps, vectors, rows, low/high, table, P]
+            c = nib[first:first + planes, ..., t0:t0 + 8 // planes]
+            q = c.reshape(planes, mb, nv, vl // 4, steps, 2, 4 // planes).transpose(1, 4, 2, 3, 5, 6, 0)
+            parts.append((q[..., 0, :, :] | (q[..., 1, :, :] << 4)).reshape(mb, steps, 4 * bm))
+        if neg is not None:
+            flags = neg.reshape(mb, nv, vl // 4, steps, 2, 4).transpose(0, 3, 1, 4, 2, 5).reshape(mb, steps, nv, 2, vl)
+            parts.append(np.packbits(flags, axis=4, bitorder="little").reshape(mb, steps, bm))
+        return np.concatenate(parts, axis=2)
+
+    def unpack(self, w, spec):
+        bm, vl, tables, (mb, steps, _) = spec.block_rows, spec.vector_bytes, self.step_tables, w.shape
+        nv = bm * 4 // vl
+        nib = np.empty((self.codes.planes, mb, nv, vl // 4, steps, tables), dtype=np.uint8)
+        for c, (first, planes, t0) in enumerate(self.quad_chunks):
+            q = w[:, :, 4 * bm * c:4 * bm * (c + 1)].reshape(mb, steps, nv, vl // 4, 1, 4 // planes, planes)
+            q = np.concatenate([q & 15, q >> 4], axis=4)  # [MB, steps, vectors, rows, low/high, table, P]
+            nib[first:first + planes, ..., t0:t0 + 8 // planes] = \
+                q.transpose(6, 0, 2, 3, 1, 4, 5).reshape(planes, mb, nv, vl // 4, steps, 8 // planes)
+        nib = nib.reshape(nib.shape[0], mb * bm, steps * tables)
+        neg = None
+        if self.codes.negated:
+            masks = w[:, :, 4 * bm:].reshape(mb, steps, nv, 2, vl // 8)
+            flags = np.unpackbits(masks, axis=4, bitorder="little").reshape(mb, steps, nv, 2, vl // 4, 4)
+            neg = flags.transpose(0, 2, 4, 1, 3, 5).reshape(mb * bm, steps * 8).astype(bool)
+        return self.codes.codes_of(nib, neg, spec.k)
+
+
+def layout_of(bits: int, triples: bool, quads: bool) -> Layout:
+    """The layout of a spec's ``bits``, ``triples`` and ``quads`` fields."""
+    codes = TripleCodes() if triples else PlaneCodes(bits)
+    return Quads(codes) if quads else Triples(codes) if triples else Planes(codes)
