@@ -138,7 +138,7 @@ def test_save_and_load(rng, tmp_path):
 
 def test_float_tables_keep_the_narrowest_exact_dtype(rng):
     """A float table read from a 16-bit file keeps 16 bits (half the memory of float32) and the very same rows."""
-    from models.load import token_embedding
+    from tmac.models.files.load import token_embedding
 
     base = torch.from_numpy(rng.standard_normal((64, 32)).astype(np.float32))
     # bfloat16 values of this size fit float16 too; ones beyond float16's range keep bfloat16

@@ -123,7 +123,7 @@ def test_a_large_tensor_converts_without_copies_of_its_codes(monkeypatch, type_n
     import tmac.quant.embedding as embedding
     import tmac.execution.packing as packing
     import tmac.quant.quantize as q
-    from models.load import make_linear
+    from tmac.models.files.load import make_linear
     from tmac.base.qweight import RowCodes
 
     monkeypatch.setattr(q, "QUANTIZE_CHUNK", 1 << 16)  # slices of 16 rows below
@@ -161,7 +161,7 @@ def test_a_streamed_import_packs_what_the_held_one_packs(monkeypatch, type_name)
 
     import tmac.quant.quantize as q
     import tmac.base.qweight as qweight
-    from models.load import make_linear
+    from tmac.models.files.load import make_linear
 
     rows, k = 96, 512
     parts = [_gguf_blocks(type_name, rows, k), _gguf_blocks(type_name, rows // 2, k)]

@@ -378,9 +378,9 @@ def test_gguf_matrices_dequantize_a_row_slice_at_a_time(tmp_path):
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
-    from models.gguf_loader import DequantizedRows, GGUFModel
-    from models.llama import LlamaConfig
-    from models.synthetic import write_random_gguf
+    from tmac.models.files.gguf_loader import DequantizedRows, GGUFModel
+    from tmac.models.family.llama import LlamaConfig
+    from tmac.models.files.synthetic import write_random_gguf
 
     path = str(tmp_path / "m.gguf")
     write_random_gguf(path, LlamaConfig(vocab_size=512, dim=256, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=512,
@@ -398,7 +398,7 @@ def test_fused_parts_quantize_as_their_concatenation(huge):
     """A fused projection is quantized part by part (each from its own rows, no float copy of the whole), which
     must give exactly the concatenation's codes and scales — also when one part's scales leave float16 and the
     whole layer decides."""
-    from models.load import make_linear
+    from tmac.models.files.load import make_linear
 
     torch.manual_seed(0)
     parts = [torch.randn(96, 256), torch.randn(32, 256)]
@@ -417,7 +417,7 @@ def test_hf_matrices_read_a_row_slice_at_a_time(tmp_path):
     import numpy as np
     from safetensors.torch import save_file
 
-    from models.hf_loader import HFModel, SafetensorsRows
+    from tmac.models.files.hf_loader import HFModel, SafetensorsRows
 
     hf = _tiny_llama(tmp_path)
     src = HFModel(str(tmp_path))
@@ -445,8 +445,8 @@ def test_16_bit_float_weights_stay_16_bit(tmp_path):
     from safetensors.torch import save_file
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    from models.llama import LlamaConfig
-    from models.synthetic import write_random_gguf
+    from tmac.models.family.llama import LlamaConfig
+    from tmac.models.files.synthetic import write_random_gguf
 
     path = str(tmp_path / "f16.gguf")
     write_random_gguf(path, LlamaConfig(vocab_size=512, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=512,
@@ -493,8 +493,8 @@ def test_gguf_quantized_types_import_exactly_or_at_8_bits(tmp_path, kind):
     from gguf.quants import dequantize
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    from models.llama import LlamaConfig
-    from models.synthetic import write_random_gguf
+    from tmac.models.family.llama import LlamaConfig
+    from tmac.models.files.synthetic import write_random_gguf
 
     path = str(tmp_path / "m.gguf")
     types = {"output": "Q5_1" if kind == "Q5_0" else kind, "token_embd": "F16"}
@@ -558,8 +558,8 @@ def test_llama_cpp_mixes_load_and_match_the_dequantized_file(tmp_path, mix, tied
     continues as the eager forward does."""
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    from models.llama import LlamaConfig
-    from models.synthetic import write_random_gguf
+    from tmac.models.family.llama import LlamaConfig
+    from tmac.models.files.synthetic import write_random_gguf
 
     default, special = MIXES[mix]
     path = str(tmp_path / "m.gguf")
@@ -598,8 +598,8 @@ def test_layers_load_in_parallel_as_in_sequence_and_fail_by_name(tmp_path):
     layer surfaces as the ModelFormatError naming it (the layers not yet started are dropped)."""
     from gguf import GGUFReader
 
-    from models.llama import LlamaConfig
-    from models.synthetic import write_random_gguf
+    from tmac.models.family.llama import LlamaConfig
+    from tmac.models.files.synthetic import write_random_gguf
 
     path = str(tmp_path / "m.gguf")
     write_random_gguf(path, LlamaConfig(vocab_size=512, dim=256, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=512,

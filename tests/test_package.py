@@ -150,7 +150,7 @@ def test_a_chat_template_renders_when_the_system_refuses_a_process(monkeypatch):
     runs here under its time limit, instead of a BlockingIOError."""
     import os
 
-    from tmac.models.text.stream import chat_template
+    from tmac.models.text import chat_template
 
     calls = []
 

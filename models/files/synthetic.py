@@ -36,6 +36,8 @@ def layer_tensors(arch, cfg: LlamaConfig) -> dict[str, tuple[str, str, tuple[int
 
 SLIDING_WINDOW = 512  # Gemma 3's
 SOFT_CAPS = {"gemma2": (50.0, 30.0)}  # a family's attention and logit soft caps, as its real files have them
+# a family's own scalars (the record's ``gguf_keys``), as its real files have them (Granite 3.x 2B)
+SCALARS = {"granite": {"embed_scale": 12.0, "residual_scale": 0.22, "attn_scale": 0.015625, "logit_scale": 8.0}}
 
 
 def byte_tokens() -> list[str]:
@@ -150,6 +152,8 @@ def write_random_gguf(path: str, cfg: LlamaConfig, weight_type: str | Callable[[
     if family in SOFT_CAPS:
         w.add_attn_logit_softcapping(SOFT_CAPS[family][0])
         w.add_final_logit_softcapping(SOFT_CAPS[family][1])
+    for field, value in SCALARS.get(family, {}).items():
+        w.add_float32(f"{arch.gguf}.{arch.gguf_keys[field]}", value)
 
     def add(name: str, shape: tuple[int, ...]) -> None:
         kind = type_of(name) if len(shape) == 2 else "F32"

@@ -93,10 +93,36 @@ def _projection(module: nn.Module, x: torch.Tensor, out: torch.Tensor, tables: d
     return calls
 
 
+# What the plan was taught, in one block: each config field the plan computes → the ``GlueSpec`` fields the glue
+# takes it as (a function of the config each), or ``{}`` where the plan's own calls compute it (the embedding's
+# scale, the logits' divisor and cap) or the model's modules and tables do (sizes, RoPE's tables, a layer's window).
+# ``glue_spec`` is made from it and ``untaught`` refuses every other field away from its default: a new variation
+# runs on the eager path (never on wrong numbers) until it has a row here.
+TAUGHT = {
+    **dict.fromkeys(("vocab_size", "n_layers", "norm_eps", "context_length", "tie_embeddings", "arch", "embed_scale",
+                     "final_softcap", "logit_scale", "sliding_layers", "rope_theta", "rope_scaling", "rope_factors",
+                     "rope_factors_long", "rope_original_context", "rope_attn_factor", "rope_local_theta",
+                     "nope_layers"), {}),
+    "dim": {"dim": lambda c: c.dim}, "n_heads": {"n_heads": lambda c: c.n_heads},
+    "n_kv_heads": {"n_kv_heads": lambda c: c.n_kv_heads}, "head_dim": {"head_dim": lambda c: c.head_dim},
+    "ffn_dim": {"ffn_dim": lambda c: c.ffn_dim}, "activation": {"act": lambda c: c.activation},
+    "sub_norms": {"sub_norms": lambda c: c.sub_norms}, "qkv_bias": {"qkv_bias": lambda c: c.qkv_bias},
+    "qk_norm": {"qk_norm": lambda c: c.qk_norm and not c.qk_norm_whole},  # (per head, inside attend)
+    "qk_norm_whole": {"qk_norm_whole": lambda c: c.qk_norm_whole}, "pre_norms": {"pre_norms": lambda c: c.pre_norms},
+    "post_norms": {"post_norms": lambda c: c.post_norms},
+    "rotary_dim": {"rotary_dim": lambda c: 0 if c.rotary_dim == c.head_dim else c.rotary_dim},
+    # (head_dim^-½ is every other model's kernel)
+    "attn_scale": {"attn_scale": lambda c: 0.0 if c.attn_scale in (0.0, c.head_dim ** -0.5) else c.attn_scale},
+    "sliding_window": {"window": lambda c: bool(c.sliding_window)}, "attn_softcap": {"softcap": lambda c: c.attn_softcap},
+    "residual_scale": {"residual_scale": lambda c: 0.0 if c.residual_scale == 1.0 else c.residual_scale},
+}
+
+
 def glue_spec(cfg, act_quant: bool, isa, kv_dtype: str = "float16", table=None, held: bool = False) -> GlueSpec:
     """The glue kernels a model of config ``cfg`` (with int8 activations in front of some projections with
     ``act_quant``) decodes with on ``isa``, with a KV cache of ``kv_dtype`` and the token table module ``table`` (a
-    quantized one gets its lookup compiled; ``held``: a file's table as a ``.tmac`` file holds it)."""
+    quantized one gets its lookup compiled; ``held``: a file's table as a ``.tmac`` file holds it): the config's
+    part read through ``TAUGHT``."""
     embed = {}
     if isinstance(table, StreamedEmbedding) and not held:  # its own blocks, where the glue reads their type
         embed = dict(embed_blocks=table.blocks_type) if table.blocks_type in EMBED_BLOCKS[1:] else {}
@@ -105,27 +131,8 @@ def glue_spec(cfg, act_quant: bool, isa, kv_dtype: str = "float16", table=None, 
         embed = dict(embed_bits=fmt.bits, embed_groups=0 if fmt.group_size == PER_TENSOR else
                      fmt.groups_per_row(table.embedding_dim), embed_scale=fmt.scale_dtype,
                      embed_zero=fmt.zero_dtype if fmt.has_zeros else "")
-    default_scale = cfg.attn_scale in (0.0, cfg.head_dim ** -0.5)  # (the same kernel as every other model's)
-    return GlueSpec(isa.name, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim,
-                    cfg.activation, cfg.sub_norms, act_quant, kv_dtype, **embed, qkv_bias=cfg.qkv_bias,
-                    qk_norm=cfg.qk_norm and not cfg.qk_norm_whole, qk_norm_whole=cfg.qk_norm_whole,
-                    pre_norms=cfg.pre_norms, rotary_dim=0 if cfg.rotary_dim == cfg.head_dim else cfg.rotary_dim,
-                    attn_scale=0.0 if default_scale else cfg.attn_scale, window=bool(cfg.sliding_window),
-                    post_norms=cfg.post_norms, softcap=cfg.attn_softcap,
-                    residual_scale=0.0 if cfg.residual_scale == 1.0 else cfg.residual_scale)
-
-
-# The config fields whose computation the plan was taught: each is read above (the glue's spec), by the plan's calls
-# (``_build``: the embedding's scale, the logits' divisor and cap) or through the model's modules and tables (sizes,
-# RoPE's tables, a layer's window). A field outside this set that is away from its default names a computation
-# the plan would silently skip: such a model runs on the eager path (``untaught``), never on wrong numbers.
-TAUGHT = frozenset({
-    "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "head_dim", "norm_eps", "context_length",
-    "tie_embeddings", "arch", "activation", "sub_norms", "qkv_bias", "qk_norm", "qk_norm_whole", "post_norms",
-    "pre_norms", "embed_scale",
-    "attn_scale", "attn_softcap", "final_softcap", "residual_scale", "logit_scale", "sliding_window",
-    "sliding_layers", "rotary_dim", "rope_theta", "rope_scaling", "rope_factors", "rope_factors_long",
-    "rope_original_context", "rope_attn_factor", "rope_local_theta", "nope_layers"})
+    taught = {name: value(cfg) for fields in TAUGHT.values() for name, value in fields.items()}
+    return GlueSpec(isa=isa.name, act_quant=act_quant, kv_dtype=kv_dtype, **embed, **taught)
 
 
 def untaught(cfg) -> list[str]:

@@ -16,8 +16,8 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", ".."))
 
-from models.llama import LlamaConfig  # noqa: E402
-from models.synthetic import write_random_gguf  # noqa: E402
+from tmac.models.family.llama import LlamaConfig  # noqa: E402
+from tmac.models.files.synthetic import write_random_gguf  # noqa: E402
 
 # ftype → tied embeddings (the head is then the token table, and llama.cpp picks its type as the output's)
 FTYPES = {"Q2_K": False, "Q3_K_S": False, "Q3_K_M": True, "Q3_K_L": False, "Q4_K_S": False, "Q4_K_M": True,
