@@ -121,7 +121,7 @@ def test_run_compiling_kernels_on_the_device(cpu, tmp_path, x86_run, x86_logits,
 LINEAR_CHECK = """
 import json, sys
 import numpy as np, torch, tmac
-from tmac import reference as ref
+from tmac.base import reference as ref
 rng = np.random.default_rng(0)
 x = rng.standard_normal((3, 256)).astype(np.float32)
 w = rng.standard_normal((96, 256)).astype(np.float32)
