@@ -152,9 +152,11 @@ def a_conversation_stays_on_its_replica_and_reuses_its_prefix(cluster):
 
 def a_killed_replica_costs_only_its_requests_and_is_replaced(cluster):
     replicas = _replicas()
-    # a conversation whose home is each replica: the first replica's is killed while it streams
-    bodies = [{"messages": [{"role": "user", "content": f"Tell me a long story about {topic}."}]}
-              for topic in ("a lighthouse", "a dragon", "the sea", "a robot", "a garden", "a train")]
+    # conversations homed on either replica (replica ids are random: enough topics that both get some, all but
+    # surely); the first conversation's replica is killed while it streams
+    topics = [f"{adjective} {thing}" for adjective in ("an old", "a small", "a red", "a quiet", "a lost")
+              for thing in ("lighthouse", "dragon", "robot", "garden", "train")]
+    bodies = [{"messages": [{"role": "user", "content": f"Tell me a long story about {topic}."}]} for topic in topics]
     victim = _home(bodies[0], replicas)
     on_victim = [b for b in bodies if _home(b, replicas) == victim]
     survivor_body = next(b for b in bodies if _home(b, replicas) != victim)

@@ -162,17 +162,16 @@ def load_for_generation(source, **options):
 
     import tmac
     from tmac.models.files import load  # noqa: F401  (imported here: its time is the import's, not the load's)
-    from tmac.apps.process import own_torch_threads
+    from tmac.apps.process import freeze_what_loading_made, own_torch_threads
 
     torch.set_num_threads(1)
     model = None
     try:
         model = tmac.load_model(source, compile_ahead=True, **options)
-        return model
     finally:
-        torch.set_num_threads(tmac.get_num_threads())
-        if model is not None:
-            own_torch_threads(model)
+        own_torch_threads(model, otherwise=tmac.get_num_threads())
+    freeze_what_loading_made()
+    return model
 
 
 def check_load_args(args) -> None:

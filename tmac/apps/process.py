@@ -26,15 +26,28 @@ def user_environment() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if CHOSEN.get(k) != v}
 
 
-def own_torch_threads(model) -> None:
+def own_torch_threads(model, otherwise: int | None = None) -> None:
     """torch on one thread for a model with LUT layers: the torch ops between its kernel calls are small, and a
-    multi-threaded one leaves workers on the cores the kernels' pool needs; a float model keeps torch's threads."""
+    multi-threaded one leaves workers on the cores the kernels' pool needs; a float model (or none) gets
+    ``otherwise`` threads where given, else keeps torch's."""
     import torch
 
     from tmac.nn.linear import Linear
 
-    if any(isinstance(m, Linear) for m in model.modules()):
+    if model is not None and any(isinstance(m, Linear) for m in model.modules()):
         torch.set_num_threads(1)
+    elif otherwise is not None:
+        torch.set_num_threads(otherwise)
+
+
+def freeze_what_loading_made() -> None:
+    """The objects alive after a load (torch's, the model's, the server's modules) moved out of the garbage
+    collector's reach: they live as long as the process, and walking them again costs each full collection while
+    it generates and about a second at exit (a server asked to stop would take that long to go)."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
 
 
 @contextlib.contextmanager
