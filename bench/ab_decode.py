@@ -36,14 +36,17 @@ def _python(site: str, cache: str, threads: int, args: list[str], what: str) -> 
 
 
 def run(site: str, cache: str, tokens: int, threads: int, model: str | None) -> dict:
-    args = ["-m", "tmac.apps.cli", "run", *([model] if model else []), "-p", PROMPT, "-n", str(tokens), "--ignore-eos",
+    args = ["-m", "tmac", "run", *([model] if model else []), "-p", PROMPT, "-n", str(tokens), "--ignore-eos",
             "--json", "--temperature", "0"]
     return json.loads(_python(site, cache, threads, args, "tmac run"))
 
 
 STEPS = f"""
 import statistics, sys, time, tmac
-from tmac.models.files.load import default_model_path
+try:
+    from tmac.models.files.load import default_model_path
+except ImportError:  # (an install from before models/ was split by concern)
+    from tmac.models.load import default_model_path
 PROMPT = {PROMPT!r}
 model = tmac.load_model(sys.argv[1] if len(sys.argv) > 1 else default_model_path())
 session = tmac.Session(model)

@@ -12,7 +12,7 @@ Our parameter names are the model's module paths. Per layer they are formatted w
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 # ours → (GGUF, Hugging Face), every family
 GLOBAL = {"tok_embeddings.weight": ("token_embd.weight", "model.embed_tokens.weight"),
@@ -45,6 +45,10 @@ FUSED_NAMES = {"attention.wqkv.weight": ("attn_qkv.weight", "self_attn.qkv_proj.
                "feed_forward.w13.weight": ("ffn_up.weight", "mlp.gate_up_proj.weight")}
 
 
+def _fixed(default: bool):
+    return field(default=default, metadata={"fixed": True})
+
+
 @dataclass(frozen=True)
 class Architecture:
     name: str  # the family: LlamaConfig.arch, a .tmac file's "family"
@@ -53,12 +57,13 @@ class Architecture:
     hf: tuple[str, ...]  # config.json "architectures"
     gguf_activation: str = "silu"  # of the gated FFN (tmac.base.glue.ACTIVATIONS), as llama.cpp computes the family
     hf_activations: tuple[str, ...] = ("silu",)  # config.json's hidden_act values taken (HF_ACTIVATIONS)
-    qkv_bias: bool = False
-    qk_norm: bool = False
-    sub_norms: bool = False
-    post_norms: bool = False  # Gemma: norms after attention and FFN (the FFN's input norm has another HF name)
-    pre_norms: bool = True  # the attention's and the FFN's input norms (OLMo 2 has none: post-norms only)
-    qk_norm_whole: bool = False  # OLMo 2: q and k normalized over all their heads at once, not head by head
+    # the family's computation, handed to the config as it is (``config_flags``): each a ``LlamaConfig`` field
+    qkv_bias: bool = _fixed(False)  # Qwen2: biases on q, k and v
+    qk_norm: bool = _fixed(False)  # Qwen3, Gemma 3: q and k normalized head by head
+    sub_norms: bool = _fixed(False)  # BitNet: norms before the output and down projections
+    post_norms: bool = _fixed(False)  # Gemma: norms after attention and FFN (the FFN's input norm has another HF name)
+    pre_norms: bool = _fixed(True)  # the attention's and the FFN's input norms (OLMo 2 has none: post-norms only)
+    qk_norm_whole: bool = _fixed(False)  # OLMo 2: q and k normalized over all their heads at once, not head by head
     hf_norm_shift: float = 0.0  # Hugging Face stores norm weights as w − shift (Gemma: (1 + w)·x̂; GGUF stores w)
     embed_scale: bool = False  # embeddings × √dim
     gguf_interleaved_qk: bool = False  # llama.cpp's converter interleaves q/k rows for its non-NEOX RoPE (llama)
@@ -84,15 +89,16 @@ class Architecture:
         return table
 
     def config_flags(self) -> dict:
-        """The ``LlamaConfig`` fields a family fixes, whatever the file says: its record's variations."""
-        return dict(arch=self.name, sub_norms=self.sub_norms, qkv_bias=self.qkv_bias, qk_norm=self.qk_norm,
-                    post_norms=self.post_norms, pre_norms=self.pre_norms, qk_norm_whole=self.qk_norm_whole)
+        """The ``LlamaConfig`` fields a family fixes, whatever the file says: its record's fixed variations."""
+        return dict(arch=self.name, **{f.name: getattr(self, f.name) for f in fields(self) if f.metadata.get("fixed")})
 
     def norms(self) -> list[str]:
         """Our names of one layer's norm weights."""
         return [n for n in self.layer_tensors() if n.endswith("norm.weight")]
 
 
+# Gemma's soft caps on the attention's scores and the logits, under the same key in both formats
+SOFTCAPS = {"attn_softcap": "attn_logit_softcapping", "final_softcap": "final_logit_softcapping"}
 ARCHITECTURES = {a.name: a for a in (
     Architecture("llama", "Llama 2 to 3.2, SmolLM, Mistral, Falcon 3", "llama",
                  ("LlamaForCausalLM", "MistralForCausalLM"), gguf_interleaved_qk=True),
@@ -105,10 +111,11 @@ ARCHITECTURES = {a.name: a for a in (
                  hf_variants={"use_sliding_window": False}),
     Architecture("gemma2", "Gemma 2", "gemma2", ("Gemma2ForCausalLM",), gguf_activation="gelu_tanh",
                  hf_activations=("gelu_pytorch_tanh", "gelu_tanh"), post_norms=True, hf_norm_shift=1.0,
-                 embed_scale=True, gguf_swa_every=2),
+                 embed_scale=True, gguf_swa_every=2, gguf_keys=SOFTCAPS, hf_keys=SOFTCAPS),
     Architecture("gemma3", "Gemma 3 (text)", "gemma3", ("Gemma3ForCausalLM",), gguf_activation="gelu_tanh",
                  hf_activations=("gelu_pytorch_tanh", "gelu_tanh"), qk_norm=True, post_norms=True,
-                 hf_norm_shift=1.0, embed_scale=True, gguf_swa_every=6, gguf_local_rope_theta=10000.0),
+                 hf_norm_shift=1.0, embed_scale=True, gguf_swa_every=6, gguf_local_rope_theta=10000.0,
+                 gguf_keys=SOFTCAPS, hf_keys=SOFTCAPS),
     Architecture("phi3", "Phi-3, Phi-3.5, Phi-4-mini", "phi3", ("Phi3ForCausalLM",), fused=True),
     Architecture("granite", "Granite 3.x (dense)", "granite", ("GraniteForCausalLM",), gguf_interleaved_qk=True,
                  gguf_keys={"embed_scale": "embedding_scale", "residual_scale": "residual_scale",

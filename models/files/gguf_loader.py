@@ -85,9 +85,7 @@ class GGUFModel:
                 **arch.config_flags(), embed_scale=float(dim) ** 0.5 if arch.embed_scale else 1.0,
                 rotary_dim=get("rope.dimension_count", int, 0), sliding_window=window,
                 sliding_layers=[i for i in range(n_layers) if (i + 1) % arch.gguf_swa_every] if window else None,
-                rope_local_theta=arch.gguf_local_rope_theta if window else 0.0,
-                attn_softcap=get("attn_logit_softcapping", float, 0.0),
-                final_softcap=get("final_logit_softcapping", float, 0.0), **self._rope_factors(get),
+                rope_local_theta=arch.gguf_local_rope_theta if window else 0.0, **self._rope_factors(get),
                 nope_layers=[i for i in range(n_layers) if (i + 1) % arch.gguf_nope_every == 0]
                 if arch.gguf_nope_every else None),
                 **{field: get(key, float) for field, key in arch.gguf_keys.items() if f"{name}.{key}" in self.meta}))

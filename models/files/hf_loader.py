@@ -152,7 +152,6 @@ class HFModel:
             embed_scale=float(c["hidden_size"]) ** 0.5 if arch.embed_scale else 1.0,
             attn_scale=float(query_scalar) ** -0.5 if query_scalar else 0.0, rotary_dim=int(head_dim * partial),
             sliding_window=window, sliding_layers=sliding, rope_local_theta=local_theta,
-            attn_softcap=c.get("attn_logit_softcapping") or 0.0, final_softcap=c.get("final_logit_softcapping") or 0.0,
             nope_layers=self._nope(c), **self._longrope(c, rope, int(head_dim * partial))),
             **{field: c[key] for field, key in arch.hf_keys.items() if c.get(key) is not None}))
 

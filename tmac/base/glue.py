@@ -32,7 +32,7 @@ glue kernels do each of those stretches in one call (``tmac.codegen.glue`` gener
 from __future__ import annotations
 
 import struct
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields
 
 from tmac.base.formats import PARAM_DTYPES, STORAGE_BITS
 
@@ -58,6 +58,21 @@ def check_kv_dtype(kv_dtype) -> None:
         raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
 
 
+def _variation(tag: str, default=False):
+    return field(default=default, metadata={"tag": tag})
+
+
+def _tag(tag: str, default, value) -> str:
+    """A variation's part of a kernel name: nothing at its default; a float by its float32 bits (exact, no dots)."""
+    if value == default:
+        return ""
+    if isinstance(value, bool):
+        return f"_{tag}" if value else f"_no{tag}"
+    if isinstance(value, float):
+        return f"_{tag}{struct.pack('>f', value).hex()}"
+    return f"_{tag}{value}"
+
+
 @dataclass(frozen=True)
 class GlueSpec:
     isa: str
@@ -75,18 +90,22 @@ class GlueSpec:
     embed_scale: str = "float32"  # the storage of its scales, and of its zeros ("" without)
     embed_zero: str = ""
     embed_blocks: str = ""  # "Q8_0": ``embed`` reads a row of a GGUF table's own blocks (``StreamedEmbedding``)
-    qkv_bias: bool = False  # ``attend`` adds the q/k/v biases (Qwen2)
-    qk_norm: bool = False  # ``attend`` normalizes each q and k head before RoPE (Qwen3, Gemma 3)
-    rotary_dim: int = 0  # dimensions of a head RoPE turns; 0: all
-    attn_scale: float = 0.0  # the scores' scale; 0: head_dim^-½
-    window: bool = False  # ``attend`` takes a sliding window (0: none)
-    post_norms: bool = False  # Gemma's norms on the attention's and the FFN's outputs
-    softcap: float = 0.0  # Gemma 2: ``attend`` caps the scores s to c·tanh(s/c); 0: none
-    residual_scale: float = 0.0  # Granite: ``norm_in``/``norm_final`` add ``delta`` times it; 0: times 1
-    pre_norms: bool = True  # False (OLMo 2): ``add_in`` instead of ``norm_in``, the residual added, not normalized
-    qk_norm_whole: bool = False  # OLMo 2: ``norm_q``/``norm_k`` normalize all of q's heads (k's) as one vector
+    # the family's variations: each field's ``tag`` names it in the kernel's name where it is away from its default
+    # (``_TAG``, ``_noTAG`` for a default-on switch turned off, ``_TAG`` + its value for a number)
+    qkv_bias: bool = _variation("qb")  # ``attend`` adds the q/k/v biases (Qwen2)
+    qk_norm: bool = _variation("qkn")  # ``attend`` normalizes each q and k head before RoPE (Qwen3, Gemma 3)
+    rotary_dim: int = _variation("r", 0)  # dimensions of a head RoPE turns; 0: all
+    attn_scale: float = _variation("s", 0.0)  # the scores' scale; 0: head_dim^-½
+    window: bool = _variation("win")  # ``attend`` takes a sliding window (0: none)
+    post_norms: bool = _variation("post")  # Gemma's norms on the attention's and the FFN's outputs
+    softcap: float = _variation("c", 0.0)  # Gemma 2: ``attend`` caps the scores s to c·tanh(s/c); 0: none
+    residual_scale: float = _variation("rs", 0.0)  # Granite: ``norm_in``/``norm_final`` add ``delta`` times it; 0: times 1
+    pre_norms: bool = _variation("pre", True)  # False (OLMo 2): ``add_in`` instead of ``norm_in``, the residual added, not normalized
+    qk_norm_whole: bool = _variation("qkw")  # OLMo 2: ``norm_q``/``norm_k`` normalize all of q's heads (k's) as one vector
 
     def __post_init__(self):
+        if self.rotary_dim == self.head_dim:  # (all of a head: one name for one computation)
+            object.__setattr__(self, "rotary_dim", 0)
         sizes = (self.dim, self.n_heads, self.n_kv_heads, self.head_dim, self.ffn_dim)
         if not all(type(v) is int and v > 0 for v in sizes) or self.n_heads % self.n_kv_heads or self.head_dim % 2:
             raise ValueError(f"invalid glue spec sizes: dim, heads, kv heads, head_dim, ffn = {sizes}")
@@ -115,14 +134,7 @@ class GlueSpec:
 
     @property
     def _attention_suffix(self) -> str:
-        rot = self.rotary_dim not in (0, self.head_dim)
-        scale = struct.pack(">f", self.attn_scale).hex() if self.attn_scale else ""  # float32 bits: exact, no dots
-        cap = struct.pack(">f", self.softcap).hex() if self.softcap else ""
-        residual = struct.pack(">f", self.residual_scale).hex() if self.residual_scale else ""
-        return (f"{'_qb' if self.qkv_bias else ''}{'_qkn' if self.qk_norm else ''}{f'_r{self.rotary_dim}' if rot else ''}"
-                f"{f'_s{scale}' if scale else ''}{'_win' if self.window else ''}{'_post' if self.post_norms else ''}"
-                f"{f'_c{cap}' if cap else ''}{f'_rs{residual}' if residual else ''}{'' if self.pre_norms else '_nopre'}"
-                f"{'_qkw' if self.qk_norm_whole else ''}")
+        return "".join(_tag(f.metadata["tag"], f.default, getattr(self, f.name)) for f in VARIATIONS)
 
     @property
     def attend_args(self) -> tuple[str, ...]:
@@ -164,3 +176,6 @@ class GlueSpec:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+VARIATIONS = tuple(f for f in fields(GlueSpec) if "tag" in f.metadata)
