@@ -75,6 +75,7 @@ class Architecture:
     # "{general.architecture}.") and its config.json key; a file without one gets the field's default
     gguf_keys: dict = field(default_factory=dict)
     hf_keys: dict = field(default_factory=dict)
+    typical: dict = field(default_factory=dict)  # values of its keyed scalars as real files have them (synthetic files)
     gguf_nope_every: int = 0  # GGUF: every n-th layer without RoPE, which llama.cpp fixes (SmolLM3: 4)
 
     def layer_tensors(self) -> dict[str, tuple[str, str]]:
@@ -111,7 +112,8 @@ ARCHITECTURES = {a.name: a for a in (
                  hf_variants={"use_sliding_window": False}),
     Architecture("gemma2", "Gemma 2", "gemma2", ("Gemma2ForCausalLM",), gguf_activation="gelu_tanh",
                  hf_activations=("gelu_pytorch_tanh", "gelu_tanh"), post_norms=True, hf_norm_shift=1.0,
-                 embed_scale=True, gguf_swa_every=2, gguf_keys=SOFTCAPS, hf_keys=SOFTCAPS),
+                 embed_scale=True, gguf_swa_every=2, gguf_keys=SOFTCAPS, hf_keys=SOFTCAPS,
+                 typical={"attn_softcap": 50.0, "final_softcap": 30.0}),
     Architecture("gemma3", "Gemma 3 (text)", "gemma3", ("Gemma3ForCausalLM",), gguf_activation="gelu_tanh",
                  hf_activations=("gelu_pytorch_tanh", "gelu_tanh"), qk_norm=True, post_norms=True,
                  hf_norm_shift=1.0, embed_scale=True, gguf_swa_every=6, gguf_local_rope_theta=10000.0,
@@ -121,7 +123,8 @@ ARCHITECTURES = {a.name: a for a in (
                  gguf_keys={"embed_scale": "embedding_scale", "residual_scale": "residual_scale",
                             "attn_scale": "attention.scale", "logit_scale": "logit_scale"},
                  hf_keys={"embed_scale": "embedding_multiplier", "residual_scale": "residual_multiplier",
-                          "attn_scale": "attention_multiplier", "logit_scale": "logits_scaling"}),
+                          "attn_scale": "attention_multiplier", "logit_scale": "logits_scaling"},
+                 typical={"embed_scale": 12.0, "residual_scale": 0.22, "attn_scale": 0.015625, "logit_scale": 8.0}),
     Architecture("olmo2", "OLMo 2", "olmo2", ("Olmo2ForCausalLM",), qk_norm=True, qk_norm_whole=True,
                  post_norms=True, pre_norms=False),
     Architecture("smollm3", "SmolLM3", "smollm3", ("SmolLM3ForCausalLM",), gguf_interleaved_qk=True,

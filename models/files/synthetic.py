@@ -1,4 +1,4 @@
-"""Seeded random GGUF files of any supported family (``models.arch``): benchmark models of real shapes without
+"""Seeded random GGUF files of any supported family (``tmac.models.family.arch``): benchmark models of real shapes without
 downloading any, and small models for tests. tmac and llama.cpp read the very same file, so their speeds compare
 like for like.
 
@@ -18,7 +18,7 @@ from tmac.models.family.llama import LlamaConfig
 
 
 def layer_tensors(arch, cfg: LlamaConfig) -> dict[str, tuple[str, str, tuple[int, ...]]]:
-    """One layer's tensors of family ``arch`` (a ``models.arch`` record) at ``cfg``'s sizes, as the record names
+    """One layer's tensors of family ``arch`` (a ``tmac.models.family.arch`` record) at ``cfg``'s sizes, as the record names
     them (q|k|v and gate|up as one tensor each where the family stores them fused): ours → (GGUF name, Hugging
     Face name, shape), the shapes the loaders check (``expected_shape`` of the config the family's flags make)."""
     from tmac.models.family.arch import FUSED, FUSED_NAMES
@@ -35,9 +35,6 @@ def layer_tensors(arch, cfg: LlamaConfig) -> dict[str, tuple[str, str, tuple[int
 
 
 SLIDING_WINDOW = 512  # Gemma 3's
-SOFT_CAPS = {"gemma2": (50.0, 30.0)}  # a family's attention and logit soft caps, as its real files have them
-# a family's own scalars (the record's ``gguf_keys``), as its real files have them (Granite 3.x 2B)
-SCALARS = {"granite": {"embed_scale": 12.0, "residual_scale": 0.22, "attn_scale": 0.015625, "logit_scale": 8.0}}
 
 
 def byte_tokens() -> list[str]:
@@ -131,7 +128,7 @@ def copy_tokenizer(w, source: str, vocab_size: int) -> None:
 def write_random_gguf(path: str, cfg: LlamaConfig, weight_type: str | Callable[[str], str] = "Q4_0",
                       seed: int = 0, progress: Callable[[str], object] | None = None, family: str = "llama",
                       tokenizer_from: str | None = None) -> None:
-    """Write a GGUF of ``family`` (a ``models.arch`` record) and shape ``cfg`` whose matrices hold N(0, 0.02)
+    """Write a GGUF of ``family`` (a ``tmac.models.family.arch`` record) and shape ``cfg`` whose matrices hold N(0, 0.02)
     weights in ``weight_type`` (a GGML type name, or a function of the GGUF tensor name giving one), norms F32 ones
     and biases F32 zeros. Ternary types get uniformly random ternary weights times one per-tensor scale, as
     converted BitNet models have. ``tokenizer_from``: a GGUF whose tokenizer the file takes (``copy_tokenizer``)
@@ -149,10 +146,7 @@ def write_random_gguf(path: str, cfg: LlamaConfig, weight_type: str | Callable[[
         copy_tokenizer(w, tokenizer_from, cfg.vocab_size)
     if arch.gguf_swa_every:
         w.add_sliding_window(SLIDING_WINDOW)
-    if family in SOFT_CAPS:
-        w.add_attn_logit_softcapping(SOFT_CAPS[family][0])
-        w.add_final_logit_softcapping(SOFT_CAPS[family][1])
-    for field, value in SCALARS.get(family, {}).items():
+    for field, value in arch.typical.items():  # the family's own scalars, as its real files have them
         w.add_float32(f"{arch.gguf}.{arch.gguf_keys[field]}", value)
 
     def add(name: str, shape: tuple[int, ...]) -> None:
