@@ -754,7 +754,8 @@ def api_keys_cases(d: str):
     it carries ``Bearer KEY`` (any case of the scheme), else 401."""
     import asyncio
 
-    from tmac.apps.serve import _RequireKey, check_api_key
+    from tmac.apps.serve import _RequireKey
+    from tmac.apps.serve_http import check_api_key
 
     def check(case) -> str:
         key, sent = case

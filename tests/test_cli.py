@@ -443,3 +443,21 @@ def test_debug_shows_the_error_a_message_was_made_from(tmp_path):
     debug = subprocess.run([sys.executable, "-m", "tmac", "--debug", "run", str(tmp_path), "-p", "hi"],
                            capture_output=True, text=True, timeout=300)
     assert debug.returncode != 0 and "JSONDecodeError" in debug.stderr and "config.json" in debug.stderr, debug.stderr
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("args, said", [
+    (["serve", "--port", "0"], "--port must be in 1..65535"),
+    (["serve", "--api-key", " key"], "spaces at its ends"),
+    (["serve", "-c", "0"], "--context must be a positive number"),
+    (["serve", "--max-body", "10"], "--max-body must be at least"),
+    (["run", "--threads", "0", "-p", "hi"], "--threads must be >= 1"),
+    (["run", "--temperature", "-1", "-p", "hi"], "temperature must be"),
+    (["run", "/no/such/model.gguf", "-p", "hi"], "no such model file or directory"),
+])
+def test_a_wrong_option_or_path_is_said_before_torch_or_fastapi_is_imported(args, said):
+    code = ("import sys; from tmac.apps.cli import main; rc = main(sys.argv[1:]); "
+            "print(rc, [m for m in ('torch', 'fastapi', 'uvicorn', 'tvm') if m in sys.modules])")
+    r = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=60)
+    assert said in r.stderr and r.stdout.split(" ", 1)[1].strip() == "[]", (r.stdout, r.stderr)
+    assert r.stdout.split(" ", 1)[0] != "0"

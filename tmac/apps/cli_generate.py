@@ -496,22 +496,24 @@ def _chat_turn(model, session, args, params, messages: list[dict]) -> bool:
 
 
 def cmd_serve(args) -> int:
-    try:
-        import uvicorn  # noqa: F401  (said here, before loading, where it is missing)
+    from tmac.apps.serve_http import check_api_key, check_limits
 
-        from tmac.apps.serve import Served, create_app, log_line, model_name
-        from tmac.apps.serve_http import check_limits, server_config
-    except ImportError as e:
-        raise ValueError(f"tmac serve needs FastAPI and uvicorn ({e}); pip install fastapi uvicorn") from None
+    # the options first, before FastAPI and torch are imported: a wrong one is said at once
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
     if args.max_body < 1024:
         raise ValueError(f"--max-body must be at least 1024 bytes, got {args.max_body}")
     check_limits(args.request_timeout, args.max_connections)
-    from tmac.apps.serve import check_api_key
-
     check_api_key(args.api_key)
+    check_load_args(args)
     check_port_free(args.host, args.port)  # before loading: a busy port is said at once
+    try:
+        import uvicorn  # noqa: F401  (said here, before loading, where it is missing)
+
+        from tmac.apps.serve import Served, create_app, log_line, model_name
+        from tmac.apps.serve_http import server_config
+    except ImportError as e:
+        raise ValueError(f"tmac serve needs FastAPI and uvicorn ({e}); pip install fastapi uvicorn") from None
     if args.ray:
         return _serve_on_ray(args)
     if (warning := open_bind_warning(args.host, args.api_key)) is not None:
@@ -538,7 +540,6 @@ def cmd_serve(args) -> int:
 
 def _serve_on_ray(args) -> int:
     """``tmac serve --ray``: the app deployed on Ray Serve (``tmac.apps.cluster``) until SIGINT or SIGTERM."""
-    check_load_args(args)
     try:
         import ray
         from ray import serve

@@ -30,6 +30,7 @@ from tmac.models.run.batching import Batcher, Busy
 from tmac.models.run.batching import Request as Generation
 from tmac.models.run.sampling import ALIASES, OPTIONS, SamplingError, SamplingParams
 from tmac.models.text.stream import check_prompt_size
+from tmac.apps.serve_http import check_api_key
 
 MAX_STOPS = 4  # as OpenAI's API
 SWITCH_INTERVAL = 0.0005  # seconds: the interpreter's, while a server runs
@@ -635,19 +636,6 @@ class _LogRequests:
             else:
                 line += f" | {(time.perf_counter() - started) * 1e3:.1f} ms"
             self.log(line)
-
-
-def check_api_key(key: str | None) -> None:
-    """A key a client can send: not empty or blank (an empty one let ``Authorization: Bearer `` in), no spaces at
-    its ends, no control characters (headers cannot carry them)."""
-    if key is None:
-        return
-    if not isinstance(key, str) or not key.strip():
-        raise ValueError("the API key (--api-key or TMAC_API_KEY) is empty: give a key, or set neither for a server "
-                         "without one")
-    if key != key.strip() or not key.isprintable() or not key.isascii():
-        raise ValueError("the API key (--api-key or TMAC_API_KEY) has spaces at its ends, control or non-ASCII "
-                         "characters, which an HTTP header cannot carry as they are")
 
 
 def _model_card(name: str, created: int) -> dict:

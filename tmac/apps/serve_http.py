@@ -116,3 +116,16 @@ def bounded_protocol(request_timeout: float, max_connections: int):
             self.loop.call_later(LINGER, self.transport.close)
 
     return BoundedH11Protocol
+
+
+def check_api_key(key: str | None) -> None:
+    """A key a client can send: not empty or blank (an empty one let ``Authorization: Bearer `` in), no spaces at
+    its ends, no control characters (headers cannot carry them)."""
+    if key is None:
+        return
+    if not isinstance(key, str) or not key.strip():
+        raise ValueError("the API key (--api-key or TMAC_API_KEY) is empty: give a key, or set neither for a server "
+                         "without one")
+    if key != key.strip() or not key.isprintable() or not key.isascii():
+        raise ValueError("the API key (--api-key or TMAC_API_KEY) has spaces at its ends, control or non-ASCII "
+                         "characters, which an HTTP header cannot carry as they are")
