@@ -110,7 +110,7 @@ TAUGHT = {
     "qk_norm": {"qk_norm": lambda c: c.qk_norm and not c.qk_norm_whole},  # (per head, inside attend)
     "qk_norm_whole": {"qk_norm_whole": lambda c: c.qk_norm_whole}, "pre_norms": {"pre_norms": lambda c: c.pre_norms},
     "post_norms": {"post_norms": lambda c: c.post_norms},
-    "rotary_dim": {"rotary_dim": lambda c: 0 if c.rotary_dim == c.head_dim else c.rotary_dim},
+    "rotary_dim": {"rotary_dim": lambda c: c.rotary_dim},  # (the glue spec reads all of a head as 0)
     # (head_dim^-½ is every other model's kernel)
     "attn_scale": {"attn_scale": lambda c: 0.0 if c.attn_scale in (0.0, c.head_dim ** -0.5) else c.attn_scale},
     "sliding_window": {"window": lambda c: bool(c.sliding_window)}, "attn_softcap": {"softcap": lambda c: c.attn_softcap},
