@@ -55,8 +55,8 @@ def cmake_build(tree: str, build_dir: str, flags: list[str], targets: list[str])
     programs = {t: os.path.join(build_dir, "bin", f"lib{t}.so" if t == "llama" else t) for t in targets}
     if all(os.path.exists(p) for p in programs.values()):
         return programs
-    subprocess.run(["cmake", "-S", tree, "-B", build_dir, "-DCMAKE_BUILD_TYPE=Release", "-DGGML_OPENMP=OFF",
-                    "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", *flags], check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(["cmake", "-S", tree, "-B", build_dir, "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
+                    "-DLLAMA_BUILD_TESTS=OFF", *flags], check=True, stdout=subprocess.DEVNULL)
     subprocess.run(["cmake", "--build", build_dir, "--target", *targets, f"-j{os.cpu_count() or 1}"], check=True,
                    stdout=subprocess.DEVNULL)
     return programs
@@ -73,7 +73,9 @@ def host_flags(isa: str | None = None) -> list[str]:
     features = cpu_features() if isa is None else isa_by_name(isa).features
     if not features <= cpu_features():
         raise SystemExit(f"this CPU lacks {', '.join(sorted(features - cpu_features()))} of ISA {isa}")
-    return [*peer_cmake_args(features, machine_arch() == "x86_64").split(), "-DBUILD_SHARED_LIBS=OFF"]
+    # OpenMP as the pip-built peer has it
+    return [*peer_cmake_args(features, machine_arch() == "x86_64").split(), "-DGGML_OPENMP=ON",
+            "-DBUILD_SHARED_LIBS=OFF"]
 
 
 def main() -> int:

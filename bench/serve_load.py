@@ -168,7 +168,8 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=64, help="max_tokens of each request (default 64)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--url", help="an OpenAI-compatible server already running (its base, without /v1)")
-    p.add_argument("--peer", metavar="PATH", help="llama.cpp's llama-server program, measured in turns on the same file")
+    p.add_argument("--peer", metavar="PATH",
+                   help="llama.cpp's llama-server program, measured in turns on the same file")
     p.add_argument("--turns", type=int, default=1, help="with --peer: each level measured this many times each")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
@@ -230,7 +231,8 @@ def main() -> int:
         first = table[0]
         for i, r in enumerate(table):
             ratio = f" {r['aggregate_tok_s'] / peer[i]['aggregate_tok_s']:16.2f}" if peer and table is not peer else ""
-            print(f"{r['clients']:7d} {r['aggregate_tok_s']:8.1f} {r['aggregate_tok_s'] / first['aggregate_tok_s']:6.2f} "
+            rate = r["aggregate_tok_s"]
+            print(f"{r['clients']:7d} {rate:8.1f} {rate / first['aggregate_tok_s']:6.2f} "
                   f"{r['step_tok_s']:8.1f} {r['step_tok_s'] / first['step_tok_s']:6.2f} "
                   f"{r['latency_p50_s']:7.2f} {r['latency_p95_s']:7.2f} {r['ttft_p50_s']:7.2f} "
                   f"{r['unchanged']:3d}/{r['requests']:<3d} {r['errors']:6d}{ratio}")

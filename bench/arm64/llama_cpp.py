@@ -29,7 +29,7 @@ def build(tree: str, out: str, cpu: str) -> str:
     with open(toolchain, "w") as f:
         f.write(TOOLCHAIN)
     flags = [f"-DCMAKE_TOOLCHAIN_FILE={toolchain}", "-DGGML_NATIVE=OFF", f"-DGGML_CPU_ARM_ARCH={ARCHS[cpu]}",
-             "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF",
+             "-DGGML_OPENMP=OFF", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF",
              "-DCMAKE_EXE_LINKER_FLAGS=-static"]
     return cmake_build(tree, os.path.join(out, f"build-{cpu}"), flags, ["llama-bench"])["llama-bench"]
 
