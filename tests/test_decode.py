@@ -391,9 +391,18 @@ def test_generation_leaves_torch_threads_to_the_process_owner(tmp_path, monkeypa
         tmac.set_num_threads(kernels_before)
 
 
+def _types(weight_type: str):
+    """A GGML type for every matrix, or for ``Q4_K_M`` llama.cpp's mixture of it: Q6_K for the tables, every v and
+    down projection, Q4_K elsewhere (a Q6_K v beside Q4_K q and k in one fused projection)."""
+    if weight_type != "Q4_K_M":
+        return weight_type
+    return lambda name: "Q6_K" if name.split(".")[-2] in ("token_embd", "output", "attn_v", "ffn_down") else "Q4_K"
+
+
 @pytest.mark.parametrize("family, weight_type, n", [
     ("llama", "Q4_0", 3), ("bitnet", "TQ2_0", 3), ("qwen2", "Q4_1", 3), ("qwen3", "Q8_0", 3), ("gemma3", "Q4_0", 3),
-    ("phi3", "Q5_0", 3), ("llama", "Q4_0", PARALLEL_TABLE_ROWS), ("bitnet", "TQ2_0", PARALLEL_TABLE_ROWS)])
+    ("phi3", "Q5_0", 3), ("llama", "Q4_K_M", 3), ("llama", "Q4_0", PARALLEL_TABLE_ROWS),
+    ("bitnet", "TQ2_0", PARALLEL_TABLE_ROWS), ("llama", "Q4_K_M", PARALLEL_TABLE_ROWS)])
 def test_a_plan_for_several_sequences_gives_each_what_it_gives_alone(tmp_path, family, weight_type, n):
     """``DecodePlan.build(model, rows)``: the glue row by row (from ``PARALLEL_TABLE_ROWS`` rows, its ``_rows``
     variants where they exist), each projection's LUT GEMM once for all the rows; every row's logits equal, bit for
@@ -404,7 +413,7 @@ def test_a_plan_for_several_sequences_gives_each_what_it_gives_alone(tmp_path, f
     from tmac.models.files.synthetic import write_random_gguf
 
     cfg = LlamaConfig(vocab_size=512, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=512, context_length=640)
-    write_random_gguf(str(tmp_path / "m.gguf"), cfg, weight_type, family=family)
+    write_random_gguf(str(tmp_path / "m.gguf"), cfg, _types(weight_type), family=family)
     model = tmac.load_model(str(tmp_path / "m.gguf"), context=640, progress=False)
     prompts = [[1, 2, 3], list(range(5, 25)), [i % 500 for i in range(40, 560)]]  # the last past Gemma 3's window
     prompts = [[10 + i, *prompts[i % 3]] for i in range(n)]
@@ -427,7 +436,7 @@ def test_a_plan_for_several_sequences_gives_each_what_it_gives_alone(tmp_path, f
 
 
 @pytest.mark.parametrize("family, weight_type", [("llama", "Q4_0"), ("bitnet", "TQ2_0"), ("qwen2", "Q4_1"),
-                                                 ("gemma2", "Q8_0"), ("gemma3", "Q4_0")])
+                                                 ("gemma2", "Q8_0"), ("gemma3", "Q4_0"), ("llama", "Q4_K_M")])
 def test_a_prefill_plan_gives_what_a_token_by_token_decode_gives(tmp_path, family, weight_type):
     """A prompt prefilled through the model's prefill plans (``generate.prefill`` with ``Plans``: every projection
     once for a chunk, the glue's ``_rows`` variants on the pool, attention row by row) leaves the logits and the KV
@@ -441,7 +450,7 @@ def test_a_prefill_plan_gives_what_a_token_by_token_decode_gives(tmp_path, famil
     from tmac.models.files.synthetic import write_random_gguf
 
     cfg = LlamaConfig(vocab_size=512, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=512, context_length=640)
-    write_random_gguf(str(tmp_path / "m.gguf"), cfg, weight_type, family=family)
+    write_random_gguf(str(tmp_path / "m.gguf"), cfg, _types(weight_type), family=family)
     model = tmac.load_model(str(tmp_path / "m.gguf"), context=640, progress=False)
     plans = Plans(model).current()
     with torch.inference_mode(), torch_single_threaded():

@@ -46,17 +46,17 @@ def _projection(module: nn.Module, x: torch.Tensor, out: torch.Tensor, tables: d
     """The calls computing ``out = x @ Wᵀ`` for one fused projection: LUT parts one ``lut_gemv`` (tables and
     GEMV in one call), float parts one ``torch.mm``, each into its column slice of ``out`` (contiguous: one row).
     Several rows: the tables of all, then one ``lut_gemm`` reading each weight once for all of them (a row's
-    result is the GEMV's, bit for bit); one part only, since a column slice of several rows is not contiguous.
+    result is the GEMV's, bit for bit). A column slice of several rows is not contiguous: where a projection has
+    several parts (llama.cpp's mixes: a Q6_K v beside Q4_K q and k), each writes its own rows, then copied in.
     ``biased``: the projection's bias is added by the glue that reads ``out`` (``attend``: the q/k/v biases).
     ``hold``: the kernels keep the GIL (``KernelLibrary.holding_gil``)."""
     parts = list(module.parts) if isinstance(module, Concat) else [module]
     rows = x.shape[0]
-    if rows > 1 and len(parts) != 1:
-        raise _Unsupported("a projection of several parts, for several rows")
     calls, start = [], 0
     for part in parts:
         m = part.out_features
-        dest = out[:, start:start + m]
+        slice_ = out[:, start:start + m]
+        dest = slice_ if rows == 1 or len(parts) == 1 else torch.empty((rows, m))
         if part.bias is not None and not biased:
             raise _Unsupported(f"a projection with a bias ({type(part).__name__})")
         if isinstance(part, Linear):
@@ -87,6 +87,9 @@ def _projection(module: nn.Module, x: torch.Tensor, out: torch.Tensor, tables: d
             labels.update({id(fn): "float projection (torch.mm)" for fn, _ in calls[-3:]})
         else:
             raise _Unsupported(f"projection part {type(part).__name__}")
+        if dest is not slice_:
+            calls.append((slice_.copy_, [dest]))
+            labels[id(calls[-1][0])] = "a projection's parts copied together"
         start += m
     if start != out.shape[1]:
         raise _Unsupported("projection widths do not add up")
