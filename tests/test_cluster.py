@@ -153,21 +153,22 @@ def a_conversation_stays_on_its_replica_and_reuses_its_prefix(cluster):
 def a_killed_replica_costs_only_its_requests_and_is_replaced(cluster):
     replicas = _replicas()
     # conversations homed on either replica (replica ids are random: enough topics that both get some, all but
-    # surely); the first conversation's replica is killed while it streams
+    # surely); the stream starts alone, so it reaches its home, then two whole answers homed there join it (the
+    # router may send them elsewhere when the home is busier), and the replica the stream names is killed
     topics = [f"{adjective} {thing}" for adjective in ("an old", "a small", "a red", "a quiet", "a lost")
               for thing in ("lighthouse", "dragon", "robot", "garden", "train")]
     bodies = [{"messages": [{"role": "user", "content": f"Tell me a long story about {topic}."}]} for topic in topics]
-    victim = _home(bodies[0], replicas)
-    on_victim = [b for b in bodies if _home(b, replicas) == victim]
-    survivor_body = next(b for b in bodies if _home(b, replicas) != victim)
-    pid = replicas[victim]
-    events, outcomes = [], []
+    home = _home(bodies[0], replicas)
+    on_home = [b for b in bodies if _home(b, replicas) == home]
+    survivor_body = next(b for b in bodies if _home(b, replicas) != home)
+    events, outcomes, reached = [], [], []
 
     def stream():
         try:
-            s = _client(cluster).chat.completions.create(model="m", max_tokens=400, temperature=0, stream=True,
-                                                         extra_body={"ignore_eos": True}, **on_victim[0])
-            for chunk in s:
+            raw = _client(cluster).chat.completions.with_raw_response.create(
+                model="m", max_tokens=400, temperature=0, stream=True, extra_body={"ignore_eos": True}, **on_home[0])
+            reached.append(raw.headers.get("x-tmac-replica"))
+            for chunk in raw.parse():
                 events.append(chunk)
             outcomes.append("stream finished")
         except Exception as e:  # noqa: BLE001
@@ -181,13 +182,21 @@ def a_killed_replica_costs_only_its_requests_and_is_replaced(cluster):
         except Exception as e:  # noqa: BLE001
             outcomes.append(f"whole error: {getattr(e, 'status_code', None)}: {e}")
 
-    threads = [threading.Thread(target=stream)] + [threading.Thread(target=whole, args=(b,)) for b in on_victim[1:3]]
-    for t in threads:
+    def until(enough):
+        deadline = time.monotonic() + 120
+        while len(events) < enough:
+            assert time.monotonic() < deadline and threads[0].is_alive(), outcomes
+            time.sleep(0.05)
+
+    threads = [threading.Thread(target=stream)]
+    threads[0].start()
+    until(2)
+    assert reached == [home], (reached, home)  # (an idle cluster: the conversation's home)
+    threads += [threading.Thread(target=whole, args=(b,)) for b in on_home[1:3]]
+    for t in threads[1:]:
         t.start()
-    deadline = time.monotonic() + 120
-    while len(events) < 10:
-        assert time.monotonic() < deadline and threads[0].is_alive(), outcomes
-        time.sleep(0.05)
+    until(40)  # (the whole answers have reached a replica meanwhile)
+    pid = replicas[home]
     os.kill(pid, signal.SIGKILL)
     for t in threads:
         t.join(180)
@@ -199,7 +208,7 @@ def a_killed_replica_costs_only_its_requests_and_is_replaced(cluster):
             assert o in ("whole length", "whole stop") or o.startswith("whole error: 503"), outcomes
     after = _client(cluster).chat.completions.create(model="m", max_tokens=8, temperature=0, **survivor_body)
     assert after.choices[0].message.content
-    again = _client(cluster).chat.completions.create(model="m", max_tokens=8, temperature=0, **on_victim[0])
+    again = _client(cluster).chat.completions.create(model="m", max_tokens=8, temperature=0, **on_home[0])
     assert again.choices[0].message.content  # its conversation is answered by another replica meanwhile
     restored = _replicas(expected=2, deadline_s=180)
     assert pid not in restored.values() and len(restored) == 2
