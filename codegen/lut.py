@@ -66,8 +66,10 @@ class _Gemm:
         self.sg = spec.super_groups
         # K-quants (super scales): −(½s + z)·Σx = (offset − ½)·d·a·Σx − m·b·Σx, so a super group's terms are summed
         # with the multipliers a, b only, and d, m applied once at its end (per-group d·a and m·b − offset·d·a would
-        # cost the epilogue more than the smaller parameters save); without zeros the term is −½·d·a·Σx
-        self.sum_coef = tirx.FloatImm(F32, (float(code_offset(spec.bits)) if spec.has_zeros else 0.0) - 0.5)
+        # cost the epilogue more than the smaller parameters save); without zeros the term is −½·d·a·Σx, and
+        # symmetric codes (codebooks) have none
+        self.sum_coef = None if self.layout.codes.symmetric else \
+            tirx.FloatImm(F32, (float(code_offset(spec.bits)) if spec.has_zeros else 0.0) - 0.5)
 
     # ---- values ---------------------------------------------------------------------------------------------------
     def u8(self, value):
@@ -355,7 +357,9 @@ class _Gemm:
             with T.vectorized(0, sb) as i:
                 at, ot = r * sb + i, self.at(r, i)  # (the super group's sums are the tile's alone)
                 if sg:  # a lut group is a weight group (KernelSpec): a's terms in one
-                    term = tirx.Cast(F32, racc[i]) * self.LS[row, g] + self.sum_coef * self.XS[row, wgi]
+                    term = tirx.Cast(F32, racc[i]) * self.LS[row, g]
+                    if self.sum_coef is not None:  # (codebooks: symmetric codes, no Σx term)
+                        term = term + self.sum_coef * self.XS[row, wgi]
                     T.buffer_store(self.sums[0], self.sums[0][at] + term * param(self.SF, i), [at])
                 elif whole:
                     term = tirx.Cast(F32, racc[i]) * self.LS[row, g] - tirx.FloatImm(F32, 0.5) * self.XS[row, wgi]

@@ -68,8 +68,8 @@ def _emit_row(spec: KernelSpec, X, LUT, LS, XS, row) -> None:
     def entries(xs):  # the 16 entries of the table of activations xs, in the reference's fp32 order
         return codes.table_sum([c * tirx.Broadcast(x, 16) for c, x in zip(coefs, xs)], tirx.Broadcast(half, 16))
 
-    def largest(xa, lanes=1):  # |entry| of the all-signs-agree entry, the largest of a table (of `lanes` tables)
-        return codes.table_sum(xa, half if lanes == 1 else tirx.Broadcast(half, lanes))
+    def largest(xa, lanes=1):  # the largest |entry| of a table (of `lanes` tables), from |x|
+        return codes.largest(xa, half if lanes == 1 else tirx.Broadcast(half, lanes))
 
     def lut_group(g, padded: bool):
         def x_at(i):  # past K, a zero activation; the load itself stays in bounds

@@ -55,7 +55,8 @@ def _write(d, name, a):
 @pytest.mark.parametrize("bits, zeros, params", [(1, True, "float16"), (2, True, "float16"), (3, False, "float16"),
                                                  (4, True, "float32"), (4, False, "float16"),
                                                  ("ternary triples", False, "float32"), ("Q5_K", True, "super"),
-                                                 ("Q6_K", False, "super")])
+                                                 ("Q6_K", False, "super"), ("IQ4_NL", False, "blocks"),
+                                                 ("IQ4_XS", False, "super")])
 def test_arm64_kernels_under_qemu(harness, tmp_path, rng, isa, bits, zeros, params):
     from tmac.codegen.build import build_library
     from tmac.models.files.synthetic import k_quant_blocks
@@ -66,8 +67,8 @@ def test_arm64_kernels_under_qemu(harness, tmp_path, rng, isa, bits, zeros, para
     w = rng.standard_normal((m, k)).astype(np.float32)
     if triples:
         qw = quantize_weight(w, ternary=True, group_size="row")
-    elif params == "super":  # 4 + 1 (4 + 2) bit planes; byte multipliers (Q6_K: signed, groups of 16) of super scales
-        qw = import_gguf(k_quant_blocks(rng, m, k, bits), bits, (m, k))
+    elif params in ("super", "blocks"):  # 4 + 1 (4 + 2) bit planes; byte multipliers (Q6_K: signed, groups of 16) of
+        qw = import_gguf(k_quant_blocks(rng, m, k, bits), bits, (m, k))  # super scales; IQ4_*: codebook tables
     else:
         qw = quantize_weight(w, bits=bits, group_size=64, symmetric=not zeros)
         fmt = dataclasses.replace(qw.format, scale_dtype=params, zero_dtype=params)
@@ -75,6 +76,7 @@ def test_arm64_kernels_under_qemu(harness, tmp_path, rng, isa, bits, zeros, para
     chunks = {} if params == "super" else {"k_chunk": 384 if triples else 128}  # K chunks (triples: a shorter last)
     spec = spec_for(qw, ISAS[isa], n_tile=2, **chunks, **({"triples": True} if triples else {}))  # NEON: planes
     assert spec.triples == triples and bool(spec.super_groups) == (params == "super")
+    assert bool(spec.codebook) == str(bits).startswith("IQ")
     assert spec.k_chunk < spec.k_padded or params == "super"
     lib = str(tmp_path / "kern.so")
     build_library(spec, ISAS[isa], lib)
@@ -102,6 +104,9 @@ def test_arm64_kernels_under_qemu(harness, tmp_path, rng, isa, bits, zeros, para
     if triples:
         qt, _ = ref.quantize_tables(ref.build_triple_tables(x, spec.k_padded), spec.lut_group, per_table=3)
         expected = ref.lut_matmul_triples(x, qw)
+    elif qw.format.codebook:
+        qt, _ = ref.quantize_tables(ref.build_codebook_tables(x, qw.format.codebook), spec.lut_group, per_table=1)
+        expected = ref.lut_matmul(x, qw)
     else:
         qt, _ = ref.quantize_tables(ref.build_tables(x), spec.lut_group)
         expected = ref.lut_matmul(x, qw)

@@ -9,7 +9,8 @@ pytestmark = pytest.mark.unit  # needs no compiler (make unit)
 
 def test_gguf_formats_described_once():
     assert set(GGUF_EXACT) == {"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "TQ1_0",
-                               "TQ2_0"}
+                               "TQ2_0", "IQ4_NL", "IQ4_XS"}
+    assert FORMATS["iq4_xs"].codebook == FORMATS["iq4_nl"].codebook and FORMATS["iq4_xs"].groups_per_super == 8
     assert FORMATS["q4_1"].has_zeros and not FORMATS["q4_0"].has_zeros
     assert FORMATS["q4_k"].group_size == 32 and FORMATS["q4_k"].gguf.block_size == 256  # 8 groups a block
     assert FORMATS["q6_k"].group_size == 16 and FORMATS["q6_k"].groups_per_super == 16 and not FORMATS["q6_k"].has_zeros
@@ -65,3 +66,23 @@ def test_quantized_weight_validates():
         QuantizedWeight(codes.astype(np.int32), np.ones((2, 2), np.float32), None, fmt)
     with pytest.raises(ValueError, match="not divisible by group_size"):
         QuantizedWeight(np.zeros((2, 48), np.uint8), np.ones((2, 1), np.float32), None, fmt)
+
+
+def test_a_codebook_is_checked_and_read_back():
+    """A codebook format's levels: 2^bits distinct integers in int8's range, no zeros, no ternary codes; a format read
+    from a file with levels of its own is validated like any other."""
+    levels = tuple(range(-8, 8))
+    fmt = WeightFormat("cb4", 4, 32, has_zeros=False, codebook=levels)
+    codes = np.arange(16, dtype=np.uint8).repeat(2).reshape(1, 32)
+    w = QuantizedWeight(codes, np.array([[0.5]], np.float32), None, fmt).dequantize()
+    np.testing.assert_array_equal(w[0], 0.5 * np.repeat(np.arange(-8, 8), 2))
+    assert WeightFormat.from_dict(fmt.to_dict()) == fmt
+    for bad in (levels[:15], levels[:15] + (0,), levels[:15] + (200,), levels[:15] + (1.5,)):
+        with pytest.raises(ValueError, match="codebook"):
+            WeightFormat("cb4", 4, 32, has_zeros=False, codebook=bad)
+    with pytest.raises(ValueError, match="without zeros"):
+        WeightFormat("cb4", 4, 32, has_zeros=True, codebook=levels)
+    with pytest.raises(ValueError, match="codebook"):
+        WeightFormat.from_dict({**fmt.to_dict(), "codebook": [1] * 16})
+    with pytest.raises(ValueError, match="malformed"):
+        WeightFormat.from_dict({**fmt.to_dict(), "codebook": "levels"})

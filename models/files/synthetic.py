@@ -49,7 +49,8 @@ def k_quant_blocks(rng: np.random.Generator, rows: int, k: int, type_name: str =
     """Random ``type_name`` blocks (one of ``K_QUANT_TYPES``; gguf-py quantizes none of them) ``[rows, k/256·bytes]``
     (uint8) of weights about N(0, 0.02)'s size (layouts: ``tmac.base.formats``). Q4_K/Q5_K: d·a·q − dmin·b with 6-bit a,
     b from 16 to 63, as llama.cpp's quantizer spreads them over most of their range; Q2_K: 4-bit a, b from 4 to 15;
-    Q3_K: d·(a − 32)·(q − 4) with a of 6 bits; Q6_K: d·sc·(q − 32) with int8 sc of either sign."""
+    Q3_K: d·(a − 32)·(q − 4) with a of 6 bits; Q6_K: d·sc·(q − 32) with int8 sc of either sign. The codebook types
+    (``CODEBOOK_TYPES``): ``codebook_blocks``."""
     n = rows * k // 256
 
     def f16(lo, hi):
@@ -58,6 +59,8 @@ def k_quant_blocks(rng: np.random.Generator, rows: int, k: int, type_name: str =
     def uniform_bytes(count, lo=0, hi=256):
         return rng.integers(lo, hi, (n, count), dtype=np.uint8)
 
+    if type_name in CODEBOOK_TYPES:
+        return codebook_blocks(rng, rows, k, type_name)
     if type_name == "Q6_K":  # {u8 ql[128]; u8 qh[64]; i8 scales[16]; f16 d}
         sc = (rng.integers(16, 128, (n, 16)) * rng.choice([-1, 1], (n, 16))).astype(np.int8)
         blocks = [uniform_bytes(192), sc.view(np.uint8), f16(1.5e-5, 3e-5)]
@@ -77,7 +80,26 @@ def k_quant_blocks(rng: np.random.Generator, rows: int, k: int, type_name: str =
     return np.concatenate(blocks, axis=1).reshape(rows, -1)
 
 
+def codebook_blocks(rng: np.random.Generator, rows: int, k: int, type_name: str) -> np.ndarray:
+    """Random IQ4_NL or IQ4_XS blocks ``[rows, k/block·bytes]`` of weights about N(0, 0.02)'s size (its levels
+    reach ±127): IQ4_NL d·level[q]; IQ4_XS d·(a − 32)·level[q] with 6-bit a of either sign of a − 32."""
+    block = 32 if type_name == "IQ4_NL" else 256
+    n = rows * k // block
+
+    def f16(lo, hi):
+        return rng.uniform(lo, hi, n).astype(np.float16).view(np.uint8).reshape(n, 2)
+
+    codes = rng.integers(0, 256, (n, block // 2), dtype=np.uint8)
+    if type_name == "IQ4_NL":  # {f16 d; u8 qs[16]}
+        return np.concatenate([f16(2e-4, 4e-4), codes], axis=1).reshape(rows, -1)
+    a = (32 + rng.integers(8, 32, (n, 8)) * rng.choice([-1, 1], (n, 8))).astype(np.uint16)  # {f16 d; u16 sh;
+    high = ((a >> 4) << np.arange(0, 16, 2, dtype=np.uint16)).sum(axis=1, dtype=np.uint16)  # u8 sl[4]; u8 qs[128]}
+    low = (a[:, 0::2] & 15 | (a[:, 1::2] & 15) << 4).astype(np.uint8)
+    return np.concatenate([f16(1e-5, 2e-5), high[:, None].view(np.uint8), low, codes], axis=1).reshape(rows, -1)
+
+
 K_QUANT_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+CODEBOOK_TYPES = ("IQ4_NL", "IQ4_XS")
 TERNARY_TYPES = ("TQ1_0", "TQ2_0")
 TERNARY_SCALE = 0.0200042724609375  # a float16 value, so every block's d holds it exactly
 
@@ -160,7 +182,7 @@ def write_random_gguf(path: str, cfg: LlamaConfig, weight_type: str | Callable[[
         qtype = gguf.GGMLQuantizationType[kind]
         if kind in ("F32", "F16"):
             w.add_tensor(name, data.astype(np.float16 if kind == "F16" else np.float32))
-        elif kind in K_QUANT_TYPES:  # gguf-py has no K-quant quantizer: random blocks of the same magnitude
+        elif kind in K_QUANT_TYPES + CODEBOOK_TYPES:  # gguf-py quantizes none: random blocks of the same magnitude
             w.add_tensor(name, k_quant_blocks(rng, *shape, kind), raw_dtype=qtype)
         else:
             w.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)

@@ -129,7 +129,7 @@ def glue_spec(cfg, act_quant: bool, isa, kv_dtype: str = "float16", table=None, 
     embed = {}
     if isinstance(table, StreamedEmbedding) and not held:  # its own blocks, where the glue reads their type
         embed = dict(embed_blocks=table.blocks_type) if table.blocks_type in EMBED_BLOCKS[1:] else {}
-    elif isinstance(table, Embedding):
+    elif isinstance(table, Embedding) and table.format.codebook is None:  # (a codebook's rows: looked up in Python)
         fmt = table.format
         embed = dict(embed_bits=fmt.bits, embed_groups=0 if fmt.group_size == PER_TENSOR else
                      fmt.groups_per_row(table.embedding_dim), embed_scale=fmt.scale_dtype,
@@ -199,8 +199,8 @@ class DecodePlan:
             blocks = _handle(emb.blocks)
             x_handle = _handle(x)
             embed = lambda t: glue.embed(blocks, t, x_handle)  # noqa: E731
-        elif isinstance(emb, StreamedEmbedding):  # blocks the glue does not read: decoded in Python
-            embed = lambda t: row.copy_(emb.row(t))  # noqa: E731
+        elif isinstance(emb, StreamedEmbedding) or emb.format.codebook is not None:  # blocks or levels the glue
+            embed = lambda t: row.copy_(emb.row(t))  # noqa: E731                      does not read: in Python
         else:
             params = [_handle(t) for t in (emb.codes, emb.scales, emb.zeros) if t is not None]
             x_handle = _handle(x)

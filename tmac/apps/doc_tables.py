@@ -18,7 +18,8 @@ def formats_table() -> str:
         group = f"{f.group_size}" + (f" in {f.super_group}" if f.super_group else "")
         params = f.scale_dtype + (f", {f.zero_dtype}" if f.has_zeros else "")
         source = f"GGUF {f.gguf.type_name}, exactly" if f.gguf else "BitNet b1.58 checkpoints, exactly"
-        rows.append(f"| `{f.name}` | {'ternary' if f.ternary else f.bits} | {group} | {params} | {source} |")
+        bits = "ternary" if f.ternary else f"{f.bits}, {len(f.codebook)} levels" if f.codebook else f.bits
+        rows.append(f"| `{f.name}` | {bits} | {group} | {params} | {source} |")
     rows.append(f"| `w<bits>g<group>` | {', '.join(map(str, BITS))}, ternary | {', '.join(map(str, GROUP_SIZES))}, "
                 f"{PER_ROW}, {PER_TENSOR} | float16 or float32, zeros optional | `quantize_weight`, `bits=` "
                 f"(requantizing) |")

@@ -78,6 +78,9 @@ class WeightFormat:
     # float16 values (llama.cpp's are), else float32 (Q4_K: 4.625 bits a weight instead of 6; Q6_K 6.5625, the
     # file's, instead of 8). None: plain scales and zeros
     super_group: int | None = None
+    # non-uniform formats (llama.cpp's IQ4_NL, IQ4_XS): codes index these 2^bits integer levels, w = s·level[q] − z
+    # (``offset`` does not apply); kernels look each code up in its activation's table of products with the levels
+    codebook: tuple[int, ...] | None = None
 
     def __post_init__(self):
         check_bits(self.bits)
@@ -91,6 +94,10 @@ class WeightFormat:
                                                  self.super_group % self.group_size == 0):
             raise ValueError(f"format {self.name}: super_group {self.super_group} needs a multiple of an int group "
                              f"size (got {self.group_size}) and non-ternary codes")
+        if self.codebook is not None:
+            check_codebook(self.codebook, self.bits)
+            if self.ternary or self.has_zeros:
+                raise ValueError(f"format {self.name}: a codebook's levels are symmetric codes, without zeros")
 
     @property
     def offset(self) -> int:
@@ -106,6 +113,14 @@ class WeightFormat:
     def code_range(self) -> tuple[int, int]:
         """Smallest and largest valid code (ternary uses 1..3 of the 2-bit range)."""
         return (1, 3) if self.ternary else (0, (1 << self.bits) - 1)
+
+    def levels(self, codes):
+        """The integer level each code means (float64): ``codebook[q]``, or ``q − offset``."""
+        import numpy as np
+
+        if self.codebook is not None:
+            return np.asarray(self.codebook, np.float64)[codes]
+        return codes.astype(np.float64) - self.offset
 
     def groups_per_row(self, k: int) -> int:
         """How many scale groups one row of length ``k`` has (raises if the group size does not divide k)."""
@@ -139,7 +154,8 @@ class WeightFormat:
     def to_dict(self) -> dict:
         return {"name": self.name, "bits": self.bits, "group_size": self.group_size, "has_zeros": self.has_zeros,
                 "ternary": self.ternary, "scale_dtype": self.scale_dtype, "zero_dtype": self.zero_dtype,
-                **({"super_group": self.super_group} if self.super_group is not None else {})}
+                **({"super_group": self.super_group} if self.super_group is not None else {}),
+                **({"codebook": list(self.codebook)} if self.codebook is not None else {})}
 
     @staticmethod
     def from_dict(d) -> "WeightFormat":
@@ -147,12 +163,16 @@ class WeightFormat:
         written before parameters could be float16 lack the dtype keys: theirs are float32."""
         keys = {"name", "bits", "group_size", "has_zeros", "ternary"}
         dtypes = {"scale_dtype", "zero_dtype"}
-        if not isinstance(d, dict) or set(d) not in (keys, keys | dtypes, keys | dtypes | {"super_group"}):
-            raise ValueError(f"a weight format needs exactly the keys {sorted(keys | dtypes)} (and super_group), "
-                             f"got {d!r:.200}")
+        optional = {"super_group", "codebook"}
+        if not isinstance(d, dict) or not (keys <= set(d) <= keys | dtypes | optional) or \
+                (set(d) - keys and not dtypes <= set(d)):
+            raise ValueError(f"a weight format needs exactly the keys {sorted(keys | dtypes)} (and super_group, "
+                             f"codebook), got {d!r:.200}")
         if not isinstance(d["name"], str) or type(d["has_zeros"]) is not bool or type(d["ternary"]) is not bool or \
-                type(d.get("super_group", 0)) is not int:
+                type(d.get("super_group", 0)) is not int or type(d.get("codebook", [])) is not list:
             raise ValueError(f"malformed weight format {d!r:.200}")
+        if "codebook" in d:
+            d = {**d, "codebook": tuple(d["codebook"])}
         fmt = WeightFormat(**d)
         named = FORMATS.get(fmt.name)
         return named if named is not None and named.to_dict() == fmt.to_dict() else fmt
@@ -179,6 +199,14 @@ def check_bits(bits) -> None:
         raise TypeError(f"bits must be an int in {BITS}, got {type(bits).__name__}")
     if bits not in BITS:
         raise ValueError(f"bits must be one of {BITS}, got {bits}")
+
+
+def check_codebook(codebook, bits: int) -> None:
+    """A codebook is 2^bits distinct integer levels in int8's range, so that its tables are exact products."""
+    if not isinstance(codebook, tuple) or len(codebook) != 1 << bits or \
+            any(type(v) is not int or not -128 <= v <= 127 for v in codebook) or len(set(codebook)) != len(codebook):
+        raise ValueError(f"a {bits}-bit codebook needs {1 << bits} distinct integers in [-128, 127], "
+                         f"got {codebook!r:.200}")
 
 
 def default_group_size(k: int) -> int | None:
@@ -214,8 +242,12 @@ def check_group_size(group_size) -> None:
 #   Q3_K  {u8 hmask[32]; u8 qs[64]; u8 sc[12]; f16 d}  w = d·(a_j − 32)·(q − 4) for group j of 16 (a_j: 6 bits, low
 #         nibbles of sc[0..7] then their high nibbles, | 2-bit fields of sc[8..11] << 4); q: Q2_K's 2 bits | bit i of
 #         hmask[l] << 2 for weight 32i + l
+#   IQ4_NL {f16 d; u8 qs[16]}                w = d·IQ4_LEVELS[q]     q: as Q4_0
+#   IQ4_XS {f16 d; u16 sh; u8 sl[4]; u8 qs[128]}  w = d·(a_j − 32)·IQ4_LEVELS[q] for group j of 32 (a_j: nibble j % 2
+#         of sl[j // 2] | bits 2j of sh << 4); q: as Q4_0 within each group's 16 bytes
 #   Q6_K  {u8 ql[128]; u8 qh[64]; i8 sc[16]; f16 d}  w = d·sc_j·(q − 32) for group j of 16; weight 128h + 32i + l:
 #         nibble i // 2 of ql[64h + 32(i % 2) + l] | bits 2i of qh[32h + l] << 4
+IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # llama.cpp's kvalues_iq4nl
 FORMATS: dict[str, WeightFormat] = {
     f.name: f
     for f in (
@@ -236,6 +268,10 @@ FORMATS: dict[str, WeightFormat] = {
         # scale d·a with a signed multiplier, no zeros
         WeightFormat("q3_k", 3, 16, has_zeros=False, gguf=GGUFBlock("Q3_K", 256, 110), super_group=256),
         WeightFormat("q6_k", 6, 16, has_zeros=False, gguf=GGUFBlock("Q6_K", 256, 210), super_group=256),
+        WeightFormat("iq4_nl", 4, 32, has_zeros=False, gguf=GGUFBlock("IQ4_NL", 32, 18), scale_dtype="float16",
+                     codebook=IQ4_LEVELS),
+        WeightFormat("iq4_xs", 4, 32, has_zeros=False, gguf=GGUFBlock("IQ4_XS", 256, 136), super_group=256,
+                     codebook=IQ4_LEVELS),
         WeightFormat("bitnet", 2, PER_TENSOR, has_zeros=False, ternary=True),
     )
 }

@@ -1,7 +1,7 @@
 """Decoders of llama.cpp's block types, one per exactly imported type, named ``decode_<type>`` after the format
 table's row (``tmac.base.formats``, ``GGUFBlock.decoder``). A decoder takes raw blocks ``[n, type_size]`` and the format's
-code offset and returns ``(codes [n, block], scales [n, groups], zeros or None)`` with w = s·(code − offset) − z;
-the block layouts are described beside the table."""
+code offset and returns ``(codes [n, block], scales [n, groups], zeros or None)`` with w = s·(code − offset) − z
+(codebook formats: w = s·level[code]); the block layouts are described beside the table."""
 
 from __future__ import annotations
 
@@ -47,6 +47,19 @@ def decode_q4_1(blocks, offset, codes=None):
 
 def decode_q5_1(blocks, offset):
     return decode_q4_1(blocks, offset, _nibbles(blocks[:, 8:]) | _fifth_bits(blocks[:, 4:8]))
+
+
+def decode_iq4_nl(blocks, offset):
+    return _nibbles(blocks[:, 2:]), _f16(blocks, 0).astype(np.float32), None  # w = d·level[q]
+
+
+def decode_iq4_xs(blocks, offset):
+    low = blocks[:, 4:8]
+    high = blocks[:, 2:4].copy().view("<u2")  # [n, 1]: bits 2j, 2j + 1 are group j's high scale bits
+    a = np.stack([low & 0x0F, low >> 4], axis=2).reshape(-1, 8) | \
+        (((high >> np.arange(0, 16, 2, dtype=np.uint16)) & 3) << 4).astype(np.uint8)
+    s = _f16(blocks, 0).astype(np.float32)[:, None] * (a.astype(np.float32) - 32)  # exact: 11 × 6 bits
+    return _nibbles(blocks[:, 8:].reshape(-1, 16)).reshape(-1, 256), s, None  # w = d·(a − 32)·level[q]
 
 
 def _two_bit_fields(qs: np.ndarray) -> np.ndarray:

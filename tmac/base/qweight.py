@@ -95,8 +95,9 @@ class QuantizedWeight:
         return np.repeat(p, k // p.shape[1], axis=1)
 
     def dequantize(self) -> np.ndarray:
-        """Float32 ``[M, K]``: ``s·(q − offset) − z``, evaluated exactly in float64 and rounded once."""
-        w = self.expanded(self.scales) * (self.codes.astype(np.float64) - self.format.offset)
+        """Float32 ``[M, K]``: ``s·(q − offset) − z`` (``s·level[q]``: codebooks), evaluated exactly in float64 and
+        rounded once."""
+        w = self.expanded(self.scales) * self.format.levels(np.asarray(self.codes))
         if self.zeros is not None:
             w = w - self.expanded(self.zeros)
         return w.astype(np.float32)

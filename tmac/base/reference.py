@@ -31,6 +31,12 @@ with ``c_i(p)`` the base-3 digits of ``p`` minus 1 (``p ≤ 13``; entries 14, 15
 K is padded with zero activations to whole lut groups (``TRIPLE_LUT_GROUP``, a multiple of 24: the kernel's
 step is 8 triples, whose sign bits share a byte).
 
+Codebook formats (``WeightFormat.codebook``: llama.cpp's IQ4_NL, IQ4_XS) give each 4-bit code an integer level
+``c_q`` that no sum of bit planes spells; one activation to a table, its 16 entries the products with the levels,
+``T_k[p] = c_p·x_k``, so each code is one lookup, as many as a 4-bit weight's four planes take:
+
+    Σ_k w_k x_k = s·Σ_k T_k[q_k],   y = Σ_g s·ls_g·R_g   (no Σx term).
+
 Every float operation of the table build is spelled out in the order the kernels perform it, so the int8
 tables and the integer accumulators ``R`` are bit-exact between this module and the compiled kernels.
 """
@@ -101,6 +107,12 @@ def build_triple_tables(x: np.ndarray, k_padded: int) -> np.ndarray:
     return (t[..., 0] + t[..., 1]) + t[..., 2]
 
 
+def build_codebook_tables(x: np.ndarray, codebook) -> np.ndarray:
+    """Float32 tables ``[N, K, 16]`` of a codebook format: ``T_k[p] = c_p·x_k`` (one rounding)."""
+    x = np.asarray(x, dtype=np.float32)
+    return x[:, :, None] * np.asarray(codebook, np.float32)[None, None, :]
+
+
 def triple_indices(codes: np.ndarray, k_padded: int) -> tuple[np.ndarray, np.ndarray]:
     """Ternary codes (1..3) ``[M, K]`` → table indices ``[M, Kp/3]`` (0..13) and negation flags (bool)."""
     m, k = codes.shape
@@ -139,6 +151,17 @@ def lut_accumulate(qtables: np.ndarray, codes: np.ndarray, bits: int, lut_group:
     return r.astype(np.int32)
 
 
+def lut_accumulate_codebook(qtables: np.ndarray, codes: np.ndarray, lut_group: int) -> np.ndarray:
+    """The codebook kernels' integer part: ``R[n, m, g] = Σ_{k∈g} qT[n, k, codes[m, k]]`` (int32)."""
+    n, k, _ = qtables.shape
+    m = codes.shape[0]
+    r = np.zeros((n, m, k // lut_group), dtype=np.int64)
+    for row in range(n):
+        looked = qtables[row, np.arange(k)[None, :], codes].astype(np.int64)  # [M, K]
+        r[row] = looked.reshape(m, -1, lut_group).sum(axis=2)
+    return r.astype(np.int32)
+
+
 def lut_accumulate_triples(qtables: np.ndarray, idx: np.ndarray, neg: np.ndarray, lut_group: int) -> np.ndarray:
     """The triple kernels' integer part: ``R[n, m, g] = Σ_{t∈g} ±qT[n, t, idx[m, t]]`` (int32)."""
     n, kt, _ = qtables.shape
@@ -153,11 +176,14 @@ def lut_accumulate_triples(qtables: np.ndarray, idx: np.ndarray, neg: np.ndarray
 
 def lut_epilogue(r: np.ndarray, lut_scales: np.ndarray, x: np.ndarray, qw: QuantizedWeight,
                  lut_group: int) -> np.ndarray:
-    """Float64 ``[N, M]`` from the integer accumulators: ``Σ_g s·ls·R − Σ_G (½s + z)·Σx``."""
+    """Float64 ``[N, M]`` from the integer accumulators: ``Σ_g s·ls·R − Σ_G (½s + z)·Σx`` (codebooks: no Σx
+    term)."""
     m, k = qw.shape
     s_per_k = qw.expanded(qw.scales)  # [M, K]
     s_lg = s_per_k[:, ::lut_group]  # scale of each lut group (lut groups never straddle weight groups)
     y = np.einsum("nmg,ng,mg->nm", r.astype(np.float64), lut_scales.astype(np.float64), s_lg)
+    if qw.format.codebook is not None:
+        return y
     bias = 0.5 * s_per_k + (qw.expanded(qw.zeros) if qw.zeros is not None else 0.0)
     return y - np.asarray(x, np.float64) @ bias.T
 
@@ -166,6 +192,9 @@ def lut_matmul(x: np.ndarray, qw: QuantizedWeight, lut_group: int | None = None)
     """``x @ W.T`` the LUT way, float64 ``[N, M]``; ``x`` is float ``[N, K]``."""
     x = np.asarray(x, dtype=np.float32)
     lg = lut_group or default_lut_group(qw.shape[1], qw.format.group_size)
+    if qw.format.codebook is not None:
+        qt, ls = quantize_tables(build_codebook_tables(x, qw.format.codebook), lg, per_table=1)
+        return lut_epilogue(lut_accumulate_codebook(qt, np.asarray(qw.codes), lg), ls, x, qw, lg)
     qt, ls = quantize_tables(build_tables(x), lg)
     return lut_epilogue(lut_accumulate(qt, qw.codes, qw.format.bits, lg), ls, x, qw, lg)
 

@@ -80,9 +80,9 @@ class CompileAhead:
 
 
 def _fields(spec) -> dict:
-    from dataclasses import asdict
+    from tmac.quant.cache import spec_record
 
-    return asdict(spec)
+    return spec_record(spec)
 
 
 def _stop(child: subprocess.Popen) -> None:

@@ -79,7 +79,8 @@ def tune(fmt, k: int, isa, m: int = 4096, progress=None) -> tuple[dict, dict[str
         best = fastest(timed([default, best], x1), default)
     best = fastest(timed([{**best, "n_tile": n} for n in (2, 4, 8)], xn), {**best, "n_tile": defaults.n_tile})
     spec = spec_for_format(qw.format, k, isa, **best)
-    save_tiling(key(isa.name, fmt.bits, k, spec.group_size, spec.lut_group, spec.has_zeros, spec.triples), best)
+    save_tiling(key(isa.name, fmt.bits, k, spec.group_size, spec.lut_group, spec.has_zeros, spec.triples,
+                    bool(spec.codebook)), best)
     return best, measured
 
 

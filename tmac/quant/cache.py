@@ -110,11 +110,16 @@ def sha256(path: str) -> str:
     return h.hexdigest()
 
 
+def spec_record(spec) -> dict:
+    """A kernel's or glue spec's fields as JSON holds them (``KernelSpec.record``)."""
+    return spec.record() if isinstance(spec, KernelSpec) else dataclasses.asdict(spec)
+
+
 def kernel_entry(spec: KernelSpec, isa, file: str, digest: str, size: int) -> dict:
     """What a manifest records about one compiled kernel."""
     return {"name": spec.name, "file": file, "isa": isa.name, "arch": isa.arch, "target": isa.target,
             "tvm_version": tvm_version(), "generator": generator_digest(), "sha256": digest, "bytes": size,
-            "spec": dataclasses.asdict(spec)}
+            "spec": spec_record(spec)}
 
 
 MANIFEST = "manifest.json"
@@ -233,7 +238,7 @@ def cached_library(d: str, spec: KernelSpec, isa) -> str | None:
         return None
     try:
         entry = read_json(meta, 1 << 20)
-        if not isinstance(entry, dict) or entry.get("spec") != dataclasses.asdict(spec):
+        if not isinstance(entry, dict) or entry.get("spec") != spec_record(spec):
             raise KernelUnavailableError(f"{meta}: its spec is not {spec.name}'s")
         st = os.lstat(so)
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:

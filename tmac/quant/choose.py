@@ -73,11 +73,13 @@ def spec_for_format(fmt: WeightFormat, k: int, isa, **tiling) -> KernelSpec:
     halves = tiling.pop("super_dtype", "float16")  # (a K-quant file's own)
     if supers:
         params.update(super_groups=supers, scale_dtype=halves, zero_dtype=halves if fmt.has_zeros else "float32")
+    if fmt.codebook is not None:  # one activation a table, in bit-plane bytes (tmac.quant.layout.CodebookCodes)
+        params["codebook"] = fmt.codebook
     triples = tiling.pop("triples", uses_triples(fmt, k, isa))
     lut_group = TRIPLE_LUT_GROUP if triples else default_lut_group(k, fmt.group_size)
     # (a quad step covers 32 activations but at 2 bits: 3-bit weights in groups of 16, Q3_K's, take bit planes)
-    if tiling.pop("quads", isa.wide_lookup and (triples or fmt.bits in QUAD_CHUNKS and lut_group % quad_step(fmt.bits)
-                                                == 0)):
+    if tiling.pop("quads", isa.wide_lookup and fmt.codebook is None and
+                  (triples or fmt.bits in QUAD_CHUNKS and lut_group % quad_step(fmt.bits) == 0)):
         params["quads"] = True
     if triples:  # 1.67 instead of 2 bits streamed per weight
         fixed, params = (2, k, k, TRIPLE_LUT_GROUP, False), {**params, "triples": True}
@@ -85,7 +87,7 @@ def spec_for_format(fmt: WeightFormat, k: int, isa, **tiling) -> KernelSpec:
         fixed = (fmt.bits, k, group, lut_group, fmt.has_zeros)
     if tiling:
         return tiled(isa, fixed, params, tiling)
-    tuned = tuned_tiling(isa.name, *fixed, triples=triples)
+    tuned = tuned_tiling(isa.name, *fixed, triples=triples, codebook=fmt.codebook is not None)
     try:
         return tiled(isa, fixed, params, tuned)
     except ValueError as e:  # a tuning table edited or damaged by hand: the defaults, not an error on every layer
@@ -113,8 +115,10 @@ def tuning_file() -> str:
     return os.path.join(cache_dir(), "tuning.json")
 
 
-def key(isa: str, bits: int, k: int, group: int, lut_group: int, has_zeros: bool, triples: bool = False) -> str:
-    return f"{isa}|b{bits}|k{k}|g{group}|lg{lut_group}|{'z' if has_zeros else 's'}" + ("|t3" if triples else "")
+def key(isa: str, bits: int, k: int, group: int, lut_group: int, has_zeros: bool, triples: bool = False,
+        codebook: bool = False) -> str:
+    return f"{isa}|b{bits}|k{k}|g{group}|lg{lut_group}|{'z' if has_zeros else 's'}" + ("|t3" if triples else "") + \
+        ("|cb" if codebook else "")
 
 
 @functools.lru_cache(maxsize=1)
@@ -130,13 +134,13 @@ def _table(path: str) -> dict:
 
 
 def tuned_tiling(isa: str, bits: int, k: int, group: int, lut_group: int, has_zeros: bool,
-                 triples: bool = False) -> dict:
+                 triples: bool = False, codebook: bool = False) -> dict:
     """The persisted tiling for these kernel parameters ({} when never tuned, or the cache is unreadable)."""
     try:
         path = tuning_file()
     except Exception:  # no apache-tvm installed: no cache, no tuning
         return {}
-    return dict(_table(path).get(key(isa, bits, k, group, lut_group, has_zeros, triples), {}))
+    return dict(_table(path).get(key(isa, bits, k, group, lut_group, has_zeros, triples, codebook), {}))
 
 
 def save_tiling(entry_key: str, tiling: dict) -> None:

@@ -65,7 +65,8 @@ class Embedding(nn.Module):
     def _dequantized(self, rows: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
         """Float32 rows ``rows`` of the table from their uint8 ``codes`` ``[n, embedding_dim]``."""
         fmt, d = self.format, self.embedding_dim
-        q = codes.float() - fmt.offset
+        q = torch.tensor(fmt.codebook, dtype=torch.float32)[codes.long()] if fmt.codebook is not None else \
+            codes.float() - fmt.offset
         per_tensor = fmt.group_size == PER_TENSOR
         groups = 1 if per_tensor else self.scales.shape[1]
 

@@ -2,8 +2,9 @@
 and what the code generator asks of it. ``KernelSpec.layout`` is the one a spec uses (``layout_of``).
 
 A layout arranges *codes*, which say what a table index means: ``PlaneCodes``, one bit plane of ``b``-bit codes
-indexing the table of 4 activations, or ``TripleCodes``, three ternary weights to an index plus a sign
-(``tmac.base.reference`` derives both). ``Planes`` and ``Triples`` look up 16-entry tables a nibble at a time;
+indexing the table of 4 activations, ``TripleCodes``, three ternary weights to an index plus a sign, or
+``CodebookCodes``, a 4-bit code indexing its own activation's table of products with a codebook's levels
+(``tmac.base.reference`` derives all three). ``Planes`` and ``Triples`` look up 16-entry tables a nibble at a time;
 ``Quads`` does 64-entry lookups, four tables at once, for either kind of codes.
 
 Common to all: rows are processed in blocks of ``block_rows`` (BM) and K in *steps* (the inner loop's unit);
@@ -54,9 +55,14 @@ class PlaneCodes:
 
     @staticmethod
     def table_sum(t, half):
-        """An entry of the products ``t`` = coefficient·x (or a table's largest |entry| of ``t`` = |x|), in the fp32
-        order of ``tmac.base.reference``; ``half`` is 0.5 as the caller's type."""
+        """An entry of the products ``t`` = coefficient·x, in the fp32 order of ``tmac.base.reference``; ``half`` is
+        0.5 as the caller's type."""
         return half * ((t[0] + t[1]) + (t[2] + t[3]))
+
+    @classmethod
+    def largest(cls, t, half):
+        """A table's largest |entry| from ``t`` = |x| (the entry whose signs all agree: rounding is monotonic)."""
+        return cls.table_sum(t, half)
 
     def problems(self, spec) -> list[str]:
         k, g, lg = spec.k, spec.group_size, spec.lut_group
@@ -102,6 +108,8 @@ class TripleCodes:
     def table_sum(t, half):
         return (t[0] + t[1]) + t[2]
 
+    largest = PlaneCodes.__dict__["largest"]
+
     def problems(self, spec) -> list[str]:
         if (spec.bits, spec.has_zeros, spec.group_size, spec.lut_group) != (2, False, spec.k, TRIPLE_LUT_GROUP):
             return [f"triples need 2-bit codes without zeros, one scale per row (group_size = K) and "
@@ -120,6 +128,50 @@ class TripleCodes:
         e = np.where(neg, 26 - idx.astype(np.int16), idx).astype(np.uint8)  # 9·d0 + 3·d1 + d2, digits d = code − 1
         digits = np.stack([e // 9, e // 3 % 3, e % 3], axis=2).reshape(idx.shape[0], -1)
         return digits[:, :k] + 1
+
+
+class CodebookCodes:
+    """4-bit codes of a codebook format (``WeightFormat.codebook``), each the index into its own activation's table
+    ``T_k[p] = c_p·x_k``: one plane, one activation a table, symmetric (no Σx term)."""
+
+    per_table = 1
+    pad_code = 0  # of padded rows, whose scales are 0
+    symmetric = True
+    negated = False
+    bits, planes = 4, 1
+
+    def __init__(self, levels: tuple):
+        self.levels = tuple(levels)
+        self.coefficients = np.asarray(levels, np.float32).reshape(16, 1)
+        self.suffix = ""  # (the spec's name carries the levels': ``_cb<hash>``)
+
+    def k_padded(self, k: int) -> int:
+        return k
+
+    @staticmethod
+    def table_sum(t, half):
+        return t[0]
+
+    def largest(self, t, half):
+        # |c_p·x| is largest at the level of largest magnitude (rounding is monotonic); 2·half·max = max exactly
+        return t[0] * (half * float(2 * max(abs(c) for c in self.levels)))
+
+    def problems(self, spec) -> list[str]:
+        k, g, lg = spec.k, spec.group_size, spec.lut_group
+        if spec.bits != 4 or spec.has_zeros or spec.triples or spec.quads:
+            return ["codebook kernels take 4-bit codes without zeros, in bit-plane bytes (no triples, no quads)"]
+        if lg not in LUT_GROUPS or k % lg or g % lg:
+            return [f"lut_group={lg} must be one of {LUT_GROUPS} and divide K={k} and the group size {g}"]
+        return []
+
+    def accepts(self, fmt, scale_groups: int = 1) -> bool:
+        return fmt.codebook == self.levels
+
+    def indices(self, codes: np.ndarray, k_padded: int) -> tuple[np.ndarray, None]:
+        return np.ascontiguousarray(codes)[None], None
+
+    def codes_of(self, nib: np.ndarray, neg, k: int) -> np.ndarray:
+        return nib[0, :, :k]
 
 
 # ---- layouts: where the indices go ----------------------------------------------------------------------------------
@@ -189,30 +241,32 @@ class Planes(Layout):
     ``[BM·o_c, BM·(o_c+P_c))``, cut into vectors of VL bytes (the ISA's vector width). Byte ``l`` of vector ``v``
     of that chunk belongs to row ``v·(VL/P_c) + l // P_c`` of the block and plane ``o_c + l % P_c``; its low
     nibble is the table index of that plane for activations ``8·step .. +3`` and its high nibble for
-    ``8·step+4 .. +7``. Padded rows are code 0."""
+    ``8·step+4 .. +7``. Padded rows are code 0. Codebook codes are one plane of one activation a table: a step is
+    activations ``2·step`` (low nibble) and ``2·step + 1`` (high), ``W [MB, K/2, BM]``."""
+
 
     step_tables = 2
 
-    def __init__(self, codes: PlaneCodes):
+    def __init__(self, codes: PlaneCodes | CodebookCodes):
         super().__init__(codes)
-        self.chunks = CHUNKS.get(codes.bits, ())
-        self.step_bytes = codes.bits
+        self.chunks = CHUNKS.get(codes.planes, ())
+        self.step_bytes = codes.planes
 
     def lookups(self, step, block_rows):
         return [(2 * step, 2 * step + 1, 0, None, 0)]
 
     def pack(self, codes, spec):
-        bm, vl, k, bits = spec.block_rows, spec.vector_bytes, spec.k, self.codes.bits
-        mb = codes.shape[0] // bm
-        nib, _ = self.codes.indices(codes, k)  # [bits, rows, K/4]
-        pair = nib[:, :, 0::2] | (nib[:, :, 1::2] << 4)  # [bits, rows, K/8]: low nibble table 2kp, high 2kp+1
-        pair = pair.reshape(bits, mb, bm, k // 8)
+        bm, vl, k, bits = spec.block_rows, spec.vector_bytes, spec.k, self.codes.planes
+        mb, steps = codes.shape[0] // bm, k // self.step_activations
+        nib, _ = self.codes.indices(codes, k)  # [planes, rows, tables]
+        pair = nib[:, :, 0::2] | (nib[:, :, 1::2] << 4)  # [planes, rows, steps]: low nibble table 2s, high 2s+1
+        pair = pair.reshape(bits, mb, bm, steps)
         parts = []
         for first, planes in self.chunks:
             per_vec = vl // planes
-            # [planes, MB, BM, K/8] → [MB, K/8, vectors, rows-in-vector, planes]
-            c = pair[first:first + planes].reshape(planes, mb, bm // per_vec, per_vec, k // 8)
-            parts.append(c.transpose(1, 4, 2, 3, 0).reshape(mb, k // 8, bm * planes))
+            # [planes, MB, BM, steps] → [MB, steps, vectors, rows-in-vector, planes]
+            c = pair[first:first + planes].reshape(planes, mb, bm // per_vec, per_vec, steps)
+            parts.append(c.transpose(1, 4, 2, 3, 0).reshape(mb, steps, bm * planes))
         return np.concatenate(parts, axis=2)
 
     def unpack(self, w, spec):
@@ -224,17 +278,18 @@ class Planes(Layout):
         return codes
 
     def _unpack_block_rows(self, w, spec):
-        bm, vl, mb, k, bits = spec.block_rows, spec.vector_bytes, w.shape[0], spec.k, self.codes.bits
-        pair = np.empty((bits, mb, bm, k // 8), dtype=np.uint8)
+        bm, vl, mb, k, bits = spec.block_rows, spec.vector_bytes, w.shape[0], spec.k, self.codes.planes
+        steps = k // self.step_activations
+        pair = np.empty((bits, mb, bm, steps), dtype=np.uint8)
         start = 0
         for first, planes in self.chunks:
             per_vec = vl // planes
-            c = w[:, :, start:start + bm * planes].reshape(mb, k // 8, bm // per_vec, per_vec, planes)
-            pair[first:first + planes] = c.transpose(4, 0, 2, 3, 1).reshape(planes, mb, bm, k // 8)
+            c = w[:, :, start:start + bm * planes].reshape(mb, steps, bm // per_vec, per_vec, planes)
+            pair[first:first + planes] = c.transpose(4, 0, 2, 3, 1).reshape(planes, mb, bm, steps)
             start += bm * planes
-        nib = np.empty((bits, mb * bm, k // 4), dtype=np.uint8)
-        nib[:, :, 0::2] = pair.reshape(bits, mb * bm, k // 8) & 15
-        nib[:, :, 1::2] = pair.reshape(bits, mb * bm, k // 8) >> 4
+        nib = np.empty((bits, mb * bm, 2 * steps), dtype=np.uint8)
+        nib[:, :, 0::2] = pair.reshape(bits, mb * bm, steps) & 15
+        nib[:, :, 1::2] = pair.reshape(bits, mb * bm, steps) >> 4
         return self.codes.codes_of(nib, None, k)
 
 
@@ -363,7 +418,9 @@ class Quads(Layout):
         return self.codes.codes_of(nib, neg, spec.k)
 
 
-def layout_of(bits: int, triples: bool, quads: bool) -> Layout:
-    """The layout of a spec's ``bits``, ``triples`` and ``quads`` fields."""
+def layout_of(bits: int, triples: bool, quads: bool, codebook: tuple = ()) -> Layout:
+    """The layout of a spec's ``bits``, ``triples``, ``quads`` and ``codebook`` fields."""
+    if codebook:  # (its codes refuse triples and quads: ``CodebookCodes.problems``)
+        return Planes(CodebookCodes(codebook))
     codes = TripleCodes() if triples else PlaneCodes(bits)
     return Quads(codes) if quads else Triples(codes) if triples else Planes(codes)

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
-from tmac.base.formats import K_MULTIPLE, PARAM_DTYPES, check_bits, kernels_take
+from tmac.base.formats import K_MULTIPLE, PARAM_DTYPES, check_bits, check_codebook, kernels_take
 from tmac.kernels import ISAS
 from tmac.quant.layout import Layout, layout_of
 from tmac.base.reference import padded_k
@@ -40,12 +40,15 @@ class KernelSpec:
     quads: bool = False  # a row's 4 bytes look into four tables at once (64-entry lookups): 1-3, 5 bits, triples
     super_groups: int = 0  # weight groups sharing one super scale of the scales and zeros (K-quants); 0: plain S, Z
     k_chunk: int = 0
+    codebook: tuple = ()  # a codebook format's levels (tmac.base.formats): one activation to a table; (): bit planes
 
     def __post_init__(self):
         check_bits(self.bits)
         if not isinstance(self.isa, str) or self.isa not in ISAS:
             raise ValueError(f"invalid kernel spec: ISA {self.isa!r:.50} is not one of {', '.join(ISAS)} (tmac.kernels)")
-        layout = layout_of(self.bits, self.triples, self.quads)
+        if self.codebook:
+            check_codebook(self.codebook, self.bits)
+        layout = layout_of(self.bits, self.triples, self.quads, self.codebook)
         object.__setattr__(self, "_layout", layout)
         k, g, lg, bm, vl = self.k, self.group_size, self.lut_group, self.block_rows, self.vector_bytes
         problems = []
@@ -150,7 +153,8 @@ class KernelSpec:
         half = ("_sh" if self.scale_dtype == "float16" else "") + \
             ("_zh" if self.has_zeros and self.zero_dtype == "float16" else "") + self._layout.suffix + \
             (f"_ks{self.super_groups}" if self.super_groups else "") + \
-            (f"_kc{self.k_chunk}" if self.k_chunk < self.k_padded else "")
+            (f"_kc{self.k_chunk}" if self.k_chunk < self.k_padded else "") + \
+            (f"_cb{_levels_hash(self.codebook)}" if self.codebook else "")
         return (f"lut_{self.isa}_b{self.bits}_k{self.k}_g{self.group_size}_lg{self.lut_group}{z}"
                 f"_bm{self.block_rows}_nt{self.n_tile}_u{self.unroll}{half}")
 
@@ -159,13 +163,28 @@ class KernelSpec:
     def to_json(self) -> str:
         """The spec as saved files and checksums hold it: its fields and the ISA's vector width (which files have
         always carried; ``from_dict`` checks it)."""
-        return json.dumps({**asdict(self), "vector_bytes": self.vector_bytes}, sort_keys=True)
+        return json.dumps({**self.record(), "vector_bytes": self.vector_bytes}, sort_keys=True)
+
+    def record(self) -> dict:
+        """The fields as JSON holds them (``from_dict`` reads them back): the levels a list, and a bit-plane spec
+        without the ``codebook`` field, as written before there was one (kernel caches and saved files stay
+        valid)."""
+        fields_ = asdict(self)
+        if self.codebook:
+            fields_["codebook"] = list(self.codebook)
+        else:
+            del fields_["codebook"]
+        return fields_
 
     @classmethod
     def from_dict(cls, d) -> "KernelSpec":
         """A spec from JSON; specs written before the later fields existed lack them (float32, bit planes)."""
         names = {f.name for f in fields(cls)}
         strings = {"isa", "scale_dtype", "zero_dtype"}
+        if isinstance(d, dict) and "codebook" in d:  # JSON's list
+            if not isinstance(d["codebook"], list):
+                raise ValueError(f"kernel spec field 'codebook' must be a list of levels, got {d['codebook']!r:.50}")
+            d = {**d, "codebook": tuple(d["codebook"])}
         if isinstance(d, dict) and "vector_bytes" in d:  # the ISA's, said again (to_json)
             d = dict(d)
             width, isa = d.pop("vector_bytes"), ISAS.get(d.get("isa")) if isinstance(d.get("isa"), str) else None
@@ -179,7 +198,7 @@ class KernelSpec:
                 d["k_chunk"] = (padded_k(k) if d.get("triples") is True else k) if type(k) is int and k > 0 else 0
         if not isinstance(d, dict) or set(d) != names:
             raise ValueError(f"a kernel spec needs exactly the fields {sorted(names)}, got {d!r:.200}")
-        for name in names - strings:
+        for name in names - strings - {"codebook"}:
             if type(d[name]) is not (bool if name in ("has_zeros", "triples", "quads") else int):
                 raise ValueError(f"kernel spec field {name!r} has the wrong type: {d[name]!r:.50}")
         for name in strings:
@@ -198,7 +217,13 @@ class KernelSpec:
 
 
 _LATER_FIELDS = {"scale_dtype": "float32", "zero_dtype": "float32", "triples": False, "quads": False,
-                 "super_groups": 0, "k_chunk": None}  # old meaning (k_chunk: all of K)
+                 "super_groups": 0, "k_chunk": None, "codebook": ()}  # old meaning (k_chunk: all of K)
+
+
+def _levels_hash(levels: tuple) -> str:
+    import hashlib
+
+    return hashlib.blake2b(repr(levels).encode(), digest_size=4).hexdigest()
 
 
 def packed_shapes(spec: KernelSpec, m: int) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -1,0 +1,123 @@
+"""Codebook formats (llama.cpp's IQ4_NL and IQ4_XS: 4-bit codes indexing 16 non-uniform levels) at their own size:
+imported exactly (against the ``gguf`` package's dequantization), looked up in one table per activation by every
+ISA this CPU runs (against the numpy reference and fp64), held at the file's bytes, and a model of them against
+an fp64 forward of the same file."""
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf.quants import dequantize
+
+import tmac
+from conftest import rel_l2, runnable_isas
+from llama_fp64 import llama_logits
+from tmac.base import reference as ref
+from tmac.base.formats import FORMATS, IQ4_LEVELS
+from tmac.execution.lut_ops import LutWeight, _workspace
+from tmac.execution.packing import pack, unpack
+from tmac.kernels import ISAS
+from tmac.models.files.synthetic import CODEBOOK_TYPES, k_quant_blocks
+from tmac.quant.choose import spec_for
+from tmac.quant.quantize import import_gguf
+
+RUNNABLE = runnable_isas()
+CASES = [(isa, t) for isa in RUNNABLE for t in CODEBOOK_TYPES
+         if not isa.startswith("generic") or t == "IQ4_XS"]
+
+
+@pytest.mark.parametrize("type_name", CODEBOOK_TYPES)
+def test_import_is_exact_and_keeps_the_codes(rng, type_name):
+    m, k = 24, 512
+    blocks = k_quant_blocks(rng, m, k, type_name)
+    qw = import_gguf(blocks, type_name, (m, k))
+    assert qw.format.codebook == IQ4_LEVELS and qw.format.bits == 4 and qw.zeros is None
+    want = dequantize(blocks, gguf.GGMLQuantizationType[type_name]).reshape(m, k)
+    np.testing.assert_array_equal(qw.dequantize(), want.astype(np.float32))
+    assert qw.format.to_dict()["codebook"] == list(IQ4_LEVELS)
+    assert tmac.WeightFormat.from_dict(qw.format.to_dict()) is FORMATS[type_name.lower()]
+
+
+@pytest.mark.parametrize("isa, type_name", CASES)
+def test_kernels_match_the_reference_and_hold_the_files_bytes(rng, isa, type_name):
+    """GEMV, few-row and tiled GEMMs (a partial last block) against the numpy reference of one table per activation;
+    the reference itself against fp64; packing round-trips; the packed weights and scales are the file's bytes
+    (IQ4_XS: 4.25 bits a weight, IQ4_NL: 4.5) up to the last block's padding."""
+    m, k = 200, 768
+    blocks = k_quant_blocks(rng, m, k, type_name)
+    qw = import_gguf(blocks, type_name, (m, k))
+    spec = spec_for(qw, ISAS[isa])
+    assert spec.codebook == IQ4_LEVELS and bool(spec.super_groups) == (type_name == "IQ4_XS")
+    packed = pack(qw, spec)
+    held = sum(a.nbytes for a in (packed.weights, packed.scales))
+    assert held <= 1.15 * blocks.nbytes * spec.blocks(m) * spec.block_rows / m
+    lw = LutWeight(packed)
+    exact_w = qw.dequantize().astype(np.float64)
+    for n in (1, 3, 20):
+        x = rng.standard_normal((n, k)).astype(np.float32)
+        y = lw.matmul(torch.from_numpy(x)).numpy()
+        want = ref.lut_matmul(x, qw)
+        assert rel_l2(y, want) <= 1e-5
+        assert rel_l2(want, x.astype(np.float64) @ exact_w.T) <= 0.02  # int8 tables: a step of max|x| a lut group
+    back = unpack(packed, qw.format)
+    np.testing.assert_array_equal(back.codes, qw.codes)
+    np.testing.assert_array_equal(back.scales, qw.scales)
+
+
+@pytest.mark.parametrize("isa", [i for i in RUNNABLE if not i.startswith("generic")])
+def test_tables_and_integer_sums_are_bit_exact(rng, isa):
+    """The compiled table build gives the reference's int8 tables and scales (entry p of activation k's table:
+    rint(c_p·x_k·127/amax)); with weight scale 1 and table scale 1 (an activation of 1 the largest of each lut
+    group) the output is the reference's integer sums exactly."""
+    m, k = 64, 256
+    codes = rng.integers(0, 16, (m, k)).astype(np.uint8)
+    fmt = FORMATS["iq4_nl"]
+    qw = tmac.QuantizedWeight(codes, np.ones((m, k // 32), np.float32), None, fmt)
+    lw = LutWeight.from_quantized(qw, isa=isa)
+    x = rng.uniform(-1, 1, (1, k)).astype(np.float32)
+    x[:, ::32] = 1.0
+    y = lw.matmul(torch.from_numpy(x)).numpy()
+    (lut, ls, _), _ = _workspace(lw.spec, 1)
+    qt, rls = ref.quantize_tables(ref.build_codebook_tables(x, IQ4_LEVELS), lw.spec.lut_group, per_table=1)
+    np.testing.assert_array_equal(lut.numpy()[:1], qt)
+    np.testing.assert_array_equal(ls.numpy()[:1], rls)
+    assert (rls == 1).all()
+    np.testing.assert_array_equal(y[0], ref.lut_accumulate_codebook(qt, codes, lw.spec.lut_group)[0].sum(axis=1))
+
+
+def test_a_codebook_token_table_looks_up_its_levels(rng):
+    blocks = k_quant_blocks(rng, 40, 256, "IQ4_NL")
+    qw = import_gguf(blocks, "IQ4_NL", (40, 256))
+    table = tmac.Embedding(qw)
+    want = dequantize(blocks, gguf.GGMLQuantizationType.IQ4_NL).reshape(40, 256)
+    np.testing.assert_array_equal(table(torch.tensor([0, 7, 39])).numpy(), want[[0, 7, 39]])
+    np.testing.assert_array_equal(table.row(5).numpy(), want[5])
+
+
+@pytest.mark.parametrize("matrices, table", [("IQ4_XS", "IQ4_NL"), ("IQ4_NL", "Q6_K")])
+def test_a_model_of_codebook_matrices_matches_the_fp64_forward(tmp_path, matrices, table):
+    """Every projection at its own size (no 8-bit copy, no float one), an IQ4 token table kept as codes: logits
+    within the bound the other exact types meet against an fp64 forward of the dequantized file (tests/llama_fp64.py),
+    and the first greedy token (through the decode plan) is the exact model's where its top two are apart."""
+    from tmac.models.family.llama import LlamaConfig
+    from tmac.models.files.synthetic import write_random_gguf
+    from tmac.nn.linear import Linear
+
+    path = str(tmp_path / "m.gguf")
+    cfg = LlamaConfig(vocab_size=512, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=768, context_length=64)
+    write_random_gguf(path, cfg, lambda name: table if name.startswith(("token_embd", "output")) else matrices)
+    model = tmac.load_model(path, kv_dtype="float32", progress=False)
+    projections = [m for m in model.modules() if isinstance(m, Linear)]
+    assert {m.format.name for m in projections[:-1]} == {matrices.lower()}
+    assert all(m.spec.codebook == IQ4_LEVELS for m in projections[:-1])
+    assert not any(type(m).__name__ == "FloatLinear" for m in model.modules())
+    file_bytes = sum(t.n_bytes for t in gguf.GGUFReader(path).tensors if t.name.startswith("blk."))
+    held = sum(b.nbytes for m in projections[:-1] for b in m.buffers())
+    assert held <= 1.15 * file_bytes
+    ids = [5, 77, 260, 261, 262, 13, 100, 200, 299, 42, 7, 150]
+    got = tmac.Session(model).logits(ids).numpy().astype(np.float64)
+    exact = llama_logits(path, ids)
+    assert rel_l2(got, exact) <= 0.05
+    session = tmac.Session(model)
+    planned = session.generate(ids, max_tokens=8, temperature=0, ignore_eos=True)
+    top2 = np.sort(exact[-1])[-2:]
+    assert planned[0] == int(exact[-1].argmax()) or top2[1] - top2[0] < 6 * np.sqrt(((got - exact) ** 2).mean())
