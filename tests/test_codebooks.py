@@ -121,3 +121,29 @@ def test_a_model_of_codebook_matrices_matches_the_fp64_forward(tmp_path, matrice
     planned = session.generate(ids, max_tokens=8, temperature=0, ignore_eos=True)
     top2 = np.sort(exact[-1])[-2:]
     assert planned[0] == int(exact[-1].argmax()) or top2[1] - top2[0] < 6 * np.sqrt(((got - exact) ** 2).mean())
+
+
+def test_a_spec_or_weight_whose_levels_disagree_is_refused(rng):
+    """A kernel spec read from a file validates its levels; weights of one codebook do not pack or unpack for
+    another's kernels (their tables would hold other products)."""
+    import dataclasses
+
+    from tmac.quant.spec import KernelSpec
+
+    qw = import_gguf(k_quant_blocks(rng, 64, 256, "IQ4_NL"), "IQ4_NL", (64, 256))
+    spec = spec_for(qw, ISAS["avx2"])
+    record = spec.record()
+    assert KernelSpec.from_dict(record) == spec and record["codebook"] == list(IQ4_LEVELS)
+    from tmac.quant.choose import spec_for_format
+
+    assert "codebook" not in spec_for_format(FORMATS["q4_0"], 256, ISAS["avx2"]).record()  # (planes: JSON as before)
+    for bad in ([1] * 16, list(range(15)), "levels", [0.5] * 16):
+        with pytest.raises(ValueError, match="codebook"):
+            KernelSpec.from_dict({**record, "codebook": bad})
+    with pytest.raises(ValueError, match="codebook kernels take"):
+        dataclasses.replace(spec, quads=True)
+    other = dataclasses.replace(spec, codebook=tuple(range(-8, 8)))
+    with pytest.raises(ValueError):
+        pack(qw, other)
+    with pytest.raises(ValueError):
+        unpack(pack(qw, spec), tmac.WeightFormat("cb", 4, 32, has_zeros=False, codebook=tuple(range(-8, 8))))

@@ -51,7 +51,7 @@ def test_llama_cpp_ftype_matches_llama_cpp_logits(ftype):
 
 
 @pytest.mark.parametrize("isa", runnable_isas())
-@pytest.mark.parametrize("ftype", ["TQ2_0", "Q4_K_M"])
+@pytest.mark.parametrize("ftype", ["TQ2_0", "Q4_K_M", "IQ4_XS"])
 def test_every_isa_this_cpu_runs_meets_the_same_bounds(ftype, isa):
     """The ISAs with table lookups add the same int8 table entries in integers: their logits are the best ISA's up
     to the float order of the epilogues, so the bounds above hold on every CPU class whose ISA this CPU runs. The

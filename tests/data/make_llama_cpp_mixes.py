@@ -3,7 +3,8 @@ download (its mixes: Q4_K_M and the like pick a type per tensor), and llama.cpp'
 (mixes.json) — the reference tests/test_mixes.py compares tmac against. llama.cpp stays out of the test path.
 
 Needs the optional peer (llama-cpp-python, built for this CPU: see the README). Run once:
-    .venv/bin/python tests/data/make_llama_cpp_mixes.py
+    .venv/bin/python tests/data/make_llama_cpp_mixes.py [FTYPE ...]
+(FTYPEs named: only those files are written, their entries added to mixes.json beside the others.)
 """
 import ctypes
 import json
@@ -22,19 +23,27 @@ from tmac.models.files.synthetic import write_random_gguf  # noqa: E402
 # ftype → tied embeddings (the head is then the token table, and llama.cpp picks its type as the output's)
 FTYPES = {"Q2_K": False, "Q3_K_S": False, "Q3_K_M": True, "Q3_K_L": False, "Q4_K_S": False, "Q4_K_M": True,
           "Q5_K_S": True, "Q5_K_M": False, "Q6_K": True, "Q8_0": False, "Q4_0": True, "Q5_1": False,
-          "IQ4_NL": False, "TQ1_0": True, "TQ2_0": False}
+          "IQ4_NL": False, "IQ4_XS": True, "TQ1_0": True, "TQ2_0": False}
 CONFIG = dict(vocab_size=300, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=512, context_length=64)
 PROMPT = [5, 77, 260, 261, 262, 13, 100, 200, 299, 42, 7, 150]
 
 
-def main():
+def main(only: list[str]):
     import llama_cpp
 
+    unknown = set(only) - set(FTYPES)
+    if unknown:
+        raise SystemExit(f"not an ftype here: {', '.join(sorted(unknown))} (known: {', '.join(FTYPES)})")
     out = os.path.join(HERE, "mixes")
     os.makedirs(out, exist_ok=True)
     reference = {"prompt": PROMPT, "config": CONFIG, "files": {}}
+    if only:
+        with open(os.path.join(HERE, "mixes.json")) as f:
+            reference = json.load(f)
     with tempfile.TemporaryDirectory() as tmp:
         for name, tied in FTYPES.items():
+            if only and name not in only:
+                continue
             source = os.path.join(tmp, f"f32-{tied}.gguf")
             if not os.path.exists(source):
                 write_random_gguf(source, LlamaConfig(**CONFIG, tie_embeddings=tied), "F32", seed=7)
@@ -56,4 +65,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])
