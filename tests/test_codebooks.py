@@ -39,7 +39,8 @@ def test_import_is_exact_and_keeps_the_codes(rng, type_name):
 
 @pytest.mark.parametrize("isa, type_name", CASES)
 def test_kernels_match_the_reference_and_hold_the_files_bytes(rng, isa, type_name):
-    """GEMV, few-row and tiled GEMMs (a partial last block) against the numpy reference of one table per activation;
+    """GEMV, few-row and tiled GEMMs (a partial last block) against the numpy reference of one table per activation
+    (in bit-plane bytes, or quads where the ISA has 64-entry lookups);
     the reference itself against fp64; packing round-trips; the packed weights and scales are the file's bytes
     (IQ4_XS: 4.25 bits a weight, IQ4_NL: 4.5) up to the last block's padding."""
     m, k = 200, 768
@@ -47,6 +48,7 @@ def test_kernels_match_the_reference_and_hold_the_files_bytes(rng, isa, type_nam
     qw = import_gguf(blocks, type_name, (m, k))
     spec = spec_for(qw, ISAS[isa])
     assert spec.codebook == IQ4_LEVELS and bool(spec.super_groups) == (type_name == "IQ4_XS")
+    assert spec.quads == ISAS[isa].wide_lookup  # (64-entry lookups: four activations' tables at once)
     packed = pack(qw, spec)
     held = sum(a.nbytes for a in (packed.weights, packed.scales))
     assert held <= 1.15 * blocks.nbytes * spec.blocks(m) * spec.block_rows / m
@@ -141,7 +143,7 @@ def test_a_spec_or_weight_whose_levels_disagree_is_refused(rng):
         with pytest.raises(ValueError, match="codebook"):
             KernelSpec.from_dict({**record, "codebook": bad})
     with pytest.raises(ValueError, match="codebook kernels take"):
-        dataclasses.replace(spec, quads=True)
+        dataclasses.replace(spec, triples=True)
     other = dataclasses.replace(spec, codebook=tuple(range(-8, 8)))
     with pytest.raises(ValueError):
         pack(qw, other)

@@ -158,8 +158,8 @@ class CodebookCodes:
 
     def problems(self, spec) -> list[str]:
         k, g, lg = spec.k, spec.group_size, spec.lut_group
-        if spec.bits != 4 or spec.has_zeros or spec.triples or spec.quads:
-            return ["codebook kernels take 4-bit codes without zeros, in bit-plane bytes (no triples, no quads)"]
+        if spec.bits != 4 or spec.has_zeros or spec.triples:
+            return ["codebook kernels take 4-bit codes without zeros, in bit-plane or quad bytes (no triples)"]
         if lg not in LUT_GROUPS or k % lg or g % lg:
             return [f"lut_group={lg} must be one of {LUT_GROUPS} and divide K={k} and the group size {g}"]
         return []
@@ -420,7 +420,7 @@ class Quads(Layout):
 
 def layout_of(bits: int, triples: bool, quads: bool, codebook: tuple = ()) -> Layout:
     """The layout of a spec's ``bits``, ``triples``, ``quads`` and ``codebook`` fields."""
-    if codebook:  # (its codes refuse triples and quads: ``CodebookCodes.problems``)
-        return Planes(CodebookCodes(codebook))
+    if codebook:  # (its codes refuse triples: ``CodebookCodes.problems``)
+        return Quads(CodebookCodes(codebook)) if quads else Planes(CodebookCodes(codebook))
     codes = TripleCodes() if triples else PlaneCodes(bits)
     return Quads(codes) if quads else Triples(codes) if triples else Planes(codes)
