@@ -95,22 +95,31 @@ def test_a_codebook_token_table_looks_up_its_levels(rng):
     np.testing.assert_array_equal(table.row(5).numpy(), want[5])
 
 
-@pytest.mark.parametrize("matrices, table", [("IQ4_XS", "IQ4_NL"), ("IQ4_NL", "Q6_K")])
-def test_a_model_of_codebook_matrices_matches_the_fp64_forward(tmp_path, matrices, table):
+@pytest.mark.parametrize("matrices, table, mixed", [("IQ4_XS", "IQ4_NL", ""), ("IQ4_NL", "Q6_K", ""),
+                                                   ("IQ4_XS", "IQ4_XS", "Q5_K")])
+def test_a_model_of_codebook_matrices_matches_the_fp64_forward(tmp_path, matrices, table, mixed):
     """Every projection at its own size (no 8-bit copy, no float one), an IQ4 token table kept as codes: logits
     within the bound the other exact types meet against an fp64 forward of the dequantized file (tests/llama_fp64.py),
-    and the first greedy token (through the decode plan) is the exact model's where its top two are apart."""
+    and the first greedy token (through the decode plan) is the exact model's where its top two are apart. The
+    mix is llama.cpp's IQ4_XS ftype: attn_v and ffn_down at Q5_K, so one fused q|k|v holds codebook and bit-plane
+    parts."""
     from tmac.models.family.llama import LlamaConfig
     from tmac.models.files.synthetic import write_random_gguf
     from tmac.nn.linear import Linear
 
     path = str(tmp_path / "m.gguf")
     cfg = LlamaConfig(vocab_size=512, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=768, context_length=64)
-    write_random_gguf(path, cfg, lambda name: table if name.startswith(("token_embd", "output")) else matrices)
+    def type_of(name):
+        if name.startswith(("token_embd", "output")):
+            return table
+        return mixed if mixed and name.endswith(("attn_v.weight", "ffn_down.weight")) else matrices
+
+    write_random_gguf(path, cfg, type_of)
     model = tmac.load_model(path, kv_dtype="float32", progress=False)
     projections = [m for m in model.modules() if isinstance(m, Linear)]
-    assert {m.format.name for m in projections[:-1]} == {matrices.lower()}
-    assert all(m.spec.codebook == IQ4_LEVELS for m in projections[:-1])
+    kinds = {m.format.name for m in projections[:-1]}
+    assert kinds == ({matrices.lower(), mixed.lower()} if mixed else {matrices.lower()})
+    assert all(bool(m.spec.codebook) == m.format.name.startswith("iq4") for m in projections[:-1])
     assert not any(type(m).__name__ == "FloatLinear" for m in model.modules())
     file_bytes = sum(t.n_bytes for t in gguf.GGUFReader(path).tensors if t.name.startswith("blk."))
     held = sum(b.nbytes for m in projections[:-1] for b in m.buffers())
