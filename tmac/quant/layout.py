@@ -157,12 +157,9 @@ class CodebookCodes:
         return t[0] * (half * float(2 * max(abs(c) for c in self.levels)))
 
     def problems(self, spec) -> list[str]:
-        k, g, lg = spec.k, spec.group_size, spec.lut_group
         if spec.bits != 4 or spec.has_zeros or spec.triples:
             return ["codebook kernels take 4-bit codes without zeros, in bit-plane or quad bytes (no triples)"]
-        if lg not in LUT_GROUPS or k % lg or g % lg:
-            return [f"lut_group={lg} must be one of {LUT_GROUPS} and divide K={k} and the group size {g}"]
-        return []
+        return PlaneCodes.problems(self, spec)  # (the same lut groups as bit planes)
 
     def accepts(self, fmt, scale_groups: int = 1) -> bool:
         return fmt.codebook == self.levels
