@@ -56,7 +56,7 @@ def _write(d, name, a):
                                                  (4, True, "float32"), (4, False, "float16"),
                                                  ("ternary triples", False, "float32"), ("Q5_K", True, "super"),
                                                  ("Q6_K", False, "super"), ("IQ4_NL", False, "blocks"),
-                                                 ("IQ4_XS", False, "super")])
+                                                 ("IQ4_XS", False, "super"), ("IQ2_XS", False, "super")])
 def test_arm64_kernels_under_qemu(harness, tmp_path, rng, isa, bits, zeros, params):
     from tmac.codegen.build import build_library
     from tmac.models.files.synthetic import k_quant_blocks
@@ -68,7 +68,7 @@ def test_arm64_kernels_under_qemu(harness, tmp_path, rng, isa, bits, zeros, para
     if triples:
         qw = quantize_weight(w, ternary=True, group_size="row")
     elif params in ("super", "blocks"):  # 4 + 1 (4 + 2) bit planes; byte multipliers (Q6_K: signed, groups of 16) of
-        qw = import_gguf(k_quant_blocks(rng, m, k, bits), bits, (m, k))  # super scales; IQ4_*: codebook tables
+        qw = import_gguf(k_quant_blocks(rng, m, k, bits), bits, (m, k))  # super scales; IQ*: codebook tables (IQ2_XS: groups of 16)
     else:
         qw = quantize_weight(w, bits=bits, group_size=64, symmetric=not zeros)
         fmt = dataclasses.replace(qw.format, scale_dtype=params, zero_dtype=params)

@@ -1,7 +1,8 @@
 """Codebook formats (llama.cpp's IQ4_NL and IQ4_XS: 4-bit codes indexing 16 non-uniform levels) at their own size:
 imported exactly (against the ``gguf`` package's dequantization), looked up in one table per activation by every
 ISA this CPU runs (against the numpy reference and fp64), held at the file's bytes, and a model of them against
-an fp64 forward of the same file."""
+an fp64 forward of the same file. The grid i-quants (IQ1_S to IQ3_S: grid indices and sign bits) import exactly as
+4-bit codes of their at most 16 levels, through the same kernels, held at those codes' bytes (not 8 bits)."""
 import gguf
 import numpy as np
 import pytest
@@ -16,13 +17,22 @@ from tmac.base.formats import FORMATS, IQ4_LEVELS
 from tmac.execution.lut_ops import LutWeight, _workspace
 from tmac.execution.packing import pack, unpack
 from tmac.kernels import ISAS
-from tmac.models.files.synthetic import CODEBOOK_TYPES, k_quant_blocks
+from tmac.models.files.synthetic import CODEBOOK_TYPES, GRID_TYPES, k_quant_blocks
 from tmac.quant.choose import spec_for
 from tmac.quant.quantize import import_gguf
 
 RUNNABLE = runnable_isas()
+# IQ4_NL/IQ4_XS on every ISA; the grid types' six kernels (levels × group size) on the best ISA, and a type of
+# groups of 16 and one of 32 on the others with table lookups
 CASES = [(isa, t) for isa in RUNNABLE for t in CODEBOOK_TYPES
-         if not isa.startswith("generic") or t == "IQ4_XS"]
+         if (t == "IQ4_XS" or not isa.startswith("generic")) and
+         (t not in GRID_TYPES or isa == RUNNABLE[0] or (t in ("IQ2_XS", "IQ3_XXS") and not isa.startswith("generic")))]
+
+
+def codes_bytes(type_name: str, m: int, k: int) -> float:
+    """The bytes of ``m × k`` weights of a grid type as 4-bit codes with a byte multiplier a group and a float16
+    super scale a 256."""
+    return m * k * (4 + 8 / FORMATS[type_name.lower()].group_size + 16 / 256) / 8
 
 
 @pytest.mark.parametrize("type_name", CODEBOOK_TYPES)
@@ -30,11 +40,15 @@ def test_import_is_exact_and_keeps_the_codes(rng, type_name):
     m, k = 24, 512
     blocks = k_quant_blocks(rng, m, k, type_name)
     qw = import_gguf(blocks, type_name, (m, k))
-    assert qw.format.codebook == IQ4_LEVELS and qw.format.bits == 4 and qw.zeros is None
+    levels = FORMATS[type_name.lower()].codebook
+    assert qw.format.codebook == levels and qw.format.bits == 4 and qw.zeros is None
+    assert type_name in GRID_TYPES or levels == IQ4_LEVELS
     want = dequantize(blocks, gguf.GGMLQuantizationType[type_name]).reshape(m, k)
     np.testing.assert_array_equal(qw.dequantize(), want.astype(np.float32))
-    assert qw.format.to_dict()["codebook"] == list(IQ4_LEVELS)
+    assert qw.format.to_dict()["codebook"] == list(levels)
     assert tmac.WeightFormat.from_dict(qw.format.to_dict()) is FORMATS[type_name.lower()]
+    used = np.unique(np.asarray(levels)[qw.codes])  # (random blocks reach every level a grid has)
+    assert len(used) == {"IQ2": 6, "IQ1": 6}.get(type_name[:3], 16)
 
 
 @pytest.mark.parametrize("isa, type_name", CASES)
@@ -42,16 +56,19 @@ def test_kernels_match_the_reference_and_hold_the_files_bytes(rng, isa, type_nam
     """GEMV, few-row and tiled GEMMs (a partial last block) against the numpy reference of one table per activation
     (in bit-plane bytes, or quads where the ISA has 64-entry lookups);
     the reference itself against fp64; packing round-trips; the packed weights and scales are the file's bytes
-    (IQ4_XS: 4.25 bits a weight, IQ4_NL: 4.5) up to the last block's padding."""
+    (IQ4_XS: 4.25 bits a weight, IQ4_NL: 4.5; the grid types their 4-bit codes', under 4.6) up to the last block's
+    padding."""
     m, k = 200, 768
     blocks = k_quant_blocks(rng, m, k, type_name)
     qw = import_gguf(blocks, type_name, (m, k))
     spec = spec_for(qw, ISAS[isa])
-    assert spec.codebook == IQ4_LEVELS and bool(spec.super_groups) == (type_name == "IQ4_XS")
-    assert spec.quads == ISAS[isa].wide_lookup  # (64-entry lookups: four activations' tables at once)
+    assert spec.codebook == qw.format.codebook and bool(spec.super_groups) == (type_name != "IQ4_NL")
+    # (64-entry lookups: four activations' tables at once; lut groups of 16 take bit-plane bytes)
+    assert spec.quads == (ISAS[isa].wide_lookup and spec.lut_group % 32 == 0)
     packed = pack(qw, spec)
     held = sum(a.nbytes for a in (packed.weights, packed.scales))
-    assert held <= 1.15 * blocks.nbytes * spec.blocks(m) * spec.block_rows / m
+    padding = spec.blocks(m) * spec.block_rows / m
+    assert held <= 1.15 * (codes_bytes(type_name, m, k) if type_name in GRID_TYPES else blocks.nbytes) * padding
     lw = LutWeight(packed)
     exact_w = qw.dequantize().astype(np.float64)
     for n in (1, 3, 20):

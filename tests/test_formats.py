@@ -9,8 +9,14 @@ pytestmark = pytest.mark.unit  # needs no compiler (make unit)
 
 def test_gguf_formats_described_once():
     assert set(GGUF_EXACT) == {"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "TQ1_0",
-                               "TQ2_0", "IQ4_NL", "IQ4_XS"}
+                               "TQ2_0", "IQ4_NL", "IQ4_XS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S",
+                               "IQ1_M"}
     assert FORMATS["iq4_xs"].codebook == FORMATS["iq4_nl"].codebook and FORMATS["iq4_xs"].groups_per_super == 8
+    # the grid i-quants' levels: sign × llama.cpp's grid magnitudes (IQ1: 8·{−1, 0, 1} ± 1), padded to 16 for IQ1, IQ2
+    assert set(FORMATS["iq2_xxs"].codebook) >= {s * v for s in (-1, 1) for v in (0x08, 0x19, 0x2B)}
+    assert FORMATS["iq3_s"].codebook == tuple(range(-15, 16, 2))
+    assert set(FORMATS["iq1_m"].codebook) >= {-9, -7, -1, 1, 7, 9}
+    assert FORMATS["iq2_xs"].group_size == FORMATS["iq1_m"].group_size == 16 and FORMATS["iq3_xxs"].group_size == 32
     assert FORMATS["q4_1"].has_zeros and not FORMATS["q4_0"].has_zeros
     assert FORMATS["q4_k"].group_size == 32 and FORMATS["q4_k"].gguf.block_size == 256  # 8 groups a block
     assert FORMATS["q6_k"].group_size == 16 and FORMATS["q6_k"].groups_per_super == 16 and not FORMATS["q6_k"].has_zeros

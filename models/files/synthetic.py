@@ -81,14 +81,17 @@ def k_quant_blocks(rng: np.random.Generator, rows: int, k: int, type_name: str =
 
 
 def codebook_blocks(rng: np.random.Generator, rows: int, k: int, type_name: str) -> np.ndarray:
-    """Random IQ4_NL or IQ4_XS blocks ``[rows, k/block·bytes]`` of weights about N(0, 0.02)'s size (its levels
-    reach ±127): IQ4_NL d·level[q]; IQ4_XS d·(a − 32)·level[q] with 6-bit a of either sign of a − 32."""
+    """Random blocks of a codebook type ``[rows, k/block·bytes]`` of weights about N(0, 0.02)'s size: IQ4_NL
+    d·level[q] (its levels reach ±127); IQ4_XS d·(a − 32)·level[q] with 6-bit a of either sign of a − 32; the grid
+    types (``GRID_TYPES``): ``_grid_blocks``."""
     block = 32 if type_name == "IQ4_NL" else 256
     n = rows * k // block
 
     def f16(lo, hi):
         return rng.uniform(lo, hi, n).astype(np.float16).view(np.uint8).reshape(n, 2)
 
+    if type_name in GRID_TYPES:
+        return _grid_blocks(rng, rows, k, type_name)
     codes = rng.integers(0, 256, (n, block // 2), dtype=np.uint8)
     if type_name == "IQ4_NL":  # {f16 d; u8 qs[16]}
         return np.concatenate([f16(2e-4, 4e-4), codes], axis=1).reshape(rows, -1)
@@ -98,8 +101,31 @@ def codebook_blocks(rng: np.random.Generator, rows: int, k: int, type_name: str)
     return np.concatenate([f16(1e-5, 2e-5), high[:, None].view(np.uint8), low, codes], axis=1).reshape(rows, -1)
 
 
+# the grid i-quants: every index, sign and scale bit pattern is a valid block, so random bytes are, with a float16 d
+# (for IQ1_M: the top nibbles of its four scale words) that brings the weights to N(0, 0.02)'s size
+GRID_D = {"IQ2_XXS": 4e-4, "IQ2_XS": 4e-4, "IQ2_S": 4e-4, "IQ3_XXS": 1.5e-4, "IQ3_S": 1.5e-4, "IQ1_S": 3e-3,
+          "IQ1_M": 3e-3}
+GRID_TYPES = tuple(GRID_D)
+
+
+def _grid_blocks(rng: np.random.Generator, rows: int, k: int, type_name: str) -> np.ndarray:
+    from tmac.base.formats import GGUF_EXACT
+
+    n, size = rows * k // 256, GGUF_EXACT[type_name].gguf.type_size
+    blocks = rng.integers(0, 256, (n, size), dtype=np.uint8)
+    d = rng.uniform(GRID_D[type_name], 2 * GRID_D[type_name], n).astype(np.float16).view(np.uint16)
+    if type_name == "IQ1_M":  # {u8 qs[32]; u8 qh[16]; u16 sc[4]}: d's nibble i in bits 12-15 of sc[i]
+        sc = blocks[:, 48:56].copy().view("<u2")
+        for i in range(4):
+            sc[:, i] = (sc[:, i] & 0x0FFF) | (((d >> (4 * i)) & 0xF) << 12)
+        blocks[:, 48:56] = sc.view(np.uint8)
+    else:
+        blocks[:, :2] = d[:, None].view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
 K_QUANT_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
-CODEBOOK_TYPES = ("IQ4_NL", "IQ4_XS")
+CODEBOOK_TYPES = ("IQ4_NL", "IQ4_XS") + GRID_TYPES
 TERNARY_TYPES = ("TQ1_0", "TQ2_0")
 TERNARY_SCALE = 0.0200042724609375  # a float16 value, so every block's d holds it exactly
 

@@ -14,12 +14,20 @@ from tmac.base.formats import BITS, FORMATS, GROUP_SIZES, PER_ROW, PER_TENSOR
 
 def formats_table() -> str:
     rows = ["| format | weight bits | group | scale, zero | from |", "|---|---|---|---|---|"]
+    grids: dict[tuple, list] = {}  # the grid i-quants, a row for those alike: (bits, group, params) → formats
     for f in FORMATS.values():
         group = f"{f.group_size}" + (f" in {f.super_group}" if f.super_group else "")
         params = f.scale_dtype + (f", {f.zero_dtype}" if f.has_zeros else "")
-        source = f"GGUF {f.gguf.type_name}, exactly" if f.gguf else "BitNet b1.58 checkpoints, exactly"
         bits = "ternary" if f.ternary else f"{f.bits}, {len(f.codebook)} levels" if f.codebook else f.bits
+        if f.codebook and f.gguf and f.gguf.type_size * 8 < f.bits * f.gguf.block_size:
+            grids.setdefault((bits, group, params), []).append(f)
+            continue
+        source = f"GGUF {f.gguf.type_name}, exactly" if f.gguf else "BitNet b1.58 checkpoints, exactly"
         rows.append(f"| `{f.name}` | {bits} | {group} | {params} | {source} |")
+    for (bits, group, params), fs in grids.items():  # (held as 4-bit codes, above their files' bits a weight)
+        files = ", ".join(f.gguf.type_name for f in fs)
+        rows.append(f"| {', '.join(f'`{f.name}`' for f in fs)} | {bits} | {group} | {params} | GGUF {files}, "
+                    f"exactly |")
     rows.append(f"| `w<bits>g<group>` | {', '.join(map(str, BITS))}, ternary | {', '.join(map(str, GROUP_SIZES))}, "
                 f"{PER_ROW}, {PER_TENSOR} | float16 or float32, zeros optional | `quantize_weight`, `bits=` "
                 f"(requantizing) |")

@@ -25,6 +25,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from tmac.base import gguf_blocks
+from tmac.base.gguf_blocks import GRID_LEVELS
+
 # 5: exact Q5_0/Q5_1/Q5_K imports (4 + 1 planes); 6: Q6_K (4 + 2); 8: Q8_0 (two 4-plane chunks)
 BITS = (1, 2, 3, 4, 5, 6, 8)
 K_MULTIPLE = 32  # every kernel's K is a multiple of this: its smallest lut group (eight 4-activation tables)
@@ -57,8 +60,6 @@ class GGUFBlock:
 
     def decoder(self):
         """The numpy decoder of this block type: ``tmac.base.gguf_blocks.decode_<type>``."""
-        from tmac.base import gguf_blocks
-
         return getattr(gguf_blocks, f"decode_{self.type_name.lower()}")
 
 
@@ -247,7 +248,25 @@ def check_group_size(group_size) -> None:
 #         of sl[j // 2] | bits 2j of sh << 4); q: as Q4_0 within each group's 16 bytes
 #   Q6_K  {u8 ql[128]; u8 qh[64]; i8 sc[16]; f16 d}  w = d·sc_j·(q − 32) for group j of 16; weight 128h + 32i + l:
 #         nibble i // 2 of ql[64h + 32(i % 2) + l] | bits 2i of qh[32h + l] << 4
+#   The grid i-quants store indices into llama.cpp's grids of 8 (IQ2, IQ1) or 4 (IQ3) magnitudes and a sign bit a
+#   weight (IQ1: none, but a shift ±⅛ per 8 or 32 weights); gguf-py's quants module holds the grids. Each weight is
+#   one of at most 16 integer levels (``gguf_blocks.GRID_LEVELS``) times its group's scale, so they import as 4-bit
+#   codebook codes (not at their own 1.56-3.44 bits: a grid index would be one lookup only in a table of all its
+#   weights' activations, and their signs differ row by row):
+#   IQ2_XXS {f16 d; u32 qs[16]}  per 32: u32 of 4 grid indices, u32 of 4 × 7 sign bits (ksigns: the 8th is the parity)
+#         and a 4-bit s; w = d·(2s + 1)/8 · ±grid, grid ∈ {8, 25, 43}
+#   IQ2_XS {f16 d; u16 qs[32]; u8 sc[8]}  per 8: 9-bit index | 7 sign bits << 9; s per 16 (nibbles of sc)
+#   IQ2_S  {f16 d; u8 qs[32]; u8 sg[32]; u8 qh[8]; u8 sc[8]}  per 8: index qs | 2 bits of qh << 8, sign byte; s per 16
+#   IQ3_XXS {f16 d; u8 qs[64]; u32 ss[8]}  per 4: index; per 32: 4 × 7 sign bits, s; w = d·(2s + 1)/4 · ±grid,
+#         grid ∈ {4, 12, .. 52, 62}
+#   IQ3_S  {f16 d; u8 qs[64]; u8 qh[8]; u8 sg[32]; u8 sc[4]}  per 4: index qs | bit of qh << 8; w = d·(2s + 1)·±grid,
+#         grid ∈ {1, 3, .., 15}, s per 32
+#   IQ1_S  {f16 d; u8 qs[32]; u16 qh[8]}  per 32: qh = 4 × 3 index bits, s (3 bits), delta sign; w = d·(2s + 1)·
+#         (grid ± ⅛), grid ∈ {−1, 0, 1}: level 8·grid ± 1, scale d·(2s + 1)/8
+#   IQ1_M  {u8 qs[32]; u8 qh[16]; u16 sc[4]}  d: the top nibbles of sc; per 8: 3 index bits and the delta's sign (a
+#         nibble of qh); s per 16 (3 bits)
 IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # llama.cpp's kvalues_iq4nl
+
 FORMATS: dict[str, WeightFormat] = {
     f.name: f
     for f in (
@@ -272,6 +291,10 @@ FORMATS: dict[str, WeightFormat] = {
                      codebook=IQ4_LEVELS),
         WeightFormat("iq4_xs", 4, 32, has_zeros=False, gguf=GGUFBlock("IQ4_XS", 256, 136), super_group=256,
                      codebook=IQ4_LEVELS),
+        *(WeightFormat(name.lower(), 4, group, has_zeros=False, gguf=GGUFBlock(name, 256, size), super_group=256,
+                       codebook=GRID_LEVELS[name])
+          for name, group, size in (("IQ2_XXS", 32, 66), ("IQ2_XS", 16, 74), ("IQ2_S", 16, 82), ("IQ3_XXS", 32, 98),
+                                    ("IQ3_S", 32, 110), ("IQ1_S", 32, 50), ("IQ1_M", 16, 56))),
         WeightFormat("bitnet", 2, PER_TENSOR, has_zeros=False, ternary=True),
     )
 }

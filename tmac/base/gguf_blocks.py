@@ -5,6 +5,8 @@ code offset and returns ``(codes [n, block], scales [n, groups], zeros or None)`
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 _POW3 = np.array([1, 3, 9, 27, 81], dtype=np.uint8)  # TQ1_0: five base-3 digits a byte
@@ -130,3 +132,125 @@ def _q4_k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     a = np.concatenate([lo & 0x3F, (mixed & 0x0F) | ((lo >> 2) & 0x30)], axis=1)
     b = np.concatenate([hi & 0x3F, (mixed >> 4) | ((hi >> 2) & 0x30)], axis=1)
     return a.astype(np.float64), b.astype(np.float64)
+
+
+# ---- the grid i-quants: indices into llama.cpp's grids, sign bits; levels as codebook codes -------------------------
+def _padded(used: tuple[int, ...], filler: range) -> tuple[int, ...]:
+    """16 distinct levels: the ``used`` ones, then unused fillers of small magnitude (a table's range is set by the
+    largest level, so fillers inside it cost nothing)."""
+    return tuple(sorted(used + tuple(v for v in filler if v not in used)[:16 - len(used)]))
+
+
+# each type's levels (``WeightFormat.codebook`` of its row in ``tmac.base.formats``): sign × grid magnitude, IQ1's
+# 8·(grid ± ⅛)
+_IQ2 = _padded((-43, -25, -8, 8, 25, 43), range(-5, 7))  # ±{0x08, 0x19, 0x2b}
+_IQ1 = _padded((-9, -7, -1, 1, 7, 9), range(-6, 7))  # 8·{−1, 0, 1} ± 1
+GRID_LEVELS = {"IQ2_XXS": _IQ2, "IQ2_XS": _IQ2, "IQ2_S": _IQ2,
+               "IQ3_XXS": tuple(sorted(s * v for s in (-1, 1) for v in (4, 12, 20, 28, 36, 44, 52, 62))),
+               "IQ3_S": tuple(range(-15, 16, 2)), "IQ1_S": _IQ1, "IQ1_M": _IQ1}
+
+
+@functools.lru_cache(maxsize=None)
+def _grid(type_name: str) -> np.ndarray:
+    """llama.cpp's grid of a type as integers ``[entries, width]`` (gguf-py's quants module holds it)."""
+    import gguf.quants
+
+    cls = getattr(gguf.quants, type_name)
+    cls.init_grid()
+    return np.rint(np.asarray(cls.grid, np.float64).reshape(cls.grid_shape)).astype(np.int16)
+
+
+def _ksigns() -> np.ndarray:
+    """The 7 stored sign bits of 8 weights and their parity as the 8th (llama.cpp's ksigns_iq2xs), as bits ``[128, 8]``."""
+    seven = np.arange(128, dtype=np.uint8)
+    odd = np.unpackbits(seven[:, None], axis=1).sum(axis=1) % 2
+    return np.unpackbits((seven | (odd << 7).astype(np.uint8))[:, None], axis=1, bitorder="little").astype(bool)
+
+
+def _bits(b: np.ndarray) -> np.ndarray:
+    """Bytes ``[n, B]`` as their bits ``[n, 8·B]``, least significant first."""
+    return np.unpackbits(b, axis=1, bitorder="little").astype(bool)
+
+
+def _codes(levels: np.ndarray, codebook: tuple) -> np.ndarray:
+    """Integer levels ``[n, 256]`` as the codebook's codes."""
+    index = np.zeros(256, np.uint8)
+    index[np.asarray(codebook) + 128] = np.arange(len(codebook), dtype=np.uint8)
+    return index[levels.astype(np.int16) + 128]
+
+
+def _grid_codes(type_name: str, idx: np.ndarray, negative: np.ndarray) -> np.ndarray:
+    """Codes ``[n, 256]`` of grid indices ``[n, E]`` with one sign bit a weight (``negative [n, 256]``)."""
+    mags = _grid(type_name)[idx].reshape(len(idx), -1)
+    return _codes(np.where(negative, -mags, mags), GRID_LEVELS[type_name])
+
+
+def _scale(d: np.ndarray, s: np.ndarray, shift: int) -> np.ndarray:
+    """``d·(2s + 1)·2^shift`` in float32, exactly (11 × 5 significant bits, a power of two)."""
+    return d[:, None] * (2 * s.astype(np.float32) + 1) * np.float32(2.0 ** shift)
+
+
+def _nibble_scales(sc: np.ndarray) -> np.ndarray:
+    """Bytes of two 4-bit scales as ``[n, 2·B]``: low nibble first."""
+    return np.stack([sc & 0x0F, sc >> 4], axis=2).reshape(len(sc), -1)
+
+
+def _seven_bit_signs(words: np.ndarray) -> np.ndarray:
+    """u32 words ``[n, W]`` of four 7-bit sign indices (bits 0, 7, 14, 21) as 8 sign bits each: ``[n, 32·W]``."""
+    seven = (words[:, :, None] >> np.array([0, 7, 14, 21], np.uint32)) & 0x7F
+    return _ksigns()[seven].reshape(len(words), -1)
+
+
+def decode_iq2_xxs(blocks, offset):
+    q = blocks[:, 2:66].copy().view("<u4").reshape(-1, 8, 2)  # per 32: indices, signs and scale
+    idx = q[:, :, 0].copy().view(np.uint8).reshape(len(blocks), -1)
+    codes = _grid_codes("IQ2_XXS", idx, _seven_bit_signs(q[:, :, 1]))
+    return codes, _scale(_f16(blocks, 0).astype(np.float32), q[:, :, 1] >> 28, -3), None
+
+
+def decode_iq2_xs(blocks, offset):
+    q = blocks[:, 2:66].copy().view("<u2")  # [n, 32]: per 8 weights
+    codes = _grid_codes("IQ2_XS", q & 511, _ksigns()[q >> 9].reshape(len(blocks), -1))
+    return codes, _scale(_f16(blocks, 0).astype(np.float32), _nibble_scales(blocks[:, 66:74]), -3), None
+
+
+def decode_iq2_s(blocks, offset):
+    high = (blocks[:, 66:74, None] >> np.array([0, 2, 4, 6], np.uint8)) & 3  # [n, 8, 4]: entry 4j + i
+    idx = blocks[:, 2:34].astype(np.uint16) | (high.reshape(len(blocks), -1).astype(np.uint16) << 8)
+    codes = _grid_codes("IQ2_S", idx, _bits(blocks[:, 34:66]))
+    return codes, _scale(_f16(blocks, 0).astype(np.float32), _nibble_scales(blocks[:, 74:82]), -3), None
+
+
+def decode_iq3_xxs(blocks, offset):
+    ss = blocks[:, 66:98].copy().view("<u4")  # [n, 8]: per 32
+    codes = _grid_codes("IQ3_XXS", blocks[:, 2:66], _seven_bit_signs(ss))
+    return codes, _scale(_f16(blocks, 0).astype(np.float32), ss >> 28, -2), None
+
+
+def decode_iq3_s(blocks, offset):
+    idx = blocks[:, 2:66].astype(np.uint16) | (_bits(blocks[:, 66:74]).astype(np.uint16) << 8)
+    codes = _grid_codes("IQ3_S", idx, _bits(blocks[:, 74:106]))
+    return codes, _scale(_f16(blocks, 0).astype(np.float32), _nibble_scales(blocks[:, 106:110]), 0), None
+
+
+def _iq1_codes(type_name: str, idx: np.ndarray, minus: np.ndarray) -> np.ndarray:
+    """IQ1: level 8·grid + 1, or − 1 where the entry's delta is −⅛ (``minus [n, E]``, one a grid entry)."""
+    levels = 8 * _grid(type_name)[idx] + np.where(minus, -1, 1)[:, :, None]
+    return _codes(levels.reshape(len(idx), -1), GRID_LEVELS[type_name])
+
+
+def decode_iq1_s(blocks, offset):
+    qh = blocks[:, 34:50].copy().view("<u2")  # [n, 8]: per 32
+    high = (qh[:, :, None] >> np.array([0, 3, 6, 9], np.uint16)) & 7
+    idx = blocks[:, 2:34].astype(np.uint16) | (high.reshape(len(blocks), -1) << 8)
+    minus = np.repeat((qh & 0x8000) != 0, 4, axis=1)
+    return _iq1_codes("IQ1_S", idx, minus), _scale(_f16(blocks, 0).astype(np.float32), (qh >> 12) & 7, -3), None
+
+
+def decode_iq1_m(blocks, offset):
+    sc = blocks[:, 48:56].copy().view("<u2")  # [n, 4]: 4 × 3-bit scales, and a nibble of d's bits each
+    d = ((sc[:, 0] >> 12) | ((sc[:, 1] >> 8) & 0x00F0) | ((sc[:, 2] >> 4) & 0x0F00) | (sc[:, 3] & 0xF000))
+    s = ((sc[:, :, None] >> np.array([0, 3, 6, 9], np.uint16)) & 7).reshape(len(blocks), -1)  # per 16
+    nib = _nibble_scales(blocks[:, 32:48])  # per 8: 3 index bits, the delta's sign
+    idx = blocks[:, :32].astype(np.uint16) | ((nib & 7).astype(np.uint16) << 8)
+    return _iq1_codes("IQ1_M", idx, (nib & 8) != 0), _scale(d.view(np.float16).astype(np.float32), s, -3), None

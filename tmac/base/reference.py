@@ -31,7 +31,7 @@ with ``c_i(p)`` the base-3 digits of ``p`` minus 1 (``p ≤ 13``; entries 14, 15
 K is padded with zero activations to whole lut groups (``TRIPLE_LUT_GROUP``, a multiple of 24: the kernel's
 step is 8 triples, whose sign bits share a byte).
 
-Codebook formats (``WeightFormat.codebook``: llama.cpp's IQ4_NL, IQ4_XS) give each 4-bit code an integer level
+Codebook formats (``WeightFormat.codebook``: llama.cpp's i-quants) give each 4-bit code an integer level
 ``c_q`` that no sum of bit planes spells; one activation to a table, its 16 entries the products with the levels,
 ``T_k[p] = c_p·x_k``, so each code is one lookup, as many as a 4-bit weight's four planes take:
 
