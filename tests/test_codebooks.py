@@ -80,6 +80,13 @@ def test_kernels_match_the_reference_and_hold_the_files_bytes(rng, isa, type_nam
     back = unpack(packed, qw.format)
     np.testing.assert_array_equal(back.codes, qw.codes)
     np.testing.assert_array_equal(back.scales, qw.scales)
+    # by default one K chunk but on 16-byte vectors (docs/decisions.md, "K chunks"); `tmac tune` may choose several:
+    # the same sums
+    assert spec.k_chunk == spec.k_padded or ISAS[isa].vector_bytes == 16
+    chunked = LutWeight(pack(qw, spec_for(qw, ISAS[isa], k_chunk=2 * spec.chunk_unit)))
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    for rows in (x[:1], x):
+        assert rel_l2(chunked.matmul(torch.from_numpy(rows)).numpy(), ref.lut_matmul(rows, qw)) <= 1e-5
 
 
 @pytest.mark.parametrize("isa", [i for i in RUNNABLE if not i.startswith("generic")])

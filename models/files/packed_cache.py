@@ -57,9 +57,13 @@ def identity(path: str) -> dict:
 
 
 def layout() -> dict:
-    """What a packed copy's bytes depend on besides the source: the ISA, the generator, the tilings chosen."""
-    from tmac.quant.cache import generator_digest
+    """What a packed copy's bytes depend on besides the source: the ISA, the generator, the tilings chosen (the tuning
+    table and the code of the defaults), the packing and the importers. (A copy packed otherwise would still load
+    correctly, repacked layer by layer on every load: seconds and a second copy of the weights each run.)"""
+    from tmac.execution import packing
     from tmac.kernels import best_isa
+    from tmac.quant import choose, embedding, kquant, quantize
+    from tmac.quant.cache import generator_digest, source_digest
 
     from tmac.models.files.tmac_file import FORMAT_VERSION
 
@@ -71,7 +75,9 @@ def layout() -> dict:
             tuning = hashlib.sha256(f.read()).hexdigest()[:16]
     except OSError:
         pass
-    return {"isa": best_isa().name, "generator": generator_digest(), "tuning": tuning, "format": FORMAT_VERSION}
+    packer = source_digest([m.__file__ for m in (choose, packing, kquant, quantize, embedding)])
+    return {"isa": best_isa().name, "generator": generator_digest(), "packer": packer, "tuning": tuning,
+            "format": FORMAT_VERSION}
 
 
 def key_of(ident: dict, lay: dict) -> str:

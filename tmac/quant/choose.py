@@ -205,10 +205,12 @@ def _default_unroll(spec: KernelSpec, block_rows: int, sixteen_registers: bool) 
 def _default_k_chunk(spec: KernelSpec) -> int:
     """Triples, 1-bit weights and 16-byte vectors: the most activations whose tables and one block's weights of
     them fit ``CHUNK_BYTES``, in chunks of near-equal size: streaming a block's weights through L1 evicted its
-    tables before the next block reused them. On 64-byte vectors 2-5 bits (fewer table bytes per weight byte) gain
-    nothing: one chunk; so does AVX2, whose GEMV prefetches its weights (docs/decisions.md, "K chunks")."""
+    tables before the next block reused them. On 64-byte vectors 2-5 bits (fewer table bytes per weight byte) and
+    codebook codes (their chunks slowed the GEMM of a prompt) gain nothing: one chunk; so does AVX2, whose GEMV
+    prefetches its weights (docs/decisions.md, "K chunks")."""
     unit, kp = spec.chunk_unit, spec.k_padded
-    chunked = spec.vector_bytes == 16 or spec.vector_bytes == 64 and spec.layout.codes.planes == 1  # W1, triples
+    chunked = spec.vector_bytes == 16 or spec.vector_bytes == 64 and spec.layout.codes.planes == 1 and \
+        not spec.codebook  # W1, triples
     if not chunked or unit <= 0 or kp % unit:
         return kp
     w_shape, s_shape = packed_shapes(spec, spec.block_rows)
