@@ -1,6 +1,6 @@
 """A GGUF is packed once: the first load writes its packed model to the cache (models/files/packed_cache.py), later loads
 map that copy. The copy is keyed by the file and by the kernels' layout (a changed file, another ISA, another
-generator each miss), written atomically (a failed write leaves nothing), checked when loaded (a damaged copy is
+generator, other tiling or packing code each miss), written atomically (a failed write leaves nothing), checked when loaded (a damaged copy is
 rebuilt, not trusted), bounded in size, and listed and cleared by ``tmac cache``."""
 import glob
 import json
