@@ -106,6 +106,28 @@ def test_a_changed_file_another_isa_or_generator_misses(cache, source, monkeypat
     assert len(packed_cache.entries()) == 5 + (other is not None)
 
 
+def test_a_copy_packed_by_other_code_is_packed_again_once(cache, source, monkeypatch):
+    """A copy whose key misses a change in the code that packs (here the default K chunk, under an unchanged key)
+    is repacked as it loads — the same tokens — and written again as it now is: the next load maps it as it is."""
+    from tmac.nn.linear import respec
+    from tmac.quant import choose
+
+    want = greedy(tmac.load_model(source, context=64))
+    key = packed_cache.layout()
+    monkeypatch.setattr(packed_cache, "layout", lambda: key)
+    monkeypatch.setattr(choose, "_default_k_chunk", lambda spec: spec.chunk_unit)
+    packed = loads_from_source(monkeypatch)
+    respec.cache_clear()  # (the specs chosen before the change)
+    try:
+        loads = [tmac.load_model(source, context=64) for _ in range(2)]
+    finally:
+        respec.cache_clear()
+    repacked = [sum(m.repacked for m in model.modules() if isinstance(m, tmac.Linear)) for model in loads]
+    assert repacked[0] > 0 and repacked[1] == 0 and not packed  # (mapped both times, not packed from the source)
+    assert loads[0].packed_copy == loads[1].packed_copy and len(packed_cache.entries()) == 1
+    assert [greedy(model) for model in loads] == [want, want]
+
+
 def test_a_failed_write_leaves_nothing_and_the_run_goes_on(cache, source, monkeypatch):
     from tmac.nn import serialize
 

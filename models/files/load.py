@@ -98,6 +98,10 @@ def load_model(source: str | os.PathLike | None = None, *, bits: int | None = No
                 packed_cache.remove(key)
             else:
                 packed_cache.touch(key)
+                if any(getattr(m, "repacked", False) for m in model.modules()):
+                    # packed by other code than this one (its key missed a change): repacked as it loaded, so written
+                    # again as it now is, or every later load would repack it too
+                    copy = packed_cache.store(key, path, model) or copy
                 model.source, model.packed_copy = path, copy
                 return model
     ahead = None

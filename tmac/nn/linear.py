@@ -92,6 +92,8 @@ class Linear(nn.Module):
     ``from_float``/``from_quantized`` or ``load_state_dict``.
     """
 
+    repacked = False  # whether the last ``load_state_dict`` had to repack (weights packed for another spec)
+
     def __init__(self, in_features: int, out_features: int, bias: bool = True, bits: int = 4,
                  group_size: int | str = 128, symmetric: bool = False, *, isa: str | None = None,
                  kernel_dir: str | None = None):
@@ -293,7 +295,8 @@ class Linear(nn.Module):
                                  "tensors were changed after saving): the file is damaged")
             incoming = PackedWeight(spec, m, tensors["qweight"].numpy(), tensors["scales"].numpy(),
                                     None if zeros is None else zeros.numpy())
-            if spec != self.spec:  # packed for another ISA or tiling: repack for the one this layer runs
+            self.repacked = spec != self.spec
+            if self.repacked:  # packed for another ISA or tiling: repack for the one this layer runs
                 incoming = pack(unpack(incoming, fmt), self.spec)
             self._set_packed(incoming, bias)
         except (ValueError, TypeError) as e:
