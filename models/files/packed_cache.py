@@ -2,8 +2,9 @@
 packed model beside the kernel cache (a ``.tmac`` file, as ``tmac convert`` writes), later loads map it.
 
 A copy is keyed by the source file's identity (device, inode, size, modification time, and a hash of its first and
-last 64 KiB) and by what its layout depends on (the ISA, the kernel generator's digest, the tiling table, tmac's
-file format): a changed file, another ISA or other kernels miss and write a new copy. Copies are written
+last 64 KiB) and by what its layout depends on (the ISA, the kernel generator's digest, the tiling table, the code
+that picks tilings and packs, tmac's file format): a changed file, another ISA or other kernels miss and write a new
+copy; a copy that must still be repacked as it loads (packed by other code under the same key) is written again. Copies are written
 atomically (a temporary file renamed: a reader mapping the old one keeps it), are checked as any ``.tmac`` file is
 when loaded (a damaged one is removed and rebuilt from the source), and are bounded in total size
 (``TMAC_MODEL_CACHE_GB``, default 20): the least recently used go first. ``TMAC_MODEL_CACHE=0`` turns it off.

@@ -78,10 +78,11 @@ def spec_for_format(fmt: WeightFormat, k: int, isa, **tiling) -> KernelSpec:
     triples = tiling.pop("triples", uses_triples(fmt, k, isa))
     lut_group = TRIPLE_LUT_GROUP if triples else default_lut_group(k, fmt.group_size)
     # (a quad step covers 32 activations but at 2 bits: 3-bit weights in groups of 16, Q3_K's, take bit planes;
-    # codebook codes are one plane, of 8 activations a step: vpdpbusd sums a row's four lookups with unit weights)
+    # codebook codes are one plane, of 8 activations a step — a row's four bytes, one table each nibble — so groups
+    # of 16 take quads too: vpdpbusd sums a row's four lookups with unit weights)
     planes = 1 if fmt.codebook is not None else fmt.bits
-    if tiling.pop("quads", isa.wide_lookup and (triples or planes in QUAD_CHUNKS and lut_group % quad_step(planes)
-                                                == 0)):
+    step = 8 if fmt.codebook is not None else quad_step(planes) if planes in QUAD_CHUNKS else 0
+    if tiling.pop("quads", isa.wide_lookup and (triples or step and lut_group % step == 0)):
         params["quads"] = True
     if triples:  # 1.67 instead of 2 bits streamed per weight
         fixed, params = (2, k, k, TRIPLE_LUT_GROUP, False), {**params, "triples": True}
