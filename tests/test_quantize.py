@@ -254,7 +254,9 @@ def test_ternary_gguf_blocks_sharing_a_scale_import_per_row(rng, type_name, impo
 def test_gguf_import_rejects_bad_blocks():
     with pytest.raises(ValueError, match="needs 36 bytes"):
         import_gguf(b"\0" * 35, "Q4_0", (1, 64))
-    with pytest.raises(ValueError, match="no exact importer for GGUF type IQ2_XS"):
+    with pytest.raises(ValueError, match="no exact importer for GGUF type MXFP4"):
+        import_gguf(b"", "MXFP4", (1, 32))
+    with pytest.raises(ValueError, match="IQ2_XS row length 32 is not a multiple of its block size 256"):
         import_gguf(b"", "IQ2_XS", (1, 32))
     nan_block = np.frombuffer(np.float16(np.nan).tobytes() + b"\0" * 16, np.uint8)
     with pytest.raises(ValueError, match="NaN/inf"):
