@@ -58,8 +58,7 @@ def decode_iq4_nl(blocks, offset):
 def decode_iq4_xs(blocks, offset):
     low = blocks[:, 4:8]
     high = blocks[:, 2:4].copy().view("<u2")  # [n, 1]: bits 2j, 2j + 1 are group j's high scale bits
-    a = np.stack([low & 0x0F, low >> 4], axis=2).reshape(-1, 8) | \
-        (((high >> np.arange(0, 16, 2, dtype=np.uint16)) & 3) << 4).astype(np.uint8)
+    a = _nibble_scales(low) | (((high >> np.arange(0, 16, 2, dtype=np.uint16)) & 3) << 4).astype(np.uint8)
     s = _f16(blocks, 0).astype(np.float32)[:, None] * (a.astype(np.float32) - 32)  # exact: 11 × 6 bits
     return _nibbles(blocks[:, 8:].reshape(-1, 16)).reshape(-1, 256), s, None  # w = d·(a − 32)·level[q]
 
@@ -160,6 +159,7 @@ def _grid(type_name: str) -> np.ndarray:
     return np.rint(np.asarray(cls.grid, np.float64).reshape(cls.grid_shape)).astype(np.int16)
 
 
+@functools.cache
 def _ksigns() -> np.ndarray:
     """The 7 stored sign bits of 8 weights and their parity as the 8th (llama.cpp's ksigns_iq2xs), as bits ``[128, 8]``."""
     seven = np.arange(128, dtype=np.uint8)
