@@ -4,7 +4,7 @@ for the same types (from an aarch64 llama-bench built with symbols), with the st
 (register spills) counted.
 
     python bench/arm64_mca.py KERNEL.so... [--llama-bench PATH] [--json]
-    python bench/arm64_mca.py --compile [--bits 1 2 3 4] [--llama-bench PATH]   # kernels for a 2048x2048 GEMV
+    python bench/arm64_mca.py --compile [--bits 1 2 3 4] [--model FILE ...] [--types Q4_K TQ2_0 ...] [--llama-bench PATH]
 
 A loop is a backward branch inside one function; those that do the arithmetic (SIMD table lookups, dot products,
 multiply-adds; no call or return inside) and hold no smaller such loop are measured: their body, the branch back to
@@ -119,15 +119,54 @@ def measure(label: str, insns: list[tuple[int, str]]) -> list[dict]:
     return rows
 
 
-def compile_kernels(bits: list[int], out: str) -> list[str]:
+def compile_kernels(bits: list[int], models: list[str], out: str) -> list[str]:
+    """tmac's LUT kernels for ``bits`` (a 2048x2048 GEMV) and for each of ``models`` (the kernels its weights load
+    with), cross-compiled for both NEON ISAs."""
     paths = []
     for isa in ("neon_dotprod", "neon"):
-        for b in bits:
-            d = os.path.join(out, f"{isa}-b{b}")
+        jobs = [(f"b{b}", ["--bits", str(b), "--shape", "2048x2048"]) for b in bits] + \
+            [(f"m{i}", ["--model", m]) for i, m in enumerate(models)]
+        for tag, args in jobs:
+            d = os.path.join(out, f"{isa}-{tag}")
             subprocess.run([sys.executable, "-m", "tmac.apps.cli", "compile", "--arch", "aarch64", "--isa", isa,
-                            "--bits", str(b), "--shape", "2048x2048", "-o", d], check=True, capture_output=True)
-            paths += [os.path.join(d, f) for f in sorted(os.listdir(d)) if f.startswith("lut_")]
+                            *args, "-o", d], check=True, capture_output=True)
+            paths += [os.path.join(d, f) for f in sorted(os.listdir(d)) if f.startswith("lut_") and f not in
+                      {os.path.basename(p) for p in paths}]
     return paths
+
+
+def compile_types(types: list[str], out: str) -> list[str]:
+    """tmac's LUT kernels for GGUF block types (``Q4_K``, ``TQ2_0`` ...) at K = 2048 with their default tiling, for
+    both NEON ISAs."""
+    from tmac.base.formats import FORMATS
+    from tmac.codegen.build import build_library
+    from tmac.kernels import isa_by_name
+    from tmac.quant.choose import spec_for_format
+
+    paths = []
+    for isa_name in ("neon_dotprod", "neon"):
+        isa = isa_by_name(isa_name)
+        for t in types:
+            spec = spec_for_format(FORMATS[t.lower()], 2048, isa)
+            path = os.path.join(out, spec.name + ".so")
+            if not os.path.exists(path):
+                build_library(spec, isa, path)
+            paths.append(path)
+    return paths
+
+
+# the C runtime's and the linker's own functions in a kernel library; every other function is the kernel's (TVM's
+# parallel bodies have no symbol of their own: objdump lists them under the function before them)
+RUNTIME = ("_init", "_fini", ".plt", "__cxa", "__gmon", "call_weak_fn", "deregister_tm_clones", "register_tm_clones",
+           "__do_global_dtors_aux", "frame_dummy", "__truncsfhf2", "__extendhfsf2")
+
+
+def kernel_function(name: str) -> bool:
+    return not name.startswith(RUNTIME) and not name.endswith("@plt")
+
+
+def label(path: str, name: str) -> str:
+    return f"{os.path.basename(path)[:-3]}:{'parallel body' if name.startswith('__tvm_set_raised') else name}"
 
 
 def main() -> int:
@@ -135,26 +174,31 @@ def main() -> int:
     p.add_argument("kernels", nargs="*")
     p.add_argument("--compile", action="store_true", help="cross-compile tmac's kernels for a 2048x2048 GEMV first")
     p.add_argument("--bits", nargs="+", type=int, default=[1, 2, 3, 4])
+    p.add_argument("--model", nargs="+", default=[], help="with --compile: also the kernels these models load with")
+    p.add_argument("--types", nargs="+", default=[], help="with --compile: also these GGUF types' kernels (K = 2048)")
     p.add_argument("--llama-bench", help="an aarch64 llama-bench with symbols (its ggml_vec_dot_* are measured)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     paths = list(args.kernels)
     if args.compile:
-        paths += compile_kernels(args.bits, tempfile.mkdtemp(prefix="arm64-mca-"))
+        out = tempfile.mkdtemp(prefix="arm64-mca-")
+        paths += compile_kernels(args.bits, args.model, out) + compile_types(args.types, out)
     rows = []
     for path in paths:
-        for name, insns in functions(path, lambda n: n.startswith("__tvm_ffi_")).items():
-            rows += measure(f"{os.path.basename(path)}:{name}", insns)
+        for name, insns in functions(path, kernel_function).items():
+            rows += measure(label(path, name), insns)
     if args.llama_bench:
         for name, insns in functions(args.llama_bench, LLAMA_DOTS.match).items():
             rows += measure(f"llama.cpp {name}", insns)
     if args.json:
         print(json.dumps(rows))
         return 0
-    print(f"{'kernel loop':<78} {'insns':>5} {'spills':>6} {'dot':>4} {'tbl':>4} {'A76 c/it':>8} {'A72 c/it':>8}")
+    print(f"{'kernel loop':<86} {'insns':>5} {'spills':>6} {'dot':>4} {'tbl':>4} {'A76 c/it':>8} {'A72 c/it':>8} "
+          f"{'c/tbl':>5}")
     for r in rows:
-        print(f"{r['kernel'][:70] + ' ' + r['at']:<78} {r['insns']:>5} {r['spills']:>6} {r['dot']:>4} {r['tbl']:>4} "
-              f"{r['cortex-a76']:>8.1f} {r['cortex-a72']:>8.1f}")
+        per = f"{r['cortex-a76'] / r['tbl']:>5.2f}" if r["tbl"] else f"{'-':>5}"
+        print(f"{r['kernel'][:78] + ' ' + r['at']:<86} {r['insns']:>5} {r['spills']:>6} {r['dot']:>4} {r['tbl']:>4} "
+              f"{r['cortex-a76']:>8.1f} {r['cortex-a72']:>8.1f} {per}")
     return 0
 
 
