@@ -1,6 +1,5 @@
 """arm64: NEON ``tbl`` does the lookups; with the dot-product extension ``sdot`` sums 4 bit planes of a row, and
-``smlal`` weights the bytes of the others (2 planes; 4 planes without dotprod) in int16, summed per row
-(``saddlp``, ``addp``) once a lut group."""
+``sadalp`` + ``ssra`` the others' byte pairs (2 planes; 4 planes without dotprod) in int16."""
 
 from __future__ import annotations
 
@@ -21,18 +20,24 @@ class ArmIsa(Isa):
 
         return tirx.call_llvm_pure_intrin("int8x16", "llvm.aarch64.neon.tbl1", table16, idx)
 
-    def _byte_sums(self, planes: int, steps: int) -> bool:
-        """Whether a lut group of ``steps`` steps sums ``planes``-plane rows as weighted bytes in int16 lanes (one
-        ``smlal`` per 8 bytes, where widening and shifting every byte took four or five instructions a lookup, and
-        twenty-odd for 4 planes without dotprod): 2 lookups a step, each byte at most 127 times its plane's weight,
-        must fit int16."""
+    def _pair_sums(self, planes: int, steps: int) -> bool:
+        """Whether a lut group of ``steps`` steps sums ``planes``-plane rows as byte pairs in int16 lanes: 2 planes,
+        and 4 without dotprod. A 16-bit lane holds a row's bytes b0, b1 (planes 2j, 2j+1), and ``sadalp`` adds
+        b0 + b1 to it, ``ssra`` its high byte once more (the lane shifted right by 8 is b1, whatever b0's sign): b0 +
+        2·b1 in two instructions a lookup, where widening and shifting every byte took four or five (twenty-odd
+        for 4 planes, each byte widened to int32). 2 lookups a step, at most 3·127 each, must fit int16."""
         if planes not in (2, 4) or planes == 4 and self.dotprod:
             return False
-        return steps * 2 * TABLE_MAX * (1 << (planes - 1)) < 1 << 15
+        return steps * 2 * 3 * TABLE_MAX < 1 << 15
+
+    def unroll_vectors(self, planes: int) -> int:
+        # pair sums unrolled over more than 8 weight vectors spilled in llvm-mca's listings (docs/decisions.md,
+        # "NEON's pair sums")
+        return 8 if self._pair_sums(planes, 1) else super().unroll_vectors(planes)
 
     def acc_dtype(self, planes: int, steps: int) -> str:
-        if self._byte_sums(planes, steps):
-            return f"int16x{self.vector_bytes}"  # a lane a byte: (row, plane)
+        if self._pair_sums(planes, steps):
+            return f"int16x{self.vector_bytes // 2}"  # a lane a byte pair: (row, planes 2j and 2j + 1)
         return super().acc_dtype(planes, steps)
 
     def accumulate(self, acc, looked: list, planes: int, period: int, first: int):
@@ -43,38 +48,24 @@ class ArmIsa(Isa):
             for v in looked:
                 acc = tirx.call_llvm_pure_intrin("int32x4", "llvm.aarch64.neon.sdot", acc, w, v)
             return acc
-        if _in_byte_lanes(acc, self.vector_bytes) and planes > 1:
-            if first or period != planes:  # (bit-plane chunks only: the bound above assumed weights 1 .. 2^(p-1))
-                raise ValueError(f"{self.name}: byte sums of {planes} planes from plane {first}, period {period}")
-            w = _halves(plane_weights(16, period, "int8", first))
+        if self._pair_sums(planes, 1) and str(acc.ty) == f"int16x{self.vector_bytes // 2}":
+            if first or period != planes:  # (bit-plane chunks: weights 1 .. 2^(p−1) from plane 0)
+                raise ValueError(f"{self.name}: pair sums of {planes} planes from plane {first}, period {period}")
+            eight = tirx.Broadcast(tirx.IntImm("int16", 8), self.vector_bytes // 2)
             for v in looked:
-                products = [tirx.call_llvm_pure_intrin("int16x8", "llvm.aarch64.neon.smull", h, wh)
-                            for h, wh in zip(_halves(v), w)]
-                acc = acc + tirx.Shuffle(products, list(range(16)))  # smlal, smlal2
+                acc = acc + tirx.call_llvm_pure_intrin(f"int16x{self.vector_bytes // 2}", "llvm.aarch64.neon.saddlp", v)
+                acc = acc + (tirx.reinterpret(f"int16x{self.vector_bytes // 2}", v) >> eight)  # ssra
             return acc
         return super().accumulate(acc, looked, planes, period, first)
 
     def widen(self, acc, planes: int):
         from tvm import tirx
 
-        if not (_in_byte_lanes(acc, self.vector_bytes) and planes > 1):
-            return super().widen(acc, planes)
-        pairs = [tirx.call_llvm_pure_intrin("int32x4", "llvm.aarch64.neon.saddlp", h) for h in _halves(acc)]
-        if planes == 2:  # a row's two bytes: one pair
-            return tirx.Shuffle(pairs, list(range(8)))
-        return tirx.call_llvm_pure_intrin("int32x4", "llvm.aarch64.neon.addp", *pairs)  # its four: two pairs
-
-
-def _in_byte_lanes(acc, vector_bytes: int) -> bool:
-    """Whether ``acc`` is ``acc_dtype``'s int16 lane a byte (``ArmIsa._byte_sums``)."""
-    return str(acc.ty) == f"int16x{vector_bytes}"
-
-
-def _halves(v):
-    """The low and high 8 lanes of a 16-lane vector."""
-    from tvm import tirx
-
-    return [tirx.Shuffle([v], list(range(h, h + 8))) for h in (0, 8)]
+        if planes == 4 and str(acc.ty) == f"int16x{self.vector_bytes // 2}":  # a row's two pairs: b0 + 2b1, b2 + 2b3
+            rows = self.vector_bytes // 4
+            low, high = (tirx.Cast(f"int32x{rows}", tirx.Shuffle([acc], list(range(j, 2 * rows, 2)))) for j in (0, 1))
+            return low + (high << tirx.Broadcast(tirx.IntImm("int32", 2), rows))
+        return super().widen(acc, planes)
 
 
 def _target(mattr: list[str]) -> dict:
@@ -82,5 +73,5 @@ def _target(mattr: list[str]) -> dict:
 
 
 NEON_DOTPROD = ArmIsa("neon_dotprod", "arm64", 16, frozenset({"neon", "dotprod"}),
-                      _target(["+neon", "+dotprod"]), "NEON + dotprod: tbl, sdot, smlal", dotprod=True)
-NEON = ArmIsa("neon", "arm64", 16, frozenset({"neon"}), _target(["+neon"]), "NEON: tbl, smlal, saddlp")
+                      _target(["+neon", "+dotprod"]), "NEON + dotprod: tbl, sdot, sadalp", dotprod=True)
+NEON = ArmIsa("neon", "arm64", 16, frozenset({"neon"}), _target(["+neon"]), "NEON: tbl, sadalp, ssra")

@@ -32,6 +32,10 @@ class Isa:
         iteration."""
         return self.vector_registers // 2
 
+    def unroll_vectors(self, planes: int) -> int:
+        """Weight vectors of ``planes``-plane chunks an unrolled inner-loop body may load (tmac.quant.choose)."""
+        return 32
+
     def acc_dtype(self, planes: int, steps: int) -> str:
         """The accumulator vector type of ``accumulate`` over a lut group of ``steps`` steps."""
         lanes = self.vector_bytes // planes

@@ -54,7 +54,8 @@ def _write(d, name, a):
 @pytest.mark.parametrize("isa", ["neon_dotprod", pytest.param("neon", marks=pytest.mark.slow)])  # (quick: one)
 @pytest.mark.parametrize("bits, zeros, params", [(1, True, "float16"), (2, True, "float16"), (3, False, "float16"),
                                                  (4, True, "float32"), (4, False, "float16"),
-                                                 ("ternary triples", False, "float32"), ("Q5_K", True, "super"),
+                                                 (8, False, "float16"), ("ternary triples", False, "float32"),
+                                                 ("Q2_K", True, "super"), ("Q5_K", True, "super"),
                                                  ("Q6_K", False, "super"), ("IQ4_NL", False, "blocks"),
                                                  ("IQ4_XS", False, "super"), ("IQ2_XS", False, "super")])
 def test_arm64_kernels_under_qemu(harness, tmp_path, rng, isa, bits, zeros, params):

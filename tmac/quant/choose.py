@@ -174,55 +174,34 @@ def tiled(isa, fixed: tuple, params: dict, tiling: dict) -> KernelSpec:
     probe = KernelSpec(isa.name, *fixed, block_rows=isa.vector_bytes, n_tile=2, unroll=1,
                        k_chunk=padded_k(k) if params.get("triples") else k, **params)
     sixteen_registers = isa.vector_registers == 16
-    regs = _accumulator_registers(probe, isa)
-    rows = given.get("block_rows") or _default_block_rows(probe, sixteen_registers, max(regs.values()) > 1)
+    rows = given.get("block_rows") or _default_block_rows(probe, sixteen_registers)
     chosen = {"block_rows": rows, "n_tile": given.get("n_tile") or (4 if sixteen_registers and probe.bits == 1 else 2),
-              "unroll": given.get("unroll") or _default_unroll(probe, rows, sixteen_registers, regs)}
+              "unroll": given.get("unroll") or _default_unroll(probe, rows, sixteen_registers, isa)}
     chosen["k_chunk"] = given.get("k_chunk") or _default_k_chunk(dataclasses.replace(probe, block_rows=rows))
     return KernelSpec(isa.name, *fixed, **{**given, **chosen}, **params)
 
 
-def _accumulator_registers(spec: KernelSpec, isa) -> dict[int, int]:
-    """Vector registers one accumulator of each chunk's planes takes (``Isa.acc_dtype``): 1, or 2 where NEON sums
-    weighted bytes in int16 lanes (``ArmIsa._byte_sums``). (One plane's int16 sums of a vector's rows also take two
-    on 16- and 32-byte vectors: the rules for one plane already count them.)"""
-    steps = spec.steps_per_lut_group
-    out = {}
-    for _, planes in spec.layout.chunks or ((0, spec.layout.codes.planes),):
-        elem, lanes = isa.acc_dtype(planes, steps).split("x")
-        out[planes] = 1 if planes == 1 else max(1, int(elem[3:]) // 8 * int(lanes) // spec.vector_bytes)
-    return out
-
-
-def _default_block_rows(spec: KernelSpec, sixteen_registers: bool, wide_accumulators: bool = False) -> int:
+def _default_block_rows(spec: KernelSpec, sixteen_registers: bool) -> int:
     """About four vectors of weights per block: enough independent accumulator chains to hide latency. Blocks of
     4 weight vectors a step (W4, 1- and 2-bit quads) and 5-bit quads on 64-byte vectors take twice the rows
     (docs/decisions.md, "Block rows"); with 16 registers (AVX2, SSE2) a one-plane vector's sums (W1; triples, where
-    asked for without quads) are int16 of a vector's rows, two registers, so such blocks take half the rows. So do
-    blocks whose accumulators take two registers each (NEON's byte sums): about two vectors (docs/decisions.md,
-    "NEON's byte sums")."""
+    asked for without quads) are int16 of a vector's rows, two registers, so such blocks take half the rows."""
     vl, row_bytes = spec.vector_bytes, spec.layout.row_bytes
-    rows = vl * max(1, (2 if wide_accumulators else 4) // row_bytes)
+    rows = vl * max(1, 4 // row_bytes)
     wider = 2 if vl == 64 and row_bytes == 4 and not spec.triples and \
         (spec.step_vectors(rows) == 4 or spec.quads and spec.bits == 5) else 1
     narrower = 2 if sixteen_registers and spec.layout.chunks == ((0, 1),) else 1
     return wider * rows // narrower
 
 
-def _default_unroll(spec: KernelSpec, block_rows: int, sixteen_registers: bool,
-                    accumulator_registers: dict[int, int] | None = None) -> int:
-    """Up to 8 table pairs and 32 weight vectors per unrolled body; with 16 registers a lut group of 4 or more
-    steps is not unrolled whole: the body and the epilogue would share one basic block, whose schedule spills
-    (docs/decisions.md, "Unroll"). Where accumulators take two registers (NEON's byte sums) the body's accumulator
-    registers, a vector's each, stay within 8: more spilled in llvm-mca's listings (docs/decisions.md, "NEON's byte
-    sums")."""
+def _default_unroll(spec: KernelSpec, block_rows: int, sixteen_registers: bool, isa) -> int:
+    """Up to 8 table pairs and ``Isa.unroll_vectors`` weight vectors (32; 8 for NEON's pair sums) per unrolled
+    body; with 16 registers a lut group of 4 or more steps is not unrolled whole: the body and the epilogue would
+    share one basic block, whose schedule spills (docs/decisions.md, "Unroll" and "NEON's pair sums")."""
     steps, vectors = spec.steps_per_lut_group, spec.step_vectors(block_rows)
-    regs = accumulator_registers or {}
-    limit = 32
-    if max(regs.values(), default=1) > 1:
-        vectors = sum(block_rows * planes // spec.vector_bytes * r for planes, r in regs.items())
-        limit = 8
-    fits = [u for u in spec.unrolls() if u * vectors <= limit and not (sixteen_registers and u == steps and steps >= 4)]
+    limit = min(isa.unroll_vectors(planes) for _, planes in spec.layout.chunks or ((0, spec.layout.codes.planes),))
+    fits = [u for u in spec.unrolls() if u * vectors <= limit and
+            not (sixteen_registers and u == steps and steps >= 4)]
     return fits[0] if fits else 1
 
 
