@@ -211,6 +211,10 @@ def main() -> int:
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     peers = dict(item.split("=", 1) for item in args.llama_bench)
+    if "tmac" in args.engine:  # the aarch64 Python's tmac is this checkout as it is now, not as it was last time
+        import environment
+
+        environment.main()
     work = args.work or tempfile.mkdtemp(prefix="arm64-counts-")
     os.makedirs(work, exist_ok=True)
     so = plugin(work)
