@@ -115,8 +115,18 @@ def measure(label: str, insns: list[tuple[int, str]]) -> list[dict]:
                "tbl": sum(t.startswith("tbl") for _, t in loop)}
         for mcpu in MCPUS:
             row[mcpu] = mca(loop, mcpu)
+        row["weights"] = loop_weights(label, row)
         rows.append(row)
     return rows
+
+
+def loop_weights(label: str, row: dict) -> int | None:
+    """Weights (× rows) one iteration covers: a tmac ``tbl`` is 16 rows' lookups of one bit plane for 4 activations
+    (64 / bits weights; a 4-bit codebook code is its own table: 16), llama.cpp's ``sdot`` 16 weights of one row."""
+    bits = re.search(r"_b(\d+)_", label)
+    if row["tbl"] and bits:
+        return row["tbl"] * 64 // int(bits.group(1))
+    return row["dot"] * 16 if label.startswith("llama.cpp") and row["dot"] else None
 
 
 def compile_kernels(bits: list[int], models: list[str], out: str) -> list[str]:
@@ -194,11 +204,12 @@ def main() -> int:
         print(json.dumps(rows))
         return 0
     print(f"{'kernel loop':<86} {'insns':>5} {'spills':>6} {'dot':>4} {'tbl':>4} {'A76 c/it':>8} {'A72 c/it':>8} "
-          f"{'c/tbl':>5}")
+          f"{'c/tbl':>5} {'A76 c/kw':>8}")
     for r in rows:
         per = f"{r['cortex-a76'] / r['tbl']:>5.2f}" if r["tbl"] else f"{'-':>5}"
+        kw = f"{1000 * r['cortex-a76'] / r['weights']:>8.0f}" if r["weights"] else f"{'-':>8}"
         print(f"{r['kernel'][:78] + ' ' + r['at']:<86} {r['insns']:>5} {r['spills']:>6} {r['dot']:>4} {r['tbl']:>4} "
-              f"{r['cortex-a76']:>8.1f} {r['cortex-a72']:>8.1f} {per}")
+              f"{r['cortex-a76']:>8.1f} {r['cortex-a72']:>8.1f} {per} {kw}")
     return 0
 
 
