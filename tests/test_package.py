@@ -120,6 +120,38 @@ def test_chat_templates_are_bounded_in_time_memory_and_output():
         compile_template(BOMBS["busy loop"])(messages=[])
 
 
+def test_a_chat_template_rendering_on_a_busy_machine_is_waited_for(monkeypatch):
+    """The wall-time limit is for a render that has stopped: one still using CPU (its CPU time capped) gets more
+    time, as on a loaded or emulated machine, where 30 s of wall time can hold under 2 s of a render's CPU."""
+    import os
+    import time
+
+    import pytest
+
+    import tmac
+    from tmac.models.text import chat_template
+
+    if not os.path.exists(f"/proc/{os.getpid()}/stat"):
+        pytest.skip("no /proc: the wall limit cannot see a child's CPU time")
+    ticks = chat_template._cpu_ticks(os.getpid())
+    end = time.process_time() + 0.1
+    while time.process_time() < end:
+        pass
+    assert chat_template._cpu_ticks(os.getpid()) > ticks
+    # about half a second of CPU (under the 2 s cap), several times the wall limit
+    busy = "{% for i in range(100000) %}{% for m in 'abc' %}{{ m ~ i % 7 }}{% endfor %}{% endfor %}"
+    monkeypatch.setattr(chat_template, "TEMPLATE_WALL", 0.1)
+    expected = "".join(m + str(i % 7) for i in range(100000) for m in "abc")
+    assert chat_template.compile_template(busy)(messages=[]) == expected
+    # a child that blocks, using no CPU, is ended at the wall limit
+    monkeypatch.setattr(chat_template, "TEMPLATE_WALL", 0.5)
+    monkeypatch.setattr(chat_template, "_render_here", lambda source, context, timed=True: time.sleep(60) or "")
+    t0 = time.monotonic()
+    with pytest.raises(tmac.ModelFormatError, match="took more than 0.5 s"):
+        chat_template.compile_template("{{ 1 }}")(messages=[])
+    assert time.monotonic() - t0 < 30
+
+
 def test_readme_tables_are_made_from_the_format_table_and_the_isa_descriptions():
     """The README's format and ISA tables are what tmac.apps.doc_tables makes from the code (python -m tmac.apps.doc_tables
     README.md rewrites them), and the README stays a manual: short, and measurements live in docs/."""

@@ -14,6 +14,7 @@ from tmac.base.errors import ModelFormatError
 
 TEMPLATE_SECONDS = 2.0  # CPU time of one render in its child (wall time where it renders in this process)
 TEMPLATE_WALL = 30.0  # wall time the parent waits for a child that neither finishes nor uses CPU
+TEMPLATE_WALL_MAX = 300.0  # wall time it waits for one that uses CPU all along (a loaded or emulated machine)
 TEMPLATE_OUTPUT = 1 << 20  # characters of one render
 TEMPLATE_ITEMS = 100_000  # range() items of one render, and the longest string or list an operator may build
 
@@ -109,11 +110,18 @@ def _render_bounded(source: str, context: dict) -> str:
     if pid == 0:
         _render_child(source, context, read_end, write_end)  # never returns
     os.close(write_end)
-    chunks, size, complete, deadline = [], 0, False, time.monotonic() + TEMPLATE_WALL
+    start = time.monotonic()
+    chunks, size, complete, deadline, ticks = [], 0, False, start + TEMPLATE_WALL, _cpu_ticks(pid)
     try:
         while size <= 4 * TEMPLATE_OUTPUT + 4096:  # (the child's output is capped in characters)
             left = deadline - time.monotonic()
             if left <= 0 or not select.select([read_end], [], [], left)[0]:
+                # a child that used CPU meanwhile is rendering on a busy (or emulated) machine, its CPU capped: it
+                # gets more time; one that used none is stuck
+                now, used = time.monotonic(), _cpu_ticks(pid)
+                if used is not None and ticks is not None and used > ticks and now - start < TEMPLATE_WALL_MAX:
+                    deadline, ticks = min(now + TEMPLATE_WALL, start + TEMPLATE_WALL_MAX), used
+                    continue
                 break
             chunk = os.read(read_end, 1 << 16)
             if not chunk:
@@ -142,6 +150,16 @@ def _render_bounded(source: str, context: dict) -> str:
 
 
 TEMPLATE_MEMORY = 512 << 20  # bytes a render may allocate (in its child)
+
+
+def _cpu_ticks(pid: int) -> int | None:
+    """CPU time (clock ticks, user + system) process ``pid`` has used, where /proc says (Linux); else None."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+        return int(fields[11]) + int(fields[12])  # (fields 14 and 15: utime, stime)
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _fork() -> int | None:
