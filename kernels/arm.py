@@ -30,6 +30,11 @@ class ArmIsa(Isa):
             return False
         return steps * 2 * 3 * TABLE_MAX < 1 << 15
 
+    @property
+    def _pair_type(self) -> str:
+        """The pair sums' accumulator: an int16 lane a row's byte pair."""
+        return f"int16x{self.vector_bytes // 2}"
+
     def unroll_vectors(self, planes: int) -> int:
         # pair sums unrolled over more than 8 weight vectors spilled in llvm-mca's listings (docs/decisions.md,
         # "NEON's pair sums")
@@ -37,7 +42,7 @@ class ArmIsa(Isa):
 
     def acc_dtype(self, planes: int, steps: int) -> str:
         if self._pair_sums(planes, steps):
-            return f"int16x{self.vector_bytes // 2}"  # a lane a byte pair: (row, planes 2j and 2j + 1)
+            return self._pair_type  # a lane a byte pair: (row, planes 2j and 2j + 1)
         return super().acc_dtype(planes, steps)
 
     def accumulate(self, acc, looked: list, planes: int, period: int, first: int):
@@ -48,20 +53,20 @@ class ArmIsa(Isa):
             for v in looked:
                 acc = tirx.call_llvm_pure_intrin("int32x4", "llvm.aarch64.neon.sdot", acc, w, v)
             return acc
-        if self._pair_sums(planes, 1) and str(acc.ty) == f"int16x{self.vector_bytes // 2}":
+        if self._pair_sums(planes, 1) and str(acc.ty) == self._pair_type:
             if first or period != planes:  # (bit-plane chunks: weights 1 .. 2^(p−1) from plane 0)
                 raise ValueError(f"{self.name}: pair sums of {planes} planes from plane {first}, period {period}")
             eight = tirx.Broadcast(tirx.IntImm("int16", 8), self.vector_bytes // 2)
             for v in looked:
-                acc = acc + tirx.call_llvm_pure_intrin(f"int16x{self.vector_bytes // 2}", "llvm.aarch64.neon.saddlp", v)
-                acc = acc + (tirx.reinterpret(f"int16x{self.vector_bytes // 2}", v) >> eight)  # ssra
+                acc = acc + tirx.call_llvm_pure_intrin(self._pair_type, "llvm.aarch64.neon.saddlp", v)
+                acc = acc + (tirx.reinterpret(self._pair_type, v) >> eight)  # ssra
             return acc
         return super().accumulate(acc, looked, planes, period, first)
 
     def widen(self, acc, planes: int):
         from tvm import tirx
 
-        if planes == 4 and str(acc.ty) == f"int16x{self.vector_bytes // 2}":  # a row's two pairs: b0 + 2b1, b2 + 2b3
+        if planes == 4 and str(acc.ty) == self._pair_type:  # a row's two pairs: b0 + 2b1, b2 + 2b3
             rows = self.vector_bytes // 4
             low, high = (tirx.Cast(f"int32x{rows}", tirx.Shuffle([acc], list(range(j, 2 * rows, 2)))) for j in (0, 1))
             return low + (high << tirx.Broadcast(tirx.IntImm("int32", 2), rows))

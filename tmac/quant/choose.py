@@ -176,7 +176,7 @@ def tiled(isa, fixed: tuple, params: dict, tiling: dict) -> KernelSpec:
     sixteen_registers = isa.vector_registers == 16
     rows = given.get("block_rows") or _default_block_rows(probe, sixteen_registers)
     chosen = {"block_rows": rows, "n_tile": given.get("n_tile") or (4 if sixteen_registers and probe.bits == 1 else 2),
-              "unroll": given.get("unroll") or _default_unroll(probe, rows, sixteen_registers, isa)}
+              "unroll": given.get("unroll") or _default_unroll(probe, rows, isa)}
     chosen["k_chunk"] = given.get("k_chunk") or _default_k_chunk(dataclasses.replace(probe, block_rows=rows))
     return KernelSpec(isa.name, *fixed, **{**given, **chosen}, **params)
 
@@ -194,11 +194,12 @@ def _default_block_rows(spec: KernelSpec, sixteen_registers: bool) -> int:
     return wider * rows // narrower
 
 
-def _default_unroll(spec: KernelSpec, block_rows: int, sixteen_registers: bool, isa) -> int:
+def _default_unroll(spec: KernelSpec, block_rows: int, isa) -> int:
     """Up to 8 table pairs and ``Isa.unroll_vectors`` weight vectors (32; 8 for NEON's pair sums) per unrolled
     body; with 16 registers a lut group of 4 or more steps is not unrolled whole: the body and the epilogue would
     share one basic block, whose schedule spills (docs/decisions.md, "Unroll" and "NEON's pair sums")."""
     steps, vectors = spec.steps_per_lut_group, spec.step_vectors(block_rows)
+    sixteen_registers = isa.vector_registers == 16
     limit = min(isa.unroll_vectors(planes) for _, planes in spec.layout.chunks or ((0, spec.layout.codes.planes),))
     fits = [u for u in spec.unrolls() if u * vectors <= limit and
             not (sixteen_registers and u == steps and steps >= 4)]
