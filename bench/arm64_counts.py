@@ -11,8 +11,8 @@ glue kernels (the decode step's fused kernels), Python, torch, other (libc, nump
 (`llama-bench -r 1 --no-warmup -t 1`, a static aarch64 build: docs/performance.md says how) is split by symbol into
 its matrix kernels (ggml_vec_dot_*, ggml_gemv_*, ggml_gemm_*) and the rest.
 
-tmac's kernels are cross-compiled on this machine (`tmac compile --arch aarch64 --model FILE`); the aarch64
-Python is the one `make test-arm64` builds (tests/arm64/environment.py).
+tmac's file is packed and its kernels cross-compiled on this machine (`tmac convert --isa`, `tmac compile --isa
+--model`), as for a Pi; the aarch64 Python is the one `make test-arm64` builds (tests/arm64/environment.py).
 """
 
 from __future__ import annotations
@@ -237,11 +237,14 @@ def main() -> int:
 
 
 def measure_tmac(model: str, cpu: str, so: str, work: str, kernels: str) -> dict:
-    subprocess.run([sys.executable, "-m", "tmac.apps.cli", "compile", "--arch", "aarch64", "--isa", CPUS[cpu], "--model",
-                    model, "-o", kernels], check=True, capture_output=True)
+    # packed and compiled here (`tmac convert --isa`: seconds, where packing under emulation takes many minutes); the
+    # runs map the packed file, as a Pi runs one made on a laptop
+    packed = os.path.join(work, f"{os.path.splitext(os.path.basename(model))[0]}-{CPUS[cpu]}.tmac")
+    for args in (["convert", model, "--isa", CPUS[cpu], "-o", packed],
+                 ["compile", "--isa", CPUS[cpu], "--model", packed, "-o", kernels]):
+        subprocess.run([sys.executable, "-m", "tmac.apps.cli", *args], check=True, capture_output=True)
     print(f"{os.path.basename(model)} on {cpu}: tmac ...", file=sys.stderr, flush=True)
-    run_tmac(cpu, model, 1, 1, so, work, kernels)  # (writes the packed copy the runs below all map)
-    runs = {key: run_tmac(cpu, model, prompt, gen, so, work, kernels)
+    runs = {key: run_tmac(cpu, packed, prompt, gen, so, work, kernels)
             for key, (prompt, gen) in {"d0": (1, DECODE[0]), "d1": (1, DECODE[1]), "p0": (PREFILL[0], 1),
                                        "p1": (PREFILL[1], 1)}.items()}
     return {"file": os.path.basename(model), "cpu": cpu, "engine": "tmac", "file_bytes": os.path.getsize(model),

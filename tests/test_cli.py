@@ -344,6 +344,10 @@ def test_convert_checks_the_output_path_first(tmp_path):
     r = tmac("convert", smollm2_path(), "-o", "/nonexistent/dir/x.tmac")
     assert r.returncode == 1 and "/nonexistent/dir" in r.stderr and "does not exist" in r.stderr
     assert "loading" not in r.stderr  # refused before converting anything
+    for args, said in ((["--arch", "x86_64", "--isa", "neon"], "--isa neon is for arm64, not --arch x86_64"),
+                       (["--isa", "sse9"], "unknown ISA 'sse9'"), (["--arch", "riscv"], "riscv")):
+        r = tmac("convert", smollm2_path(), "-o", str(tmp_path / "x.tmac"), *args)
+        assert r.returncode == 1 and said in r.stderr and "loading" not in r.stderr, r.stderr
 
 
 @pytest.mark.slow

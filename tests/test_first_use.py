@@ -4,6 +4,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -130,26 +131,27 @@ def _readme_block(after: str) -> list[str]:
 
 
 @pytest.mark.slow
-def test_the_readme_raspberry_pi_example_runs_the_default_model_from_the_compiled_kernels(tmp_path):
-    """The README's Pi example, on this machine's architecture: the kernels `tmac compile` writes are all that
-    `tmac run` needs (nothing compiles), and it generates what the default model generates (its own Q4_1, not a
-    2-bit requantization, which writes nonsense)."""
-    compile_line, _, run_line = _readme_block("**Raspberry Pi and arm64 Linux.**")
-    assert compile_line.startswith("tmac compile --arch arm64") and "--bits" not in run_line
-    out = tmp_path / "kernels"
+def test_the_readme_raspberry_pi_example_runs_the_default_model_packed_and_compiled_ahead(tmp_path):
+    """The README's Pi example, on this machine's architecture: the file `tmac convert --arch` packs and the kernels
+    `tmac compile --model` writes for it are all that `tmac run` needs (nothing repacks, nothing compiles), and it
+    generates what the default model generates."""
+    convert_line, compile_line, _, run_line = _readme_block("**Raspberry Pi, arm64 Linux.**")
+    assert convert_line.startswith("tmac convert x.gguf --arch arm64 -o x.tmac")
+    assert compile_line == "tmac compile --isa neon_dotprod --model x.tmac"
+    shutil.copy(smollm2_path(), tmp_path / "x.gguf")
+    isa = best_isa().name
     env = dict(os.environ, TMAC_CACHE_DIR=str(tmp_path / "empty-cache"))
-    arguments = compile_line.split()[1:]  # after "tmac"
-    arguments[arguments.index("--arch") + 1] = best_isa().arch
-    r = subprocess.run([sys.executable, "-m", "tmac.apps.cli", *arguments, "-o", str(out)], capture_output=True,
-                       text=True, env=env, timeout=600)
-    assert r.returncode == 0, r.stderr
+    for line in (convert_line.replace("arm64", best_isa().arch), compile_line.replace("neon_dotprod", isa)):
+        r = subprocess.run([sys.executable, "-m", "tmac.apps.cli", *line.split()[1:]], capture_output=True, text=True,
+                           env=env, cwd=tmp_path, timeout=600)
+        assert r.returncode == 0, r.stderr
     variable, command = run_line.split(" ", 1)
-    assert variable.startswith("TMAC_KERNEL_DIR=")
+    assert variable == "TMAC_KERNEL_DIR=~/tmac-kernels-neon_dotprod"
     run = command.split()[2:]  # after "tmac run"
     r = subprocess.run([sys.executable, "-m", "tmac.apps.cli", "run", *[a.strip('"') for a in run], "-n", "16",
-                        "--json", "--temperature", "0"], capture_output=True, text=True,
-                       env=dict(env, TMAC_KERNEL_DIR=str(out)), timeout=600)
-    assert r.returncode == 0 and "compiling" not in r.stderr, r.stderr
+                        "--json", "--temperature", "0"], capture_output=True, text=True, cwd=tmp_path,
+                       env=dict(env, TMAC_KERNEL_DIR=str(tmp_path / f"tmac-kernels-{isa}")), timeout=600)
+    assert r.returncode == 0 and "compiling" not in r.stderr and "packed for" not in r.stderr, r.stderr
     model = tmac.load_model(smollm2_path(), progress=False)
     got = json.loads(r.stdout)
     assert got["generated_ids"] == tmac.Session(model).generate(got["prompt_ids"], max_new_tokens=16, temperature=0)

@@ -86,3 +86,23 @@ def test_every_ftype_round_trips_through_tmac_convert(ftype, tmp_path):
     (gguf_logits, gguf_ids), (tmac_logits, tmac_ids) = runs
     assert tmac_ids == gguf_ids
     assert float((tmac_logits - gguf_logits).abs().max()) <= 1e-5 * float(gguf_logits.abs().max())
+
+
+def test_a_file_converted_for_another_cpu_runs_here_repacked_with_a_warning(tmp_path):
+    """``tmac convert --isa``/``--arch`` packs for another CPU (a Pi's file made on a laptop): the file records that
+    ISA, and this CPU still runs it exactly (repacked as it loads), saying so."""
+    from tmac.kernels import best_isa
+    from tmac.models.files.convert import convert
+
+    path = os.path.join(DATA, "mixes", "Q4_K_M.gguf")
+    other = "neon_dotprod" if best_isa().arch == "x86_64" else "avx2"
+    out = str(tmp_path / "other.tmac")
+    done = convert(path, out, isa=other, progress=False)
+    assert done["isa"] == other and not done["kernels_compiled"]
+    with pytest.warns(UserWarning, match=f"packed for {other}, not for this CPU's {best_isa().name}"):
+        model = tmac.load_model(out, kv_dtype="float32")
+    assert {m.packed_for for m in model.modules() if isinstance(m, tmac.Linear)} == {other}
+    assert {m.spec.isa for m in model.modules() if isinstance(m, tmac.Linear)} == {best_isa().name}
+    got = tmac.Session(model).logits(REFERENCE["prompt"])
+    want = tmac.Session(tmac.load_model(path, kv_dtype="float32", progress=False)).logits(REFERENCE["prompt"])
+    assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max())

@@ -6,6 +6,7 @@ to MAPS — the counting plugin's addresses are attributed by it.
 """
 
 import sys
+import warnings
 
 import tmac
 
@@ -16,6 +17,7 @@ TEXT = ("The lighthouse keeper climbed the winding stairs each evening, lit the 
 def main() -> None:
     model_path, prompt, gen, maps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     tmac.set_num_threads(1)
+    warnings.filterwarnings("error", message=".*packed for")  # a repack would count a load's work, not a run's
     model = tmac.load_model(model_path, context=prompt + gen + 8, progress=False)
     ids = model.tokenizer.encode(TEXT)[:prompt]
     assert len(ids) == prompt, (len(ids), prompt)

@@ -85,7 +85,15 @@ def load_model(source: str | os.PathLike | None = None, *, bits: int | None = No
     if os.path.isfile(path) and is_tmac_file(path):
         if bits is not None or head_bits is not None or group_size is not None:
             raise ValueError(f"{path} is already converted (pre-packed); bits/group_size/head_bits do not apply")
-        return _mapped(path, context, kv_dtype, mmap)
+        model = _mapped(path, context, kv_dtype, mmap)
+        others = sorted({m.packed_for for m in model.modules() if getattr(m, "repacked", False)})
+        if others:
+            from tmac.kernels import best_isa
+
+            warnings.warn(f"{path} is packed for {', '.join(others)}, not for this CPU's {best_isa().name}: every "
+                          f"load repacks it (seconds, and its weights twice in memory meanwhile); convert it for "
+                          f"this CPU (`tmac convert SOURCE -o OUT.tmac` here)", stacklevel=2)
+        return model
     key = None
     if packed_copy and isa is None and kernel_dir is None and packed_cache.enabled() and _is_gguf(path):
         key, copy = packed_cache.lookup(path, dict(bits=bits, group_size=group_size, symmetric=symmetric,

@@ -154,3 +154,48 @@ def test_linear_against_the_numpy_reference(cpu, tmp_path, report):
                f"fp64 on the quantized weights")
         assert lut_err <= 1e-5 and np.linalg.norm(y1[0] - lut[0]) / np.linalg.norm(lut[0]) <= 1e-5
         assert exact_err <= 0.02  # int8 activation tables: about 1 % (the reference's own error)
+
+
+MIX_CHECK = """
+import json, sys, warnings
+import tmac
+warnings.filterwarnings("error", message=".*packed for")  # a repack: the file must load as packed, for this CPU
+model = tmac.load_model(sys.argv[1], kv_dtype="float32", progress=False)
+logits = tmac.Session(model).logits(json.loads(sys.argv[2]))
+json.dump({"isas": sorted({m.spec.isa for m in model.modules() if isinstance(m, tmac.Linear)}),
+           "logits": logits.tolist()}, sys.stdout)
+"""
+
+
+@pytest.mark.parametrize("cpu", CPUS)
+def test_a_llama_cpp_q4_k_m_mix_packed_on_x86_matches_llama_cpp(cpu, tmp_path, report):
+    """llama.cpp's own Q4_K_M mix (Q4_K q and k beside a Q6_K v in one fused projection, a Q6_K head), converted
+    for the Pi's CPU on x86-64 (`tmac convert --isa`) with its kernels (`tmac compile --model`): on arm64 it maps
+    without a repack or a compile, and its logits meet the bounds x86-64's do against llama.cpp's logits and the
+    exact model (tests/test_mixes.py)."""
+    from llama_fp64 import llama_logits
+
+    data = os.path.join(os.path.dirname(__file__), "..", "data")
+    reference = json.load(open(os.path.join(data, "mixes.json")))
+    source = os.path.join(data, "mixes", "Q4_K_M.gguf")
+    packed, kernels = str(tmp_path / "mix.tmac"), str(tmp_path / "kernels")
+    for args in (["convert", source, "--isa", CPUS[cpu], "-o", packed],
+                 ["compile", "--isa", CPUS[cpu], "--model", packed, "-o", kernels]):
+        done = subprocess.run([sys.executable, "-m", "tmac.apps.cli", *args], capture_output=True, text=True,
+                              timeout=900)
+        assert done.returncode == 0, done.stderr
+    r = arm64(cpu, ["-c", MIX_CHECK, packed, json.dumps(reference["prompt"])],
+              {"TMAC_KERNEL_DIR": kernels, "TMAC_CACHE_DIR": str(tmp_path / "cache")})
+    assert "compiling kernel" not in r.stderr
+    out = json.loads(r.stdout)
+    assert out["isas"] == [CPUS[cpu]]
+    got = np.array(out["logits"], np.float64)
+    want = np.array(reference["files"]["Q4_K_M"]["logits"], np.float64)
+    exact = llama_logits(source, reference["prompt"])
+
+    def relative(a, b):
+        return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+    ours, theirs = relative(got, exact), relative(want, exact)
+    report(f"{cpu}: llama.cpp's Q4_K_M mix packed on x86-64: rel. L2 to float64 logits tmac {ours:.4f}, llama.cpp "
+           f"{theirs:.4f}; tmac to llama.cpp {relative(got, want):.4f}")
+    assert ours <= 2.5 * theirs and relative(got, want) <= 0.04

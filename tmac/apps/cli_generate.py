@@ -33,6 +33,12 @@ def add_parsers(sub, common) -> None:
     v.add_argument("--shared-table", action="store_true",
                    help="store a tied token table once, as the head: a smaller file, but loading it unpacks the "
                         "table into memory (by default the table stays in the mapped file)")
+    v.add_argument("--arch", default=None,
+                   help="pack for another architecture's CPU (arm64, x86_64): a Raspberry Pi's file made in seconds "
+                        "on a laptop (default: this machine's)")
+    v.add_argument("--isa", help="pack for this instruction set, as `tmac info` names it (default: this CPU's best; "
+                                 "with --arch, that architecture's common one); another CPU repacks the file at "
+                                 "every load")
     v.add_argument("--json", action="store_true", help="print one JSON object (sizes by part, time) instead")
     v.set_defaults(func=cmd_convert)
 
@@ -397,8 +403,13 @@ def cmd_convert(args) -> int:
 
     if args.group_size is not None and args.bits is None:
         raise ValueError("--group-size needs --bits")
+    isa = None
+    if args.arch or args.isa:
+        from tmac.apps.cli import resolve_isa
+
+        isa = resolve_isa(args.arch, args.isa)
     done = convert(args.model, args.output, bits=args.bits, group_size=args.group_size, head_bits=args.head_bits,
-                   shared_table=args.shared_table)
+                   shared_table=args.shared_table, isa=isa.name if isa else None)
     if args.json:
         print(json.dumps(done))
         return 0
@@ -410,6 +421,9 @@ def cmd_convert(args) -> int:
             ("file size", f"{done['file_bytes'] / 2**20:.1f} MiB (source {done['source_bytes'] / 2**20:.1f} MiB): "
                           + ", ".join(f"{k} {v:.1f}" + (" (the head's, shared)" if k == "token table" and
                                                        done["table_from_head"] else "") for k, v in mib.items())),
+            ("packed for", done["isa"] + ("" if done["kernels_compiled"] else
+                                          f" (its kernels compile on that CPU's first run, or here: `tmac compile "
+                                          f"--isa {done['isa']} --model {args.output} -o DIR`)")),
             ("time", f"{done['seconds']:.1f} s")]
     width = max(len(k) for k, _ in rows)
     for k, v in rows:

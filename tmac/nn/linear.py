@@ -93,6 +93,7 @@ class Linear(nn.Module):
     """
 
     repacked = False  # whether the last ``load_state_dict`` had to repack (weights packed for another spec)
+    packed_for = None  # the ISA the last ``load_state_dict``'s weights were packed for
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, bits: int = 4,
                  group_size: int | str = 128, symmetric: bool = False, *, isa: str | None = None,
@@ -295,7 +296,7 @@ class Linear(nn.Module):
                                  "tensors were changed after saving): the file is damaged")
             incoming = PackedWeight(spec, m, tensors["qweight"].numpy(), tensors["scales"].numpy(),
                                     None if zeros is None else zeros.numpy())
-            self.repacked = spec != self.spec
+            self.repacked, self.packed_for = spec != self.spec, spec.isa
             if self.repacked:  # packed for another ISA or tiling: repack for the one this layer runs
                 incoming = pack(unpack(incoming, fmt), self.spec)
             self._set_packed(incoming, bias)
