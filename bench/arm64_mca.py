@@ -29,6 +29,7 @@ BRANCH = re.compile(r"^(b\.\w+|b|cbz|cbnz|tbz|tbnz)\s")
 STACK = re.compile(r"^(ldr|str|ldp|stp|ldur|stur)\w*\s.*\[sp")
 LLAMA_DOTS = re.compile(r"^ggml_vec_dot_(q4_0_q8_0|q4_K_q8_K|q2_K_q8_K|tq2_0_q8_K|tq1_0_q8_K|q6_K_q8_K|q3_K_q8_K|"
                         r"q4_1_q8_1)$")
+WIDENING_MUL8 = re.compile(r"^(smull2?|smlal2?)\s+v\d+\.8h")  # 8 products of int8: llama.cpp's dot without sdot
 ARITHMETIC = re.compile(r"^(tbl|sdot|udot|fmla|smlal|mla|smull)\s")
 MIN_INSNS = 6
 
@@ -112,7 +113,8 @@ def measure(label: str, insns: list[tuple[int, str]]) -> list[dict]:
         row = {"kernel": label, "at": hex(loop[0][0]), "insns": len(loop),
                "spills": sum(bool(STACK.match(t)) for _, t in loop),
                "dot": sum(t.startswith(("sdot", "udot")) for _, t in loop),
-               "tbl": sum(t.startswith("tbl") for _, t in loop)}
+               "tbl": sum(t.startswith("tbl") for _, t in loop),
+               "mul8": sum(bool(WIDENING_MUL8.match(t)) for _, t in loop)}
         for mcpu in MCPUS:
             row[mcpu] = mca(loop, mcpu)
         row["weights"] = loop_weights(label, row)
@@ -122,11 +124,14 @@ def measure(label: str, insns: list[tuple[int, str]]) -> list[dict]:
 
 def loop_weights(label: str, row: dict) -> int | None:
     """Weights (× rows) one iteration covers: a tmac ``tbl`` is 16 rows' lookups of one bit plane for 4 activations
-    (64 / bits weights; a 4-bit codebook code is its own table: 16), llama.cpp's ``sdot`` 16 weights of one row."""
+    (64 / bits weights; a 4-bit codebook code is its own table: 16), llama.cpp's ``sdot`` 16 weights of one row,
+    and without dotprod (a Pi 4) its widening multiply of int8 halves (``smull``/``smlal``, ``2``) 8."""
     bits = re.search(r"_b(\d+)_", label)
     if row["tbl"] and bits:
         return row["tbl"] * 64 // int(bits.group(1))
-    return row["dot"] * 16 if label.startswith("llama.cpp") and row["dot"] else None
+    if not label.startswith("llama.cpp"):
+        return None
+    return row["dot"] * 16 if row["dot"] else row["mul8"] * 8 or None
 
 
 def compile_kernels(bits: list[int], models: list[str], out: str) -> list[str]:
@@ -204,10 +209,10 @@ def main() -> int:
         print(json.dumps(rows))
         return 0
     print(f"{'kernel loop':<86} {'insns':>5} {'spills':>6} {'dot':>4} {'tbl':>4} {'A76 c/it':>8} {'A72 c/it':>8} "
-          f"{'c/tbl':>5} {'A76 c/kw':>8}")
+          f"{'c/tbl':>5} {'A76 c/kw':>8} {'A72 c/kw':>8}")
     for r in rows:
         per = f"{r['cortex-a76'] / r['tbl']:>5.2f}" if r["tbl"] else f"{'-':>5}"
-        kw = f"{1000 * r['cortex-a76'] / r['weights']:>8.0f}" if r["weights"] else f"{'-':>8}"
+        kw = " ".join(f"{1000 * r[cpu] / r['weights']:>8.0f}" if r["weights"] else f"{'-':>8}" for cpu in MCPUS)
         print(f"{r['kernel'][:78] + ' ' + r['at']:<86} {r['insns']:>5} {r['spills']:>6} {r['dot']:>4} {r['tbl']:>4} "
               f"{r['cortex-a76']:>8.1f} {r['cortex-a72']:>8.1f} {per} {kw}")
     return 0

@@ -64,7 +64,7 @@ def test_cases_the_campaigns_found(tmp_path):
     cases = {
         "heads.tmac": _edit_tmac_metadata(seed, "tmac_model", lambda m: m["config"].update(n_heads=1, n_kv_heads=1)),
         "vector.tmac": _edit_tmac_metadata(seed, "tmac", lambda m: first_spec(m, "vector_bytes", 0)),
-        "tokenizer.tmac": _edit_tmac_metadata(seed, "tmac_model", lambda m: m["tokenizer"].update(json_z85="")),
+        "tokenizer.tmac": _edit_tmac_metadata(seed, "tmac_model", lambda m: m["tokenizer"].update(json_z64="")),
     }
     for name, data in cases.items():
         (tmp_path / name).write_bytes(data)

@@ -92,6 +92,23 @@ def test_a_reader_leaving_early_ends_the_run_quietly():
     assert status.returncode != 0 and "Traceback" not in status.stderr
 
 
+def test_a_converted_file_says_its_gguf_types_without_reading_the_gguf(tmp_path, capsys, monkeypatch):
+    """A .tmac file (and a packed copy) keeps its source's types: `tmac run` names them without the GGUF at hand
+    (reading a GGUF's metadata, its vocabulary among it, was a quarter of a second of each start)."""
+    from tmac.apps import cli_generate
+    from tmac.models.files.convert import convert
+
+    mix = os.path.join(os.path.dirname(__file__), "data", "mixes", "Q4_K_M.gguf")
+    out = str(tmp_path / "mix.tmac")
+    convert(mix, out, progress=False)
+
+    def unread(path):
+        raise AssertionError(f"{path} read again")
+    monkeypatch.setattr(cli_generate, "_file_quantization", unread)
+    assert cli.main(["run", out, "-p", "Hi", "-n", "1", "-c", "64"]) == 0
+    assert "running the file's Q4_K+Q6_K weights exactly" in capsys.readouterr().err
+
+
 def test_each_run_says_which_precision_runs(capsys, monkeypatch):
     run_json(capsys, monkeypatch, "-p", "Hi")
     capsys.readouterr()

@@ -127,8 +127,21 @@ LIES = {"spec.quads": (None, lambda e: e["spec"].update(quads=True)),
         "chat_template 5": (lambda i: i["tokenizer"].update(chat_template=5), None),
         "rope_theta 1e29": (lambda i: i["config"].update(rope_theta=10 ** 29), None),
         "stop_ids scalar": (lambda i: i["tokenizer"].update(stop_ids=7), None),
-        "tokenizer deflate bomb": (lambda i: i["tokenizer"].update(json_z85=base64.b85encode(zlib.compress(
-            b" " * (300 << 20), 9)).decode()), None)}
+        "tokenizer deflate bomb": (lambda i: i["tokenizer"].update(json_z64=base64.b64encode(zlib.compress(
+            b" " * (300 << 20), 9)).decode()), None),
+        "tokenizer deflate bomb, base85 (older files)": (lambda i: (i["tokenizer"].pop("json_z64"), i["tokenizer"].update(
+            json_z85=base64.b85encode(zlib.compress(b" " * (300 << 20), 9)).decode())), None),
+        "tokenizer not base64": (lambda i: i["tokenizer"].update(json_z64="%%%%"), None),
+        "file_quantization not a type": (lambda i: i.update(file_quantization="Q4_0\x1b[2J"), None)}
+
+
+def test_a_tokenizer_packed_in_base85_by_older_files_still_loads(tmac_file, tmp_path):
+    def to_base85(info):
+        packed = info["tokenizer"].pop("json_z64")
+        info["tokenizer"]["json_z85"] = base64.b85encode(base64.b64decode(packed)).decode()
+    older = _rewrite(tmac_file, tmp_path / "older.tmac", to_base85)
+    text = "The lighthouse keeper climbed the stairs."
+    assert tmac.load_model(str(older)).tokenizer.encode(text) == tmac.load_model(str(tmac_file)).tokenizer.encode(text)
 
 
 @pytest.mark.parametrize("lie", LIES)

@@ -225,6 +225,37 @@ def test_kernel_cache_key_follows_the_generator_source(tmp_path):
             f.write(original)
 
 
+def test_the_generator_digest_is_kept_while_its_sources_are_unchanged(tmp_path, monkeypatch):
+    """Finding the generator's sources parses them: the digest is kept in the cache with their sizes and times, used
+    while they match, found again when they do not or the record is damaged."""
+    monkeypatch.setenv("TMAC_CACHE_DIR", str(tmp_path))
+    real = cache.generator_sources
+    cache.generator_digest.cache_clear()
+    try:
+        digest = cache.generator_digest()
+        record = tmp_path / "generator.json"
+        saved = json.loads(record.read_text())
+        assert digest == cache.source_digest(real()) and set(real()) <= set(saved["files"])
+
+        def parsed():
+            raise AssertionError("the sources were parsed again")
+        monkeypatch.setattr(cache, "generator_sources", parsed)
+        cache.generator_digest.cache_clear()
+        assert cache.generator_digest() == digest  # from the record
+        for damage in ({**saved, "stats": [[1, 1]] + saved["stats"][1:]},  # a source changed
+                       {**saved, "roots": ["/elsewhere"] + saved["roots"][1:]},  # another copy of tmac
+                       {**saved, "files": None}, "["):
+            record.write_text(damage if isinstance(damage, str) else json.dumps(damage))
+            cache.generator_digest.cache_clear()
+            with pytest.raises(AssertionError, match="parsed again"):
+                cache.generator_digest()
+        monkeypatch.setattr(cache, "generator_sources", real)
+        cache.generator_digest.cache_clear()
+        assert cache.generator_digest() == digest and json.loads(record.read_text())["stats"] == saved["stats"]
+    finally:
+        cache.generator_digest.cache_clear()
+
+
 @pytest.mark.slow
 def test_cache_key_is_the_same_in_a_checkout_and_an_installed_wheel(tmp_path):
     """Kernels compiled from a checkout (codegen/, kernels/ beside tmac/) serve an installed tmac (tmac/codegen/...)

@@ -63,6 +63,13 @@ def ggml_type_row(type_id: int) -> tuple[str, int, int] | None:
     return (qtype.name, *GGML_QUANT_SIZES[qtype])
 
 
+def projection_types(tensors: dict) -> str | None:
+    """A GGUF's projections' quantization in one word: its type (``Q4_1``), a mix's types joined (``Q4_K+Q6_K``);
+    None where they are float."""
+    types = sorted({t.type_name for name, t in tensors.items() if name.startswith("blk.") and len(t.shape) == 2})
+    return "+".join(t for t in types if t not in ("F32", "F16", "BF16")) or None
+
+
 class GGUFFile:
     def __init__(self, path: str, mapped: bool = True):
         """``mapped=False``: the file read into memory, not mapped (``tmac.base.memory.read_file``)."""

@@ -173,6 +173,10 @@ def _from_source(path, bits, group_size, symmetric, head_bits, context, kv_dtype
         bar.advance("output head")
     model.tokenizer = src.tokenizer
     model.source = path
+    if hasattr(src, "file"):  # a GGUF: what its projections are, said by `tmac run` (and kept by a packed copy)
+        from tmac.models.files.gguf_file import projection_types
+
+        model.file_quantization = projection_types(src.tensors)
     gather_packed(model)
     model.setup_cache(context, kv_dtype)
     return model.eval()

@@ -3,7 +3,7 @@ packed model beside the kernel cache (a ``.tmac`` file, as ``tmac convert`` writ
 
 A copy is keyed by the source file's identity (device, inode, size, modification time, and a hash of its first and
 last 64 KiB) and by what its layout depends on (the ISA, the kernel generator's digest, the tiling table, the code
-that picks tilings and packs, tmac's file format): a changed file, another ISA or other kernels miss and write a new
+that picks tilings, packs and writes the file, tmac's file format): a changed file, another ISA or other kernels miss and write a new
 copy; a copy that must still be repacked as it loads (packed by other code under the same key) is written again. Copies are written
 atomically (a temporary file renamed: a reader mapping the old one keeps it), are checked as any ``.tmac`` file is
 when loaded (a damaged one is removed and rebuilt from the source), and are bounded in total size
@@ -66,7 +66,7 @@ def layout() -> dict:
     from tmac.quant import choose, embedding, kquant, quantize
     from tmac.quant.cache import generator_digest, source_digest
 
-    from tmac.models.files.tmac_file import FORMAT_VERSION
+    from tmac.models.files import tmac_file
 
     tuning = None
     try:
@@ -76,9 +76,9 @@ def layout() -> dict:
             tuning = hashlib.sha256(f.read()).hexdigest()[:16]
     except OSError:
         pass
-    packer = source_digest([m.__file__ for m in (choose, packing, kquant, quantize, embedding)])
+    packer = source_digest([m.__file__ for m in (choose, packing, kquant, quantize, embedding, tmac_file)])
     return {"isa": best_isa().name, "generator": generator_digest(), "packer": packer, "tuning": tuning,
-            "format": FORMAT_VERSION}
+            "format": tmac_file.FORMAT_VERSION}
 
 
 def key_of(ident: dict, lay: dict) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import re
 import zlib
 
 import torch
@@ -45,8 +46,9 @@ def save_model(model: Transformer, path: str, shared_table: bool = False) -> boo
     shared = shared_table and shares_table(model)
     info = {"version": FORMAT_VERSION, "family": model.config.family,
             "config": dataclasses.asdict(model.config), "wrappers": wrappers, "table_from_head": shared,
+            "file_quantization": getattr(model, "file_quantization", None),
             "tokenizer": None if tok is None else {
-                "json_z85": pack_text(tok.backend.to_str()), "bos_id": tok.bos_id, "eos_id": tok.eos_id, "add_bos": tok.add_bos,
+                "json_z64": pack_text(tok.backend.to_str()), "bos_id": tok.bos_id, "eos_id": tok.eos_id, "add_bos": tok.add_bos,
                 "chat_template": tok.chat_template, "stop_ids": sorted(tok.stop_ids)}}
     table = model.tok_embeddings
     if shared:  # a tied table is the head's weights again: stored once, as the head (rebuilt from it on load)
@@ -59,19 +61,28 @@ def save_model(model: Transformer, path: str, shared_table: bool = False) -> boo
 
 
 def pack_text(text: str) -> str:
-    """``text`` deflated and in base85: a tokenizer.json is a third of its size, and base85 needs no escaping in the
-    JSON strings that hold it (the plain text, quoted twice over, took more room than a tied table saves)."""
-    return base64.b85encode(zlib.compress(text.encode(), 9)).decode("ascii")
+    """``text`` deflated and in base64: a tokenizer.json is a third of its size, and needs no escaping in the JSON
+    strings that hold it (the plain text, quoted twice over, took more room than a tied table saves). (Files
+    written before held base85, ``json_z85``: a little smaller, but Python decodes it a hundred times slower — a
+    third of a second of every start.)"""
+    return base64.b64encode(zlib.compress(text.encode(), 9)).decode("ascii")
 
 
-def unpack_text(packed: str, what: str) -> str:
+def _b64decode(text: str) -> bytes:
+    return base64.b64decode(text, validate=True)
+
+
+PACKED_TEXT_KEYS = {"json_z64": _b64decode, "json_z85": base64.b85decode}  # (the key names the encoding)
+
+
+def unpack_text(packed: str, what: str, decode=_b64decode) -> str:
     """The text ``pack_text`` packed, inflated to at most ``MAX_TOKENIZER_BYTES`` (a small deflate stream can
     expand a thousandfold)."""
     from tmac.models.text.tokenizer import MAX_TOKENIZER_BYTES
 
     try:
         inflater = zlib.decompressobj()
-        raw = inflater.decompress(base64.b85decode(packed), MAX_TOKENIZER_BYTES)
+        raw = inflater.decompress(decode(packed), MAX_TOKENIZER_BYTES)
         if inflater.unconsumed_tail or not inflater.eof:
             raise ValueError(f"more than {MAX_TOKENIZER_BYTES} bytes inflated, or a truncated stream")
         return raw.decode()
@@ -130,6 +141,11 @@ def load_model_file(path: str, mmap: bool = True) -> Transformer:
         table_from_head = info.get("table_from_head", False)
         if type(table_from_head) is not bool:
             raise ValueError(f"table_from_head={table_from_head!r:.20}")
+        file_quantization = info.get("file_quantization")  # (the GGUF's types; absent from older files)
+        if file_quantization is not None and not (isinstance(file_quantization, str) and
+                                                  re.fullmatch(r"[A-Z0-9_]{1,16}(\+[A-Z0-9_]{1,16}){0,15}",
+                                                               file_quantization)):
+            raise ValueError(f"file_quantization={file_quantization!r:.40}")
         if table_from_head:
             model.tok_embeddings = nn.Identity()
     except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -145,7 +161,7 @@ def load_model_file(path: str, mmap: bool = True) -> Transformer:
     except ValueError as e:
         raise ModelFormatError(f"{path}: {e}") from None
     model.tokenizer = tokenizer
-    model.source = path
+    model.source, model.file_quantization = path, file_quantization
     return model
 
 
@@ -208,9 +224,10 @@ def check_structure(model: Transformer) -> None:
 def _tokenizer(tok: dict, path: str) -> Tokenizer:
     from tmac.models.text.tokenizer import hf_backend
 
-    if not isinstance(tok, dict) or not isinstance(tok.get("json_z85", tok.get("json")), str):
+    key = next((k for k in (*PACKED_TEXT_KEYS, "json") if isinstance(tok, dict) and k in tok), None)
+    if key is None or not isinstance(tok[key], str):
         raise ValueError("tokenizer: not an object with the tokenizer.json text")
-    text = unpack_text(tok["json_z85"], "tokenizer") if "json_z85" in tok else tok["json"]
+    text = unpack_text(tok[key], "tokenizer", PACKED_TEXT_KEYS[key]) if key in PACKED_TEXT_KEYS else tok[key]
     backend = hf_backend(text, "tokenizer")
     vocab = backend.get_vocab_size(with_added_tokens=True)
 

@@ -230,7 +230,7 @@ def precision_line(model, bits: int | None) -> str:
     if all(k.startswith(("float", "bfloat")) for k in kinds):
         return (f"running the float weights as they are ({what}): slow; --bits 4 quantizes them (about 8x "
                 f"faster decode, a little quality lost)")
-    source = _file_quantization(model.source)
+    source = getattr(model, "file_quantization", None) or _file_quantization(model.source)
     if bits is None:
         return f"running the file's {source} weights exactly" if source else f"running {what} weights"
     line = f"running weights requantized to {bits} bits"
@@ -243,18 +243,16 @@ def precision_line(model, bits: int | None) -> str:
 
 
 def _file_quantization(path: str) -> str | None:
-    """A GGUF's projections' quantization (``Q4_1``; a mix: its types), None for float weights or another file."""
-    from tmac.models.files.gguf_file import GGUFFile
+    """A GGUF's projections' quantization (``Q4_1``; a mix: its types), None for float weights or another file —
+    for models loaded without it (``model.file_quantization``: packed copies written by older versions)."""
+    from tmac.models.files.gguf_file import GGUFFile, projection_types
 
     if not str(path).endswith(".gguf"):
         return None
     try:
-        tensors = GGUFFile(path).tensors
+        return projection_types(GGUFFile(path).tensors)
     except Exception:  # (it loaded: anything odd here only loses the note)
         return None
-    types = sorted({t.type_name for name, t in tensors.items() if name.startswith("blk.") and len(t.shape) == 2})
-    quantized = [t for t in types if t not in ("F32", "F16", "BF16")]
-    return "+".join(quantized) or None
 
 
 def _prompt_ids(model, args, messages: list[dict]) -> list[int]:

@@ -93,13 +93,53 @@ def source_digest(paths: list[str]) -> str:
 @functools.cache
 def generator_digest() -> str:
     """A hash of the source that decides what a spec compiles to (``generator_sources``): part of every cache key
-    and manifest entry, so kernels built by other code are never used."""
-    return source_digest(generator_sources())
+    and manifest entry, so kernels built by other code are never used. Finding the sources parses them (a tenth
+    of a second of every start), so the digest is kept in the cache with the files' sizes and modification times
+    (and the packages' folders', which change when a module is added), as Python keeps its bytecode: any change
+    finds the sources again."""
+    record = os.path.join(cache_root(), "generator.json")
+    # (where this tmac's packages are: a checkout and an installed copy share a cache)
+    roots = [importlib.util.find_spec(n).submodule_search_locations[0] for n in ("tmac", "tmac.codegen", "tmac.kernels")]
+    try:
+        saved = read_json(record, 1 << 20)
+        if isinstance(saved, dict) and saved.get("roots") == roots and isinstance(saved.get("digest"), str) and \
+                saved.get("stats") == _stats(saved.get("files")):
+            return saved["digest"]
+    except (OSError, ValueError, TypeError):
+        pass
+    paths = generator_sources()
+    digest = source_digest(paths)
+    files = paths + [os.path.dirname(p) for p in paths if os.path.basename(p) == "__init__.py"]
+    try:
+        os.makedirs(cache_root(), mode=0o700, exist_ok=True)
+        write_atomically(record, lambda tmp: _write_json(tmp, {"roots": roots, "files": files, "stats": _stats(files),
+                                                               "digest": digest}), "write")
+    except OSError:  # (a read-only cache: found again next time)
+        pass
+    return digest
+
+
+def _stats(files) -> list | None:
+    if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
+        return None
+    out = []
+    for path in files:
+        st = os.stat(path)
+        out.append([st.st_mtime_ns, st.st_size])
+    return out
+
+
+def _write_json(path: str, value) -> None:
+    with open(path, "w") as f:
+        json.dump(value, f)
+
+
+def cache_root() -> str:
+    return os.environ.get("TMAC_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tmac")
 
 
 def cache_dir() -> str:
-    root = os.environ.get("TMAC_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tmac")
-    return os.path.join(root, f"tvm-{tvm_version()}-{generator_digest()}")
+    return os.path.join(cache_root(), f"tvm-{tvm_version()}-{generator_digest()}")
 
 
 def sha256(path: str) -> str:
