@@ -249,6 +249,13 @@ def test_the_generator_digest_is_kept_while_its_sources_are_unchanged(tmp_path, 
             cache.generator_digest.cache_clear()
             with pytest.raises(AssertionError, match="parsed again"):
                 cache.generator_digest()
+        record.write_text(json.dumps(saved))  # sound, but writable by others, or in a directory others write
+        for path, mode in ((record, 0o666), (tmp_path, 0o777)):
+            os.chmod(path, mode)
+            cache.generator_digest.cache_clear()
+            with pytest.raises(AssertionError, match="parsed again"):
+                cache.generator_digest()
+            os.chmod(path, 0o600 if path == record else 0o700)
         monkeypatch.setattr(cache, "generator_sources", real)
         cache.generator_digest.cache_clear()
         assert cache.generator_digest() == digest and json.loads(record.read_text())["stats"] == saved["stats"]

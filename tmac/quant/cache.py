@@ -100,11 +100,15 @@ def generator_digest() -> str:
     record = os.path.join(cache_root(), "generator.json")
     # (where this tmac's packages are: a checkout and an installed copy share a cache)
     roots = [importlib.util.find_spec(n).submodule_search_locations[0] for n in ("tmac", "tmac.codegen", "tmac.kernels")]
-    try:
-        saved = read_json(record, 1 << 20)
-        if isinstance(saved, dict) and saved.get("roots") == roots and isinstance(saved.get("digest"), str) and \
-                saved.get("stats") == _stats(saved.get("files")):
-            return saved["digest"]
+    try:  # trusted as a kernel is: a file of this user's, in a directory no one else writes (a planted digest of
+        # older code would pass kernels compiled by it)
+        st = os.lstat(record)
+        if unsafe_dir_reason(cache_root()) is None and stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and \
+                not st.st_mode & 0o022:
+            saved = read_json(record, 1 << 20)
+            if isinstance(saved, dict) and saved.get("roots") == roots and isinstance(saved.get("digest"), str) \
+                    and saved.get("stats") == _stats(saved.get("files")):
+                return saved["digest"]
     except (OSError, ValueError, TypeError):
         pass
     paths = generator_sources()
@@ -112,8 +116,10 @@ def generator_digest() -> str:
     files = paths + [os.path.dirname(p) for p in paths if os.path.basename(p) == "__init__.py"]
     try:
         os.makedirs(cache_root(), mode=0o700, exist_ok=True)
-        write_atomically(record, lambda tmp: _write_json(tmp, {"roots": roots, "files": files, "stats": _stats(files),
-                                                               "digest": digest}), "write")
+        if unsafe_dir_reason(cache_root()) is None:
+            write_atomically(record, lambda tmp: _write_json(tmp, {"roots": roots, "files": files,
+                                                                   "stats": _stats(files), "digest": digest}),
+                             "write", mode=0o600)
     except OSError:  # (a read-only cache: found again next time)
         pass
     return digest
