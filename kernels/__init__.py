@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 
-from tmac.base.cpu import cpu_features, machine_arch
+from tmac.base.cpu import cpu_features, machine_arch, normalize_arch
 from tmac.base.errors import KernelUnavailableError
 from tmac.kernels.base import Isa
 from tmac.kernels.arm import NEON, NEON_DOTPROD
@@ -59,6 +59,21 @@ def best_isa(arch: str | None = None, features: frozenset[str] | None = None) ->
         if isa.arch == arch and isa.features <= features:
             return isa
     raise ValueError(f"unsupported CPU architecture {arch!r}; supported: x86_64, arm64")
+
+
+def target_isa(arch: str | None, isa_name: str | None) -> Isa:
+    """The ISA ``tmac compile`` and ``tmac convert`` target for ``--arch``/``--isa``: named, else this CPU's best,
+    else ``arch``'s common one (``DEFAULT_ISA``)."""
+    if arch:
+        arch = normalize_arch(arch)
+    else:  # the named ISA's, else this machine's
+        arch = isa_by_name(isa_name).arch if isa_name and isa_name != "generic" else machine_arch()
+    if isa_name is None:
+        return best_isa() if arch == machine_arch() else isa_by_name(DEFAULT_ISA[arch])
+    isa = isa_by_name(isa_name, arch)
+    if isa.arch != arch:
+        raise ValueError(f"--isa {isa.name} is for {isa.arch}, not --arch {arch}")
+    return isa
 
 
 def isas_for(arch: str) -> list[Isa]:

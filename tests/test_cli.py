@@ -66,7 +66,7 @@ def test_compile_arm64_bits_2_as_typed_needs_no_compiler(tmp_path):
 
 
 def test_compile_spellings_of_arch_and_isa():
-    from tmac.apps.cli import resolve_isa
+    from tmac.kernels import target_isa as resolve_isa
     from tmac.base.cpu import normalize_arch
 
     assert normalize_arch("aarch64") == normalize_arch("arm64") == "arm64"

@@ -14,8 +14,8 @@ import warnings
 
 from tmac.apps import cli_generate, cli_perplexity
 from tmac.base.formats import BITS, GROUP_SIZES, K_MULTIPLE, PER_ROW, PER_TENSOR, WeightFormat, default_group_size, kernels_take
-from tmac.base.cpu import ARCH_ALIASES, ARCHES, normalize_arch
-from tmac.kernels import DEFAULT_ISA, ISAS
+from tmac.base.cpu import ARCH_ALIASES, ARCHES
+from tmac.kernels import DEFAULT_ISA, ISAS, target_isa
 
 
 class Parser(argparse.ArgumentParser):
@@ -399,30 +399,13 @@ def parse_shape(text: str) -> tuple[int, int]:
     return m, k
 
 
-def resolve_isa(arch: str | None, isa_name: str | None):
-    """The ISA ``tmac compile`` targets: named, else this CPU's best, else ``arch``'s common one."""
-    from tmac.base.cpu import machine_arch
-    from tmac.kernels import best_isa, isa_by_name
-
-    if arch:
-        arch = normalize_arch(arch)
-    else:  # the named ISA's, else this machine's
-        arch = isa_by_name(isa_name).arch if isa_name and isa_name != "generic" else machine_arch()
-    if isa_name is None:
-        return best_isa() if arch == machine_arch() else isa_by_name(DEFAULT_ISA[arch])
-    isa = isa_by_name(isa_name, arch)
-    if isa.arch != arch:
-        raise ValueError(f"--isa {isa.name} is for {isa.arch}, not --arch {arch}")
-    return isa
-
-
 def cmd_compile(args) -> int:
     from tmac.quant import cache
     from tmac.codegen.link import find_linker
     from tmac.base.files import check_room
     from tmac.execution.runtime import KERNEL_ROOM, build_into
 
-    isa = resolve_isa(args.arch, args.isa)
+    isa = target_isa(args.arch, args.isa)
     linker = find_linker(isa.arch)  # fail at once, saying how to get one, when nothing can link for the target
     if args.shape:
         if args.model:

@@ -403,9 +403,9 @@ def cmd_convert(args) -> int:
         raise ValueError("--group-size needs --bits")
     isa = None
     if args.arch or args.isa:
-        from tmac.apps.cli import resolve_isa
+        from tmac.kernels import target_isa
 
-        isa = resolve_isa(args.arch, args.isa)
+        isa = target_isa(args.arch, args.isa)
     done = convert(args.model, args.output, bits=args.bits, group_size=args.group_size, head_bits=args.head_bits,
                    shared_table=args.shared_table, isa=isa.name if isa else None)
     if args.json:
