@@ -29,8 +29,9 @@ def enabled() -> bool:
 
 
 def directory() -> str:
-    root = os.environ.get("TMAC_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tmac")
-    return os.path.join(root, "models")
+    from tmac.quant.cache import cache_root
+
+    return os.path.join(cache_root(), "models")
 
 
 def limit_bytes() -> int:

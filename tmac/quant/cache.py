@@ -117,9 +117,8 @@ def generator_digest() -> str:
     try:
         os.makedirs(cache_root(), mode=0o700, exist_ok=True)
         if unsafe_dir_reason(cache_root()) is None:
-            write_atomically(record, lambda tmp: _write_json(tmp, {"roots": roots, "files": files,
-                                                                   "stats": _stats(files), "digest": digest}),
-                             "write", mode=0o600)
+            atomic_write_text(record, json.dumps({"roots": roots, "files": files, "stats": _stats(files),
+                                                  "digest": digest}))
     except OSError:  # (a read-only cache: found again next time)
         pass
     return digest
@@ -133,11 +132,6 @@ def _stats(files) -> list | None:
         st = os.stat(path)
         out.append([st.st_mtime_ns, st.st_size])
     return out
-
-
-def _write_json(path: str, value) -> None:
-    with open(path, "w") as f:
-        json.dump(value, f)
 
 
 def cache_root() -> str:
