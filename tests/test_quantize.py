@@ -231,6 +231,65 @@ def test_gguf_k_quant_import_is_exact(rng, import_slices, type_name, bits, group
         import_gguf(extreme, type_name, (6, 512))
 
 
+@pytest.mark.parametrize("type_name", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
+def test_k_quant_imports_keep_the_files_multipliers(rng, monkeypatch, type_name):
+    """A K-quant import carries the file's integer multipliers and d, dmin (``factors``) instead of factoring its float
+    scales again: they give the scales and zeros exactly in float32 as the kernels compute them, as the factoring
+    of the floats does; they follow a row permutation (the GGUF loader's q/k un-permuting) and a fused stack; and a
+    matrix whose codes stay in the file (streamed: only its parameters are read at import) imports exactly."""
+    import dataclasses
+
+    import tmac.quant.quantize as q
+    from tmac.base.qweight import stack_rows
+    from tmac.models.files.synthetic import k_quant_blocks
+    from tmac.quant.kquant import factor_params
+
+    monkeypatch.setattr(q, "STREAM_CODES", 1)
+    monkeypatch.setattr(q, "QUANTIZE_CHUNK", 3 * 512)  # row slices of 3: every slice boundary inside the 64 rows
+    blocks = k_quant_blocks(rng, 64, 512, type_name)
+    qw = import_gguf(blocks, type_name, (64, 512))
+    assert type(qw.codes).__name__ == "RowCodes"
+    assert _same_bits(qw.dequantize(), dequantize(blocks, gguf.GGMLQuantizationType[type_name]))
+    fmt, sg = qw.format, qw.format.groups_per_super
+
+    def exact(weight, factors):
+        (a, d), zero = factors
+        s = np.repeat(d, sg, axis=1) * a.astype(np.float32)
+        assert np.array_equal(s, weight.scales.astype(np.float32))
+        if zero is not None:
+            z = np.repeat(zero[1], sg, axis=1) * zero[0].astype(np.float32) - np.float32(fmt.offset) * s
+            assert np.array_equal(z, weight.zeros.astype(np.float32))
+        return True
+
+    assert qw.factors is not None and factor_params(qw) is qw.factors and exact(qw, qw.factors)
+    assert exact(qw, factor_params(dataclasses.replace(qw, factors=None)))  # the floats factored: the same values
+    order = rng.permutation(64)
+    taken = qw.take_rows(order)
+    assert exact(taken, taken.factors) and np.array_equal(taken.scales, qw.scales[order])
+    stacked = stack_rows([qw, taken])
+    assert exact(stacked, stacked.factors)
+    with pytest.raises(ValueError, match="factors"):
+        dataclasses.replace(qw, factors=((qw.factors[0][0][:3], qw.factors[0][1]), qw.factors[1]))
+
+
+def test_signed_multipliers_of_a_negative_super_scale_factor_as_the_file_stores_them():
+    """llama.cpp writes a Q6_K (Q3_K) block's d negative where its largest weight is, so its int8 multipliers reach
+    −128: its float scales still factor to bytes (a negative base), not to float32 parameters. The Q6_K value
+    projection of the stored Q4_K_M mix has such blocks."""
+    import dataclasses
+    import os
+
+    from tmac.quant.kquant import factor_params
+
+    reader = gguf.GGUFReader(os.path.join(os.path.dirname(__file__), "data", "mixes", "Q4_K_M.gguf"))
+    t = next(t for t in reader.tensors if t.name == "blk.1.attn_v.weight")
+    qw = import_gguf(t.data, "Q6_K", tuple(int(n) for n in reversed(t.shape)))
+    (a, d), _ = qw.factors
+    assert (d < 0).any() and (a == -128).any()
+    (fa, fd), _ = factor_params(dataclasses.replace(qw, factors=None))
+    assert np.array_equal(np.repeat(fd, 16, axis=1) * fa.astype(np.float32), qw.scales)
+
+
 @pytest.mark.parametrize("type_name", ["TQ1_0", "TQ2_0"])
 def test_ternary_gguf_blocks_sharing_a_scale_import_per_row(rng, type_name, import_slices):
     """Converted BitNet models repeat one scale in every block: such rows get one scale (and the triple layout)."""

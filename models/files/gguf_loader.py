@@ -167,9 +167,7 @@ class GGUFModel:
             raise ModelFormatError(f"{self.path}: {name} has {rows} rows, expected {heads}×{cfg.head_dim}")
         order = np.arange(rows).reshape(heads, cfg.head_dim // 2, 2).transpose(0, 2, 1).reshape(-1)
         if isinstance(value, QuantizedWeight):
-            return QuantizedWeight(value.codes[order], value.scales[order] if value.scales.shape[0] == rows
-                                   else value.scales, None if value.zeros is None else value.zeros[order],
-                                   value.format)
+            return value.take_rows(order)
         return value[torch.from_numpy(order)]
 
 

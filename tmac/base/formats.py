@@ -62,6 +62,20 @@ class GGUFBlock:
         """The numpy decoder of this block type: ``tmac.base.gguf_blocks.decode_<type>``."""
         return getattr(gguf_blocks, f"decode_{self.type_name.lower()}")
 
+    def code_decoder(self):
+        """The decoder of this block type's codes alone (``codes_<type>`` where the type has one, else its
+        ``decoder``'s first output), taking the same arguments."""
+        codes = getattr(gguf_blocks, f"codes_{self.type_name.lower()}", None)
+        if codes is not None:
+            return codes
+        decode = self.decoder()
+        return lambda blocks, offset: decode(blocks, offset)[0]
+
+    def super_params(self):
+        """The reader of this block type's integer multipliers and super scales (``gguf_blocks.params_<type>``,
+        llama.cpp's K-quants), or None where it has none."""
+        return getattr(gguf_blocks, f"params_{self.type_name.lower()}", None)
+
 
 @dataclass(frozen=True)
 class WeightFormat:

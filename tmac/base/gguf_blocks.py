@@ -1,7 +1,9 @@
 """Decoders of llama.cpp's block types, one per exactly imported type, named ``decode_<type>`` after the format
 table's row (``tmac.base.formats``, ``GGUFBlock.decoder``). A decoder takes raw blocks ``[n, type_size]`` and the format's
 code offset and returns ``(codes [n, block], scales [n, groups], zeros or None)`` with w = s·(code − offset) − z
-(codebook formats: w = s·level[code]); the block layouts are described beside the table."""
+(codebook formats: w = s·level[code]); the block layouts are described beside the table. The K-quants also have
+``params_<type>``: their integer multipliers and float16 super scales as stored, ``((a, d), (b, dmin) or None)``,
+from which their decoders compute the scales and zeros (and the packing takes them as they are)."""
 
 from __future__ import annotations
 
@@ -74,29 +76,45 @@ def decode_tq2_0(blocks, offset):
     return _two_bit_fields(blocks[:, :64]) + (offset - 1), _f16(blocks, 64).astype(np.float32), None  # w = d·(q − 1)
 
 
-def decode_q2_k(blocks, offset):
-    sc = blocks[:, :16]
-    s = _f16(blocks, 80).astype(np.float64)[:, None] * (sc & 0x0F)  # exact: 11 × 4 significant bits
-    # w = s·q − dmin·b = s·(q − offset) − z with z = dmin·b − offset·s; exact in float64
-    return _two_bit_fields(blocks[:, 16:80]), s.astype(np.float32), \
-        _f16(blocks, 82).astype(np.float64)[:, None] * (sc >> 4) - offset * s
+def super_scaled(params, offset):
+    """Scales (float32) and zeros (float64, or None) ``[n, groups]`` of K-quant ``params_<type>`` output: s = d·a
+    (exact: 11 × at most 8 significant bits) and z = dmin·b − offset·s (w = s·q − dmin·b = s·(q − offset) − z),
+    exact in float64."""
+    (a, d), zero = params
+    s = d.astype(np.float64)[:, None] * a
+    return s.astype(np.float32), None if zero is None else zero[1].astype(np.float64)[:, None] * zero[0] - offset * s
 
 
-def decode_q3_k(blocks, offset):
-    low, high = blocks[:, 96:104], blocks[:, 104:108]
+def params_q2_k(blocks):
+    sc = np.ascontiguousarray(blocks[:, :16])
+    return (sc & 0x0F, _f16(blocks, 80)), (sc >> 4, _f16(blocks, 82))
+
+
+def codes_q2_k(blocks, offset):
+    return _two_bit_fields(blocks[:, 16:80])
+
+
+def params_q3_k(blocks):
+    sc = np.ascontiguousarray(blocks[:, 96:108])
+    low, high = sc[:, :8], sc[:, 8:]
     a = np.concatenate([low & 0x0F, low >> 4], axis=1) | \
         (((high[:, None, :] >> np.array([0, 2, 4, 6], np.uint8)[None, :, None]) & 3) << 4).reshape(-1, 16)
-    s = _f16(blocks, 108).astype(np.float32)[:, None] * (a.astype(np.float32) - 32)  # exact: 11 × 6 bits
+    return ((a.astype(np.int16) - 32).astype(np.int8), _f16(blocks, 108)), None
+
+
+def codes_q3_k(blocks, offset):
     hbit = (blocks[:, None, :32] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1  # [n, 8, 32]: weight 32i + l
     # w = s·(q − 4·(1 − hbit)) with q the 2-bit field: code q + 4·hbit, offset 4
-    return _two_bit_fields(blocks[:, 32:96]) | (hbit.reshape(-1, 256) << 2), s, None
+    return _two_bit_fields(blocks[:, 32:96]) | (hbit.reshape(-1, 256) << 2)
 
 
-def decode_q6_k(blocks, offset):
+def params_q6_k(blocks):
+    return (np.ascontiguousarray(blocks[:, 192:208]).view(np.int8), _f16(blocks, 208)), None
+
+
+def codes_q6_k(blocks, offset):  # w = d·sc·(q − 32)
     ql = blocks[:, :128].reshape(-1, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)  # [n, h, nibble, 64]
-    q = (ql & 0x0F).reshape(-1, 256) | (_two_bit_fields(blocks[:, 128:192]) << 4)
-    s = _f16(blocks, 208).astype(np.float32)[:, None] * blocks[:, 192:208].view(np.int8).astype(np.float32)
-    return q, s, None  # w = d·sc·(q − 32): exact scales (11 × 8 bits)
+    return (ql & 0x0F).reshape(-1, 256) | (_two_bit_fields(blocks[:, 128:192]) << 4)
 
 
 def decode_tq1_0(blocks, offset):
@@ -108,29 +126,45 @@ def decode_tq1_0(blocks, offset):
     return q + (offset - 1), _f16(blocks, 52).astype(np.float32), None  # w = d·(q − 1)
 
 
-def decode_q4_k(blocks, offset, qh=None):
-    a, b = _q4_k_scales(blocks[:, 4:16])
-    s = _f16(blocks, 0).astype(np.float64)[:, None] * a  # exact: 11 × 6 significant bits
+def params_q4_k(blocks):
+    """The 6-bit scale and min multipliers of a Q4_K (Q5_K) block's 8 groups from its 12 bytes 4..15: bytes 0-3
+    hold scales 0-3 (low 6 bits) and the top 2 bits of scales 4-7, bytes 4-7 the same for the mins, bytes 8-11 the
+    low nibbles of scales 4-7 (low) and mins 4-7 (high); and d, dmin."""
+    sc = np.ascontiguousarray(blocks[:, 4:16])  # (operations on a narrow strided slice are slow)
+    lo, hi, mixed = sc[:, 0:4], sc[:, 4:8], sc[:, 8:12]
+    a = np.concatenate([lo & 0x3F, (mixed & 0x0F) | ((lo >> 2) & 0x30)], axis=1)
+    b = np.concatenate([hi & 0x3F, (mixed >> 4) | ((hi >> 2) & 0x30)], axis=1)
+    return (a, _f16(blocks, 0)), (b, _f16(blocks, 2))
+
+
+params_q5_k = params_q4_k
+
+
+def codes_q4_k(blocks, offset, qh=None):
     qs = blocks[:, -128:].reshape(-1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
     q = (qs & 0x0F).reshape(-1, 8, 32)
     if qh is not None:  # Q5_K: bit j of byte l is the fifth bit of weight l of group j
         q = q | ((qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1) << 4
-    # w = s·q − dmin·b = s·(q − offset) − z with z = dmin·b − offset·s; exact in float64
-    return q.reshape(-1, 256), s.astype(np.float32), _f16(blocks, 2).astype(np.float64)[:, None] * b - offset * s
+    return q.reshape(-1, 256)
 
 
-def decode_q5_k(blocks, offset):
-    return decode_q4_k(blocks, offset, blocks[:, 16:48])
+def codes_q5_k(blocks, offset):
+    return codes_q4_k(blocks, offset, blocks[:, 16:48])
 
 
-def _q4_k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The 6-bit scale and min multipliers of a Q4_K block's 8 groups from its 12 bytes: bytes 0-3 hold scales
-    0-3 (low 6 bits) and the top 2 bits of scales 4-7, bytes 4-7 the same for the mins, bytes 8-11 the low nibbles
-    of scales 4-7 (low) and mins 4-7 (high)."""
-    lo, hi, mixed = packed[:, 0:4], packed[:, 4:8], packed[:, 8:12]
-    a = np.concatenate([lo & 0x3F, (mixed & 0x0F) | ((lo >> 2) & 0x30)], axis=1)
-    b = np.concatenate([hi & 0x3F, (mixed >> 4) | ((hi >> 2) & 0x30)], axis=1)
-    return a.astype(np.float64), b.astype(np.float64)
+def _k_quant_decoder(type_name: str):
+    """``decode_<type>`` of a K-quant: its ``codes_<type>`` and the scales and zeros of its ``params_<type>``."""
+    codes, params = globals()[f"codes_{type_name}"], globals()[f"params_{type_name}"]
+
+    def decode(blocks, offset):
+        return codes(blocks, offset), *super_scaled(params(blocks), offset)
+
+    decode.__name__ = f"decode_{type_name}"
+    return decode
+
+
+decode_q2_k, decode_q3_k, decode_q4_k, decode_q5_k, decode_q6_k = map(_k_quant_decoder, ("q2_k", "q3_k", "q4_k", "q5_k",
+                                                                                          "q6_k"))
 
 
 # ---- the grid i-quants: indices into llama.cpp's grids, sign bits; levels as codebook codes -------------------------

@@ -63,6 +63,10 @@ class QuantizedWeight:
     scales: np.ndarray
     zeros: np.ndarray | None
     format: WeightFormat
+    # llama.cpp K-quants' parameters as their file stores them, where an importer read them: what
+    # ``tmac.quant.kquant.factor_params`` would find, ``((a, d), (b, m) or None)`` with scales d·a and zeros
+    # m·b − offset·d·a exactly (the importer checks); factoring the floats again costs a first load seconds
+    factors: tuple | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         codes, fmt = self.codes, self.format
@@ -81,6 +85,20 @@ class QuantizedWeight:
             _check_params("zeros", self.zeros, fmt.scale_shape(m, k), fmt.zero_dtype)
         elif self.zeros is not None:
             raise ValueError(f"format {fmt.name} has no zeros, but zeros were given")
+        if self.factors is not None:
+            (a, d), zero = self.factors
+            sg = fmt.groups_per_super
+            if not sg or a.shape != self.scales.shape or d.shape != (m, a.shape[1] // sg) or \
+                    (zero is None) == fmt.has_zeros or (zero is not None and zero[0].shape != a.shape):
+                raise ValueError(f"factors of format {fmt.name} do not fit scales of shape {self.scales.shape}")
+
+    def take_rows(self, order: np.ndarray) -> QuantizedWeight:
+        """The weight with rows ``order`` (an index array) of this one, parameters and factors with them."""
+        per_row = self.scales.shape[0] == self.shape[0]
+        factors = None if self.factors is None else \
+            tuple(None if f is None else (f[0][order], f[1][order]) for f in self.factors)
+        return QuantizedWeight(self.codes[order], self.scales[order] if per_row else self.scales,
+                               None if self.zeros is None else self.zeros[order], self.format, factors)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -127,7 +145,11 @@ def stack_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
 
     scales = np.concatenate([per_row(p, p.scales).astype(np.float64) for p in parts])
     zeros = None if fmt.has_zeros is False else np.concatenate([per_row(p, p.zeros).astype(np.float64) for p in parts])
-    return QuantizedWeight(_stacked_codes(parts), scales, zeros, fmt)
+    factors = None
+    if all(p.factors is not None for p in parts):
+        factors = tuple(None if parts[0].factors[i] is None else
+                        tuple(np.concatenate([p.factors[i][j] for p in parts]) for j in (0, 1)) for i in (0, 1))
+    return QuantizedWeight(_stacked_codes(parts), scales, zeros, fmt, factors)
 
 
 def _stacked_codes(parts: list[QuantizedWeight]) -> np.ndarray | RowCodes:

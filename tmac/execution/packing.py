@@ -139,7 +139,8 @@ def unpack(packed: PackedWeight, fmt: WeightFormat) -> QuantizedWeight:
     """The exact inverse of ``pack``: codes and parameters of the ``packed.m`` true rows in format ``fmt``."""
     spec = _check_unpack(packed, fmt)
     codes = spec.layout.unpack(block_major(packed.weights, spec), spec)
-    return QuantizedWeight(np.ascontiguousarray(codes[:packed.m]), *unpack_params(packed, fmt), fmt)
+    return QuantizedWeight(np.ascontiguousarray(codes[:packed.m]), *unpack_params(packed, fmt), fmt,
+                           unpack_factors(packed, fmt))
 
 
 def unpack_by_rows(packed: PackedWeight, fmt: WeightFormat) -> QuantizedWeight:
@@ -153,7 +154,8 @@ def unpack_by_rows(packed: PackedWeight, fmt: WeightFormat) -> QuantizedWeight:
         part = unpack(blocks_of(packed, b0, -(-r1 // bm)), fmt)
         return part.codes[r0 - b0 * bm:r1 - b0 * bm]
 
-    return QuantizedWeight(RowCodes((packed.m, packed.spec.k), rows), *unpack_params(packed, fmt), fmt)
+    return QuantizedWeight(RowCodes((packed.m, packed.spec.k), rows), *unpack_params(packed, fmt), fmt,
+                           unpack_factors(packed, fmt))
 
 
 def blocks_of(packed: PackedWeight, b0: int, b1: int) -> PackedWeight:
@@ -183,6 +185,16 @@ def unpack_params(packed: PackedWeight, fmt: WeightFormat) -> tuple[np.ndarray, 
     return scales, zeros
 
 
+def unpack_factors(packed: PackedWeight, fmt: WeightFormat):
+    """The multipliers and super scales of a super-scale spec as ``QuantizedWeight.factors`` holds them (a repack
+    for another ISA takes them as they are), or None: plain parameters, or super groups other than the format's."""
+    spec = packed.spec
+    if not spec.super_groups or spec.super_groups != fmt.groups_per_super:
+        return None
+    return tuple(None if p is None else _super_factors(block_major(p, spec), packed.m, spec)
+                 for p in (packed.scales, packed.zeros))
+
+
 def _check_unpack(packed: PackedWeight, fmt: WeightFormat) -> KernelSpec:
     spec = packed.spec
     if (fmt.bits, fmt.has_zeros) != (spec.bits, spec.has_zeros) or not spec.layout.codes.accepts(fmt):
@@ -209,11 +221,19 @@ def _pack_super(mult: np.ndarray, base: np.ndarray, qw: QuantizedWeight, spec: K
 
 def _unpack_super(p: np.ndarray, m: int, spec: KernelSpec, fmt: WeightFormat) -> np.ndarray:
     """Float32 ``[M, G]`` base × multiplier of S or Z of a super-scale spec (d·a, or m·b)."""
+    mult, base = _super_factors(p, m, spec)
+    return np.repeat(base, spec.super_groups, axis=1) * mult.astype(np.float32)
+
+
+def _super_factors(p: np.ndarray, m: int, spec: KernelSpec) -> tuple[np.ndarray, np.ndarray]:
+    """The multipliers ``[M, G]`` (their packed bytes' type) and float32 super scales ``[M, G/SG]`` of S or Z of a
+    super-scale spec (block-major)."""
     bm, sg = spec.block_rows, spec.super_groups
     mb, supers = p.shape[:2]
-    mult = _unpack_params(np.ascontiguousarray(p[:, :, :sg * bm]).reshape(mb, supers * sg, bm), m, fmt)
+    rows = lambda a: np.ascontiguousarray(a.transpose(0, 2, 1).reshape(-1, a.shape[1])[:m])  # noqa: E731 [M, X]
+    mult = rows(np.ascontiguousarray(p[:, :, :sg * bm]).reshape(mb, supers * sg, bm))
     tail = np.ascontiguousarray(p[:, :, sg * bm:]).view(spec.scale_dtype)  # [MB, G/SG, BM]
-    return np.repeat(_unpack_params(tail, m, fmt), sg, axis=1) * mult
+    return mult, rows(tail).astype(np.float32)
 
 
 def _pack_params(p: np.ndarray, qw: QuantizedWeight, spec: KernelSpec, dtype: str) -> np.ndarray:

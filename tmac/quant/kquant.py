@@ -18,6 +18,8 @@ def factor_params(qw: QuantizedWeight, super_groups: int | None = None):
     ``FACTOR_PARAMS`` parameters keep the int64 temporaries small beside a 49152-row head's."""
     fmt = qw.format
     sg = super_groups or fmt.groups_per_super
+    if qw.factors is not None and sg == fmt.groups_per_super:  # as the file stores them
+        return qw.factors
     m, g = qw.scales.shape
     if g % sg:
         return None
@@ -67,8 +69,10 @@ def _common_factor(v: np.ndarray, signed: bool = False) -> tuple[np.ndarray, np.
     gcd = np.maximum(np.gcd.reduce(big, axis=1, keepdims=True), 1)
     negative = (bits < 0) & nz
     mult = big // gcd
-    if signed:  # a positive base, multipliers of either sign
-        mult, flip = np.where(negative, -mult, mult), np.zeros_like(gcd, bool)
+    if signed:  # multipliers of either sign; the base negative where only so do they fit (−128 … 127)
+        mult = np.where(negative, -mult, mult)
+        flip = (mult > 127).any(axis=1, keepdims=True)
+        mult = np.where(flip, -mult, mult)
         if (mult < -128).any() or (mult > 127).any():
             return None
     else:  # one sign a row: the base carries it

@@ -255,6 +255,8 @@ class Planes(Layout):
     def pack(self, codes, spec):
         bm, vl, k, bits = spec.block_rows, spec.vector_bytes, spec.k, self.codes.planes
         mb, steps = codes.shape[0] // bm, k // self.step_activations
+        if isinstance(self.codes, PlaneCodes):
+            return _plane_steps(codes, spec, self.chunks)
         nib, _ = self.codes.indices(codes, k)  # [planes, rows, tables]
         pair = nib[:, :, 0::2] | (nib[:, :, 1::2] << 4)  # [planes, rows, steps]: low nibble table 2s, high 2s+1
         pair = pair.reshape(bits, mb, bm, steps)
@@ -288,6 +290,48 @@ class Planes(Layout):
         nib[:, :, 0::2] = pair.reshape(bits, mb * bm, steps) & 15
         nib[:, :, 1::2] = pair.reshape(bits, mb * bm, steps) >> 4
         return self.codes.codes_of(nib, None, k)
+
+
+_BYTE_BITS = np.uint64(0x0101010101010101)
+_GATHER = np.uint64(0x0102040810204080)  # (x & _BYTE_BITS) · _GATHER >> 56: bit j is bit 0 of x's byte j (no carries)
+_WORDS = {1: np.uint8, 2: np.uint16, 4: np.uint32}
+GATHER_ROWS = 64  # rows gathered at a time: the temporaries stay in L2
+
+
+def _plane_steps(codes: np.ndarray, spec, chunks) -> np.ndarray:
+    """``Planes``' W of bit-plane codes ``[MB·BM, K]``, as its docstring lays it out, computed word-wise: a step's
+    8 codes are one uint64 whose bit plane p gathers into one byte (its low nibble the table index of codes 0-3,
+    its high of 4-7); a chunk's P planes of one row and step are one P-byte word, and a block's words go to their
+    vectors in one transposing copy."""
+    bm, vl = spec.block_rows, spec.vector_bytes
+    m, k = codes.shape
+    mb, steps = m // bm, k // 8
+    runs = np.ascontiguousarray(codes).view("<u8")
+    out = np.empty((mb, steps, bm * sum(planes for _, planes in chunks)), np.uint8)
+    at = 0
+    for first, planes in chunks:
+        word = _WORDS[planes]
+        words = np.empty((m, steps), word)
+        t, acc = np.empty((GATHER_ROWS, steps), np.uint64), np.empty((GATHER_ROWS, steps), np.uint64)
+        for r0 in range(0, m, GATHER_ROWS):
+            src = runs[r0:r0 + GATHER_ROWS]
+            tt, aa = t[:len(src)], acc[:len(src)]
+            for p in range(planes):
+                np.right_shift(src, np.uint64(first + p), out=tt)
+                tt &= _BYTE_BITS
+                tt *= _GATHER
+                tt >>= np.uint64(56)
+                if p:  # plane p's byte at byte p of the word
+                    tt <<= np.uint64(8 * p)
+                    aa |= tt
+                else:
+                    aa[...] = tt
+            words[r0:r0 + GATHER_ROWS] = aa
+        per_vec = vl // planes  # rows a vector: [MB, vectors, rows in vector, steps] → [MB, steps, vectors, rows]
+        out[:, :, at:at + bm * planes].view(word).reshape(mb, steps, bm // per_vec, per_vec)[...] = \
+            words.reshape(mb, bm // per_vec, per_vec, steps).transpose(0, 3, 1, 2)
+        at += bm * planes
+    return out
 
 
 class Triples(Layout):

@@ -26,6 +26,7 @@ import numpy as np
 
 from tmac.base.errors import InexactImport
 from tmac.base.formats import GGUF_EXACT, PER_TENSOR, WeightFormat, check_bits
+from tmac.base.gguf_blocks import super_scaled
 from tmac.base.qweight import QuantizedWeight, RowCodes, all_float16
 
 
@@ -263,7 +264,8 @@ def import_gguf(data, type_name: str, shape: tuple[int, int], decoded_pages: Cal
             return blk.decoder()(blocks[r0:r1].reshape(-1, blk.type_size), fmt.offset)
 
     def decoded_codes(r0: int, r1: int) -> np.ndarray:
-        codes = decoded(r0, r1)[0].reshape(-1, k)
+        with np.errstate(invalid="ignore", over="ignore"):
+            codes = blk.code_decoder()(blocks[r0:r1].reshape(-1, blk.type_size), fmt.offset).reshape(-1, k)
         if decoded_pages is not None:
             decoded_pages()
         return codes
@@ -276,8 +278,15 @@ def import_gguf(data, type_name: str, shape: tuple[int, int], decoded_pages: Cal
     codes = RowCodes((m, k), decoded_codes, blocks.reshape(m, -1), type_name) if streamed else \
         np.empty((m, k), np.uint8)
     scales, zeros = np.empty((m, k // fmt.group_size), np.float32), None
+    super_params, factors = blk.super_params(), None
+    if super_params is not None:  # llama.cpp's multipliers and d, dmin: the packing takes them as they are
+        factors = tuple(None if f is None else (f[0].reshape(m, -1), f[1].astype(np.float32).reshape(m, -1))
+                        for f in super_params(blocks.reshape(-1, blk.type_size)))
     for r0 in range(0, m, rows):
-        c, d, z = decoded(r0, r0 + rows)
+        if streamed and factors is not None:  # the parameters alone: the codes are decoded as they are packed
+            c, (d, z) = None, super_scaled(_super_blocks(factors, r0, r0 + rows, fmt.groups_per_super), fmt.offset)
+        else:
+            c, d, z = decoded(r0, r0 + rows)
         scales[r0:r0 + rows] = d.reshape(-1, scales.shape[1])
         if not streamed:
             codes[r0:r0 + rows] = c.reshape(-1, k)
@@ -294,11 +303,18 @@ def import_gguf(data, type_name: str, shape: tuple[int, int], decoded_pages: Cal
         raise ValueError(f"GGUF {type_name} tensor has {int(bad.sum())} blocks with NaN/inf scale or min")
     if zeros is not None and fmt.takes_half_zeros and all_float16(zeros):
         fmt = fmt.with_half_zeros()
+    if factors is not None:
+        return QuantizedWeight(codes, scales, zeros, fmt, factors)
     if fmt.ternary:
         row_scales = _uniform_row_scales(codes, scales, blk.block_size)
         if row_scales is not None:  # BitNet conversions: one scale per tensor, repeated in every block
             return QuantizedWeight(codes, row_scales, None, fmt.per_row())
     return QuantizedWeight(codes, scales, zeros, fmt)
+
+
+def _super_blocks(factors, r0: int, r1: int, sg: int):
+    """Rows ``r0:r1`` of a weight's ``factors`` a super group (a K-quant block) a row: what ``params_<type>`` reads."""
+    return tuple(None if f is None else (f[0][r0:r1].reshape(-1, sg), f[1][r0:r1].reshape(-1)) for f in factors)
 
 
 def _uniform_row_scales(codes: np.ndarray, scales: np.ndarray, block: int) -> np.ndarray | None:
