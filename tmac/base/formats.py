@@ -71,6 +71,11 @@ class GGUFBlock:
         decode = self.decoder()
         return lambda blocks, offset: decode(blocks, offset)[0]
 
+    def scale_decoder(self):
+        """The decoder of this block type's scales and zeros alone (``scales_<type>``), or None where only its
+        ``decoder`` reads them."""
+        return getattr(gguf_blocks, f"scales_{self.type_name.lower()}", None)
+
     def super_params(self):
         """The reader of this block type's integer multipliers and super scales (``gguf_blocks.params_<type>``,
         llama.cpp's K-quants), or None where it has none."""

@@ -28,52 +28,76 @@ def _fifth_bits(qh: np.ndarray) -> np.ndarray:
     return (np.unpackbits(qh, axis=1, bitorder="little") << 4).astype(np.uint8)
 
 
-def decode_q4_0(blocks, offset):
-    return _nibbles(blocks[:, 2:]), _f16(blocks, 0).astype(np.float32), None
+# a type's codes and its scales and zeros apart (``codes_<type>``, ``scales_<type>``): a matrix whose codes stay in
+# the file reads its parameters alone; ``decode_<type>`` composes the two (``_composed``)
+def codes_q4_0(blocks, offset):
+    return _nibbles(blocks[:, 2:])
 
 
-def decode_q5_0(blocks, offset):
-    return _nibbles(blocks[:, 6:]) | _fifth_bits(blocks[:, 2:6]), _f16(blocks, 0).astype(np.float32), None
+def scales_q4_0(blocks, offset):  # (Q5_0, Q8_0, IQ4_NL alike)
+    return _f16(blocks, 0).astype(np.float32), None
 
 
-def decode_q8_0(blocks, offset):
-    # w = d·q with q signed: code q + offset
-    return (blocks[:, 2:].view(np.int8).astype(np.int16) + offset).astype(np.uint8), \
-        _f16(blocks, 0).astype(np.float32), None
+def codes_q5_0(blocks, offset):
+    return _nibbles(blocks[:, 6:]) | _fifth_bits(blocks[:, 2:6])
 
 
-def decode_q4_1(blocks, offset, codes=None):
+def codes_q8_0(blocks, offset):  # w = d·q with q signed: code q + offset
+    return (blocks[:, 2:].view(np.int8).astype(np.int16) + offset).astype(np.uint8)
+
+
+def codes_q4_1(blocks, offset):
+    return _nibbles(blocks[:, 4:])
+
+
+def scales_q4_1(blocks, offset):
     d = _f16(blocks, 0).astype(np.float64)
     m = _f16(blocks, 2).astype(np.float64)
     # w = d·q + m = d·(q − offset) − z with z = −(m + offset·d); exact in float64 (both are float16 values)
-    return _nibbles(blocks[:, 4:]) if codes is None else codes, d.astype(np.float32), -(m + offset * d)
+    return d.astype(np.float32), -(m + offset * d)
 
 
-def decode_q5_1(blocks, offset):
-    return decode_q4_1(blocks, offset, _nibbles(blocks[:, 8:]) | _fifth_bits(blocks[:, 4:8]))
+def codes_q5_1(blocks, offset):
+    return _nibbles(blocks[:, 8:]) | _fifth_bits(blocks[:, 4:8])
 
 
-def decode_iq4_nl(blocks, offset):
-    return _nibbles(blocks[:, 2:]), _f16(blocks, 0).astype(np.float32), None  # w = d·level[q]
+codes_iq4_nl = codes_q4_0  # w = d·level[q]
+scales_q5_0 = scales_q8_0 = scales_iq4_nl = scales_q4_0
+scales_q5_1 = scales_q4_1
 
 
-def decode_iq4_xs(blocks, offset):
+def codes_iq4_xs(blocks, offset):
+    return _nibbles(blocks[:, 8:].reshape(-1, 16)).reshape(-1, 256)  # w = d·(a − 32)·level[q]
+
+
+def scales_iq4_xs(blocks, offset):
     low = blocks[:, 4:8]
     high = blocks[:, 2:4].copy().view("<u2")  # [n, 1]: bits 2j, 2j + 1 are group j's high scale bits
     a = _nibble_scales(low) | (((high >> np.arange(0, 16, 2, dtype=np.uint16)) & 3) << 4).astype(np.uint8)
-    s = _f16(blocks, 0).astype(np.float32)[:, None] * (a.astype(np.float32) - 32)  # exact: 11 × 6 bits
-    return _nibbles(blocks[:, 8:].reshape(-1, 16)).reshape(-1, 256), s, None  # w = d·(a − 32)·level[q]
+    return _f16(blocks, 0).astype(np.float32)[:, None] * (a.astype(np.float32) - 32), None  # exact: 11 × 6 bits
+
+
+_TWO_BITS = np.uint64(0x0303030303030303)
 
 
 def _two_bit_fields(qs: np.ndarray) -> np.ndarray:
     """``[n, 4·B]`` 2-bit fields of bytes ``qs [n, B]`` in runs of 32 bytes: weight 128h + 32i + l is bits 2i of
-    byte 32h + l (TQ2_0, Q2_K, Q3_K's low bits)."""
-    fields = qs.reshape(len(qs), -1, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
-    return (fields & 3).reshape(len(qs), -1)
+    byte 32h + l (TQ2_0, Q2_K, Q3_K's low bits). Eight bytes at a time (uint64): numpy is slow on 32-byte rows."""
+    n = len(qs)
+    words = np.ascontiguousarray(qs).view(np.uint64).reshape(n, -1, 1, 4)  # [n, runs, 1, 4 words of a run]
+    out = np.empty((n, words.shape[1], 4, 4), np.uint64)
+    for i in range(4):
+        np.right_shift(words[:, :, 0], np.uint64(2 * i), out=out[:, :, i])
+    out &= _TWO_BITS
+    return out.view(np.uint8).reshape(n, -1)
 
 
-def decode_tq2_0(blocks, offset):
-    return _two_bit_fields(blocks[:, :64]) + (offset - 1), _f16(blocks, 64).astype(np.float32), None  # w = d·(q − 1)
+def codes_tq2_0(blocks, offset):  # w = d·(q − 1)
+    return _two_bit_fields(blocks[:, :64]) + np.uint8(offset - 1)
+
+
+def scales_tq2_0(blocks, offset):
+    return _f16(blocks, 64).astype(np.float32), None
 
 
 def super_scaled(params, offset):
@@ -117,13 +141,17 @@ def codes_q6_k(blocks, offset):  # w = d·sc·(q − 32)
     return (ql & 0x0F).reshape(-1, 256) | (_two_bit_fields(blocks[:, 128:192]) << 4)
 
 
-def decode_tq1_0(blocks, offset):
+def codes_tq1_0(blocks, offset):
     def trits(b, n):  # base-3 digits stored as fixed-point fractions of 256; uint8 products wrap on purpose
         t = (b.reshape(len(b), 1, -1) * _POW3[:n].reshape(1, n, 1)).reshape(len(b), -1)
         return ((t.astype(np.uint16) * 3) >> 8).astype(np.uint8)
 
     q = np.concatenate([trits(blocks[:, :32], 5), trits(blocks[:, 32:48], 5), trits(blocks[:, 48:52], 4)], axis=1)
-    return q + (offset - 1), _f16(blocks, 52).astype(np.float32), None  # w = d·(q − 1)
+    return q + (offset - 1)  # w = d·(q − 1)
+
+
+def scales_tq1_0(blocks, offset):
+    return _f16(blocks, 52).astype(np.float32), None
 
 
 def params_q4_k(blocks):
@@ -152,19 +180,30 @@ def codes_q5_k(blocks, offset):
     return codes_q4_k(blocks, offset, blocks[:, 16:48])
 
 
-def _k_quant_decoder(type_name: str):
-    """``decode_<type>`` of a K-quant: its ``codes_<type>`` and the scales and zeros of its ``params_<type>``."""
-    codes, params = globals()[f"codes_{type_name}"], globals()[f"params_{type_name}"]
+def _k_quant_scales(type_name: str):
+    params = globals()[f"params_{type_name}"]
+    return lambda blocks, offset: super_scaled(params(blocks), offset)
+
+
+scales_q2_k, scales_q3_k, scales_q4_k, scales_q5_k, scales_q6_k = map(_k_quant_scales, ("q2_k", "q3_k", "q4_k",
+                                                                                        "q5_k", "q6_k"))
+
+
+def _composed(type_name: str):
+    """``decode_<type>``: its ``codes_<type>`` and ``scales_<type>``."""
+    codes, scales = globals()[f"codes_{type_name}"], globals()[f"scales_{type_name}"]
 
     def decode(blocks, offset):
-        return codes(blocks, offset), *super_scaled(params(blocks), offset)
+        return codes(blocks, offset), *scales(blocks, offset)
 
     decode.__name__ = f"decode_{type_name}"
     return decode
 
 
-decode_q2_k, decode_q3_k, decode_q4_k, decode_q5_k, decode_q6_k = map(_k_quant_decoder, ("q2_k", "q3_k", "q4_k", "q5_k",
-                                                                                          "q6_k"))
+for _name in ("q4_0", "q5_0", "q8_0", "q4_1", "q5_1", "iq4_nl", "iq4_xs", "tq2_0", "tq1_0", "q2_k", "q3_k", "q4_k",
+              "q5_k", "q6_k"):
+    globals()[f"decode_{_name}"] = _composed(_name)
+del _name
 
 
 # ---- the grid i-quants: indices into llama.cpp's grids, sign bits; levels as codebook codes -------------------------

@@ -376,6 +376,32 @@ class Triples(Layout):
         return self.codes.codes_of(idx[None], neg, spec.k)
 
 
+_LOW_HALF = np.uint64(0xFFFFFFFF)
+_FOUR_BYTE_BITS = np.uint64(0x01010101)
+_GATHER4 = np.uint32(0x01020408)  # (x & 0x01010101) · _GATHER4 >> 24: bit j is bit 0 of x's byte j
+
+
+def _one_plane_quads(idx: np.ndarray, neg: np.ndarray | None, mb: int, nv: int, per: int, steps: int) -> np.ndarray:
+    """``Quads``' W of one plane of 8 tables a step (indices ``idx [rows, 8·steps]``, flags ``neg`` or None), as its
+    docstring lays it out, word-wise: a row's 8 indices of a step are one uint64 whose halves (tables 0-3, 4-7)
+    become the low and high nibbles of its 4 bytes, one uint32 moved to its vector by a transposing copy; a row's
+    flags of a step gather into two nibbles (tables 0-3, 4-7), two rows' nibbles a mask byte."""
+    bm = nv * per
+    out = np.empty((mb, steps, 4 * bm + (bm if neg is not None else 0)), np.uint8)
+    v = np.ascontiguousarray(idx).view("<u8")  # [rows, steps]
+    words = ((v & _LOW_HALF) | ((v >> np.uint64(32)) << np.uint64(4))).astype(np.uint32)
+    out[:, :, :4 * bm].view(np.uint32).reshape(mb, steps, nv, per)[...] = \
+        words.reshape(mb, nv, per, steps).transpose(0, 3, 1, 2)
+    if neg is not None:
+        flags = np.ascontiguousarray(neg).view(np.uint8).view("<u8")  # [rows, steps]: byte 4h + p, table 4h + p
+        masks = out[:, :, 4 * bm:].reshape(mb, steps, nv, 2, per // 2)
+        for h in range(2):
+            nib = ((((flags >> np.uint64(32 * h)) & _FOUR_BYTE_BITS).astype(np.uint32) * _GATHER4) >> np.uint32(24))
+            nib = nib.astype(np.uint8).reshape(mb, nv, per // 2, 2, steps)  # rows 2j, 2j + 1 of a vector
+            masks[:, :, :, h] = (nib[:, :, :, 0] | (nib[:, :, :, 1] << 4)).transpose(0, 3, 1, 2)
+    return out
+
+
 class Quads(Layout):
     """64-entry lookups (``vpermb``), four tables at once, of 1-, 2-, 3- or 5-bit planes or of triples. A step's
     weights are cut into *quad chunks* (``QUAD_CHUNKS``: first plane o, planes P, first table t0). In a chunk every
@@ -429,6 +455,8 @@ class Quads(Layout):
         mb, nv = codes.shape[0] // bm, bm * 4 // vl
         nib, neg = self.codes.indices(codes, spec.k_padded)
         steps = nib.shape[2] // tables
+        if self.quad_chunks == ((0, 1, 0),):  # one plane of 8 tables (1 bit, triples): word-wise
+            return _one_plane_quads(nib[0], neg, mb, nv, vl // 4, steps)
         nib = nib.reshape(nib.shape[0], mb, nv, vl // 4, steps, tables)
         parts = []
         for first, planes, t0 in self.quad_chunks:

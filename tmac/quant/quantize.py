@@ -278,6 +278,7 @@ def import_gguf(data, type_name: str, shape: tuple[int, int], decoded_pages: Cal
     codes = RowCodes((m, k), decoded_codes, blocks.reshape(m, -1), type_name) if streamed else \
         np.empty((m, k), np.uint8)
     scales, zeros = np.empty((m, k // fmt.group_size), np.float32), None
+    nonzero = np.empty((m, k // blk.block_size), bool) if fmt.ternary else None
     super_params, factors = blk.super_params(), None
     if super_params is not None:  # llama.cpp's multipliers and d, dmin: the packing takes them as they are
         factors = tuple(None if f is None else (f[0].reshape(m, -1), f[1].astype(np.float32).reshape(m, -1))
@@ -285,8 +286,13 @@ def import_gguf(data, type_name: str, shape: tuple[int, int], decoded_pages: Cal
     for r0 in range(0, m, rows):
         if streamed and factors is not None:  # the parameters alone: the codes are decoded as they are packed
             c, (d, z) = None, super_scaled(_super_blocks(factors, r0, r0 + rows, fmt.groups_per_super), fmt.offset)
+        elif streamed and not fmt.ternary and blk.scale_decoder() is not None:  # (ternary: see which blocks are 0)
+            with np.errstate(invalid="ignore", over="ignore"):
+                c, (d, z) = None, blk.scale_decoder()(blocks[r0:r0 + rows].reshape(-1, blk.type_size), fmt.offset)
         else:
             c, d, z = decoded(r0, r0 + rows)
+            if fmt.ternary:  # which blocks hold a nonzero weight (code 2 is 0), while the codes are at hand
+                nonzero[r0:r0 + rows] = (c.reshape(-1, blk.block_size) != 2).any(axis=1).reshape(-1, k // blk.block_size)
         scales[r0:r0 + rows] = d.reshape(-1, scales.shape[1])
         if not streamed:
             codes[r0:r0 + rows] = c.reshape(-1, k)
@@ -306,7 +312,7 @@ def import_gguf(data, type_name: str, shape: tuple[int, int], decoded_pages: Cal
     if factors is not None:
         return QuantizedWeight(codes, scales, zeros, fmt, factors)
     if fmt.ternary:
-        row_scales = _uniform_row_scales(codes, scales, blk.block_size)
+        row_scales = _uniform_row_scales(nonzero, scales)
         if row_scales is not None:  # BitNet conversions: one scale per tensor, repeated in every block
             return QuantizedWeight(codes, row_scales, None, fmt.per_row())
     return QuantizedWeight(codes, scales, zeros, fmt)
@@ -317,16 +323,10 @@ def _super_blocks(factors, r0: int, r1: int, sg: int):
     return tuple(None if f is None else (f[0][r0:r1].reshape(-1, sg), f[1][r0:r1].reshape(-1)) for f in factors)
 
 
-def _uniform_row_scales(codes: np.ndarray, scales: np.ndarray, block: int) -> np.ndarray | None:
-    """One scale per row when, in every row, all blocks holding a nonzero ternary weight share their scale
-    (all-zero blocks dequantize to 0 whatever theirs is); else None."""
-    first = np.empty((len(scales), 1), scales.dtype)
-    rows = max(1, QUANTIZE_CHUNK // codes.shape[1])
-    for r0 in range(0, len(scales), rows):  # in row slices, as the import: a boolean per weight is a temporary
-        s = scales[r0:r0 + rows]
-        nonzero = (codes[r0:r0 + rows] != 2).reshape(len(s), -1, block).any(axis=2)
-        f = np.where(nonzero.any(axis=1), s[np.arange(len(s)), nonzero.argmax(axis=1)], s[:, 0])
-        if not ((s == f[:, None]) | ~nonzero).all():
-            return None
-        first[r0:r0 + rows, 0] = f
-    return first
+def _uniform_row_scales(nonzero: np.ndarray, scales: np.ndarray) -> np.ndarray | None:
+    """One scale per row when, in every row, all blocks holding a nonzero ternary weight (``nonzero [M, blocks]``)
+    share their scale (all-zero blocks dequantize to 0 whatever theirs is); else None."""
+    f = np.where(nonzero.any(axis=1), scales[np.arange(len(scales)), nonzero.argmax(axis=1)], scales[:, 0])
+    if not ((scales == f[:, None]) | ~nonzero).all():
+        return None
+    return f[:, None].astype(scales.dtype)
