@@ -64,8 +64,9 @@ def pack_text(text: str) -> str:
     """``text`` deflated and in base64: a tokenizer.json is a third of its size, and needs no escaping in the JSON
     strings that hold it (the plain text, quoted twice over, took more room than a tied table saves). (Files
     written before held base85, ``json_z85``: a little smaller, but Python decodes it a hundred times slower — a
-    third of a second of every start.)"""
-    return base64.b64encode(zlib.compress(text.encode(), 9)).decode("ascii")
+    third of a second of every start.) Level 3: a 1.5 MB tokenizer.json in 0.07 s, 10 % larger than level 9's
+    0.7 s (a first run writes one)."""
+    return base64.b64encode(zlib.compress(text.encode(), 3)).decode("ascii")
 
 
 def _b64decode(text: str) -> bytes:
