@@ -139,8 +139,8 @@ def unpack(packed: PackedWeight, fmt: WeightFormat) -> QuantizedWeight:
     """The exact inverse of ``pack``: codes and parameters of the ``packed.m`` true rows in format ``fmt``."""
     spec = _check_unpack(packed, fmt)
     codes = spec.layout.unpack(block_major(packed.weights, spec), spec)
-    return QuantizedWeight(np.ascontiguousarray(codes[:packed.m]), *unpack_params(packed, fmt), fmt,
-                           unpack_factors(packed, fmt))
+    scales, zeros, factors = _params_and_factors(packed, fmt)
+    return QuantizedWeight(np.ascontiguousarray(codes[:packed.m]), scales, zeros, fmt, factors)
 
 
 def unpack_by_rows(packed: PackedWeight, fmt: WeightFormat) -> QuantizedWeight:
@@ -154,8 +154,8 @@ def unpack_by_rows(packed: PackedWeight, fmt: WeightFormat) -> QuantizedWeight:
         part = unpack(blocks_of(packed, b0, -(-r1 // bm)), fmt)
         return part.codes[r0 - b0 * bm:r1 - b0 * bm]
 
-    return QuantizedWeight(RowCodes((packed.m, packed.spec.k), rows), *unpack_params(packed, fmt), fmt,
-                           unpack_factors(packed, fmt))
+    scales, zeros, factors = _params_and_factors(packed, fmt)
+    return QuantizedWeight(RowCodes((packed.m, packed.spec.k), rows), scales, zeros, fmt, factors)
 
 
 def blocks_of(packed: PackedWeight, b0: int, b1: int) -> PackedWeight:
@@ -174,25 +174,23 @@ def blocks_of(packed: PackedWeight, b0: int, b1: int) -> PackedWeight:
 
 def unpack_params(packed: PackedWeight, fmt: WeightFormat) -> tuple[np.ndarray, np.ndarray | None]:
     """Float32 scales and zeros (None without) of the ``packed.m`` true rows in format ``fmt``."""
+    return _params_and_factors(packed, fmt)[:2]
+
+
+def _params_and_factors(packed: PackedWeight, fmt: WeightFormat):
+    """``unpack_params``, and the multipliers and super scales of a super-scale spec as ``QuantizedWeight.factors``
+    holds them (a repack for another ISA takes them as they are), or None: plain parameters, or super groups other
+    than the format's."""
     spec, m = packed.spec, packed.m
     s, z = (None if p is None else block_major(p, spec) for p in (packed.scales, packed.zeros))
-    if spec.super_groups:  # scale d·a, zero m·b − offset·scale
-        scales = _unpack_super(s, m, spec, fmt)
-        zeros = None if z is None else _unpack_super(z, m, spec, fmt) - np.float32(fmt.offset) * scales
-    else:
-        scales = _unpack_params(s, m, fmt)
-        zeros = None if z is None else _unpack_params(z, m, fmt)
-    return scales, zeros
-
-
-def unpack_factors(packed: PackedWeight, fmt: WeightFormat):
-    """The multipliers and super scales of a super-scale spec as ``QuantizedWeight.factors`` holds them (a repack
-    for another ISA takes them as they are), or None: plain parameters, or super groups other than the format's."""
-    spec = packed.spec
-    if not spec.super_groups or spec.super_groups != fmt.groups_per_super:
-        return None
-    return tuple(None if p is None else _super_factors(block_major(p, spec), packed.m, spec)
-                 for p in (packed.scales, packed.zeros))
+    if not spec.super_groups:
+        return _unpack_params(s, m, fmt), None if z is None else _unpack_params(z, m, fmt), None
+    factors = tuple(None if p is None else _super_factors(p, m, spec) for p in (s, z))
+    (a, d), zero = factors  # scale d·a, zero m·b − offset·scale
+    scales = np.repeat(d, spec.super_groups, axis=1) * a.astype(np.float32)
+    zeros = None if zero is None else \
+        np.repeat(zero[1], spec.super_groups, axis=1) * zero[0].astype(np.float32) - np.float32(fmt.offset) * scales
+    return scales, zeros, factors if spec.super_groups == fmt.groups_per_super else None
 
 
 def _check_unpack(packed: PackedWeight, fmt: WeightFormat) -> KernelSpec:
@@ -217,12 +215,6 @@ def _pack_super(mult: np.ndarray, base: np.ndarray, qw: QuantizedWeight, spec: K
     full[:qw.shape[0]] = base
     tail = np.ascontiguousarray(full.reshape(mb, bm, -1).transpose(0, 2, 1)).view(mult.dtype)  # [MB, G/SG, F·BM]
     return np.concatenate([head.reshape(mb, g // sg, sg * bm), tail], axis=2)
-
-
-def _unpack_super(p: np.ndarray, m: int, spec: KernelSpec, fmt: WeightFormat) -> np.ndarray:
-    """Float32 ``[M, G]`` base × multiplier of S or Z of a super-scale spec (d·a, or m·b)."""
-    mult, base = _super_factors(p, m, spec)
-    return np.repeat(base, spec.super_groups, axis=1) * mult.astype(np.float32)
 
 
 def _super_factors(p: np.ndarray, m: int, spec: KernelSpec) -> tuple[np.ndarray, np.ndarray]:
