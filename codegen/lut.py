@@ -449,10 +449,15 @@ def lut_gemm_func(spec: KernelSpec, isa, n_tile: int, name: str, tables: bool = 
 
 
 def module(spec: KernelSpec, isa):
-    """The IRModule of one spec: ``build_tables``, ``lut_gemv`` and ``lut_gemm``."""
+    """The IRModule of one spec: ``build_tables``, ``lut_gemv`` and ``lut_gemm``, and where it has them the
+    dot-product GEMM's ``quantize_rows`` and ``dot_gemm``."""
     import tvm
+
+    from tmac.codegen import dot
 
     funcs = {"build_tables": build_tables_func(spec),
              "lut_gemv": lut_gemm_func(spec, isa, 1, "lut_gemv", tables=True),
              "lut_gemm": lut_gemm_func(spec, isa, spec.n_tile, "lut_gemm")}
+    if spec.dot_products:
+        funcs.update(quantize_rows=dot.quantize_rows_func(spec), dot_gemm=dot.dot_gemm_func(spec, isa))
     return tvm.IRModule({name: f.with_attr("global_symbol", name) for name, f in funcs.items()})

@@ -19,6 +19,11 @@ class Isa:
     prefetch_bytes: int = 0  # a weight stream read once (GEMV, a few rows) is prefetched this far ahead (0: hardware only)
     prefetch_l2_bytes: int = 0  # and again this far ahead into L2 alone (0: not): more lines in flight from DRAM
     vector_registers: int = 32  # architectural vector registers: 16 on x86-64 before AVX-512 (SSE2, AVX2)
+    # activation rows from which a 4-bit GEMM takes dot products on unpacked codes instead of table lookups
+    # (codegen/dot.py; 0: never): measured, docs/decisions.md "Dot products for many rows"
+    dot_rows: int = 0
+    # the dot-product GEMM's register tile: (vectors of weight rows, activation rows), R·C accumulators
+    dot_tile: tuple = (4, 4)
 
     @property
     def gemm_accumulators(self) -> int:
@@ -50,6 +55,26 @@ class Isa:
     def acc_rows(self, planes: int) -> list[int] | None:
         """The row each lane of ``accumulate``'s result holds, when not lane = row (None)."""
         return None
+
+    def dot_acc_dtype(self, bits: int, quads: int) -> str:
+        """The accumulator type of ``dot`` over ``quads`` 4-activation steps of ``bits``-bit codes."""
+        return f"int32x{self.vector_bytes // 4}"
+
+    def dot(self, acc, w, x):
+        """``acc`` plus, per 32-bit lane, the dot product of its four code bytes ``w`` (unsigned, as int8xVL) with
+        the four int8 activations ``x``. Portable form: widened products."""
+        from tvm import tirx
+
+        lanes, codes = self.vector_bytes // 4, tirx.reinterpret(f"uint8x{self.vector_bytes}", w)
+        for j in range(4):
+            pick = list(range(j, self.vector_bytes, 4))
+            acc = acc + tirx.Cast(f"int32x{lanes}", tirx.Shuffle([codes], pick)) * \
+                tirx.Cast(f"int32x{lanes}", tirx.Shuffle([x], pick))
+        return acc
+
+    def dot_widen(self, acc):
+        """``dot``'s accumulator as int32 per lane."""
+        return acc
 
     # -- primitives; subclasses override them with instructions ---------------------------------------------
     def lookup(self, table16, idx):

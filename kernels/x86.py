@@ -12,6 +12,7 @@ from tmac.kernels.base import Isa, broadcast_table, plane_weights
 @dataclass(frozen=True)
 class X86Isa(Isa):
     vnni: bool = False
+    dot_rows: int = 32  # vpdpbusd or vpmaddubsw on unpacked codes beat the lookups from here (docs/decisions.md)
 
     @property
     def _suffix(self) -> tuple[str, str, str]:
@@ -88,6 +89,24 @@ class X86Isa(Isa):
             return self._pair_sums(acc)
         return super().widen(acc, planes)
 
+    def dot_acc_dtype(self, bits: int, quads: int) -> str:
+        # vpmaddubsw's pair sums of b-bit codes with int8 stay under 2·(2^b − 1)·127; in int16 while they add up
+        if not self.vnni and quads * 2 * ((1 << bits) - 1) * 127 < 1 << 15:
+            return f"int16x{self.vector_bytes // 2}"
+        return super().dot_acc_dtype(bits, quads)
+
+    def dot(self, acc, w, x):
+        from tvm import tirx
+
+        vb = self.vector_bytes
+        if self.vnni:
+            return tirx.call_llvm_pure_intrin(f"int32x{vb // 4}", f"llvm.x86.avx512.vpdpbusd.{vb * 8}", acc, w, x)
+        pairs = tirx.call_llvm_pure_intrin(f"int16x{vb // 2}", f"llvm.x86.{self._suffix[1]}", w, x)
+        return acc + pairs if _sums_in_int16(acc) else acc + self._pair_sums(pairs)
+
+    def dot_widen(self, acc):
+        return self._pair_sums(acc) if _sums_in_int16(acc) else acc
+
     def lane_mask(self, mask_bytes):
         if self.vector_bytes == 64:  # AVX-512: the mask is a k register as stored (kmovq, no vptestmb)
             from tvm import tirx
@@ -133,6 +152,7 @@ AVX512 = X86Isa("avx512", "x86_64", 64, frozenset({"avx2", "avx512bw"}),
                 _target("skylake-avx512"), "AVX-512 BW: vpshufb zmm, vpmaddubsw/vpmaddwd", **STREAM)
 AVX2_VNNI = X86Isa("avx2_vnni", "x86_64", 32, frozenset({"avx2", "avxvnni"}),
                    _target("alderlake"), "AVX2 + AVX-VNNI: vpshufb ymm, vpdpbusd ymm", vector_registers=16, vnni=True,
-                   **STREAM)
+                   dot_tile=(2, 4), **STREAM)
 AVX2 = X86Isa("avx2", "x86_64", 32, frozenset({"avx2"}),
-              _target("haswell"), "AVX2: vpshufb ymm, vpmaddubsw/vpmaddwd", vector_registers=16, **STREAM)
+              _target("haswell"), "AVX2: vpshufb ymm, vpmaddubsw/vpmaddwd", vector_registers=16, dot_tile=(2, 4),
+              **STREAM)

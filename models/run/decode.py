@@ -25,7 +25,8 @@ from tmac.base.formats import PER_TENSOR
 from tmac.base.glue import EMBED_BLOCKS, PARALLEL_ATTENTION_WORK, ROWS, GlueSpec
 from tmac.kernels import isa_by_name
 from tmac.nn.linear import Linear
-from tmac.execution.lut_ops import check_packed, kernels_for, table_buffers
+from tmac.execution.lut_ops import (check_packed, dot_buffers, dot_padded_rows, kernels_for, table_buffers,
+                                    takes_dot_products)
 from tmac.quant.spec import PARALLEL_TABLE_ROWS
 
 from tmac.models.family.bitnet import ActivationQuantized
@@ -42,14 +43,16 @@ def _handle(t: torch.Tensor):
 
 
 def _projection(module: nn.Module, x: torch.Tensor, out: torch.Tensor, tables: dict, labels: dict,
-                biased: bool = False, hold: bool = False) -> list:
+                biased: bool = False, hold: bool = False, dot: bool = False) -> list:
     """The calls computing ``out = x @ Wᵀ`` for one fused projection: LUT parts one ``lut_gemv`` (tables and
     GEMV in one call), float parts one ``torch.mm``, each into its column slice of ``out`` (contiguous: one row).
     Several rows: the tables of all, then one ``lut_gemm`` reading each weight once for all of them (a row's
     result is the GEMV's, bit for bit). A column slice of several rows is not contiguous: where a projection has
     several parts (llama.cpp's mixes: a Q6_K v beside Q4_K q and k), each writes its own rows, then copied in.
     ``biased``: the projection's bias is added by the glue that reads ``out`` (``attend``: the q/k/v biases).
-    ``hold``: the kernels keep the GIL (``KernelLibrary.holding_gil``)."""
+    ``hold``: the kernels keep the GIL (``KernelLibrary.holding_gil``). ``dot``: a prefill's rows, which take the
+    dot-product GEMM where the spec has one and they are enough (``takes_dot_products``; a decode step's rows
+    never do: a sequence's tokens do not change with the batch it is stepped in)."""
     parts = list(module.parts) if isinstance(module, Concat) else [module]
     rows = x.shape[0]
     calls, start = [], 0
@@ -73,6 +76,15 @@ def _projection(module: nn.Module, x: torch.Tensor, out: torch.Tensor, tables: d
             if rows == 1:
                 calls.append((kernels.lut_gemv, [_handle(x), *params, *lut, _handle(dest)]))
                 labels[id(kernels.lut_gemv)] = "lut_gemv (tables included)"
+            elif dot and takes_dot_products(spec, rows):
+                padded = dot_padded_rows(spec, rows)
+                key = ("dot", spec.k, spec.group_size, padded)
+                if key not in tables:
+                    tables[key] = dot_buffers(spec, padded)
+                acts = [_handle(t) for t in tables[key]]
+                calls += [(kernels.quantize_rows, [_handle(x), *acts]),
+                          (kernels.dot_gemm, [*params, *acts, _handle(dest)])]
+                labels.update({id(kernels.quantize_rows): "quantize_rows", id(kernels.dot_gemm): "dot_gemm"})
             else:
                 calls += [(kernels.build_tables, [_handle(x), *lut]),
                           (kernels.lut_gemm, [*params, *lut, _handle(dest)])]
@@ -287,7 +299,7 @@ class DecodePlan:
                     each_row(quantize, src)
                 module = module.linear
             calls.extend(_projection(module, buf[src][-1:] if last else buf[src], buf[dst], tables, labels, biased,
-                                     hold))
+                                     hold, dot=prefill))
 
         def post_norm(fn, norm) -> str:
             """The buffer the residual adds: the projection's output, or Gemma's norm of it."""

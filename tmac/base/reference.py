@@ -227,3 +227,39 @@ def lut_matmul_triples(x: np.ndarray, qw: QuantizedWeight) -> np.ndarray:
     r = lut_accumulate_triples(qt, *triple_indices(qw.codes, kp), TRIPLE_LUT_GROUP)
     s = np.broadcast_to(qw.scales.astype(np.float64), (qw.shape[0], 1))[:, 0]
     return np.einsum("nmg,ng->nm", r.astype(np.float64), ls.astype(np.float64)) * s
+
+
+# ---- the dot-product path (many activation rows) -------------------------------------------------------------------
+QUANT_BLOCK = 32  # activations per int8 scale of the dot-product kernels' activations
+
+
+def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """int8 activations and their float32 scales ``[N, K/QUANT_BLOCK]``: per block of 32, ``qx = rint(x·(127/amax))``,
+    ``d = amax/127`` (the tables' rounding, ``quantize_tables``, applied to the activations themselves)."""
+    x = np.asarray(x, np.float32)
+    n, k = x.shape
+    blocks = x.reshape(n, k // QUANT_BLOCK, QUANT_BLOCK)
+    amax = np.abs(blocks).max(axis=2)
+    inv = np.divide(np.float32(127), amax, out=np.zeros_like(amax), where=amax > 0)
+    q = np.rint(blocks * inv[..., None]).astype(np.int8).reshape(n, k)
+    return q, (amax / np.float32(127)).astype(np.float32)
+
+
+def quantized_sums(q: np.ndarray, d: np.ndarray, group_size: int) -> np.ndarray:
+    """float32 ``[N, K/unit]``: ``d·Σq`` of the rounded activations of each unit, ``min(group_size, 32)`` of them
+    (a block, or half a block for groups of 16). The dot-product kernels' Σx term takes these, not the float
+    activations' sums: then the offset and zero terms round with the codes' products, and the error is the weights'
+    times the activations' rounding, as in llama.cpp (the float sums, against codes 0..15, doubled it)."""
+    n, k = q.shape
+    unit = min(group_size, QUANT_BLOCK)
+    sums = q.reshape(n, k // unit, unit).astype(np.int32).sum(axis=2).astype(np.float32)
+    return sums * np.repeat(d, QUANT_BLOCK // unit, axis=1)
+
+
+def dot_matmul(x: np.ndarray, qw: QuantizedWeight) -> np.ndarray:
+    """``x @ W.T`` the dot-product way, float64 ``[N, M]``: the exact product of the rounded activations
+    (``quantize_activations``: ``d·qx``) with the weights, whose codes times ``d·qx`` the kernels sum in integers
+    and whose offset and zero multiply ``quantized_sums``."""
+    qx, d = quantize_activations(x)
+    xq = qx.astype(np.float64) * np.repeat(d.astype(np.float64), QUANT_BLOCK, axis=1)
+    return xq @ qw.dequantize().astype(np.float64).T

@@ -7,12 +7,14 @@ torch view or numpy slice can never fault on alignment.
 
 from __future__ import annotations
 
+import os
 import threading
 
 import torch
 
 from tmac.execution import runtime
-from tmac.kernels import best_isa, isa_by_name
+from tmac.base.reference import QUANT_BLOCK
+from tmac.kernels import ISAS, best_isa, isa_by_name
 from tmac.execution.packing import PackedWeight, pack_for
 from tmac.quant.spec import KernelSpec, packed_shapes
 from tmac.base.qweight import QuantizedWeight
@@ -55,6 +57,13 @@ def lut_linear(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, zer
     if n == 0:
         return out
     runtime.apply_threads()
+    if takes_dot_products(spec, n):
+        _, bufs = _workspace(spec, dot_padded_rows(spec, n), dot=True)
+        kernels.quantize_rows(x, *bufs)
+        kernels.dot_gemm(*params, *bufs, out)
+        if bias is not None:
+            out.add_(bias)
+        return out
     gemv = n == 1
     _, tables = _workspace(spec, 1 if gemv else spec.padded_rows(n))
     if gemv:
@@ -134,18 +143,48 @@ def bind_packed(owner, spec: KernelSpec, m: int, packed: tuple, kernel_dir: str 
     return seen[4]
 
 
-def _workspace(spec: KernelSpec, rows: int):
-    """Per-thread table buffers (LUT, LS, XS), reused across calls (no allocation per token), and their kernel
-    views."""
+def _workspace(spec: KernelSpec, rows: int, dot: bool = False):
+    """Per-thread table buffers (LUT, LS, XS), or with ``dot`` the dot-product GEMM's activations (XQ, XD, XS),
+    reused across calls (no allocation per token), and their kernel views."""
     cache = getattr(_workspaces, "buffers", None)
     if cache is None:
         cache = _workspaces.buffers = {}
-    key = (spec, rows)
+    key = (spec, rows, dot)
     entry = cache.get(key)
     if entry is None:
-        bufs = table_buffers(spec, rows)
+        bufs = dot_buffers(spec, rows) if dot else table_buffers(spec, rows)
         entry = cache[key] = (bufs, tuple(runtime.ffi().from_dlpack(t) for t in bufs))
     return entry
+
+
+DOT_ROWS_ENV = "TMAC_DOT_ROWS"  # overrides the ISA's ``dot_rows`` (0: table lookups for every row count)
+
+
+def takes_dot_products(spec: KernelSpec, rows: int) -> bool:
+    """Whether ``rows`` activation rows take the dot-product GEMM (``KernelSpec.dot_products``, from the ISA's
+    ``dot_rows`` or ``TMAC_DOT_ROWS``) rather than table lookups."""
+    if not spec.dot_products:
+        return False
+    value = os.environ.get(DOT_ROWS_ENV, "").strip()
+    if not value:
+        return rows >= ISAS[spec.isa].dot_rows
+    if not value.isdigit():
+        raise ValueError(f"{DOT_ROWS_ENV}={value!r}: expected a row count (0: never take dot products)")
+    return int(value) > 0 and rows >= int(value)
+
+
+def dot_padded_rows(spec: KernelSpec, rows: int) -> int:
+    """``rows`` rounded up to the dot-product GEMM's tile of activation rows."""
+    tile = ISAS[spec.isa].dot_tile[1]
+    return -(-rows // tile) * tile
+
+
+def dot_buffers(spec: KernelSpec, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Zeroed XQ (int8), XD and XS (float32; ``tmac.base.reference.quantized_sums``) for ``rows``
+    (``dot_padded_rows``) activation rows of ``spec``'s dot-product GEMM (rows past the activations stay zero: they are computed, never stored)."""
+    k = spec.k
+    return (torch.zeros((rows, k), dtype=torch.int8), torch.zeros((rows, k // QUANT_BLOCK)),
+            torch.zeros((rows, k // min(spec.group_size, QUANT_BLOCK))))
 
 
 def table_buffers(spec: KernelSpec, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

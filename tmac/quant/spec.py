@@ -12,7 +12,10 @@ import numpy as np
 from tmac.base.formats import K_MULTIPLE, PARAM_DTYPES, check_bits, check_codebook, kernels_take
 from tmac.kernels import ISAS
 from tmac.quant.layout import Layout, layout_of
-from tmac.base.reference import padded_k
+from tmac.base.reference import QUANT_BLOCK, padded_k
+
+LUT_FUNCTIONS = ("build_tables", "lut_gemv", "lut_gemm")
+DOT_FUNCTIONS = ("quantize_rows", "dot_gemm")
 
 # activation rows from which ``build_tables`` runs on the thread pool: a parallel launch costs more than one row's
 # tables take (the few rows of a batched decode step stay serial; a prefill's go parallel)
@@ -158,7 +161,17 @@ class KernelSpec:
         return (f"lut_{self.isa}_b{self.bits}_k{self.k}_g{self.group_size}_lg{self.lut_group}{z}"
                 f"_bm{self.block_rows}_nt{self.n_tile}_u{self.unroll}{half}")
 
-    functions = ("build_tables", "lut_gemv", "lut_gemm")  # what its library exports (a class attribute)
+    @property
+    def dot_products(self) -> bool:
+        """Whether its library also has the dot-product GEMM for many rows (``quantize_rows``, ``dot_gemm``:
+        codegen/dot.py): 4-bit bit-plane codes in one K chunk, on an ISA with dot products (``Isa.dot_rows``)."""
+        return ISAS[self.isa].dot_rows > 0 and self.bits == 4 and not (self.codebook or self.triples or self.quads) \
+            and self.k_chunk == self.k_padded and (self.group_size % QUANT_BLOCK == 0 or self.group_size == 16)
+
+    @property
+    def functions(self) -> tuple[str, ...]:
+        """What its library exports."""
+        return LUT_FUNCTIONS + (DOT_FUNCTIONS if self.dot_products else ())
 
     def to_json(self) -> str:
         """The spec as saved files and checksums hold it: its fields and the ISA's vector width (which files have

@@ -1,0 +1,267 @@
+"""Generate the dot-product kernels of one ``KernelSpec``: the path for many activation rows (a prefill), where table
+lookups cost more than multiplying.
+
+- ``quantize_rows(X[N, K], XQ[N', K], XD[N', K/32], XS[N', K/WG])``: each 32 activations of a row as int8 with one
+  float32 scale (``qx = rint(x·127/amax)``, ``d = amax/127``: ``tmac.base.reference.quantize_activations``), and
+  each weight group's sum of the rounded activations (``quantized_sums``);
+- ``dot_gemm(W, S[, Z], XQ, XD, XS, Y[N, M])``: parallel over parts of row blocks; each part's bit planes unpacked
+  once into a byte per weight, four consecutive weights a 32-bit lane (the dot-product instructions' order), then per
+  tile of activation rows and per 32 (or 16) activations an integer dot product (``Isa.dot``: ``vpdpbusd``,
+  ``vpmaddubsw``) and the LUT kernels' float epilogue: times activation scale and weight scale, minus the
+  ``(s·offset + z)·Σx`` term (K-quants: the multipliers a, b per group, d and m once a super group).
+
+The weights are the LUT kernels' own (``Planes`` of four planes): nothing is stored twice. The numpy oracle is
+``tmac.base.reference.dot_matmul``.
+"""
+
+from __future__ import annotations
+
+from tmac.base.formats import code_offset
+from tmac.base.reference import QUANT_BLOCK
+from tmac.quant.spec import KernelSpec, packed_shapes
+
+from tmac.codegen.tir import arg, prim_func
+from tmac.codegen.vectors import fold, vec
+
+F32 = "float32"
+
+
+def quantize_rows_func(spec: KernelSpec):
+    from tvm import tirx
+    from tvm.script.ir_builder import tirx as T
+
+    k, qb = spec.k, QUANT_BLOCK
+    unit = min(spec.group_size, qb)
+    with prim_func("quantize_rows") as ib:
+        n, np_ = T.int32(), T.int32()
+        X = arg("x", (n, k))
+        XQ, XD = arg("xq", (np_, k), "int8"), arg("xd", (np_, k // qb))
+        XS = arg("xs", (np_, k // unit))
+        zero = tirx.FloatImm(F32, 0.0)
+        with T.Assert(n <= np_, "quantize_rows: the buffers have fewer rows than the activations", "ValueError"):
+            with T.parallel(0, n) as row:
+                with T.serial(0, k // qb) as b:
+                    run = X[row, tirx.Ramp(b * qb, 1, qb)]
+                    amax = fold(tirx.abs(run), qb, tirx.max)
+                    inv = tirx.Select(amax > zero, tirx.FloatImm(F32, 127.0) / amax, zero)
+                    q = T.bind(tirx.Cast(f"int8x{qb}", tirx.nearbyint(run * tirx.Broadcast(inv, qb))))
+                    T.buffer_store(XQ, q, [row, tirx.Ramp(b * qb, 1, qb)])
+                    d = T.bind(amax / tirx.FloatImm(F32, 127.0))
+                    T.buffer_store(XD, d, [row, b])
+                    # the Σx terms' sums, of the rounded activations (reference.quantized_sums)
+                    for h in range(qb // unit):
+                        total = fold(tirx.Cast(f"int32x{unit}", tirx.Shuffle([q], list(range(h * unit,
+                                                                                           (h + 1) * unit)))),
+                                     unit, lambda a, c: a + c)
+                        T.buffer_store(XS, tirx.Cast(F32, total) * d, [row, b * (qb // unit) + h])
+    return ib.get()
+
+
+class _DotGemm:
+    """What the emitters of one ``dot_gemm`` share: sizes, ISA, buffers and the loop variables being emitted."""
+
+    def __init__(self, spec: KernelSpec, isa):
+        self.spec, self.isa = spec, isa
+        self.k, self.wg, self.bm, self.vl = spec.k, spec.group_size, spec.block_rows, isa.vector_bytes
+        self.lanes = self.vl // 4  # weight rows a vector holds: four bytes (activations) a row
+        self.r, self.c = isa.dot_tile  # vectors of weight rows, activation rows: a tile's accumulators
+        while self.bm % (self.r * self.lanes):
+            self.r //= 2
+        self.rows = self.r * self.lanes  # weight rows of a part (a task's)
+        self.unit = min(self.wg, QUANT_BLOCK)  # activations an integer sum covers: a weight group or a block
+        self.sg = spec.super_groups
+        self.offset = float(code_offset(spec.bits))
+
+    def declare(self):
+        from tvm.script.ir_builder import tirx as T
+
+        spec = self.spec
+        self.mb, self.np_, self.n, self.m = mb, np_, n, m = T.int32(), T.int32(), T.int32(), T.int32()
+        w_shape, s_shape = packed_shapes(spec, 1)
+        self.s_shape = s_shape
+        W = arg("w", (mb, *w_shape[1:]), "uint8")
+        s_dtype, z_dtype = spec.param_dtypes
+        S = arg("s", (mb, *s_shape[1:]), s_dtype)
+        Z = arg("z", (mb, *s_shape[1:]), z_dtype) if spec.has_zeros else None
+        self.XQ = arg("xq", (np_, self.k), "int8")
+        self.XD = arg("xd", (np_, self.k // QUANT_BLOCK))
+        self.XS = arg("xs", (np_, self.k // self.unit))
+        self.Y = arg("y", (n, m))
+        self.steps, self.row_bytes = w_shape[1], w_shape[2]
+        self.W32 = T.decl_buffer((mb * self.steps * self.row_bytes // 4,), "uint32", data=W.data, align=1)
+        self.X32 = T.decl_buffer((np_ * self.k // 4,), "int32", data=self.XQ.data, align=1)
+        flat = mb * s_shape[1] * s_shape[2]
+        self.SF = T.decl_buffer((flat,), S.dtype, data=S.data, align=1)
+        self.ZF = None if Z is None else T.decl_buffer((flat,), Z.dtype, data=Z.data, align=1)
+        if self.sg:
+            fb = self.fb = spec.super_bytes
+            self.SS, self.ZS = (None if b is None else T.decl_buffer((flat // fb,), spec.scale_dtype, data=b.data,
+                                                                     align=1) for b in (S, Z))
+
+    # ---- values ---------------------------------------------------------------------------------------------------
+    def param(self, buf, g, r):
+        """float32 x lanes: scale or zero (or multiplier) of weight group g for vector r of the part."""
+        from tvm import tirx
+
+        row = self.first + r * self.lanes
+        sg, bm, L = self.sg, self.bm, self.lanes
+        if sg:
+            at = ((self.blk * (self.k // self.wg // sg) + g // sg) * (sg + self.fb) + g % sg) * bm + row
+        elif self.s_shape[1] == 1:
+            at = self.blk * bm + row
+        else:
+            at = (self.blk * (self.k // self.wg) + g) * bm + row
+        v = buf[vec(at, L)]
+        return v if buf.dtype == F32 else tirx.Cast(f"float32x{L}", v)
+
+    def coef(self, g, r, scale):
+        """s·offset + z of weight group g, vector r: what multiplies the group's Σx."""
+        from tvm import tirx
+
+        coef = scale * self.bcast(tirx.FloatImm(F32, self.offset))
+        return coef if self.ZF is None else coef + self.param(self.ZF, g, r)
+
+    def super_param(self, buf, j, r):
+        from tvm import tirx
+
+        sg, bm, L = self.sg, self.bm, self.lanes
+        base = (self.blk * (self.k // self.wg // sg) + j) * (sg + self.fb) + sg
+        v = buf[vec(base * bm // self.fb + self.first + r * L, L)]
+        return v if buf.dtype == F32 else tirx.Cast(f"float32x{L}", v)
+
+    def bcast(self, value):
+        from tvm import tirx
+
+        return tirx.Broadcast(value, self.lanes)
+
+    # ---- emitters -------------------------------------------------------------------------------------------------
+    def emit_unpack(self, P) -> None:
+        """The part's codes into P ``[K/4, rows]`` uint32: lane = row, byte j = code of activation 4·kk + j. A row's
+        four plane bytes of a step are one 32-bit word (the 4-plane chunk: rows in order); the code of activation
+        8·step + j gathers bit j of each byte: ``((w >> j) & 0x01010101)·0x01020408`` holds it in bits 24-27."""
+        from tvm import tirx
+        from tvm.script.ir_builder import tirx as T
+
+        rows = self.rows
+
+        def u32(value):
+            return tirx.Broadcast(tirx.IntImm("uint32", value), rows)
+
+        with T.serial(0, self.steps) as s:
+            word = self.W32[vec(((self.blk * self.steps + s) * self.row_bytes) // 4 + self.first, rows)]
+            for half in (0, 1):
+                out = None
+                for j in range(4):
+                    t = ((word >> u32(4 * half + j)) & u32(0x01010101)) * u32(0x01020408)
+                    t = (t >> u32(24 - 8 * j) if j < 3 else t) & u32(0xF << (8 * j))
+                    out = t if out is None else out | t
+                T.buffer_store(P, out, [vec((2 * s + half) * rows, rows)])
+
+    def emit_tile(self, P, n0) -> None:
+        """Activation rows n0 .. n0 + C − 1 against the part's rows: float sums in F, then into Y."""
+        from tvm import tirx
+        from tvm.script.ir_builder import tirx as T
+
+        r_, c_, L, rows, unit, wg, sg = self.r, self.c, self.lanes, self.rows, self.unit, self.wg, self.sg
+        isa = self.isa
+        acc_type = isa.dot_acc_dtype(self.spec.bits, unit // 4)
+        elem, acc_lanes = acc_type.split("x")
+        F = T.alloc_buffer((c_ * rows,), F32, scope="global")
+        sums = [T.alloc_buffer((c_ * rows,), F32, scope="global") for _ in range(2 if self.spec.has_zeros else 1)] \
+            if sg else []
+        zero = tirx.FloatImm(F32, 0.0)
+        with T.vectorized(0, c_ * rows) as i:
+            T.buffer_store(F, zero, [i])
+
+        def at(c, r):
+            return vec(c * rows + r * L, L)
+
+        def group(g):
+            for u in range(wg // unit):
+                # the unit's integer sums as expressions, not buffers: LLVM keeps them in registers
+                acc = [tirx.Broadcast(tirx.IntImm(elem, 0), int(acc_lanes))] * (r_ * c_)
+                kk0 = (g * wg + u * unit) // 4
+                for q in range(unit // 4):
+                    kk = kk0 + q
+                    # each weight vector loaded once for the tile's activation rows (a bound value, not a load
+                    # repeated in every accumulator's expression)
+                    ws = [T.bind(tirx.reinterpret(f"int8x{self.vl}", P[vec(kk * rows + r * L, L)]))
+                          for r in range(r_)]
+                    for c in range(c_):
+                        xb = tirx.reinterpret(f"int8x{self.vl}",
+                                              tirx.Broadcast(self.X32[(n0 + c) * (self.k // 4) + kk], L))
+                        for r in range(r_):
+                            a = r * c_ + c
+                            acc[a] = T.bind(isa.dot(acc[a], ws[r], xb))
+                # the parameters once a unit for every activation row, and the unit's Σx term along: s·(Σcq·d) −
+                # (s·offset + z)·Σq·d; K-quants: a·(Σcq·d) and b·Σq·d (zeros) or −a·offset·Σq·d, d and m at the
+                # super group's end
+                xs_at = (g * wg + u * unit) // unit
+                scales = [T.bind(self.param(self.SF, g, r)) for r in range(r_)]
+                if not sg:
+                    coefs = [T.bind(self.coef(g, r, scales[r])) for r in range(r_)]
+                elif self.ZF is not None:
+                    coefs = [T.bind(self.param(self.ZF, g, r)) for r in range(r_)]
+                else:
+                    coefs = [T.bind(scales[r] * self.bcast(tirx.FloatImm(F32, self.offset))) for r in range(r_)]
+                for c in range(c_):
+                    xd = self.bcast(self.XD[n0 + c, (kk0 * 4) // QUANT_BLOCK])
+                    xs = self.bcast(self.XS[n0 + c, xs_at])
+                    for r in range(r_):
+                        val = tirx.Cast(f"float32x{L}", isa.dot_widen(acc[r * c_ + c])) * xd
+                        if not sg:
+                            T.buffer_store(F, F[at(c, r)] + scales[r] * val - coefs[r] * xs, [at(c, r)])
+                        elif self.ZF is not None:
+                            T.buffer_store(sums[0], sums[0][at(c, r)] + scales[r] * val, [at(c, r)])
+                            T.buffer_store(sums[1], sums[1][at(c, r)] + coefs[r] * xs, [at(c, r)])
+                        else:
+                            T.buffer_store(sums[0], sums[0][at(c, r)] + scales[r] * val - coefs[r] * xs,
+                                           [at(c, r)])
+
+        groups = self.k // wg
+        if not sg:
+            with T.serial(0, groups) as g:
+                group(g)
+        else:
+            with T.serial(0, groups // sg) as j:
+                for buf in sums:
+                    with T.vectorized(0, c_ * rows) as i:
+                        T.buffer_store(buf, zero, [i])
+                with T.serial(0, sg) as gi:
+                    group(j * sg + gi)
+                for c in range(c_):
+                    for r in range(r_):
+                        total = self.super_param(self.SS, j, r) * sums[0][at(c, r)]
+                        if self.ZF is not None:
+                            total = total - self.super_param(self.ZS, j, r) * sums[1][at(c, r)]
+                        T.buffer_store(F, F[at(c, r)] + total, [at(c, r)])
+        for c in range(c_):
+            with T.If(n0 + c < self.n):
+                with T.Then():
+                    with T.serial(0, rows) as i:
+                        col = self.blk * self.bm + self.first + i
+                        with T.If(col < self.m):
+                            with T.Then():
+                                T.buffer_store(self.Y, F[c * rows + i], [n0 + c, col])
+
+    def emit(self, name: str) -> None:
+        from tvm import tirx
+        from tvm.script.ir_builder import tirx as T
+
+        parts = self.bm // self.rows
+        with T.Assert(tirx.all(self.n <= self.np_, self.np_ % self.c == 0),
+                      f"{name}: the activations must cover every output row in whole tiles of {self.c}", "ValueError"):
+            with T.parallel(0, self.mb * parts) as task:
+                self.blk, self.first = task // parts, task % parts * self.rows
+                P = T.alloc_buffer((self.k // 4 * self.rows,), "uint32", scope="global")
+                self.emit_unpack(P)
+                with T.serial(0, self.np_ // self.c) as nt:
+                    self.emit_tile(P, nt * self.c)
+
+
+def dot_gemm_func(spec: KernelSpec, isa):
+    gemm = _DotGemm(spec, isa)
+    with prim_func("dot_gemm") as ib:
+        gemm.declare()
+        gemm.emit("dot_gemm")
+    return ib.get()

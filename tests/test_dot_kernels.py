@@ -1,0 +1,157 @@
+"""The dot-product GEMM (many activation rows, 4-bit codes: codegen/dot.py) against its numpy oracle
+(``tmac.base.reference.dot_matmul``), on every ISA this machine runs that has one."""
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import rel_l2, runnable_isas
+from tmac import QuantizedWeight, WeightFormat, quantize_weight
+from tmac.base import reference as ref
+from tmac.execution.lut_ops import DOT_ROWS_ENV, LutWeight, dot_buffers, dot_padded_rows, takes_dot_products
+from tmac.execution.packing import pack
+from tmac.kernels import ISAS
+from tmac.quant.choose import spec_for
+
+DOT_ISAS = [i for i in runnable_isas() if ISAS[i].dot_rows > 0]
+pytestmark = pytest.mark.skipif(not DOT_ISAS, reason="no ISA of this CPU has dot-product kernels")
+
+
+def _weight(rng, kind: str, m: int, k: int) -> QuantizedWeight:
+    if kind in ("Q4_K", "Q4_0", "Q4_1"):
+        import gguf
+
+        from tmac.models.files.synthetic import k_quant_blocks
+        from tmac.quant.quantize import import_gguf
+
+        if kind == "Q4_K":
+            blocks = k_quant_blocks(rng, m, k, kind)
+        else:  # gguf-py's quantizer, as llama.cpp's files hold them
+            w = (rng.standard_normal((m, k)) * 0.02).astype(np.float32)
+            blocks = gguf.quants.quantize(w, gguf.GGMLQuantizationType[kind])
+        return import_gguf(blocks, kind, (m, k))
+    w = rng.standard_normal((m, k)).astype(np.float32)
+    group = {"g16": 16, "g32": 32, "g128": 128, "row": "row"}[kind.split("-")[0]]
+    return quantize_weight(w, bits=4, group_size=group, symmetric=kind.endswith("-sym"))
+
+
+def _kernels(qw, isa):
+    lw = LutWeight(pack(qw, spec_for(qw, ISAS[isa])))
+    assert lw.spec.dot_products and "dot_gemm" in lw.spec.functions
+    return lw
+
+
+@pytest.mark.parametrize("isa", DOT_ISAS)
+def test_activations_quantize_as_the_reference(rng, isa):
+    """``quantize_rows``: int8 activations, their scales and each weight group's sums of them bit for bit the
+    reference's (a block of zeros, a tie rounded to even), for groups of 16, 32, 128 and a whole row."""
+    k, n = 256, 5
+    x = rng.standard_normal((n, k)).astype(np.float32) * np.float32(3.0)
+    x[1, 32:64] = 0
+    x[2, 64:96] = 0
+    x[2, 70] = -5.5
+    x[4, 96:128] = np.float32(127.0)
+    x[4, 100] = np.float32(-63.5)  # 127/127 = 1: −63.5 is a tie, rounded to even
+    want_q, want_d = ref.quantize_activations(x)
+    for group in (16, 32, 128, "row"):
+        lw = _kernels(quantize_weight(rng.standard_normal((64, k)).astype(np.float32), bits=4, group_size=group), isa)
+        xq, xd, xs = dot_buffers(lw.spec, dot_padded_rows(lw.spec, n))
+        lw.kernels.quantize_rows(torch.from_numpy(x), xq, xd, xs)
+        np.testing.assert_array_equal(xq.numpy()[:n], want_q)
+        np.testing.assert_array_equal(xd.numpy()[:n], want_d)
+        assert xq.numpy()[4, 100] == -64 and (xq.numpy()[1, 32:64] == 0).all() and xd.numpy()[1, 1] == 0
+        np.testing.assert_array_equal(xs.numpy()[:n], ref.quantized_sums(want_q, want_d, lw.spec.group_size))
+
+
+@pytest.mark.parametrize("isa", DOT_ISAS)
+@pytest.mark.parametrize("kind", ["g32", "g128-sym", "row", "g16", "Q4_0", "Q4_1", "Q4_K"])
+def test_dot_gemm_matches_its_oracle(rng, isa, kind):
+    """``dot_gemm`` of every 4-bit parameter kind (float32 and float16 scales, zeros or none, groups of 16 to a
+    whole row, llama.cpp's Q4_0/Q4_1 blocks and Q4_K's byte multipliers of d and dmin) against the reference, with
+    a partial last row block and a partial last tile of activation rows."""
+    m, k = 200, 512
+    qw = _weight(rng, kind, m, k)
+    lw = _kernels(qw, isa)
+    for n in (ISAS[isa].dot_rows, ISAS[isa].dot_rows + 5):
+        assert takes_dot_products(lw.spec, n)
+        x = rng.standard_normal((n, k)).astype(np.float32)
+        y = lw.matmul(torch.from_numpy(x)).numpy()
+        assert rel_l2(y, ref.dot_matmul(x, qw)) <= 1e-5
+        # and against the exact product: llama.cpp's rounding of activations (8 bits a block of 32)
+        exact = x.astype(np.float64) @ qw.dequantize().astype(np.float64).T
+        assert rel_l2(y, exact) <= 0.03
+
+
+@pytest.mark.parametrize("isa", DOT_ISAS)
+def test_integer_part_is_bit_exact(rng, isa):
+    """Activations already int8 with a 127 in every block (scale 1), weight scale 1 and zero −offset: y is the
+    integer product of codes and activations, exactly."""
+    m, k, n = 96, 256, 36
+    fmt = WeightFormat("w4exact", 4, 32, has_zeros=True)
+    codes = rng.integers(0, 16, (m, k)).astype(np.uint8)
+    qw = QuantizedWeight(codes, np.ones((m, k // 32), np.float32), np.full((m, k // 32), -8.0, np.float32), fmt)
+    x = rng.integers(-127, 128, (n, k)).astype(np.float32)
+    x[:, ::32] = 127
+    y = _kernels(qw, isa).matmul(torch.from_numpy(x)).numpy()
+    np.testing.assert_array_equal(y, (x.astype(np.int64) @ codes.astype(np.int64).T).astype(np.float32))
+
+
+@pytest.mark.parametrize("isa", DOT_ISAS)
+def test_rows_below_the_threshold_look_up_tables(rng, isa, monkeypatch):
+    """Below the ISA's ``dot_rows`` (and with ``TMAC_DOT_ROWS=0`` at any count) a GEMM is the LUT kernels' (the
+    table oracle's result); from it, the dot products' (theirs); a bad ``TMAC_DOT_ROWS`` is refused by name."""
+    m, k = 64, 256
+    qw = _weight(rng, "g32", m, k)
+    lw = _kernels(qw, isa)
+    rows = ISAS[isa].dot_rows
+    below, at = (rng.standard_normal((n, k)).astype(np.float32) for n in (rows - 1, rows))
+    assert rel_l2(lw.matmul(torch.from_numpy(below)).numpy(), ref.lut_matmul(below, qw)) <= 1e-5
+    assert rel_l2(lw.matmul(torch.from_numpy(at)).numpy(), ref.dot_matmul(at, qw)) <= 1e-5
+    monkeypatch.setenv(DOT_ROWS_ENV, "0")
+    assert rel_l2(lw.matmul(torch.from_numpy(at)).numpy(), ref.lut_matmul(at, qw)) <= 1e-5
+    monkeypatch.setenv(DOT_ROWS_ENV, "8")
+    assert rel_l2(lw.matmul(torch.from_numpy(below[:8])).numpy(), ref.dot_matmul(below[:8], qw)) <= 1e-5
+    monkeypatch.setenv(DOT_ROWS_ENV, "many")
+    with pytest.raises(ValueError, match="TMAC_DOT_ROWS"):
+        lw.matmul(torch.from_numpy(at))
+
+
+def test_which_specs_have_dot_products():
+    """4-bit bit-plane codes in one K chunk on an ISA with dot products; not codebooks, other widths, K chunks, or
+    ISAs without (arm64 and the generic fallback keep table lookups)."""
+    rng = np.random.default_rng(0)
+    qw = quantize_weight(rng.standard_normal((64, 512)).astype(np.float32), bits=4, group_size=32)
+    spec = spec_for(qw, ISAS["avx2"])
+    assert spec.dot_products and spec.functions[-2:] == ("quantize_rows", "dot_gemm")
+    assert not dataclasses.replace(spec, k_chunk=256).dot_products
+    assert not spec_for(quantize_weight(rng.standard_normal((64, 512)).astype(np.float32), bits=3, group_size=32),
+                        ISAS["avx2"]).dot_products
+    for other in ("neon_dotprod", "neon", "generic_x86_64"):
+        assert not spec_for(qw, ISAS[other]).dot_products
+
+
+@pytest.mark.parametrize("ftype", ["Q4_0", "Q4_K_S", "Q4_K_M"])
+def test_a_prefill_of_dot_products_is_as_close_to_the_exact_model_as_llama_cpp(ftype, monkeypatch):
+    """The stored llama.cpp files (tests/test_mixes.py) prefilled with dot products (``TMAC_DOT_ROWS=8``: the
+    12-token prompt takes them): the logits' distance to the float64 model of the same weights is at most llama.cpp's
+    own (stored) distance, +10 % for the float order of another ISA — int8 activations a block of 32 and their
+    rounded sums in the offset and zero terms, as llama.cpp's prefill rounds them."""
+    import json
+    import os
+
+    import tmac
+    from llama_fp64 import llama_logits
+    from tmac.nn.linear import Linear
+
+    data = os.path.join(os.path.dirname(__file__), "data")
+    reference = json.load(open(os.path.join(data, "mixes.json")))
+    path, prompt = os.path.join(data, "mixes", f"{ftype}.gguf"), reference["prompt"]
+    monkeypatch.setenv(DOT_ROWS_ENV, "8")
+    model = tmac.load_model(path, kv_dtype="float32", isa=DOT_ISAS[0], progress=False)
+    assert any(takes_dot_products(m.spec, len(prompt)) for m in model.modules() if isinstance(m, Linear))
+    got = tmac.Session(model).logits(prompt).numpy().astype(np.float64)
+    exact = llama_logits(path, prompt)
+    theirs = rel_l2(np.array(reference["files"][ftype]["logits"], np.float64), exact)
+    assert rel_l2(got, exact) <= 1.1 * theirs
+    assert (got.argmax(1) == exact.argmax(1)).mean() >= 0.9
