@@ -428,8 +428,9 @@ class DecodePlan:
             spent[kind] = spent.get(kind, 0.0) + took
 
     def kind(self, fn, args) -> str:
-        """What a call is, for a profile: the glue function, ``build_tables``, ``lut_gemv``/``lut_gemm`` or a float
-        projection, marked ``runtime.ON_POOL`` where it runs on the kernels' thread pool (the LUT kernels; the tables of
+        """What a call is, for a profile: the glue function, ``build_tables``, ``lut_gemv``/``lut_gemm``,
+        ``quantize_rows``/``dot_gemm`` or a float projection, marked ``runtime.ON_POOL`` where it runs on the kernels'
+        thread pool (the LUT and dot-product kernels; the tables of
         ``PARALLEL_TABLE_ROWS`` rows or more; attention over ``PARALLEL_ATTENTION_WORK`` or more)."""
         name = self.labels[id(fn)]
         if name == "attend":
@@ -438,7 +439,7 @@ class DecodePlan:
         elif name == "build_tables":
             parallel = self.rows >= PARALLEL_TABLE_ROWS
         else:
-            parallel = name.startswith("lut_") or name.endswith(ROWS)
+            parallel = name.startswith(("lut_", "dot_")) or name.endswith(ROWS)
         return name + runtime.ON_POOL if parallel else name
 
     def _place(self, row: int, token: int, pos: int, sequence) -> None:
