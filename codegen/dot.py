@@ -10,7 +10,7 @@ lookups cost more than multiplying.
   ``vpmaddubsw``) and the LUT kernels' float epilogue: times activation scale and weight scale, minus the
   ``(s·offset + z)·Σx`` term (K-quants: the multipliers a, b per group, d and m once a super group).
 
-The weights are the LUT kernels' own (``Planes`` of four planes): nothing is stored twice. The numpy oracle is
+The weights are the LUT kernels' own (``Planes``: chunks of 4, 2 and 1 planes): nothing is stored twice. The numpy oracle is
 ``tmac.base.reference.dot_matmul``.
 """
 
@@ -88,7 +88,10 @@ class _DotGemm:
         self.XS = arg("xs", (np_, self.k // self.unit))
         self.Y = arg("y", (n, m))
         self.steps, self.row_bytes = w_shape[1], w_shape[2]
-        self.W32 = T.decl_buffer((mb * self.steps * self.row_bytes // 4,), "uint32", data=W.data, align=1)
+        size = mb * self.steps * self.row_bytes
+        self.W32 = T.decl_buffer((size // 4,), "uint32", data=W.data, align=1)
+        self.W16 = T.decl_buffer((size // 2,), "uint16", data=W.data, align=1)
+        self.W8 = T.decl_buffer((size,), "uint8", data=W.data, align=1)
         self.X32 = T.decl_buffer((np_ * self.k // 4,), "int32", data=self.XQ.data, align=1)
         flat = mb * s_shape[1] * s_shape[2]
         self.SF = T.decl_buffer((flat,), S.dtype, data=S.data, align=1)
@@ -136,25 +139,42 @@ class _DotGemm:
 
     # ---- emitters -------------------------------------------------------------------------------------------------
     def emit_unpack(self, P) -> None:
-        """The part's codes into P ``[K/4, rows]`` uint32: lane = row, byte j = code of activation 4·kk + j. A row's
-        four plane bytes of a step are one 32-bit word (the 4-plane chunk: rows in order); the code of activation
-        8·step + j gathers bit j of each byte: ``((w >> j) & 0x01010101)·0x01020408`` holds it in bits 24-27."""
+        """The part's codes into P ``[K/4, rows]`` uint32: lane = row, byte j = code of activation 4·kk + j. In a
+        chunk of P planes a row's plane bytes of a step are one P-byte word (rows in order, ``Planes``); the bits of
+        activation 8·step + j are bit j of each byte: for four planes ``((w >> j) & 0x01010101)·0x01020408`` holds
+        them in bits 24-27, for two ``t | t >> 7`` of ``t = (w >> j) & 0x0101`` in bits 0-1."""
         from tvm import tirx
         from tvm.script.ir_builder import tirx as T
 
-        rows = self.rows
+        rows, bm = self.rows, self.bm
 
         def u32(value):
             return tirx.Broadcast(tirx.IntImm("uint32", value), rows)
 
         with T.serial(0, self.steps) as s:
-            word = self.W32[vec(((self.blk * self.steps + s) * self.row_bytes) // 4 + self.first, rows)]
+            step = (self.blk * self.steps + s) * self.row_bytes  # the block's step, in bytes
+            words = []
+            for first, planes in self.spec.layout.chunks:
+                at = step + bm * first + self.first * planes
+                if planes == 4:
+                    words.append((first, planes, self.W32[vec(at // 4, rows)]))
+                else:
+                    buf = self.W16 if planes == 2 else self.W8
+                    words.append((first, planes, tirx.Cast(f"uint32x{rows}", buf[vec(at // planes, rows)])))
             for half in (0, 1):
                 out = None
                 for j in range(4):
-                    t = ((word >> u32(4 * half + j)) & u32(0x01010101)) * u32(0x01020408)
-                    t = (t >> u32(24 - 8 * j) if j < 3 else t) & u32(0xF << (8 * j))
-                    out = t if out is None else out | t
+                    shift = 4 * half + j
+                    for first, planes, word in words:
+                        t = (word >> u32(shift)) & u32({4: 0x01010101, 2: 0x0101, 1: 1}[planes])
+                        if planes == 4:  # the code's bits in 24-27
+                            t = t * u32(0x01020408)
+                            t = (t >> u32(24 - 8 * j) if j < 3 else t) & u32(0xF << (8 * j))
+                        else:
+                            if planes == 2:
+                                t = (t | (t >> u32(7))) & u32(3)
+                            t = t << u32(8 * j + first)
+                        out = t if out is None else out | t
                 T.buffer_store(P, out, [vec((2 * s + half) * rows, rows)])
 
     def emit_tile(self, P, n0) -> None:

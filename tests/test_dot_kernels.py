@@ -19,21 +19,22 @@ pytestmark = pytest.mark.skipif(not DOT_ISAS, reason="no ISA of this CPU has dot
 
 
 def _weight(rng, kind: str, m: int, k: int) -> QuantizedWeight:
-    if kind in ("Q4_K", "Q4_0", "Q4_1"):
+    if kind.startswith("Q"):
         import gguf
 
         from tmac.models.files.synthetic import k_quant_blocks
         from tmac.quant.quantize import import_gguf
 
-        if kind == "Q4_K":
+        if kind.endswith("_K"):
             blocks = k_quant_blocks(rng, m, k, kind)
         else:  # gguf-py's quantizer, as llama.cpp's files hold them
             w = (rng.standard_normal((m, k)) * 0.02).astype(np.float32)
             blocks = gguf.quants.quantize(w, gguf.GGMLQuantizationType[kind])
         return import_gguf(blocks, kind, (m, k))
     w = rng.standard_normal((m, k)).astype(np.float32)
-    group = {"g16": 16, "g32": 32, "g128": 128, "row": "row"}[kind.split("-")[0]]
-    return quantize_weight(w, bits=4, group_size=group, symmetric=kind.endswith("-sym"))
+    bits, group = kind.split("-")[0].split("g")  # "w<bits>g<group>[-sym]"
+    return quantize_weight(w, bits=int(bits[1:]), group_size="row" if group == "row" else int(group),
+                           symmetric=kind.endswith("-sym"))
 
 
 def _kernels(qw, isa):
@@ -65,19 +66,23 @@ def test_activations_quantize_as_the_reference(rng, isa):
 
 
 @pytest.mark.parametrize("isa", DOT_ISAS)
-@pytest.mark.parametrize("kind", ["g32", "g128-sym", "row", "g16", "Q4_0", "Q4_1", "Q4_K"])
+@pytest.mark.parametrize("kind", ["w4g32", "w4g128-sym", "w4grow", "w4g16", "w2g32", "w3g64", "w5g32", "w6g16-sym",
+                                  "Q4_0", "Q4_1", "Q4_K", "Q2_K", "Q3_K", "Q5_K", "Q6_K"])
 def test_dot_gemm_matches_its_oracle(rng, isa, kind):
-    """``dot_gemm`` of every 4-bit parameter kind (float32 and float16 scales, zeros or none, groups of 16 to a
-    whole row, llama.cpp's Q4_0/Q4_1 blocks and Q4_K's byte multipliers of d and dmin) against the reference, with
-    a partial last row block and a partial last tile of activation rows."""
+    """``dot_gemm`` of 2- to 6-bit codes (bit-plane chunks of 4, 2 and 1 planes) and every parameter kind (float32
+    and float16 scales, zeros or none, groups of 16 to a whole row, llama.cpp's Q4_0/Q4_1 blocks and the K-quants'
+    byte multipliers of d and dmin, Q3_K's and Q6_K's signed) against the reference, with a partial last row block
+    and a partial last tile of activation rows; codes in quads keep table lookups at any row count."""
     m, k = 200, 512
     qw = _weight(rng, kind, m, k)
-    lw = _kernels(qw, isa)
+    lw = LutWeight(pack(qw, spec_for(qw, ISAS[isa])))
+    # the one layout of these codes without dot products: quads (64-entry lookups, AVX-512 VBMI: 1-3 and 5 bits)
+    assert lw.spec.dot_products != lw.spec.quads
     for n in (ISAS[isa].dot_rows, ISAS[isa].dot_rows + 5):
-        assert takes_dot_products(lw.spec, n)
+        assert takes_dot_products(lw.spec, n) == lw.spec.dot_products
         x = rng.standard_normal((n, k)).astype(np.float32)
         y = lw.matmul(torch.from_numpy(x)).numpy()
-        assert rel_l2(y, ref.dot_matmul(x, qw)) <= 1e-5
+        assert rel_l2(y, (ref.dot_matmul if lw.spec.dot_products else ref.lut_matmul)(x, qw)) <= 1e-5
         # and against the exact product: llama.cpp's rounding of activations (8 bits a block of 32)
         exact = x.astype(np.float64) @ qw.dequantize().astype(np.float64).T
         assert rel_l2(y, exact) <= 0.03
@@ -102,7 +107,7 @@ def test_rows_below_the_threshold_look_up_tables(rng, isa, monkeypatch):
     """Below the ISA's ``dot_rows`` (and with ``TMAC_DOT_ROWS=0`` at any count) a GEMM is the LUT kernels' (the
     table oracle's result); from it, the dot products' (theirs); a bad ``TMAC_DOT_ROWS`` is refused by name."""
     m, k = 64, 256
-    qw = _weight(rng, "g32", m, k)
+    qw = _weight(rng, "w4g32", m, k)
     lw = _kernels(qw, isa)
     rows = ISAS[isa].dot_rows
     below, at = (rng.standard_normal((n, k)).astype(np.float32) for n in (rows - 1, rows))
@@ -118,15 +123,16 @@ def test_rows_below_the_threshold_look_up_tables(rng, isa, monkeypatch):
 
 
 def test_which_specs_have_dot_products():
-    """4-bit bit-plane codes in one K chunk on an ISA with dot products; not codebooks, other widths, K chunks, or
+    """Bit-plane codes of 2 to 6 bits in one K chunk on an ISA with dot products; not 8-bit codes, K chunks, or
     ISAs without (arm64 and the generic fallback keep table lookups)."""
     rng = np.random.default_rng(0)
-    qw = quantize_weight(rng.standard_normal((64, 512)).astype(np.float32), bits=4, group_size=32)
+    w = rng.standard_normal((64, 512)).astype(np.float32)
+    qw = quantize_weight(w, bits=4, group_size=32)
     spec = spec_for(qw, ISAS["avx2"])
     assert spec.dot_products and spec.functions[-2:] == ("quantize_rows", "dot_gemm")
     assert not dataclasses.replace(spec, k_chunk=256).dot_products
-    assert not spec_for(quantize_weight(rng.standard_normal((64, 512)).astype(np.float32), bits=3, group_size=32),
-                        ISAS["avx2"]).dot_products
+    assert all(spec_for(quantize_weight(w, bits=b, group_size=32), ISAS["avx2"]).dot_products for b in (2, 3, 5, 6))
+    assert not spec_for(quantize_weight(w, bits=8, group_size=32), ISAS["avx2"]).dot_products
     for other in ("neon_dotprod", "neon", "generic_x86_64"):
         assert not spec_for(qw, ISAS[other]).dot_products
 
