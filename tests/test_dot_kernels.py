@@ -66,17 +66,17 @@ def test_activations_quantize_as_the_reference(rng, isa):
 
 
 @pytest.mark.parametrize("isa", DOT_ISAS)
-@pytest.mark.parametrize("kind", ["w4g32", "w4g128-sym", "w4grow", "w4g16", "w2g32", "w3g64", "w5g32", "w6g16-sym",
-                                  "Q4_0", "Q4_1", "Q4_K", "Q2_K", "Q3_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("kind", ["w4g32", "w4g128-sym", "w4grow", "w4g16", "w3g64", "w5g32", "w6g16-sym", "Q4_0",
+                                  "Q4_1", "Q4_K", "Q3_K", "Q5_K", "Q6_K"])
 def test_dot_gemm_matches_its_oracle(rng, isa, kind):
-    """``dot_gemm`` of 2- to 6-bit codes (bit-plane chunks of 4, 2 and 1 planes) and every parameter kind (float32
+    """``dot_gemm`` of 3- to 6-bit codes (bit-plane chunks of 4, 2 and 1 planes) and every parameter kind (float32
     and float16 scales, zeros or none, groups of 16 to a whole row, llama.cpp's Q4_0/Q4_1 blocks and the K-quants'
     byte multipliers of d and dmin, Q3_K's and Q6_K's signed) against the reference, with a partial last row block
     and a partial last tile of activation rows; codes in quads keep table lookups at any row count."""
     m, k = 200, 512
     qw = _weight(rng, kind, m, k)
     lw = LutWeight(pack(qw, spec_for(qw, ISAS[isa])))
-    # the one layout of these codes without dot products: quads (64-entry lookups, AVX-512 VBMI: 1-3 and 5 bits)
+    # the one layout of these codes without dot products: quads (64-entry lookups, AVX-512 VBMI: 3 and 5 bits)
     assert lw.spec.dot_products != lw.spec.quads
     for n in (ISAS[isa].dot_rows, ISAS[isa].dot_rows + 5):
         assert takes_dot_products(lw.spec, n) == lw.spec.dot_products
@@ -123,16 +123,17 @@ def test_rows_below_the_threshold_look_up_tables(rng, isa, monkeypatch):
 
 
 def test_which_specs_have_dot_products():
-    """Bit-plane codes of 2 to 6 bits in one K chunk on an ISA with dot products; not 8-bit codes, K chunks, or
-    ISAs without (arm64 and the generic fallback keep table lookups)."""
+    """Bit-plane codes of 3 to 6 bits in one K chunk on an ISA with dot products; not 2-bit codes (two planes'
+    lookups cost no more), 8-bit codes, K chunks, or ISAs without (arm64 and the generic fallback keep table
+    lookups)."""
     rng = np.random.default_rng(0)
     w = rng.standard_normal((64, 512)).astype(np.float32)
     qw = quantize_weight(w, bits=4, group_size=32)
     spec = spec_for(qw, ISAS["avx2"])
     assert spec.dot_products and spec.functions[-2:] == ("quantize_rows", "dot_gemm")
     assert not dataclasses.replace(spec, k_chunk=256).dot_products
-    assert all(spec_for(quantize_weight(w, bits=b, group_size=32), ISAS["avx2"]).dot_products for b in (2, 3, 5, 6))
-    assert not spec_for(quantize_weight(w, bits=8, group_size=32), ISAS["avx2"]).dot_products
+    assert all(spec_for(quantize_weight(w, bits=b, group_size=32), ISAS["avx2"]).dot_products for b in (3, 5, 6))
+    assert not any(spec_for(quantize_weight(w, bits=b, group_size=32), ISAS["avx2"]).dot_products for b in (2, 8))
     for other in ("neon_dotprod", "neon", "generic_x86_64"):
         assert not spec_for(qw, ISAS[other]).dot_products
 

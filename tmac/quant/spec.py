@@ -16,7 +16,9 @@ from tmac.base.reference import QUANT_BLOCK, padded_k
 
 LUT_FUNCTIONS = ("build_tables", "lut_gemv", "lut_gemm")
 DOT_FUNCTIONS = ("quantize_rows", "dot_gemm")
-DOT_BITS = (2, 3, 4, 5, 6)  # codes a dot product takes as unsigned bytes (8-bit codes overflow vpmaddubsw's pairs)
+# codes the dot-product GEMM takes: 2-bit codes look up two planes, as cheap as a dot product (measured); 8-bit ones
+# would overflow vpmaddubsw's pairs
+DOT_BITS = (3, 4, 5, 6)
 
 # activation rows from which ``build_tables`` runs on the thread pool: a parallel launch costs more than one row's
 # tables take (the few rows of a batched decode step stay serial; a prefill's go parallel)
@@ -165,7 +167,7 @@ class KernelSpec:
     @property
     def dot_products(self) -> bool:
         """Whether its library also has the dot-product GEMM for many rows (``quantize_rows``, ``dot_gemm``:
-        codegen/dot.py): bit-plane codes of 2 to 6 bits in one K chunk (not quads, whose 64-entry lookups serve 1-3
+        codegen/dot.py): bit-plane codes of 3 to 6 bits in one K chunk (not quads, whose 64-entry lookups serve 3
         and 5 bits on AVX-512 VBMI), on an ISA with dot products (``Isa.dot_rows``)."""
         return ISAS[self.isa].dot_rows > 0 and self.bits in DOT_BITS and not (self.codebook or self.triples or
                                                                               self.quads) \
