@@ -21,7 +21,7 @@ from tmac.apps.process import torch_single_threaded
 from tmac.apps.serve import create_app, model_name
 from tmac.apps.serve_http import server_config
 
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 PROMPTS = ["Tell me a story about a lighthouse keeper.", "Name three fruits.", "Write a haiku about the sea.",
            "Who wrote Hamlet?"]
 
@@ -159,23 +159,24 @@ REPEATING = "Say it again and again: la la la la la la la la"
 
 def penalized_greedy(model, prompt: str, n: int, presence=0.0, frequency=0.0, repeat=1.0, last_n=64) -> str:
     """Greedy text of ``prompt`` with each penalty applied as defined, in float64 numpy, to the logits of the
-    one-row decode plan: a token sampled c times in the answer loses c·frequency + presence (OpenAI's), and each
-    token among the last ``last_n`` of prompt and answer has its logit divided by ``repeat`` if positive, else
-    multiplied (llama.cpp's repeat penalty)."""
+    prompt's prefill and then of the one-row decode plan: a token sampled c times in the answer loses
+    c·frequency + presence (OpenAI's), and each token among the last ``last_n`` of prompt and answer has its logit
+    divided by ``repeat`` if positive, else multiplied (llama.cpp's repeat penalty)."""
     import numpy as np
     import torch
 
     from tmac.models.run.decode import Plans
+    from tmac.models.run.generate import prefill
     from tmac.models.run.sequence import Sequence
 
-    plan, sequence = Plans(model).current().decode(1), Sequence(model, adopt=False)
+    plans = Plans(model).current()
+    plan, sequence = plans.decode(1), Sequence(model, adopt=False)
     ids, out = model.tokenizer.encode(prompt), []
     with torch.inference_mode(), torch_single_threaded():
-        for pos, token in enumerate(ids[:-1]):
-            plan.step(token, pos, sequence)
-        token = ids[-1]
-        for pos in range(len(ids) - 1, len(ids) - 1 + n):
-            logits = plan.step(token, pos, sequence).double().numpy().copy()
+        fed = [logits[-1].clone() for _, logits in prefill(model, ids, sequence, last_only=True, plans=plans)][-1]
+        token = None
+        for pos in range(len(ids), len(ids) + n):
+            logits = (fed if token is None else plan.step(token, pos - 1, sequence)).double().numpy().copy()
             for j in (set((ids + out)[-last_n:]) if repeat != 1.0 else ()):
                 logits[j] = logits[j] / repeat if logits[j] > 0 else logits[j] * repeat
             for j in set(out):

@@ -7,7 +7,7 @@ import tmac
 from conftest import smollm2_path
 from tmac.models.text.stream import TextStream
 
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 
 
 @pytest.fixture(scope="module")

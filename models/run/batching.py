@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 
 
-from tmac.models.run.decode import Plans
+from tmac.models.run.decode import Plans, multiplies
 from tmac.models.run.generate import check_prompt
 from tmac.models.run.generation import PREFILL_CHUNK, Generation, reusable_prefix, step_together
 from tmac.models.run.sampling import SamplingParams
@@ -104,6 +104,9 @@ class Batcher:
         self._closed = False
         self._plans = Plans(model).current()  # (the model stays as it is while served)
         self._free: list[Sequence] = []  # the caches of finished requests, for the next ones (the oldest first)
+        # a prompt's rows that take dot products are not what decode steps compute: a kept cache then offers its
+        # prompt alone, so that a conversation's next turn gets a fresh server's answer (``multiplies``)
+        self._prompts_only = multiplies(model)
         self._made = 0  # sequences made (at most max_batch)
         self._thread = threading.Thread(target=self._loop, name="tmac-batcher", daemon=True)
         self._thread.start()
@@ -273,9 +276,13 @@ class Batcher:
         self._leave([a for a in batch if self._finished(a)])
 
     def _leave(self, done: list[_Active]) -> None:
-        """``done`` out of the batch, their caches kept for the next requests with what they hold (``ids``)."""
+        """``done`` out of the batch, their caches kept for the next requests with what they hold (``ids``; where
+        prompts multiply, their prompts)."""
         if done:
             self.active = [a for a in self.active if a not in done]
+            if self._prompts_only:
+                for a in done:
+                    del a.sequence.ids[len(a.generation.prompt):]
             self._free += [a.sequence for a in done]
 
 

@@ -51,8 +51,8 @@ def _projection(module: nn.Module, x: torch.Tensor, out: torch.Tensor, tables: d
     several parts (llama.cpp's mixes: a Q6_K v beside Q4_K q and k), each writes its own rows, then copied in.
     ``biased``: the projection's bias is added by the glue that reads ``out`` (``attend``: the q/k/v biases).
     ``hold``: the kernels keep the GIL (``KernelLibrary.holding_gil``). ``dot``: a prefill's rows, which take the
-    dot-product GEMM where the spec has one and they are enough (``takes_dot_products``; a decode step's rows
-    never do: a sequence's tokens do not change with the batch it is stepped in)."""
+    dot-product GEMM where the spec has one (``takes_dot_products``; a decode step's rows never do: a sequence's
+    tokens do not change with the batch it is stepped in)."""
     parts = list(module.parts) if isinstance(module, Concat) else [module]
     rows = x.shape[0]
     calls, start = [], 0
@@ -76,7 +76,7 @@ def _projection(module: nn.Module, x: torch.Tensor, out: torch.Tensor, tables: d
             if rows == 1:
                 calls.append((kernels.lut_gemv, [_handle(x), *params, *lut, _handle(dest)]))
                 labels[id(kernels.lut_gemv)] = "lut_gemv (tables included)"
-            elif dot and takes_dot_products(spec, rows):
+            elif dot and takes_dot_products(spec, rows, prefill=True):
                 padded = dot_padded_rows(spec, rows)
                 key = ("dot", spec.k, spec.group_size, padded)
                 if key not in tables:
@@ -482,6 +482,12 @@ def prefill_rows(tokens: int) -> int:
     return tokens + tokens % 2 if tokens <= 16 else -(-tokens // 4) * 4
 
 
+def multiplies(model) -> bool:
+    """Whether a prompt's rows take dot products in some projection of ``model`` (``takes_dot_products``): its
+    prefill's numbers are then not a token-by-token decode's bit for bit."""
+    return any(takes_dot_products(m.spec, 2, prefill=True) for m in model.modules() if isinstance(m, Linear))
+
+
 class Plans:
     """The plans of one model, built on first need and kept while its modules, tensors and cache stay the ones they
     were built from (``plan_key``, checked by ``current``): a decode plan per row count, and the prefill plans last
@@ -505,8 +511,9 @@ class Plans:
         return self._decode[rows]
 
     def prefill(self, tokens: int) -> DecodePlan | None:
-        """The plan that prefills ``tokens`` tokens at once (one token: the one-row decode plan)."""
-        if tokens == 1:
+        """The plan that prefills ``tokens`` tokens at once (one token: the one-row decode plan, unless a prompt's
+        rows take dot products: then every prompt token does, whatever the chunk it comes in)."""
+        if tokens == 1 and not multiplies(self.model):
             return self.decode(1)
         rows = prefill_rows(tokens)
         plan = self._prefill.pop(rows, None) if rows in self._prefill else DecodePlan.build(self.model, rows, True)

@@ -157,20 +157,22 @@ def _workspace(spec: KernelSpec, rows: int, dot: bool = False):
     return entry
 
 
-DOT_ROWS_ENV = "TMAC_DOT_ROWS"  # overrides the ISA's ``dot_rows`` (0: table lookups for every row count)
+DOT_ROWS_ENV = "TMAC_DOT_ROWS"  # overrides the ISA's ``dot_rows`` (0: table lookups everywhere, prompts included)
 
 
-def takes_dot_products(spec: KernelSpec, rows: int) -> bool:
-    """Whether ``rows`` activation rows take the dot-product GEMM (``KernelSpec.dot_products``, from the ISA's
-    ``dot_rows`` or ``TMAC_DOT_ROWS``) rather than table lookups."""
+def takes_dot_products(spec: KernelSpec, rows: int, prefill: bool = False) -> bool:
+    """Whether ``rows`` activation rows take the dot-product GEMM (``KernelSpec.dot_products``) rather than table
+    lookups: a call of ``tmac.Linear`` from the ISA's ``dot_rows`` (or ``TMAC_DOT_ROWS``) rows, a prompt's rows
+    (``prefill``: the plans') at any count unless ``TMAC_DOT_ROWS=0`` — so that a prompt token's numbers do not
+    depend on the chunk it is fed in (a server's pieces, a kept cache's remainder)."""
     if not spec.dot_products:
         return False
     value = os.environ.get(DOT_ROWS_ENV, "").strip()
-    if not value:
-        return rows >= ISAS[spec.isa].dot_rows
-    if not value.isdigit():
+    if value and not value.isdigit():
         raise ValueError(f"{DOT_ROWS_ENV}={value!r}: expected a row count (0: never take dot products)")
-    return int(value) > 0 and rows >= int(value)
+    if value == "0" or (value and int(value) == 0):
+        return False
+    return prefill or rows >= (int(value) if value else ISAS[spec.isa].dot_rows)
 
 
 def dot_padded_rows(spec: KernelSpec, rows: int) -> int:
