@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tmac.execution.lut_ops import prompt_rows
 from tmac.models.run.decode import Plans
 from tmac.models.run.sampling import Sampler, SamplingParams, check_for_vocabulary, logprobs
 from tmac.models.run.sequence import Sequence
@@ -25,12 +26,16 @@ def prefill(model, ids: list[int], sequence: Sequence, first: int = 0, last_only
     """Feed ``ids[first:]`` into ``sequence`` (which holds ``ids[:first]``), ``PREFILL_CHUNK`` tokens at a time:
     yields each chunk's end and its logits (the last row's alone with ``last_only``). With ``plans`` (current) and
     ``last_only``, a chunk runs through its prefill plan where the model has one: every projection once for the
-    chunk, everything else compiled glue, and the logits those of a token-by-token decode (``spent``: seconds by
-    kind of call added to it, ``DecodePlan.kind``)."""
+    chunk, everything else compiled glue, and the logits those of a token-by-token decode where a prompt's rows look
+    up tables (``multiplies``: with dot products, as close to the exact model; ``spent``: seconds by kind of call
+    added to it, ``DecodePlan.kind``). Without a plan the eager model's projections multiply alike
+    (``prompt_rows``)."""
     for start, end in prefill_chunks(first, len(ids)):
         plan = plans.prefill(end - start) if plans is not None and last_only else None
         if plan is None:
-            yield end, model(torch.tensor(ids[start:end]), start, last_only=last_only, cache=sequence)
+            with prompt_rows():  # (its projections multiply as a plan's would)
+                logits = model(torch.tensor(ids[start:end]), start, last_only=last_only, cache=sequence)
+            yield end, logits
         else:
             yield end, plan.prefill(ids[start:end], start, sequence, spent)[None]
 

@@ -7,6 +7,7 @@ torch view or numpy slice can never fault on alignment.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 
@@ -57,7 +58,7 @@ def lut_linear(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, zer
     if n == 0:
         return out
     runtime.apply_threads()
-    if takes_dot_products(spec, n):
+    if takes_dot_products(spec, n, prefill=getattr(_prompt, "on", False)):
         _, bufs = _workspace(spec, dot_padded_rows(spec, n), dot=True)
         kernels.quantize_rows(x, *bufs)
         kernels.dot_gemm(*params, *bufs, out)
@@ -155,6 +156,21 @@ def _workspace(spec: KernelSpec, rows: int, dot: bool = False):
         bufs = dot_buffers(spec, rows) if dot else table_buffers(spec, rows)
         entry = cache[key] = (bufs, tuple(runtime.ffi().from_dlpack(t) for t in bufs))
     return entry
+
+
+_prompt = threading.local()
+
+
+@contextlib.contextmanager
+def prompt_rows():
+    """Calls of ``tmac.Linear`` inside are a prompt's rows (the eager model's prefill): they take dot products at any
+    count, as the prefill plans' do (``takes_dot_products``)."""
+    before = getattr(_prompt, "on", False)
+    _prompt.on = True
+    try:
+        yield
+    finally:
+        _prompt.on = before
 
 
 DOT_ROWS_ENV = "TMAC_DOT_ROWS"  # overrides the ISA's ``dot_rows`` (0: table lookups everywhere, prompts included)
