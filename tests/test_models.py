@@ -587,8 +587,11 @@ def test_llama_cpp_mixes_load_and_match_the_dequantized_file(tmp_path, mix, tied
     err = rel_l2(tmac.Session(model).logits(ids).numpy(), ref.numpy())
     print(f"{mix} ({'tied' if tied else 'untied'}): logits rel L2 vs transformers on the dequantized file {err:.5f}")
     # the pure types' bound (the int8 tables' rounding, amplified by this tiny random model), with room for a head of
-    # another type (untied Q4_K_M: 2.9 %)
-    assert err <= 0.035
+    # another type (untied Q4_K_M: 2.9 %); where a prompt's rows take dot products (x86), activations rounded to int8
+    # a block of 32 as llama.cpp rounds them: 1.0-4.3 % on these files, where lookups give 0.9-2.9 % (2026-12-03)
+    from tmac.models.run.decode import multiplies
+
+    assert err <= (0.045 if multiplies(model) else 0.035)
     # generation (the prompt through the prefill plan, then the decode plan) gives the greedy continuation of the
     # one-row plan fed token by token, whose logits stay within the plans' usual distance of the eager forward's
     # (their rounding orders differ: this tiny random model's top logits lie closer than that, so greedy tokens
