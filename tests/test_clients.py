@@ -46,22 +46,24 @@ def log_softmax(logits) -> np.ndarray:
 
 def greedy_with_logits(model, prompt_ids, n, bias=None):
     """The greedy tokens after ``prompt_ids`` and each step's log-softmax in float64, from the logits of the
-    model's one-row decode plan fed a token at a time (the numbers the server's steps compute; the eager forward
-    rounds differently), ``bias`` (token → added logit) applied before the argmax."""
+    prompt's prefill plan and then the model's one-row decode plan fed a token at a time (the numbers the server
+    computes; the eager forward rounds differently), ``bias`` (token → added logit) applied before the argmax."""
     import torch
 
     from tmac.models.run.decode import Plans
+    from tmac.models.run.generate import prefill
     from tmac.models.run.sequence import Sequence
 
-    plan, sequence = Plans(model).current().decode(1), Sequence(model, adopt=False)
+    plans = Plans(model).current()
+    plan, sequence = plans.decode(1), Sequence(model, adopt=False)
     ids, steps = list(prompt_ids), []
     with torch.inference_mode():
-        for pos, token in enumerate(ids[:-1]):
-            plan.step(token, pos, sequence)
-            sequence.ids.append(token)
-        for _ in range(n):
-            raw = plan.step(ids[-1], len(ids) - 1, sequence).float().numpy().copy()
-            sequence.ids.append(ids[-1])
+        fed = [logits[-1].clone() for _, logits in prefill(model, ids, sequence, last_only=True, plans=plans)][-1]
+        sequence.ids = list(ids)
+        for i in range(n):
+            raw = (fed if i == 0 else plan.step(ids[-1], len(ids) - 1, sequence)).float().numpy().copy()
+            if i:
+                sequence.ids.append(ids[-1])
             logits = raw.astype(np.float64)
             for t, b in (bias or {}).items():
                 logits[t] += b
