@@ -205,14 +205,15 @@ def test_session_cli_and_server_sample_alike_from_one_seed(server, model):
     """The same defaults and the same seed give the same answer through the Python API, the command line and the
     server: one set of options, one sampler."""
     url, _ = server
-    question = QUESTION[0]["content"]
-    by_session = tmac.Session(model).chat(QUESTION, seed=7, max_tokens=24)
+    question = "Tell me a story about a lighthouse keeper."  # (an open question: sampling leaves the greedy text)
+    asked = [{"role": "user", "content": question}]
+    by_session = tmac.Session(model).chat(asked, seed=7, max_tokens=24)
     run = subprocess.run([sys.executable, "-m", "tmac", "run", "-c", "512", "-p", question, "-n", "24", "--seed",
                           "7", "--json"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
-    by_server = client(url).chat.completions.create(model="smol", messages=QUESTION, max_tokens=24, seed=7)
+    by_server = client(url).chat.completions.create(model="smol", messages=asked, max_tokens=24, seed=7)
     assert json.loads(run.stdout)["text"] == by_session == by_server.choices[0].message.content
-    greedy = tmac.Session(model).chat(QUESTION, seed=7, max_tokens=24, temperature=0)
+    greedy = tmac.Session(model).chat(asked, seed=7, max_tokens=24, temperature=0)
     assert by_session != greedy  # (the defaults sample)
 
 
