@@ -186,7 +186,7 @@ def takes_dot_products(spec: KernelSpec, rows: int, prefill: bool = False) -> bo
     value = os.environ.get(DOT_ROWS_ENV, "").strip()
     if value and not value.isdigit():
         raise ValueError(f"{DOT_ROWS_ENV}={value!r}: expected a row count (0: never take dot products)")
-    if value == "0" or (value and int(value) == 0):
+    if value and int(value) == 0:
         return False
     return prefill or rows >= (int(value) if value else ISAS[spec.isa].dot_rows)
 
