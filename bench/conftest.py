@@ -1,10 +1,17 @@
 """Collects every benchmark's median and prints ratio tables at the end (ratios within one run only)."""
 
+import os
+import sys
+
 import pytest
 
-import tmac  # before torch, so that torch's OpenMP workers wait passively instead of spinning on the kernels' cores
-import torch
-from tmac.base.timing import BUSY_LIMIT, cpu_busy_fraction
+# not the checkout's root on sys.path: its kernels/ would stand in for Hugging Face's (tests/conftest.py says why)
+_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _root]
+
+import tmac  # noqa: E402 — before torch, so that torch's OpenMP workers wait passively instead of spinning on the kernels' cores
+import torch  # noqa: E402
+from tmac.base.timing import BUSY_LIMIT, cpu_busy_fraction  # noqa: E402
 
 RESULTS: dict[tuple, float] = {}  # (regime, threads, shape, candidate) → median seconds
 

@@ -24,6 +24,7 @@ from tmac.codegen.tir import arg, prim_func
 from tmac.codegen.vectors import fold, vec
 
 F32 = "float32"
+UNROLLED_UNITS = 4  # a weight group of up to this many integer sums is emitted straight, a longer one as a loop
 
 
 def quantize_rows_func(spec: KernelSpec):
@@ -197,46 +198,54 @@ class _DotGemm:
             return vec(c * rows + r * L, L)
 
         def group(g):
-            for u in range(wg // unit):
-                # the unit's integer sums as expressions, not buffers: LLVM keeps them in registers
-                acc = [tirx.Broadcast(tirx.IntImm(elem, 0), int(acc_lanes))] * (r_ * c_)
-                kk0 = (g * wg + u * unit) // 4
-                for q in range(unit // 4):
-                    kk = kk0 + q
-                    # each weight vector loaded once for the tile's activation rows (a bound value, not a load
-                    # repeated in every accumulator's expression)
-                    ws = [T.bind(tirx.reinterpret(f"int8x{self.vl}", P[vec(kk * rows + r * L, L)]))
-                          for r in range(r_)]
-                    for c in range(c_):
-                        xb = tirx.reinterpret(f"int8x{self.vl}",
-                                              tirx.Broadcast(self.X32[(n0 + c) * (self.k // 4) + kk], L))
-                        for r in range(r_):
-                            a = r * c_ + c
-                            acc[a] = T.bind(isa.dot(acc[a], ws[r], xb))
-                # the parameters once a unit for every activation row, and the unit's Σx term along: s·(Σcq·d) −
-                # (s·offset + z)·Σq·d; K-quants: a·(Σcq·d) and b·Σq·d (zeros) or −a·offset·Σq·d, d and m at the
-                # super group's end
-                xs_at = (g * wg + u * unit) // unit
-                scales = [T.bind(self.param(self.SF, g, r)) for r in range(r_)]
-                if not sg:
-                    coefs = [T.bind(self.coef(g, r, scales[r])) for r in range(r_)]
-                elif self.ZF is not None:
-                    coefs = [T.bind(self.param(self.ZF, g, r)) for r in range(r_)]
-                else:
-                    coefs = [T.bind(scales[r] * self.bcast(tirx.FloatImm(F32, self.offset))) for r in range(r_)]
+            units = wg // unit
+            if units <= UNROLLED_UNITS:
+                for u in range(units):
+                    unit_sums(g, u)
+            else:  # a long group (a whole row): a loop, or the kernel's code grows with K
+                with T.serial(0, units) as u:
+                    unit_sums(g, u)
+
+        def unit_sums(g, u):
+            # the unit's integer sums as expressions, not buffers: LLVM keeps them in registers
+            acc = [tirx.Broadcast(tirx.IntImm(elem, 0), int(acc_lanes))] * (r_ * c_)
+            kk0 = (g * wg + u * unit) // 4
+            for q in range(unit // 4):
+                kk = kk0 + q
+                # each weight vector loaded once for the tile's activation rows (a bound value, not a load
+                # repeated in every accumulator's expression)
+                ws = [T.bind(tirx.reinterpret(f"int8x{self.vl}", P[vec(kk * rows + r * L, L)]))
+                      for r in range(r_)]
                 for c in range(c_):
-                    xd = self.bcast(self.XD[n0 + c, (kk0 * 4) // QUANT_BLOCK])
-                    xs = self.bcast(self.XS[n0 + c, xs_at])
+                    xb = tirx.reinterpret(f"int8x{self.vl}",
+                                          tirx.Broadcast(self.X32[(n0 + c) * (self.k // 4) + kk], L))
                     for r in range(r_):
-                        val = tirx.Cast(f"float32x{L}", isa.dot_widen(acc[r * c_ + c])) * xd
-                        if not sg:
-                            T.buffer_store(F, F[at(c, r)] + scales[r] * val - coefs[r] * xs, [at(c, r)])
-                        elif self.ZF is not None:
-                            T.buffer_store(sums[0], sums[0][at(c, r)] + scales[r] * val, [at(c, r)])
-                            T.buffer_store(sums[1], sums[1][at(c, r)] + coefs[r] * xs, [at(c, r)])
-                        else:
-                            T.buffer_store(sums[0], sums[0][at(c, r)] + scales[r] * val - coefs[r] * xs,
-                                           [at(c, r)])
+                        a = r * c_ + c
+                        acc[a] = T.bind(isa.dot(acc[a], ws[r], xb))
+            # the parameters once a unit for every activation row, and the unit's Σx term along: s·(Σcq·d) −
+            # (s·offset + z)·Σq·d; K-quants: a·(Σcq·d) and b·Σq·d (zeros) or −a·offset·Σq·d, d and m at the
+            # super group's end
+            xs_at = (g * wg + u * unit) // unit
+            scales = [T.bind(self.param(self.SF, g, r)) for r in range(r_)]
+            if not sg:
+                coefs = [T.bind(self.coef(g, r, scales[r])) for r in range(r_)]
+            elif self.ZF is not None:
+                coefs = [T.bind(self.param(self.ZF, g, r)) for r in range(r_)]
+            else:
+                coefs = [T.bind(scales[r] * self.bcast(tirx.FloatImm(F32, self.offset))) for r in range(r_)]
+            for c in range(c_):
+                xd = self.bcast(self.XD[n0 + c, (kk0 * 4) // QUANT_BLOCK])
+                xs = self.bcast(self.XS[n0 + c, xs_at])
+                for r in range(r_):
+                    val = tirx.Cast(f"float32x{L}", isa.dot_widen(acc[r * c_ + c])) * xd
+                    if not sg:
+                        T.buffer_store(F, F[at(c, r)] + scales[r] * val - coefs[r] * xs, [at(c, r)])
+                    elif self.ZF is not None:
+                        T.buffer_store(sums[0], sums[0][at(c, r)] + scales[r] * val, [at(c, r)])
+                        T.buffer_store(sums[1], sums[1][at(c, r)] + coefs[r] * xs, [at(c, r)])
+                    else:
+                        T.buffer_store(sums[0], sums[0][at(c, r)] + scales[r] * val - coefs[r] * xs,
+                                       [at(c, r)])
 
         groups = self.k // wg
         if not sg:

@@ -3,13 +3,18 @@ import fcntl
 import importlib.util
 import os
 import re
+import sys
 import tempfile
+
+# The checkout's root holds tmac's sources as folders named for what they are (kernels/, models/, codegen/), which
+# `python -m pytest` puts first on sys.path: there they would stand in for installed packages of the same names
+# (transformers imports Hugging Face's `kernels`). tmac is imported as installed, never through them.
+_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _root]
 
 # the suite owns its processes: torch's OpenMP workers sleep when idle, as under the command line (tmac.apps.process)
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 if os.environ.get("TMAC_NO_COMPILER"):  # the unit tier (make unit): TVM cannot be imported here or in a child
-    import sys
-
     _blocker = tempfile.mkdtemp(prefix="tmac-no-tvm-")
     os.mkdir(os.path.join(_blocker, "tvm"))
     with open(os.path.join(_blocker, "tvm", "__init__.py"), "w") as _f:
