@@ -122,6 +122,22 @@ def test_rows_below_the_threshold_look_up_tables(rng, isa, monkeypatch):
         lw.matmul(torch.from_numpy(at))
 
 
+@pytest.mark.parametrize("isa", DOT_ISAS)
+def test_a_whole_row_group_is_a_loop_not_code_that_grows_with_k(isa):
+    """A weight group of a whole row is summed by a loop over its units of 32: the kernel's instructions are the
+    same for K = 512 and 4096 (emitted unit by unit, a K of 2304 took minutes to compile)."""
+    from tmac.codegen import dot
+
+    intrinsics = []
+    for k in (512, 4096):
+        qw = quantize_weight(np.random.default_rng(0).standard_normal((64, k)).astype(np.float32), bits=4,
+                             group_size="row")
+        spec = spec_for(qw, ISAS[isa])
+        assert spec.dot_products and spec.group_size == k
+        intrinsics.append(dot.dot_gemm_func(spec, ISAS[isa]).script().count("call_llvm_pure_intrin"))
+    assert intrinsics[0] == intrinsics[1] > 0
+
+
 def test_which_specs_have_dot_products():
     """Bit-plane codes of 3 to 6 bits in one K chunk on an ISA with dot products; not 2-bit codes (two planes'
     lookups cost no more), 8-bit codes, K chunks, or ISAs without (arm64 and the generic fallback keep table
