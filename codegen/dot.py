@@ -1,14 +1,17 @@
 """Generate the dot-product kernels of one ``KernelSpec``: the path for many activation rows (a prefill), where table
 lookups cost more than multiplying.
 
-- ``quantize_rows(X[N, K], XQ[N', K], XD[N', K/32], XS[N', K/WG])``: each 32 activations of a row as int8 with one
+- ``quantize_rows(X[N, K], XQ[N', K], XD[N', K/B], XS[N', K/WG])``: each block of B activations of a row
+  (``KernelSpec.activation_block``: 32, or a K-quant's super group of 256 as llama.cpp's Q8_K) as int8 with one
   float32 scale (``qx = rint(x·127/amax)``, ``d = amax/127``: ``tmac.base.reference.quantize_activations``), and
-  each weight group's sum of the rounded activations (``quantized_sums``);
+  each weight group's sum of the rounded activations times d (``quantized_sums``);
 - ``dot_gemm(W, S[, Z], XQ, XD, XS, Y[N, M])``: parallel over parts of row blocks; each part's bit planes unpacked
   once into a byte per weight, four consecutive weights a 32-bit lane (the dot-product instructions' order), then per
   tile of activation rows and per 32 (or 16) activations an integer dot product (``Isa.dot``: ``vpdpbusd``,
   ``vpmaddubsw``) and the LUT kernels' float epilogue: times activation scale and weight scale, minus the
-  ``(s·offset + z)·Σx`` term (K-quants: the multipliers a, b per group, d and m once a super group).
+  ``(s·offset + z)·Σx`` term. K-quants: each group's sums times its multiplier a add up in integers over the super
+  group (``Isa.dot_scaled``: ``vpmaddwd`` with a, ``vpmulld``), and d·dx multiplies once a super group; the
+  Σx term takes the multipliers b (or a·offset) and dmin (or d) apart.
 
 The weights are the LUT kernels' own (``Planes``: chunks of 4, 2 and 1 planes): nothing is stored twice. The numpy oracle is
 ``tmac.base.reference.dot_matmul``.
@@ -31,8 +34,8 @@ def quantize_rows_func(spec: KernelSpec):
     from tvm import tirx
     from tvm.script.ir_builder import tirx as T
 
-    k, qb = spec.k, QUANT_BLOCK
-    unit = min(spec.group_size, qb)
+    k, qb = spec.k, spec.activation_block
+    unit = min(spec.group_size, QUANT_BLOCK)
     with prim_func("quantize_rows") as ib:
         n, np_ = T.int32(), T.int32()
         X = arg("x", (n, k))
@@ -70,7 +73,10 @@ class _DotGemm:
             self.r //= 2
         self.rows = self.r * self.lanes  # weight rows of a part (a task's)
         self.unit = min(self.wg, QUANT_BLOCK)  # activations an integer sum covers: a weight group or a block
+        self.qb = spec.activation_block
         self.sg = spec.super_groups
+        if self.sg and self.unit != self.wg:
+            raise ValueError(f"{spec.name}: a super group's weight groups must be one integer sum each")
         self.offset = float(code_offset(spec.bits))
 
     def declare(self):
@@ -85,7 +91,7 @@ class _DotGemm:
         S = arg("s", (mb, *s_shape[1:]), s_dtype)
         Z = arg("z", (mb, *s_shape[1:]), z_dtype) if spec.has_zeros else None
         self.XQ = arg("xq", (np_, self.k), "int8")
-        self.XD = arg("xd", (np_, self.k // QUANT_BLOCK))
+        self.XD = arg("xd", (np_, self.k // self.qb))
         self.XS = arg("xs", (np_, self.k // self.unit))
         self.Y = arg("y", (n, m))
         self.steps, self.row_bytes = w_shape[1], w_shape[2]
@@ -103,8 +109,8 @@ class _DotGemm:
                                                                      align=1) for b in (S, Z))
 
     # ---- values ---------------------------------------------------------------------------------------------------
-    def param(self, buf, g, r):
-        """float32 x lanes: scale or zero (or multiplier) of weight group g for vector r of the part."""
+    def param(self, buf, g, r, dtype=F32):
+        """``dtype`` x lanes: scale or zero (or multiplier) of weight group g for vector r of the part."""
         from tvm import tirx
 
         row = self.first + r * self.lanes
@@ -116,7 +122,7 @@ class _DotGemm:
         else:
             at = (self.blk * (self.k // self.wg) + g) * bm + row
         v = buf[vec(at, L)]
-        return v if buf.dtype == F32 else tirx.Cast(f"float32x{L}", v)
+        return v if buf.dtype == dtype else tirx.Cast(f"{dtype}x{L}", v)
 
     def coef(self, g, r, scale):
         """s·offset + z of weight group g, vector r: what multiplies the group's Σx."""
@@ -188,8 +194,6 @@ class _DotGemm:
         acc_type = isa.dot_acc_dtype(self.spec.bits, unit // 4)
         elem, acc_lanes = acc_type.split("x")
         F = T.alloc_buffer((c_ * rows,), F32, scope="global")
-        sums = [T.alloc_buffer((c_ * rows,), F32, scope="global") for _ in range(2 if self.spec.has_zeros else 1)] \
-            if sg else []
         zero = tirx.FloatImm(F32, 0.0)
         with T.vectorized(0, c_ * rows) as i:
             T.buffer_store(F, zero, [i])
@@ -197,17 +201,9 @@ class _DotGemm:
         def at(c, r):
             return vec(c * rows + r * L, L)
 
-        def group(g):
-            units = wg // unit
-            if units <= UNROLLED_UNITS:
-                for u in range(units):
-                    unit_sums(g, u)
-            else:  # a long group (a whole row): a loop, or the kernel's code grows with K
-                with T.serial(0, units) as u:
-                    unit_sums(g, u)
-
         def unit_sums(g, u):
-            # the unit's integer sums as expressions, not buffers: LLVM keeps them in registers
+            """The integer sums of unit u of weight group g, one per (weight vector, activation row): expressions,
+            not buffers (LLVM keeps them in registers)."""
             acc = [tirx.Broadcast(tirx.IntImm(elem, 0), int(acc_lanes))] * (r_ * c_)
             kk0 = (g * wg + u * unit) // 4
             for q in range(unit // 4):
@@ -222,48 +218,34 @@ class _DotGemm:
                     for r in range(r_):
                         a = r * c_ + c
                         acc[a] = T.bind(isa.dot(acc[a], ws[r], xb))
-            # the parameters once a unit for every activation row, and the unit's Σx term along: s·(Σcq·d) −
-            # (s·offset + z)·Σq·d; K-quants: a·(Σcq·d) and b·Σq·d (zeros) or −a·offset·Σq·d, d and m at the
-            # super group's end
-            xs_at = (g * wg + u * unit) // unit
+            return acc
+
+        def float_unit(g, u):
+            # the parameters once a unit for every activation row, and the unit's Σx term along:
+            # s·(Σcq·d) − (s·offset + z)·Σq·d
+            acc = unit_sums(g, u)
+            first = g * wg + u * unit
             scales = [T.bind(self.param(self.SF, g, r)) for r in range(r_)]
-            if not sg:
-                coefs = [T.bind(self.coef(g, r, scales[r])) for r in range(r_)]
-            elif self.ZF is not None:
-                coefs = [T.bind(self.param(self.ZF, g, r)) for r in range(r_)]
-            else:
-                coefs = [T.bind(scales[r] * self.bcast(tirx.FloatImm(F32, self.offset))) for r in range(r_)]
+            coefs = [T.bind(self.coef(g, r, scales[r])) for r in range(r_)]
             for c in range(c_):
-                xd = self.bcast(self.XD[n0 + c, (kk0 * 4) // QUANT_BLOCK])
-                xs = self.bcast(self.XS[n0 + c, xs_at])
+                xd = self.bcast(self.XD[n0 + c, first // self.qb])
+                xs = self.bcast(self.XS[n0 + c, first // unit])
                 for r in range(r_):
                     val = tirx.Cast(f"float32x{L}", isa.dot_widen(acc[r * c_ + c])) * xd
-                    if not sg:
-                        T.buffer_store(F, F[at(c, r)] + scales[r] * val - coefs[r] * xs, [at(c, r)])
-                    elif self.ZF is not None:
-                        T.buffer_store(sums[0], sums[0][at(c, r)] + scales[r] * val, [at(c, r)])
-                        T.buffer_store(sums[1], sums[1][at(c, r)] + coefs[r] * xs, [at(c, r)])
-                    else:
-                        T.buffer_store(sums[0], sums[0][at(c, r)] + scales[r] * val - coefs[r] * xs,
-                                       [at(c, r)])
+                    T.buffer_store(F, F[at(c, r)] + scales[r] * val - coefs[r] * xs, [at(c, r)])
 
         groups = self.k // wg
         if not sg:
             with T.serial(0, groups) as g:
-                group(g)
+                units = wg // unit
+                if units <= UNROLLED_UNITS:
+                    for u in range(units):
+                        float_unit(g, u)
+                else:  # a long group (a whole row): a loop, or the kernel's code grows with K
+                    with T.serial(0, units) as u:
+                        float_unit(g, u)
         else:
-            with T.serial(0, groups // sg) as j:
-                for buf in sums:
-                    with T.vectorized(0, c_ * rows) as i:
-                        T.buffer_store(buf, zero, [i])
-                with T.serial(0, sg) as gi:
-                    group(j * sg + gi)
-                for c in range(c_):
-                    for r in range(r_):
-                        total = self.super_param(self.SS, j, r) * sums[0][at(c, r)]
-                        if self.ZF is not None:
-                            total = total - self.super_param(self.ZS, j, r) * sums[1][at(c, r)]
-                        T.buffer_store(F, F[at(c, r)] + total, [at(c, r)])
+            self.emit_super_groups(F, n0, unit_sums, at)
         for c in range(c_):
             with T.If(n0 + c < self.n):
                 with T.Then():
@@ -272,6 +254,43 @@ class _DotGemm:
                         with T.If(col < self.m):
                             with T.Then():
                                 T.buffer_store(self.Y, F[c * rows + i], [n0 + c, col])
+
+    def emit_super_groups(self, F, n0, unit_sums, at) -> None:
+        """K-quants, one activation scale dx a super group (``activation_block``): each group's integer sums times
+        its multiplier a summed in integers (``Isa.dot_scaled``), the Σx term Σ b·Σq·dx (zeros) or offset·Σ a·Σq·dx
+        apart, then once a super group ``d·dx·Σ a·Σcq − m·Σ b·xs`` (or ``d·offset·Σ a·xs``) into F."""
+        from tvm import tirx
+        from tvm.script.ir_builder import tirx as T
+
+        r_, c_, L, rows, sg = self.r, self.c, self.lanes, self.rows, self.sg
+        sums = T.alloc_buffer((c_ * rows,), "int32", scope="global")
+        with T.serial(0, self.k // self.wg // sg) as j:
+            with T.vectorized(0, c_ * rows) as i:
+                T.buffer_store(sums, tirx.IntImm("int32", 0), [i])
+            with T.serial(0, sg) as gi:
+                acc = unit_sums(j * sg + gi, 0)
+                mults = [T.bind(self.param(self.SF, j * sg + gi, r, "int32")) for r in range(r_)]
+                for c in range(c_):
+                    for r in range(r_):
+                        T.buffer_store(sums, sums[at(c, r)] + self.isa.dot_scaled(acc[r * c_ + c], mults[r]),
+                                       [at(c, r)])
+            # the Σx term over the super group's groups, as expressions (registers)
+            terms = [self.bcast(tirx.FloatImm(F32, 0.0))] * (r_ * c_)
+            for gi in range(sg):
+                g = j * sg + gi
+                coefs = [T.bind(self.param(self.SF if self.ZF is None else self.ZF, g, r)) for r in range(r_)]
+                for c in range(c_):
+                    xs = self.bcast(self.XS[n0 + c, g])
+                    for r in range(r_):
+                        terms[r * c_ + c] = T.bind(terms[r * c_ + c] + coefs[r] * xs)
+            for r in range(r_):
+                d = T.bind(self.super_param(self.SS, j, r))
+                m = T.bind(d * self.bcast(tirx.FloatImm(F32, self.offset)) if self.ZF is None
+                           else self.super_param(self.ZS, j, r))
+                for c in range(c_):
+                    dx = self.bcast(self.XD[n0 + c, j])
+                    total = d * (tirx.Cast(f"float32x{L}", sums[at(c, r)]) * dx) - m * terms[r * c_ + c]
+                    T.buffer_store(F, F[at(c, r)] + total, [at(c, r)])
 
     def emit(self, name: str) -> None:
         from tvm import tirx

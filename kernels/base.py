@@ -76,6 +76,10 @@ class Isa:
         """``dot``'s accumulator as int32 per lane."""
         return acc
 
+    def dot_scaled(self, acc, mult):
+        """``dot``'s accumulator as int32 per lane times ``mult`` (int32 per lane: a K-quant group's multiplier)."""
+        return self.dot_widen(acc) * mult
+
     # -- primitives; subclasses override them with instructions ---------------------------------------------
     def lookup(self, table16, idx):
         """int8xVL: ``table16[idx[l]]`` in every lane (idx values are 0..15). Portable form: a select chain."""

@@ -66,6 +66,29 @@ def test_activations_quantize_as_the_reference(rng, isa):
 
 
 @pytest.mark.parametrize("isa", DOT_ISAS)
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_k_quant_activations_take_one_scale_a_super_group(rng, isa, kind):
+    """A K-quant's dot products quantize activations per super group of 256 (llama.cpp's Q8_K), so that its
+    multipliers sum in integers: XQ, XD and the groups' sums bit for bit the reference's at that block (a super
+    group of zeros; a tie rounded to even)."""
+    k, n = 512, 5
+    x = rng.standard_normal((n, k)).astype(np.float32)
+    x[1, 256:] = 0
+    x[3, 10] = np.float32(127.0)
+    x[3, 20] = np.float32(-63.5)
+    lw = _kernels(_weight(rng, kind, 64, k), isa)
+    assert lw.spec.super_groups and lw.spec.activation_block == 256
+    want_q, want_d = ref.quantize_activations(x, 256)
+    xq, xd, xs = dot_buffers(lw.spec, dot_padded_rows(lw.spec, n))
+    assert tuple(xd.shape) == (xq.shape[0], k // 256)
+    lw.kernels.quantize_rows(torch.from_numpy(x), xq, xd, xs)
+    np.testing.assert_array_equal(xq.numpy()[:n], want_q)
+    np.testing.assert_array_equal(xd.numpy()[:n], want_d)
+    assert xq.numpy()[3, 20] == -64 and xd.numpy()[1, 1] == 0 and (xq.numpy()[1, 256:] == 0).all()
+    np.testing.assert_array_equal(xs.numpy()[:n], ref.quantized_sums(want_q, want_d, lw.spec.group_size, 256))
+
+
+@pytest.mark.parametrize("isa", DOT_ISAS)
 @pytest.mark.parametrize("kind", ["w4g32", "w4g128-sym", "w4grow", "w4g16", "w3g64", "w5g32", "w6g16-sym", "Q4_0",
                                   "Q4_1", "Q4_K", "Q3_K", "Q5_K", "Q6_K"])
 def test_dot_gemm_matches_its_oracle(rng, isa, kind):
@@ -82,8 +105,10 @@ def test_dot_gemm_matches_its_oracle(rng, isa, kind):
         assert takes_dot_products(lw.spec, n) == lw.spec.dot_products
         x = rng.standard_normal((n, k)).astype(np.float32)
         y = lw.matmul(torch.from_numpy(x)).numpy()
-        assert rel_l2(y, (ref.dot_matmul if lw.spec.dot_products else ref.lut_matmul)(x, qw)) <= 1e-5
-        # and against the exact product: llama.cpp's rounding of activations (8 bits a block of 32)
+        want = ref.dot_matmul(x, qw, lw.spec.activation_block) if lw.spec.dot_products else ref.lut_matmul(x, qw)
+        assert rel_l2(y, want) <= 1e-5
+        # and against the exact product: llama.cpp's rounding of activations (8 bits a block of 32, or of a
+        # K-quant's super group of 256 as its Q8_K)
         exact = x.astype(np.float64) @ qw.dequantize().astype(np.float64).T
         assert rel_l2(y, exact) <= 0.03
 

@@ -78,7 +78,7 @@ def _projection(module: nn.Module, x: torch.Tensor, out: torch.Tensor, tables: d
                 labels[id(kernels.lut_gemv)] = "lut_gemv (tables included)"
             elif dot and takes_dot_products(spec, rows, prefill=True):
                 padded = dot_padded_rows(spec, rows)
-                key = ("dot", spec.k, spec.group_size, padded)
+                key = ("dot", spec.k, spec.group_size, spec.activation_block, padded)
                 if key not in tables:
                     tables[key] = dot_buffers(spec, padded)
                 acts = [_handle(t) for t in tables[key]]

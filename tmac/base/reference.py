@@ -233,33 +233,36 @@ def lut_matmul_triples(x: np.ndarray, qw: QuantizedWeight) -> np.ndarray:
 QUANT_BLOCK = 32  # activations per int8 scale of the dot-product kernels' activations
 
 
-def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """int8 activations and their float32 scales ``[N, K/QUANT_BLOCK]``: per block of 32, ``qx = rint(x·(127/amax))``,
-    ``d = amax/127`` (the tables' rounding, ``quantize_tables``, applied to the activations themselves)."""
+def quantize_activations(x: np.ndarray, block: int = QUANT_BLOCK) -> tuple[np.ndarray, np.ndarray]:
+    """int8 activations and their float32 scales ``[N, K/block]``: per block of ``block`` (32, or a K-quant's super
+    group of 256, as llama.cpp's Q8_K), ``qx = rint(x·(127/amax))``, ``d = amax/127`` (the tables' rounding,
+    ``quantize_tables``, applied to the activations themselves)."""
     x = np.asarray(x, np.float32)
     n, k = x.shape
-    blocks = x.reshape(n, k // QUANT_BLOCK, QUANT_BLOCK)
+    blocks = x.reshape(n, k // block, block)
     amax = np.abs(blocks).max(axis=2)
     inv = np.divide(np.float32(127), amax, out=np.zeros_like(amax), where=amax > 0)
     q = np.rint(blocks * inv[..., None]).astype(np.int8).reshape(n, k)
     return q, (amax / np.float32(127)).astype(np.float32)
 
 
-def quantized_sums(q: np.ndarray, d: np.ndarray, group_size: int) -> np.ndarray:
+def quantized_sums(q: np.ndarray, d: np.ndarray, group_size: int, block: int = QUANT_BLOCK) -> np.ndarray:
     """float32 ``[N, K/unit]``: ``d·Σq`` of the rounded activations of each unit, ``min(group_size, 32)`` of them
-    (a block, or half a block for groups of 16). The dot-product kernels' Σx term takes these, not the float
-    activations' sums: then the offset and zero terms round with the codes' products, and the error is the weights'
-    times the activations' rounding, as in llama.cpp (the float sums, against codes 0..15, doubled it)."""
+    (a block, or half a block for groups of 16; ``d`` the scale of the ``block`` it lies in). The dot-product
+    kernels' Σx term takes these, not the float activations' sums: then the offset and zero terms round with the
+    codes' products, and the error is the weights' times the activations' rounding, as in llama.cpp (the float
+    sums, against codes 0..15, doubled it)."""
     n, k = q.shape
     unit = min(group_size, QUANT_BLOCK)
     sums = q.reshape(n, k // unit, unit).astype(np.int32).sum(axis=2).astype(np.float32)
-    return sums * np.repeat(d, QUANT_BLOCK // unit, axis=1)
+    return sums * np.repeat(d, block // unit, axis=1)
 
 
-def dot_matmul(x: np.ndarray, qw: QuantizedWeight) -> np.ndarray:
+def dot_matmul(x: np.ndarray, qw: QuantizedWeight, block: int = QUANT_BLOCK) -> np.ndarray:
     """``x @ W.T`` the dot-product way, float64 ``[N, M]``: the exact product of the rounded activations
-    (``quantize_activations``: ``d·qx``) with the weights, whose codes times ``d·qx`` the kernels sum in integers
-    and whose offset and zero multiply ``quantized_sums``."""
-    qx, d = quantize_activations(x)
-    xq = qx.astype(np.float64) * np.repeat(d.astype(np.float64), QUANT_BLOCK, axis=1)
+    (``quantize_activations`` in blocks of ``block``, the kernel spec's ``activation_block``: ``d·qx``) with the
+    weights, whose codes times ``d·qx`` the kernels sum in integers and whose offset and zero multiply
+    ``quantized_sums``."""
+    qx, d = quantize_activations(x, block)
+    xq = qx.astype(np.float64) * np.repeat(d.astype(np.float64), block, axis=1)
     return xq @ qw.dequantize().astype(np.float64).T

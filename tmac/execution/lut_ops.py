@@ -201,7 +201,7 @@ def dot_buffers(spec: KernelSpec, rows: int) -> tuple[torch.Tensor, torch.Tensor
     """Zeroed XQ (int8), XD and XS (float32; ``tmac.base.reference.quantized_sums``) for ``rows``
     (``dot_padded_rows``) activation rows of ``spec``'s dot-product GEMM (rows past the activations stay zero: they are computed, never stored)."""
     k = spec.k
-    return (torch.zeros((rows, k), dtype=torch.int8), torch.zeros((rows, k // QUANT_BLOCK)),
+    return (torch.zeros((rows, k), dtype=torch.int8), torch.zeros((rows, k // spec.activation_block)),
             torch.zeros((rows, k // min(spec.group_size, QUANT_BLOCK))))
 
 

@@ -174,6 +174,12 @@ class KernelSpec:
             and self.k_chunk == self.k_padded and (self.group_size % QUANT_BLOCK == 0 or self.group_size == 16)
 
     @property
+    def activation_block(self) -> int:
+        """Activations per int8 scale in the dot-product GEMM: a super group's (256 for llama.cpp's K-quants, as its
+        Q8_K), where its multipliers then sum in integers and d·dx multiplies once; else a block of 32."""
+        return self.group_size * self.super_groups if self.super_groups else QUANT_BLOCK
+
+    @property
     def functions(self) -> tuple[str, ...]:
         """What its library exports."""
         return LUT_FUNCTIONS + (DOT_FUNCTIONS if self.dot_products else ())
