@@ -184,6 +184,17 @@ class _DotGemm:
                         out = t if out is None else out | t
                 T.buffer_store(P, out, [vec((2 * s + half) * rows, rows)])
 
+    def sum_span(self) -> int:
+        """4-activation steps an accumulator sums before it is widened: the whole unit, or where its sums would
+        overflow int16 but fewer steps' do not (5 and 6 bits without VNNI), the most that fit: ``vpmaddubsw``
+        pairs add as int16 and one ``vpmaddwd`` widens (and scales) them, instead of widening every step."""
+        quads = span = self.unit // 4
+        def int16(n):
+            return self.isa.dot_acc_dtype(self.spec.bits, n).startswith("int16")
+        while span > 1 and not int16(span):
+            span //= 2
+        return span if int16(span) else quads
+
     def emit_tile(self, P, n0) -> None:
         """Activation rows n0 .. n0 + C − 1 against the part's rows: float sums in F, then into Y."""
         from tvm import tirx
@@ -191,8 +202,8 @@ class _DotGemm:
 
         r_, c_, L, rows, unit, wg, sg = self.r, self.c, self.lanes, self.rows, self.unit, self.wg, self.sg
         isa = self.isa
-        acc_type = isa.dot_acc_dtype(self.spec.bits, unit // 4)
-        elem, acc_lanes = acc_type.split("x")
+        span = self.sum_span()
+        elem, acc_lanes = isa.dot_acc_dtype(self.spec.bits, span).split("x")
         F = T.alloc_buffer((c_ * rows,), F32, scope="global")
         zero = tirx.FloatImm(F32, 0.0)
         with T.vectorized(0, c_ * rows) as i:
@@ -202,11 +213,15 @@ class _DotGemm:
             return vec(c * rows + r * L, L)
 
         def unit_sums(g, u):
-            """The integer sums of unit u of weight group g, one per (weight vector, activation row): expressions,
-            not buffers (LLVM keeps them in registers)."""
-            acc = [tirx.Broadcast(tirx.IntImm(elem, 0), int(acc_lanes))] * (r_ * c_)
+            """The integer sums of unit u of weight group g, one per (weight vector, activation row), in pieces of
+            ``span`` 4-activation steps: a list of expressions a piece, not buffers (LLVM keeps them in
+            registers)."""
+            pieces = []
             kk0 = (g * wg + u * unit) // 4
             for q in range(unit // 4):
+                if q % span == 0:
+                    pieces.append([tirx.Broadcast(tirx.IntImm(elem, 0), int(acc_lanes))] * (r_ * c_))
+                acc = pieces[-1]
                 kk = kk0 + q
                 # each weight vector loaded once for the tile's activation rows (a bound value, not a load
                 # repeated in every accumulator's expression)
@@ -218,7 +233,7 @@ class _DotGemm:
                     for r in range(r_):
                         a = r * c_ + c
                         acc[a] = T.bind(isa.dot(acc[a], ws[r], xb))
-            return acc
+            return pieces
 
         def float_unit(g, u):
             # the parameters once a unit for every activation row, and the unit's Σx term along:
@@ -231,7 +246,11 @@ class _DotGemm:
                 xd = self.bcast(self.XD[n0 + c, first // self.qb])
                 xs = self.bcast(self.XS[n0 + c, first // unit])
                 for r in range(r_):
-                    val = tirx.Cast(f"float32x{L}", isa.dot_widen(acc[r * c_ + c])) * xd
+                    a = r * c_ + c
+                    total = isa.dot_widen(acc[0][a])
+                    for piece in acc[1:]:
+                        total = total + isa.dot_widen(piece[a])
+                    val = tirx.Cast(f"float32x{L}", total) * xd
                     T.buffer_store(F, F[at(c, r)] + scales[r] * val - coefs[r] * xs, [at(c, r)])
 
         groups = self.k // wg
@@ -272,8 +291,10 @@ class _DotGemm:
                 mults = [T.bind(self.param(self.SF, j * sg + gi, r, "int32")) for r in range(r_)]
                 for c in range(c_):
                     for r in range(r_):
-                        T.buffer_store(sums, sums[at(c, r)] + self.isa.dot_scaled(acc[r * c_ + c], mults[r]),
-                                       [at(c, r)])
+                        total = sums[at(c, r)]
+                        for piece in acc:
+                            total = total + self.isa.dot_scaled(piece[r * c_ + c], mults[r])
+                        T.buffer_store(sums, total, [at(c, r)])
             # the Σx term over the super group's groups, as expressions (registers)
             terms = [self.bcast(tirx.FloatImm(F32, 0.0))] * (r_ * c_)
             for gi in range(sg):
