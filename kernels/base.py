@@ -22,8 +22,10 @@ class Isa:
     # activation rows from which a 4-bit GEMM takes dot products on unpacked codes instead of table lookups
     # (codegen/dot.py; 0: never): measured, docs/decisions.md "Dot products for many rows"
     dot_rows: int = 0
-    # the dot-product GEMM's register tile: (vectors of weight rows, activation rows), R·C accumulators
-    dot_tile: tuple = (4, 4)
+    # the dot-product GEMM's register tile: (vectors of weight rows, activation rows), R·C accumulators; two
+    # vectors by four rows on AVX-512 too, whose 32 registers would hold 4 x 4 but spilled the float sums beside them
+    # (docs/decisions.md, "Dot products for many rows")
+    dot_tile: tuple = (2, 4)
 
     @property
     def gemm_accumulators(self) -> int:

@@ -164,7 +164,6 @@ AVX512 = X86Isa("avx512", "x86_64", 64, frozenset({"avx2", "avx512bw"}),
                 _target("skylake-avx512"), "AVX-512 BW: vpshufb zmm, vpmaddubsw/vpmaddwd", **STREAM)
 AVX2_VNNI = X86Isa("avx2_vnni", "x86_64", 32, frozenset({"avx2", "avxvnni"}),
                    _target("alderlake"), "AVX2 + AVX-VNNI: vpshufb ymm, vpdpbusd ymm", vector_registers=16, vnni=True,
-                   dot_tile=(2, 4), **STREAM)
+                   **STREAM)
 AVX2 = X86Isa("avx2", "x86_64", 32, frozenset({"avx2"}),
-              _target("haswell"), "AVX2: vpshufb ymm, vpmaddubsw/vpmaddwd", vector_registers=16, dot_tile=(2, 4),
-              **STREAM)
+              _target("haswell"), "AVX2: vpshufb ymm, vpmaddubsw/vpmaddwd", vector_registers=16, **STREAM)
