@@ -3,7 +3,8 @@ calls in turns (``TMAC_DOT_ROWS`` picks the path), the best of each over ``--rou
 
     python bench/dot_vs_lut.py [--isa avx2] [--rows 16,32,256] [--shape 2048x2048] [--types Q4_K,Q6_K,w4g32]
 
-Types: llama.cpp's K-quants (random blocks, ``k_quant_blocks``), or ``w<bits>g<group>`` (``quantize_weight``).
+Types: llama.cpp's K-quants (random blocks, ``k_quant_blocks``), or ``w<bits>g<group>[-sym]`` (``quantize_weight``;
+``-sym``: no zeros, as Q4_0).
 """
 from __future__ import annotations
 
@@ -26,9 +27,9 @@ def weight(kind: str, m: int, k: int, rng):
         from tmac.quant.quantize import import_gguf
 
         return import_gguf(k_quant_blocks(rng, m, k, kind), kind, (m, k))
-    bits, group = kind[1:].split("g")
+    bits, group = kind[1:].removesuffix("-sym").split("g")
     return quantize_weight(rng.standard_normal((m, k)).astype(np.float32), bits=int(bits),
-                           group_size="row" if group == "row" else int(group))
+                           group_size="row" if group == "row" else int(group), symmetric=kind.endswith("-sym"))
 
 
 def best_of(call, calls: int) -> float:

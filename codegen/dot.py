@@ -124,13 +124,6 @@ class _DotGemm:
         v = buf[vec(at, L)]
         return v if buf.dtype == dtype else tirx.Cast(f"{dtype}x{L}", v)
 
-    def coef(self, g, r, scale):
-        """s·offset + z of weight group g, vector r: what multiplies the group's Σx."""
-        from tvm import tirx
-
-        coef = scale * self.bcast(tirx.FloatImm(F32, self.offset))
-        return coef if self.ZF is None else coef + self.param(self.ZF, g, r)
-
     def super_param(self, buf, j, r):
         from tvm import tirx
 
@@ -237,21 +230,24 @@ class _DotGemm:
 
         def float_unit(g, u):
             # the parameters once a unit for every activation row, and the unit's Σx term along:
-            # s·(Σcq·d) − (s·offset + z)·Σq·d
+            # s·(Σcq·d) − (s·offset + z)·Σq·d, as s·(Σcq·d − offset·Σq·d) − z·Σq·d (without zeros, one multiply
+            # and one add less a sum)
             acc = unit_sums(g, u)
             first = g * wg + u * unit
             scales = [T.bind(self.param(self.SF, g, r)) for r in range(r_)]
-            coefs = [T.bind(self.coef(g, r, scales[r])) for r in range(r_)]
+            zeros = [T.bind(self.param(self.ZF, g, r)) for r in range(r_)] if self.ZF is not None else None
             for c in range(c_):
                 xd = self.bcast(self.XD[n0 + c, first // self.qb])
-                xs = self.bcast(self.XS[n0 + c, first // unit])
+                xs = T.bind(self.bcast(self.XS[n0 + c, first // unit]))
+                shift = T.bind(xs * self.bcast(tirx.FloatImm(F32, -self.offset)))
                 for r in range(r_):
                     a = r * c_ + c
                     total = isa.dot_widen(acc[0][a])
                     for piece in acc[1:]:
                         total = total + isa.dot_widen(piece[a])
-                    val = tirx.Cast(f"float32x{L}", total) * xd
-                    T.buffer_store(F, F[at(c, r)] + scales[r] * val - coefs[r] * xs, [at(c, r)])
+                    val = tirx.Cast(f"float32x{L}", total) * xd + shift
+                    out = F[at(c, r)] + scales[r] * val
+                    T.buffer_store(F, out if zeros is None else out - zeros[r] * xs, [at(c, r)])
 
         groups = self.k // wg
         if not sg:
