@@ -230,24 +230,32 @@ class _DotGemm:
 
         def float_unit(g, u):
             # the parameters once a unit for every activation row, and the unit's Σx term along:
-            # s·(Σcq·d) − (s·offset + z)·Σq·d, as s·(Σcq·d − offset·Σq·d) − z·Σq·d (without zeros, one multiply
-            # and one add less a sum)
+            # s·(Σcq·d) − (s·offset + z)·Σq·d; with 32 registers s·(Σcq·d − offset·Σq·d) − z·Σq·d, one multiply
+            # and one add less a sum without zeros (AVX2's 16 registers spill the shifted sums: slower there)
             acc = unit_sums(g, u)
             first = g * wg + u * unit
+            fold = isa.vector_registers >= 32
             scales = [T.bind(self.param(self.SF, g, r)) for r in range(r_)]
             zeros = [T.bind(self.param(self.ZF, g, r)) for r in range(r_)] if self.ZF is not None else None
+            offset = self.bcast(tirx.FloatImm(F32, self.offset))
+            coefs = None if fold else [T.bind(scales[r] * offset if zeros is None else scales[r] * offset + zeros[r])
+                                       for r in range(r_)]
             for c in range(c_):
                 xd = self.bcast(self.XD[n0 + c, first // self.qb])
                 xs = T.bind(self.bcast(self.XS[n0 + c, first // unit]))
-                shift = T.bind(xs * self.bcast(tirx.FloatImm(F32, -self.offset)))
+                shift = T.bind(xs * self.bcast(tirx.FloatImm(F32, -self.offset))) if fold else None
                 for r in range(r_):
                     a = r * c_ + c
                     total = isa.dot_widen(acc[0][a])
                     for piece in acc[1:]:
                         total = total + isa.dot_widen(piece[a])
-                    val = tirx.Cast(f"float32x{L}", total) * xd + shift
-                    out = F[at(c, r)] + scales[r] * val
-                    T.buffer_store(F, out if zeros is None else out - zeros[r] * xs, [at(c, r)])
+                    val = tirx.Cast(f"float32x{L}", total) * xd
+                    if not fold:
+                        out = F[at(c, r)] + scales[r] * val - coefs[r] * xs
+                    else:
+                        out = F[at(c, r)] + scales[r] * (val + shift)
+                        out = out if zeros is None else out - zeros[r] * xs
+                    T.buffer_store(F, out, [at(c, r)])
 
         groups = self.k // wg
         if not sg:
