@@ -141,8 +141,9 @@ class _DotGemm:
     def emit_unpack(self, P) -> None:
         """The part's codes into P ``[K/4, rows]`` uint32: lane = row, byte j = code of activation 4·kk + j. In a
         chunk of P planes a row's plane bytes of a step are one P-byte word (rows in order, ``Planes``); the bits of
-        activation 8·step + j are bit j of each byte: for four planes ``((w >> j) & 0x01010101)·0x01020408`` holds
-        them in bits 24-27, for two ``t | t >> 7`` of ``t = (w >> j) & 0x0101`` in bits 0-1."""
+        activation 8·step + j are bit j of each byte. Four planes: the nibble of four activations in each plane byte,
+        a 4 × 4 bit matrix (byte = plane, bit = activation), transposed by two masked swaps (``transposed``); two
+        planes: ``t | t >> 7`` of ``t = (w >> j) & 0x0101`` in bits 0-1; one: ``(w >> j) & 1``."""
         from tvm import tirx
         from tvm.script.ir_builder import tirx as T
 
@@ -150,6 +151,13 @@ class _DotGemm:
 
         def u32(value):
             return tirx.Broadcast(tirx.IntImm("uint32", value), rows)
+
+        def transposed(v):
+            # bit 8k + j → bit 8j + k (k, j < 4): the 2 × 2 blocks swapped (delta 14), then the bits in each (7)
+            for mask, delta in ((0x00000C0C, 14), (0x000A000A, 7)):
+                t = T.bind((v ^ (v >> u32(delta))) & u32(mask))
+                v = v ^ t ^ (t << u32(delta))
+            return v
 
         with T.serial(0, self.steps) as s:
             step = (self.blk * self.steps + s) * self.row_bytes  # the block's step, in bytes
@@ -163,18 +171,18 @@ class _DotGemm:
                     words.append((first, planes, tirx.Cast(f"uint32x{rows}", buf[vec(at // planes, rows)])))
             for half in (0, 1):
                 out = None
-                for j in range(4):
-                    shift = 4 * half + j
-                    for first, planes, word in words:
-                        t = (word >> u32(shift)) & u32({4: 0x01010101, 2: 0x0101, 1: 1}[planes])
-                        if planes == 4:  # the code's bits in 24-27
-                            t = t * u32(0x01020408)
-                            t = (t >> u32(24 - 8 * j) if j < 3 else t) & u32(0xF << (8 * j))
-                        else:
+                for first, planes, word in words:
+                    if planes == 4:
+                        t = [transposed((word >> u32(4 * half)) & u32(0x0F0F0F0F)) << u32(first)]
+                    else:
+                        t = []
+                        for j in range(4):
+                            b = (word >> u32(4 * half + j)) & u32(0x0101 if planes == 2 else 1)
                             if planes == 2:
-                                t = (t | (t >> u32(7))) & u32(3)
-                            t = t << u32(8 * j + first)
-                        out = t if out is None else out | t
+                                b = (b | (b >> u32(7))) & u32(3)
+                            t.append(b << u32(8 * j + first))
+                    for b in t:
+                        out = b if out is None else out | b
                 T.buffer_store(P, out, [vec((2 * s + half) * rows, rows)])
 
     def sum_span(self) -> int:
