@@ -523,8 +523,13 @@ def test_gguf_quantized_types_import_exactly_or_at_8_bits(tmp_path, kind):
     # a Q8_0 file of these shapes, imported exactly, is at 1.2 % here: the int8 tables' rounding, which this tiny
     # random model amplifies; MXFP4 at 8 bits adds little. A codebook's table holds one activation's products with
     # levels up to ±127, rounded at a step of the lut group's largest |x|: twice the noise (docs/decisions.md,
-    # "Codebook tables")
-    assert err <= (0.03 if kind.startswith("IQ") else 0.02)
+    # "Codebook tables"). Where a prompt's rows take dot products, a K-quant's activations are rounded to int8 a
+    # super group of 256, as llama.cpp's Q8_K rounds them for these types: about 1.4x the error of blocks of 32
+    # (Q3_K and Q6_K 1.44-1.48 % → 2.00-2.02 % here)
+    from tmac.models.run.decode import multiplies
+
+    coarse = multiplies(model) and any(m.spec.super_groups for m in linears)
+    assert err <= (0.03 if kind.startswith("IQ") else 0.025 if coarse else 0.02)
     requantized = tmac.load_model(path, bits=3, group_size=32)  # the head stays the file's own
     assert requantized.layers[0].attention.wqkv.format.bits == 3
     assert all(torch.equal(getattr(requantized.output, n), getattr(model.output, n)) for n in ("qweight", "scales"))
@@ -588,27 +593,28 @@ def test_llama_cpp_mixes_load_and_match_the_dequantized_file(tmp_path, mix, tied
     print(f"{mix} ({'tied' if tied else 'untied'}): logits rel L2 vs transformers on the dequantized file {err:.5f}")
     # the pure types' bound (the int8 tables' rounding, amplified by this tiny random model), with room for a head of
     # another type (untied Q4_K_M: 2.9 %); where a prompt's rows take dot products (x86), activations rounded to int8
-    # a block of 32 as llama.cpp rounds them: 1.0-4.3 % on these files, where lookups give 0.9-2.9 % (2026-12-03)
+    # as llama.cpp rounds them, a block of 32 (a K-quant's super group of 256): 1.1-4.7 % on these files, where
+    # lookups give 0.9-2.9 % (2026-12-04)
     from tmac.models.run.decode import multiplies
 
-    assert err <= (0.045 if multiplies(model) else 0.035)
-    # generation (the prompt through the prefill plan, then the decode plan) gives the greedy continuation of the
-    # one-row plan fed token by token, whose logits stay within the plans' usual distance of the eager forward's
-    # (their rounding orders differ: this tiny random model's top logits lie closer than that, so greedy tokens
-    # against the eager forward's would be a coin toss)
+    assert err <= (0.05 if multiplies(model) else 0.035)
+    # generation gives the greedy continuation of the prompt through the prefill plan, then the one-row decode plan
+    # fed token by token, whose logits stay within the plans' usual distance of the eager forward's (their rounding
+    # orders differ, and a prompt's dot products round otherwise than a decode step's lookups: this tiny random
+    # model's top logits lie closer than that, so greedy tokens against another path's would be a coin toss)
     from tmac.models.run.decode import Plans
     from tmac.models.run.sequence import Sequence
 
-    one, sequence, context, want = Plans(model).current().decode(1), Sequence(model, adopt=False), list(ids), []
+    plans = Plans(model).current()
+    one, sequence, context, want = plans.decode(1), Sequence(model, adopt=False), list(ids), []
     with torch.inference_mode():
-        for pos, token in enumerate(ids[:-1]):
-            one.step(token, pos, sequence)
+        logits = plans.prefill(len(ids)).prefill(ids, 0, sequence)
         for _ in range(4):
-            logits = one.step(context[-1], len(context) - 1, sequence)
             eager = tmac.Session(model).logits(context)[-1]
             assert float((logits - eager).norm() / eager.norm()) < 0.04
             want.append(int(logits.argmax()))
             context.append(want[-1])
+            logits = one.step(context[-1], len(context) - 1, sequence)
     assert tmac.Session(model).generate(ids, max_new_tokens=4, ignore_eos=True, temperature=0) == want
 
 
