@@ -24,7 +24,7 @@ from tmac.base.reference import QUANT_BLOCK
 from tmac.quant.spec import KernelSpec, packed_shapes
 
 from tmac.codegen.tir import arg, prim_func
-from tmac.codegen.vectors import fold, vec
+from tmac.codegen.vectors import f32, fold, vec
 
 F32 = "float32"
 UNROLLED_UNITS = 4  # a weight group of up to this many integer sums is emitted straight, a longer one as a loop
@@ -41,16 +41,16 @@ def quantize_rows_func(spec: KernelSpec):
         X = arg("x", (n, k))
         XQ, XD = arg("xq", (np_, k), "int8"), arg("xd", (np_, k // qb))
         XS = arg("xs", (np_, k // unit))
-        zero = tirx.FloatImm(F32, 0.0)
+        zero = f32(0.0)
         with T.Assert(n <= np_, "quantize_rows: the buffers have fewer rows than the activations", "ValueError"):
             with T.parallel(0, n) as row:
                 with T.serial(0, k // qb) as b:
                     run = X[row, tirx.Ramp(b * qb, 1, qb)]
                     amax = fold(tirx.abs(run), qb, tirx.max)
-                    inv = tirx.Select(amax > zero, tirx.FloatImm(F32, 127.0) / amax, zero)
+                    inv = tirx.Select(amax > zero, f32(127.0) / amax, zero)
                     q = T.bind(tirx.Cast(f"int8x{qb}", tirx.nearbyint(run * tirx.Broadcast(inv, qb))))
                     T.buffer_store(XQ, q, [row, tirx.Ramp(b * qb, 1, qb)])
-                    d = T.bind(amax / tirx.FloatImm(F32, 127.0))
+                    d = T.bind(amax / f32(127.0))
                     T.buffer_store(XD, d, [row, b])
                     # the Σx terms' sums, of the rounded activations (reference.quantized_sums)
                     for h in range(qb // unit):
@@ -206,7 +206,7 @@ class _DotGemm:
         span = self.sum_span()
         elem, acc_lanes = isa.dot_acc_dtype(self.spec.bits, span).split("x")
         F = T.alloc_buffer((c_ * rows,), F32, scope="global")
-        zero = tirx.FloatImm(F32, 0.0)
+        zero = f32(0.0)
         with T.vectorized(0, c_ * rows) as i:
             T.buffer_store(F, zero, [i])
 
@@ -245,13 +245,13 @@ class _DotGemm:
             fold = isa.vector_registers >= 32
             scales = [T.bind(self.param(self.SF, g, r)) for r in range(r_)]
             zeros = [T.bind(self.param(self.ZF, g, r)) for r in range(r_)] if self.ZF is not None else None
-            offset = self.bcast(tirx.FloatImm(F32, self.offset))
+            offset = self.bcast(f32(self.offset))
             coefs = None if fold else [T.bind(scales[r] * offset if zeros is None else scales[r] * offset + zeros[r])
                                        for r in range(r_)]
             for c in range(c_):
                 xd = self.bcast(self.XD[n0 + c, first // self.qb])
                 xs = T.bind(self.bcast(self.XS[n0 + c, first // unit]))
-                shift = T.bind(xs * self.bcast(tirx.FloatImm(F32, -self.offset))) if fold else None
+                shift = T.bind(xs * self.bcast(f32(-self.offset))) if fold else None
                 for r in range(r_):
                     a = r * c_ + c
                     total = isa.dot_widen(acc[0][a])
@@ -308,7 +308,7 @@ class _DotGemm:
                             total = total + self.isa.dot_scaled(piece[r * c_ + c], mults[r])
                         T.buffer_store(sums, total, [at(c, r)])
             # the Σx term over the super group's groups, as expressions (registers)
-            terms = [self.bcast(tirx.FloatImm(F32, 0.0))] * (r_ * c_)
+            terms = [self.bcast(f32(0.0))] * (r_ * c_)
             for gi in range(sg):
                 g = j * sg + gi
                 coefs = [T.bind(self.param(self.SF if self.ZF is None else self.ZF, g, r)) for r in range(r_)]
@@ -318,7 +318,7 @@ class _DotGemm:
                         terms[r * c_ + c] = T.bind(terms[r * c_ + c] + coefs[r] * xs)
             for r in range(r_):
                 d = T.bind(self.super_param(self.SS, j, r))
-                m = T.bind(d * self.bcast(tirx.FloatImm(F32, self.offset)) if self.ZF is None
+                m = T.bind(d * self.bcast(f32(self.offset)) if self.ZF is None
                            else self.super_param(self.ZS, j, r))
                 for c in range(c_):
                     dx = self.bcast(self.XD[n0 + c, j])
