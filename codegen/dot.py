@@ -45,18 +45,22 @@ def quantize_rows_func(spec: KernelSpec):
         with T.Assert(n <= np_, "quantize_rows: the buffers have fewer rows than the activations", "ValueError"):
             with T.parallel(0, n) as row:
                 with T.serial(0, k // qb) as b:
-                    run = X[row, tirx.Ramp(b * qb, 1, qb)]
-                    amax = fold(tirx.abs(run), qb, tirx.max)
-                    inv = tirx.Select(amax > zero, f32(127.0) / amax, zero)
-                    q = T.bind(tirx.Cast(f"int8x{qb}", tirx.nearbyint(run * tirx.Broadcast(inv, qb))))
-                    T.buffer_store(XQ, q, [row, tirx.Ramp(b * qb, 1, qb)])
+                    # a block in pieces of a sum's activations (a vector of 256 lanes took LLVM seconds to compile)
+                    pieces = [X[row, tirx.Ramp(b * qb + h * unit, 1, unit)] for h in range(qb // unit)]
+                    top = tirx.abs(pieces[0])
+                    for piece in pieces[1:]:
+                        top = tirx.max(top, tirx.abs(piece))
+                    amax = T.bind(fold(top, unit, tirx.max))
+                    inv = T.bind(tirx.Select(amax > zero, f32(127.0) / amax, zero))
                     d = T.bind(amax / f32(127.0))
                     T.buffer_store(XD, d, [row, b])
-                    # the Σx terms' sums, of the rounded activations (reference.quantized_sums)
-                    for h in range(qb // unit):
-                        total = fold(tirx.Cast(f"int32x{unit}", tirx.Shuffle([q], list(range(h * unit,
-                                                                                           (h + 1) * unit)))),
-                                     unit, lambda a, c: a + c)
+                    for h, piece in enumerate(pieces):
+                        q = T.bind(tirx.Cast(f"int8x{unit}", tirx.nearbyint(piece * tirx.Broadcast(inv, unit))))
+                        T.buffer_store(XQ, q, [row, tirx.Ramp(b * qb + h * unit, 1, unit)])
+                        # the Σx terms' sums, of the rounded activations (reference.quantized_sums); LLVM's own
+                        # reduction: the same sum as a fold of shuffles took it seconds to compile
+                        total = tirx.call_llvm_pure_intrin("int32", "llvm.vector.reduce.add",
+                                                           tirx.Cast(f"int32x{unit}", q))
                         T.buffer_store(XS, tirx.Cast(F32, total) * d, [row, b * (qb // unit) + h])
     return ib.get()
 

@@ -283,9 +283,11 @@ def test_compile_for_a_model_gives_every_kernel_it_runs(tmp_path):
         r = tmac("run", "-p", "Hi", "-n", "4", "--json", "--kv-dtype", kv, env=env)
         assert r.returncode == 0 and "compiling" not in r.stderr, r.stderr
         assert len(json.loads(r.stdout)["generated_ids"]) > 0
-    for _ in range(2):  # with the packed copy: written and run from, then mapped
+    for mapped in (False, True):  # with the packed copy: written behind the run, then mapped
         r = tmac("run", "-p", "Hi", "-n", "4", "--json", env={**env, "TMAC_MODEL_CACHE": "1"})
-        assert r.returncode == 0 and "compiling" not in r.stderr and json.loads(r.stdout)["packed_copy"], r.stderr
+        assert r.returncode == 0 and "compiling" not in r.stderr, r.stderr
+        out = json.loads(r.stdout)
+        assert (out["packed_copy"], out["packing_copy"]) == (mapped, not mapped)
     # requantized: every projection at 2 bits, the head still the file's own (Q8_0)
     r = tmac("compile", "--model", smollm2_path(), "--bits", "2", "-o", str(tmp_path / "k2"))
     assert r.returncode == 0, r.stderr

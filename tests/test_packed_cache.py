@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -62,6 +63,66 @@ def test_the_first_load_packs_and_later_loads_map_the_copy(cache, source, monkey
     assert second.packed_copy == first.packed_copy and len(packed) == 1  # mapped, not packed again
     assert greedy(first) == greedy(second) == direct
     assert [e["source"] for e in packed_cache.entries()] == [os.path.realpath(source)]
+
+
+def test_a_run_goes_on_while_its_copy_is_written_behind_it(cache, source, monkeypatch):
+    """``copy_behind`` (``tmac run``, ``tmac serve``): the first load returns with the model packed in memory, its token
+    table held as the copy holds it, and generates while the copy is still being written; the copy, once whole, is
+    the next load's, with the same tokens and the same glue kernel."""
+    from tmac.kernels import best_isa
+    from tmac.models.run.decode import glue_spec
+    from tmac.nn import serialize
+
+    direct = greedy(tmac.load_model(source, context=64, packed_copy=False))
+    release, write = threading.Event(), serialize._write_aligned
+
+    def held_back(*args):
+        assert release.wait(120)
+        return write(*args)
+
+    monkeypatch.setattr(serialize, "_write_aligned", held_back)
+    packed = loads_from_source(monkeypatch)
+    first = tmac.load_model(source, context=64, copy_behind=True)
+    assert first.packed_copy is None and not glob.glob(str(cache / "*.tmac"))
+    assert greedy(first) == direct  # (the copy held back meanwhile)
+    release.set()
+    packed_cache.wait()
+    assert first.packed_copy and os.path.isfile(first.packed_copy) and len(packed) == 1
+    second = tmac.load_model(source, context=64)
+    assert second.packed_copy == first.packed_copy and len(packed) == 1
+    assert greedy(second) == direct
+    spec = [glue_spec(m.config, False, best_isa(), "float16", m.tok_embeddings, held=True) for m in (first, second)]
+    assert spec[0] == spec[1] and type(first.tok_embeddings) is type(second.tok_embeddings)
+
+
+def test_a_load_waits_for_its_own_copy_being_written(cache, source, monkeypatch):
+    """A second load in the process while the first's copy is written maps that copy when whole, not packing again."""
+    from tmac.nn import serialize
+
+    write = serialize._write_aligned
+    started = threading.Event()
+
+    def slow(*args):
+        started.set()
+        return write(*args)
+
+    monkeypatch.setattr(serialize, "_write_aligned", slow)
+    packed = loads_from_source(monkeypatch)
+    first = tmac.load_model(source, context=64, copy_behind=True)
+    assert started.wait(120)
+    second = tmac.load_model(source, context=64)
+    assert len(packed) == 1 and second.packed_copy and second.packed_copy == first.packed_copy
+
+
+def test_a_process_ends_only_after_its_copy_is_whole(tmp_path, source):
+    """The copy's thread is no daemon: a process that loads with ``copy_behind`` and ends at once leaves a whole copy,
+    which maps with the source's tokens."""
+    code = "import sys, tmac; tmac.load_model(sys.argv[1], context=64, copy_behind=True)"
+    env = dict(os.environ, TMAC_CACHE_DIR=str(tmp_path / "root"), TMAC_MODEL_CACHE="1")
+    r = subprocess.run([sys.executable, "-c", code, source], capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr
+    (copy,) = glob.glob(str(tmp_path / "root" / "models" / "*.tmac"))
+    assert greedy(tmac.load_model(copy, context=64)) == greedy(tmac.load_model(source, context=64, packed_copy=False))
 
 
 def test_a_changed_file_another_isa_or_generator_misses(cache, source, monkeypatch):
@@ -128,7 +189,8 @@ def test_a_copy_packed_by_other_code_is_packed_again_once(cache, source, monkeyp
     assert [greedy(model) for model in loads] == [want, want]
 
 
-def test_a_failed_write_leaves_nothing_and_the_run_goes_on(cache, source, monkeypatch):
+@pytest.mark.parametrize("behind", [False, True], ids=["written-first", "written-behind"])
+def test_a_failed_write_leaves_nothing_and_the_run_goes_on(cache, source, monkeypatch, behind):
     from tmac.nn import serialize
 
     def fail(path, tensors, meta):
@@ -138,7 +200,8 @@ def test_a_failed_write_leaves_nothing_and_the_run_goes_on(cache, source, monkey
 
     monkeypatch.setattr(serialize, "_write_aligned", fail)
     with pytest.warns(UserWarning, match="could not keep a packed copy"):
-        model = tmac.load_model(source, context=64)
+        model = tmac.load_model(source, context=64, copy_behind=behind)
+        packed_cache.wait()
     assert model.packed_copy is None and greedy(model)
     assert os.listdir(cache) == [] or all(not n.endswith(".tmac") and not n.startswith(".") for n in os.listdir(cache))
 

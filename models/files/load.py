@@ -54,7 +54,7 @@ def load_model(source: str | os.PathLike | None = None, *, bits: int | None = No
                symmetric: bool = False, head_bits: int | str | None = None, context: int | None = None,
                kv_dtype: str = "float16", isa: str | None = None, kernel_dir: str | None = None,
                progress: bool | None = None, packed_copy: bool = True, mmap: bool = True,
-               compile_ahead: bool = False) -> Transformer:
+               compile_ahead: bool = False, copy_behind: bool = False) -> Transformer:
     """Load a model for generation.
 
     ``source``: a GGUF file, a Hugging Face directory, a ``.tmac`` file, or a Hugging Face repo id (``ORG/NAME``,
@@ -79,6 +79,9 @@ def load_model(source: str | os.PathLike | None = None, *, bits: int | None = No
     by the file being truncated or overwritten in place meanwhile.
     ``compile_ahead``: the kernels a GGUF or Hugging Face model needs and the cache lacks compile in a child process
     while it loads (``tmac.execution.prefetch``; the command line does), not one after another at its first forward.
+    ``copy_behind``: a first load's packed copy is written on a thread while the model runs from memory (the command
+    line does; ``packed_cache.store_behind``): its first token does not wait for the write; ``model.packed_copy`` is
+    set once the copy is whole.
     """
     _check_arguments(bits, head_bits, group_size, context, kv_dtype)  # before the load, not after it
     path = resolve(os.fspath(source)) if source is not None else default_model_path()
@@ -123,7 +126,13 @@ def load_model(source: str | os.PathLike | None = None, *, bits: int | None = No
     finally:
         if ahead is not None:
             ahead.close()
-    copy = packed_cache.store(key, path, model) if key is not None else None
+    if key is None:
+        return model
+    held_as_copied(model)
+    if copy_behind:
+        packed_cache.store_behind(key, path, model)
+        return model
+    copy = packed_cache.store(key, path, model)
     if copy is None:
         return model
     # the run goes on from the copy, as the next ones will: the same kernels (a held token table's glue, not the
@@ -133,6 +142,14 @@ def load_model(source: str | os.PathLike | None = None, *, bits: int | None = No
     model = _mapped(copy, context, kv_dtype, mmap)
     model.source, model.packed_copy = path, copy
     return model
+
+
+def held_as_copied(model: Transformer) -> None:
+    """A token table read from the GGUF's blocks as tokens come (``StreamedEmbedding``) held in memory, as a packed
+    copy holds it: a run from the packed model then computes and compiles as a run from its copy does, and the
+    source's mapping is let go."""
+    if isinstance(model.tok_embeddings, StreamedEmbedding):
+        model.tok_embeddings = model.tok_embeddings.held()
 
 
 def _mapped(path: str, context: int | None, kv_dtype: str, mmap: bool = True) -> Transformer:

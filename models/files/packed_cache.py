@@ -8,6 +8,9 @@ copy; a copy that must still be repacked as it loads (packed by other code under
 atomically (a temporary file renamed: a reader mapping the old one keeps it), are checked as any ``.tmac`` file is
 when loaded (a damaged one is removed and rebuilt from the source), and are bounded in total size
 (``TMAC_MODEL_CACHE_GB``, default 20): the least recently used go first. ``TMAC_MODEL_CACHE=0`` turns it off.
+
+A run that writes a copy can go on meanwhile (``store_behind``: the command line does): the copy is written on a
+thread from the packed model the run computes with, and the process ends only after it is whole.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 import time
 import warnings
 
@@ -22,6 +26,8 @@ from tmac.base import files
 
 SAMPLE = 64 << 10  # bytes hashed at each end of a source file
 DEFAULT_GB = 20.0
+_WRITING: dict[str, threading.Thread] = {}  # copies being written behind a run, by key
+BEHIND_NICE = 10
 
 
 def enabled() -> bool:
@@ -91,6 +97,7 @@ def lookup(path: str, options: dict) -> tuple[str, str | None]:
     """The key of ``path``'s copy loaded with ``options`` (bits, group size, head bits) and the copy's path where
     one exists."""
     key = key_of({**identity(path), "options": options}, layout())
+    wait(key)  # (this process's own copy of it, still being written)
     copy = os.path.join(directory(), key + ".tmac")
     return key, copy if os.path.isfile(copy) else None
 
@@ -111,7 +118,7 @@ def store(key: str, source: str, model) -> str | None:
     where = directory()
     try:
         os.makedirs(where, mode=0o700, exist_ok=True)
-        need = sum(t.numel() * t.element_size() for t in model.state_dict().values() if hasattr(t, "numel"))
+        need = _tensor_bytes(model)
         if need > limit_bytes():
             return None
         evict(limit_bytes() - need, keep=key)
@@ -127,6 +134,47 @@ def store(key: str, source: str, model) -> str | None:
                       stacklevel=4)
         remove(key)
         return None
+
+
+def store_behind(key: str, source: str, model) -> None:
+    """``store`` on a thread of its own while ``model`` runs (its weights are only read meanwhile): a first run's
+    tokens do not wait for the copy's write. ``model.packed_copy`` is set once the copy is whole; the thread is not a
+    daemon, so the process ends only after it (an interrupted write leaves a temporary that the next write removes).
+    """
+    def write():
+        try:  # the run's own threads first (Linux: a thread's nice value is its own)
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BEHIND_NICE)
+        except (AttributeError, OSError):
+            pass
+        copy = store(key, source, model)
+        if copy is not None:
+            model.packed_copy = copy
+
+    wait(key)
+    thread = _WRITING[key] = threading.Thread(target=write, name="tmac packed copy")
+    thread.start()
+
+
+def writing() -> bool:
+    """Whether this process is writing a copy behind a run."""
+    return any(thread.is_alive() for thread in _WRITING.values())
+
+
+def wait(key: str | None = None) -> None:
+    """Until the copies this process writes behind its runs (the one of ``key``, or all) are whole or given up."""
+    for k, thread in list(_WRITING.items()):
+        if key is None or k == key:
+            thread.join()
+            if _WRITING.get(k) is thread:
+                del _WRITING[k]
+
+
+def _tensor_bytes(model) -> int:
+    """The bytes of ``model``'s tensors, each storage once (a state dict would checksum every packed layer)."""
+    seen = {}
+    for t in (*model.parameters(), *model.buffers()):
+        seen[(t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())] = t.numel() * t.element_size()
+    return sum(seen.values())
 
 
 def _write_json(path: str, value) -> None:

@@ -159,8 +159,9 @@ def sampling_params(args):
     return SamplingParams(**given)
 
 
-def load_for_generation(source, **options):
-    """``tmac.load_model(source, **options)`` as the command line loads: torch on one thread meanwhile (the
+def load_for_generation(source, copy_behind: bool = False, **options):
+    """``tmac.load_model(source, **options)`` as the command line loads (``copy_behind``: a first run's packed copy
+    written while it generates, as ``tmac run`` and ``tmac serve`` do): torch on one thread meanwhile (the
     loader's work is numpy's and the kernel pool's; torch's own workers would only take memory), then on one for a
     model with LUT layers and on as many as the kernels for a float one (``tmac.apps.process``: the command line owns
     its process)."""
@@ -173,7 +174,7 @@ def load_for_generation(source, **options):
     torch.set_num_threads(1)
     model = None
     try:
-        model = tmac.load_model(source, compile_ahead=True, **options)
+        model = tmac.load_model(source, compile_ahead=True, copy_behind=copy_behind, **options)
     finally:
         own_torch_threads(model, otherwise=tmac.get_num_threads())
     freeze_what_loading_made()
@@ -196,16 +197,18 @@ def _load(args):
 
     import tmac
     from tmac.models.run import generate  # noqa: F401
-    from tmac.models.files import load  # noqa: F401
+    from tmac.models.files import load, packed_cache  # noqa: F401
     from tmac.base.timing import process_seconds
 
     if args.threads is not None:
         tmac.set_num_threads(args.threads)  # (at most the CPUs this process may use)
     args.import_s = process_seconds()  # since the process started: the interpreter, tmac, numpy, torch
     t0 = time.perf_counter()
-    model = load_for_generation(args.model, bits=args.bits, group_size=args.group_size, head_bits=args.head_bits,
-                                context=args.context, kv_dtype=args.kv_dtype, mmap=getattr(args, "mmap", True))
+    model = load_for_generation(args.model, copy_behind=True, bits=args.bits, group_size=args.group_size,
+                                head_bits=args.head_bits, context=args.context, kv_dtype=args.kv_dtype,
+                                mmap=getattr(args, "mmap", True))
     args.packed_copy = model.packed_copy
+    args.packing_copy = packed_cache.writing()  # (a first run's, written behind it for the next)
     load_s = time.perf_counter() - t0
     if model.tokenizer is None:
         raise ValueError(f"{model.source}: the model has no tokenizer (tokenizer.json), so it cannot take text")
@@ -337,7 +340,8 @@ def _stats(session, load_s: float, args=None, first_token_s: float | None = None
            "stop_reason": s["stop_reason"]}
     if args is not None:
         out.update(import_s=getattr(args, "import_s", 0.0), first_token_s=first_token_s,
-                   packed_copy=bool(getattr(args, "packed_copy", False)))
+                   packed_copy=bool(getattr(args, "packed_copy", False)),
+                   packing_copy=bool(getattr(args, "packing_copy", False)))
     return out
 
 
@@ -346,8 +350,10 @@ def _stats_line(st: dict) -> str:
             f"{st['prompt_tokens_per_s']:.1f} tok/s | generated: {st['generated_tokens']} tokens at "
             f"{st['gen_tokens_per_s']:.1f} tok/s | ")
     if st.get("first_token_s") is not None:
-        line += (f"start-up: import {st['import_s']:.2f} s, load {st['load_s']:.2f} s"
-                 f"{' (packed copy)' if st.get('packed_copy') else ''}, kernels {st['setup_s']:.2f} s, first token at "
+        copy = " (packed copy)" if st.get("packed_copy") else " (packing a copy meanwhile)" if st.get("packing_copy") \
+            else ""
+        line += (f"start-up: import {st['import_s']:.2f} s, load {st['load_s']:.2f} s{copy}, kernels "
+                 f"{st['setup_s']:.2f} s, first token at "
                  f"{st['first_token_s']:.2f} s | ")
     else:
         line += f"load {st['load_s']:.2f} s, setup {st['setup_s']:.2f} s | "

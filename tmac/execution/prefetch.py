@@ -7,7 +7,9 @@ process compiles those the cache lacks into the cache, each under the per-kernel
 The load goes on meanwhile; the first forward finds them cached, waits on the lock of the one being compiled, or
 compiles one the child has not reached yet itself (then the child finds it cached and goes on).
 
-The child is ``python -m tmac.execution.compile_ahead`` (one kernel spec as JSON a line on its standard input).
+The children are ``python -m tmac.execution.compile_ahead`` (one kernel spec as JSON a line on its standard input), one
+a CPU this process may use, up to ``MAX_CHILDREN``, started as kernels are named and given them in turn: the compiler
+holds its process's GIL for much of its work, so kernels compile side by side only in processes of their own.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import time
 from tmac.base.glue import GlueSpec
 
 _RUNNING: list["CompileAhead"] = []  # this process's children, for ``wait_for``
+MAX_CHILDREN = 4  # (each imports TVM's compiler: a few hundred MiB)
 
 
 def wait_for(name: str) -> None:
@@ -30,23 +33,28 @@ def wait_for(name: str) -> None:
     from tmac.quant.cache import cache_dir
 
     for ahead in _RUNNING:
-        if name not in ahead.given:
+        child = ahead.given.get(name)
+        if child is None:
             continue
         so, meta = os.path.join(cache_dir(), name + ".so"), os.path.join(cache_dir(), name + ".json")
-        while ahead.child.poll() is None and not (os.path.exists(so) and os.path.exists(meta)):
+        while child.poll() is None and not (os.path.exists(so) and os.path.exists(meta)):
             time.sleep(0.02)
 
 
 class CompileAhead:
-    """The child process, started with the first kernel the cache lacks; ``close`` says there are no more."""
+    """The child processes, started as the kernels the cache lacks are named; ``close`` says there are no more."""
 
     def __init__(self, kernel_dir: str | None = None, held: bool = False):
-        """``held``: the run goes on from a packed copy, whose token table another glue kernel reads."""
+        """``held``: the run goes on with its token table as a packed copy holds it, whose lookup another glue
+        kernel does."""
+        from tmac.base.cpu import usable_cpus
+
         self.enabled = not (kernel_dir or os.environ.get("TMAC_KERNEL_DIR"))  # (a directory has them, or not)
         self.held = held
-        self.child: subprocess.Popen | None = None
+        self.most = max(1, min(MAX_CHILDREN, usable_cpus()))
+        self.children: list[subprocess.Popen] = []
         self.named: set[str] = set()
-        self.given: set[str] = set()
+        self.given: dict[str, subprocess.Popen] = {}  # kernel name → the child compiling it
 
     def want(self, spec) -> None:
         """Compile ``spec`` (a ``KernelSpec`` or ``GlueSpec``) ahead if the cache lacks it."""
@@ -59,24 +67,29 @@ class CompileAhead:
         if cached_library(cache_dir(), spec, isa_by_name(spec.isa)):
             return
         try:
-            if self.child is None:
-                self.child = subprocess.Popen([sys.executable, "-m", "tmac.execution.compile_ahead"], stdin=subprocess.PIPE,
-                                              text=True)
-                atexit.register(_stop, self.child)
-                _RUNNING.append(self)
+            turn = len(self.given) % self.most
+            if turn == len(self.children):
+                child = subprocess.Popen([sys.executable, "-m", "tmac.execution.compile_ahead"], stdin=subprocess.PIPE,
+                                         text=True)
+                atexit.register(_stop, child)
+                self.children.append(child)
+                if self not in _RUNNING:
+                    _RUNNING.append(self)
+            child = self.children[turn]
             kind = "glue" if isinstance(spec, GlueSpec) else "lut"
-            self.child.stdin.write(json.dumps({"kind": kind, "spec": _fields(spec)}) + "\n")
-            self.child.stdin.flush()
-            self.given.add(spec.name)
+            child.stdin.write(json.dumps({"kind": kind, "spec": _fields(spec)}) + "\n")
+            child.stdin.flush()
+            self.given[spec.name] = child
         except OSError:  # no child (no processes left, a closed pipe): the kernels compile on first use
             self.enabled = False
 
     def close(self) -> None:
-        if self.child is not None and not self.child.stdin.closed:
-            try:
-                self.child.stdin.close()
-            except OSError:
-                pass
+        for child in self.children:
+            if not child.stdin.closed:
+                try:
+                    child.stdin.close()
+                except OSError:
+                    pass
 
 
 def _fields(spec) -> dict:

@@ -196,6 +196,13 @@ class StreamedEmbedding(Embedding):
     def blocks_type(self) -> str:
         return self._stream.type_name
 
+    def held(self) -> Embedding:
+        """The same table with its codes in memory (what a checkpoint of it loads as)."""
+        table = Embedding.__new__(Embedding)
+        nn.Module.__init__(table)
+        table._set(self.format, (self.num_embeddings, self.embedding_dim), self.codes, self.scales, self.zeros)
+        return table
+
     def _rows(self, rows: torch.Tensor) -> torch.Tensor:
         codes = np.concatenate([self._stream[r:r + 1] for r in rows.tolist()]) if len(rows) else \
             np.empty((0, self.embedding_dim), np.uint8)
