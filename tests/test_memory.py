@@ -25,6 +25,16 @@ def test_huge_page_empty_is_aligned_and_advised(monkeypatch):
     z = memory.huge_page_full((3, 5, 7), 0, torch.float16)
     assert z.shape == (3, 5, 7) and z.dtype == torch.float16 and not z.any()
     assert torch.equal(memory.huge_page_full((4, 3), 1.5, torch.float32), torch.full((4, 3), 1.5))
+    assert torch.signbit(memory.huge_page_full((4, 3), -0.0, torch.float32)).all()  # (a zero's bits are not all 0)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fresh anonymous mappings read as zeros on Linux")
+def test_a_zero_filled_cache_takes_no_memory_until_written():
+    """A KV cache starts as zeros without touching its pages: a long context costs memory as it fills, not at once."""
+    z = memory.huge_page_full((64, 1 << 20), 0, torch.float16)  # 128 MiB
+    assert smaps_kib(z.data_ptr(), "Rss") == 0 and not z[::7, ::4099].any()
+    z[5, :1000] = 1
+    assert 0 < smaps_kib(z.data_ptr(), "Rss") <= 8 << 10 and int(z.count_nonzero()) == 1000
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="transparent huge pages are a Linux feature")

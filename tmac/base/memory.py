@@ -157,7 +157,10 @@ def huge_page_full(shape, value, dtype) -> torch.Tensor:
     import torch
 
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return huge_page_empty(math.prod(shape) * itemsize).view(dtype).view(shape).fill_(value)
+    t = huge_page_empty(math.prod(shape) * itemsize).view(dtype).view(shape)
+    if value == 0 and math.copysign(1.0, value) > 0 and sys.platform.startswith("linux"):
+        return t  # a fresh anonymous mapping reads as zeros: its pages stay untouched (no time, no RSS) until written
+    return t.fill_(value)
 
 
 def huge_page_copies(tensors, n: int) -> list[tuple]:
