@@ -58,7 +58,9 @@ def main(argv: list[str] | None = None) -> int:
             if not os.path.exists(args.model) and not getattr(args, "shape", None):  # (before torch is imported:
                 # said at once; with --shape the two refuse each other first)
                 raise FileNotFoundError(f"no such model file or directory: {args.model}")
-        return args.func(args) or 0
+        code = args.func(args) or 0
+        _finish_packed_copies()
+        return code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
@@ -72,6 +74,15 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"tmac {args.command}: error: {describe(e)}", file=sys.stderr)
         return 1
+
+
+def _finish_packed_copies() -> None:
+    """A first run's packed copy still being written when the command is done: said, then waited for (the process
+    would wait for it anyway; a person should know why)."""
+    cache = sys.modules.get("tmac.models.files.packed_cache")
+    if cache is not None and cache.writing():
+        print("tmac: finishing the packed copy of the model for the next runs ...", file=sys.stderr, flush=True)
+        cache.wait()
 
 
 def _merge_model_flag(parser, args) -> None:
