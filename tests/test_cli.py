@@ -428,14 +428,17 @@ def test_context_beyond_the_model_warns_and_beyond_memory_is_refused():
 
 @pytest.mark.parametrize("after", [0.3, 2.0])  # (earlier, Python itself is still starting)
 def test_ctrl_c_during_start_up_is_one_line(after):
-    """Whether Ctrl-C comes while the command imports, loads or compiles: "interrupted" and exit 130."""
+    """Whether Ctrl-C comes while the command imports, loads or compiles: "interrupted" and exit 130 (a warm start
+    can be over in two seconds: then it comes while the long answer is generated, which ends with its stats line)."""
     tmac_command = os.path.join(os.path.dirname(sys.executable), "tmac")
-    proc = subprocess.Popen([tmac_command, "run", "-p", "Hi", "-n", "50"], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([tmac_command, "run", "-p", "Hi", "-n", "4000", "--ignore-eos"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     time.sleep(after)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130 and "Traceback" not in err and err.strip().splitlines()[-1] == "interrupted", err
+    last = err.strip().splitlines()[-1]
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    assert last == "interrupted" or (after > 1 and last.startswith("prompt: ") and "generated: " in last), err
 
 
 def test_debug_shows_the_error_a_message_was_made_from(tmp_path):
