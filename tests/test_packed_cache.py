@@ -125,6 +125,42 @@ def test_a_process_ends_only_after_its_copy_is_whole(tmp_path, source):
     assert greedy(tmac.load_model(copy, context=64)) == greedy(tmac.load_model(source, context=64, packed_copy=False))
 
 
+@pytest.mark.slow
+def test_ctrl_c_while_the_copy_is_written_ends_the_run_and_the_next_writes_it(tmp_path, source):
+    """``tmac run`` done, its copy still being written (held back here): Ctrl-C ends the process at once, exit 130,
+    no traceback and no copy; the next run packs it again, removes the temporary the first left, and maps it."""
+    import signal
+    import time
+
+    env = dict(os.environ, TMAC_CACHE_DIR=str(tmp_path / "root"), TMAC_MODEL_CACHE="1")
+    shutil.copytree(os.environ["TMAC_CACHE_DIR"], tmp_path / "root", ignore=shutil.ignore_patterns("*.lock", "models"))
+    held = ("import sys, time\nfrom tmac.nn import serialize\nwrite = serialize._write_aligned\n"
+            "serialize._write_aligned = lambda *a: (time.sleep(300), write(*a))[1]\n"
+            "from tmac.apps.cli import main\nsys.exit(main(sys.argv[1:]))\n")
+    run = ["run", source, "-p", "Hi", "-n", "2", "--temperature", "0", "--json"]
+    proc = subprocess.Popen([sys.executable, "-c", held, *run], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+    seen = []
+    for line in proc.stderr:  # (the command is done and waits for its copy)
+        seen.append(line)
+        if "finishing the packed copy" in line:
+            break
+    assert any("finishing the packed copy" in line for line in seen), "".join(seen)
+    started = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and time.monotonic() - started < 30
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == "interrupted", err
+    assert json.loads(out)["packing_copy"] is True
+    models = tmp_path / "root" / "models"
+    assert not glob.glob(str(models / "*.tmac")) and glob.glob(str(models / ".*"))  # (a temporary, left)
+    for mapped in (False, True):
+        r = subprocess.run([sys.executable, "-m", "tmac.apps.cli", *run], capture_output=True, text=True, timeout=600,
+                           env=env)
+        assert r.returncode == 0 and json.loads(r.stdout)["packed_copy"] is mapped, r.stderr
+    assert len(glob.glob(str(models / "*.tmac"))) == 1 and not glob.glob(str(models / ".*"))
+
+
 def test_a_changed_file_another_isa_or_generator_misses(cache, source, monkeypatch):
     packed = loads_from_source(monkeypatch)
     tmac.load_model(source, context=64)

@@ -63,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         return code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
+        _abandon_packed_copies()
         return 130
     except BrokenPipeError:  # the reader of our output left (| head): quietly, as other tools do
         devnull = os.open(os.devnull, os.O_WRONLY)
@@ -83,6 +84,20 @@ def _finish_packed_copies() -> None:
     if cache is not None and cache.writing():
         print("tmac: finishing the packed copy of the model for the next runs ...", file=sys.stderr, flush=True)
         cache.wait()
+
+
+def _abandon_packed_copies() -> None:
+    """Interrupted while a packed copy is written: the process ends now, not after the copy (its temporary file is
+    removed by the next run that writes one; the interpreter would otherwise wait for the thread, and a second
+    Ctrl-C there ends in a traceback)."""
+    cache = sys.modules.get("tmac.models.files.packed_cache")
+    if cache is not None and cache.writing():
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(130)
 
 
 def _merge_model_flag(parser, args) -> None:
