@@ -1,6 +1,9 @@
 """tmac.base.memory: packed weights and the KV cache in one huge-page arena — same results, aligned, really huge."""
+import gc
 import sys
+import threading
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -74,16 +77,62 @@ def test_loaded_models_and_quantize_model_use_the_arena():
     model = tmac.load_model(smollm2_path(), context=64, progress=False)
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert len(linears) >= 4 * model.config.n_layers
-    # one arena, but for a tensor of IN_PLACE_BYTES and more: made in huge pages of its own (the head's weights)
-    large = [t for m in linears for t in (m.qweight, m.scales) if t.nbytes >= memory.IN_PLACE_BYTES]
-    storages = {t.untyped_storage().data_ptr() for m in linears for t in (m.qweight, m.scales)
-                if t.nbytes < memory.IN_PLACE_BYTES}
-    assert len(storages) == 1 and [t.data_ptr() for t in large] == [model.output.qweight.data_ptr()]
-    assert all(t.data_ptr() % memory.HUGE_PAGE == 0 for t in large)
+    tensors = [t for m in linears for t in (m.qweight, m.scales) if t is not None]
+    # packed where they stay (a PackingArena), never copied into one afterwards
+    assert all(memory._in_packing_arena(t) and t.data_ptr() % memory.ALIGN == 0 for t in tensors)
+    for layer in model.layers:  # a layer is built by one thread: its tensors lie together, in the order it reads them
+        mine = [p for m in layer.modules() if isinstance(m, Linear) for p in (m.qweight, m.scales)]
+        if len({t.untyped_storage().data_ptr() for t in mine}) == 1:
+            assert [t.data_ptr() for t in mine] == sorted(t.data_ptr() for t in mine)
     assert model.cache_k.data_ptr() % memory.HUGE_PAGE == 0 and model.cache_v.data_ptr() % memory.HUGE_PAGE == 0
     small = tmac.quantize_model(nn.Sequential(nn.Linear(256, 128), nn.Linear(128, 64)), bits=3, skip=None,
                                 progress=False)
     assert small[0].qweight.untyped_storage().data_ptr() == small[1].qweight.untyped_storage().data_ptr()
+
+
+def test_a_packing_arena_gives_each_thread_its_own_run_of_aligned_memory():
+    arena = memory.PackingArena()
+    sizes = [100, 4096, 1, 3 << 20]
+    taken = {"a": [], "b": []}
+    both = threading.Barrier(2)
+
+    def take(arena, views):
+        both.wait()  # two threads at once
+        views.extend(arena.empty(n) for n in sizes)
+
+    threads = [threading.Thread(target=take, args=(arena, views)) for views in taken.values()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for views in taken.values():
+        starts = [t.data_ptr() for t in views]
+        assert [t.nbytes for t in views] == sizes and all(p % memory.ALIGN == 0 for p in starts)
+        # one after another, each at the first aligned byte after the last
+        assert all(b - a == -(-n // memory.ALIGN) * memory.ALIGN for a, b, n in zip(starts, starts[1:], sizes))
+        assert all(memory._in_packing_arena(t) for t in views)
+    a, b = taken["a"], taken["b"]
+    chunk_a, chunk_b = a[0].untyped_storage().data_ptr(), b[0].untyped_storage().data_ptr()
+    assert chunk_a != chunk_b
+    for t, value in zip(a + b, range(8)):  # disjoint: each keeps what was written to it
+        t.fill_(value)
+    assert [int(t[-1]) for t in a + b] == list(range(8))
+    big = arena.empty(memory.PackingArena.CHUNK + 1)  # larger than a chunk: a chunk of its own
+    assert big.nbytes == memory.PackingArena.CHUNK + 1 and memory._in_packing_arena(big)
+    chunks = len(memory._ARENAS)
+    del a, b, taken, big, arena
+    gc.collect()
+    assert len(memory._ARENAS) < chunks  # a chunk's range is forgotten with its last view
+
+
+def test_packed_empty_makes_arrays_in_the_arena_of_a_loading_model():
+    with memory.packing_into_arena():
+        w = memory.packed_empty((3, 5))
+        s = memory.packed_empty((2, 7), np.float16)
+    assert w.dtype == np.uint8 and s.dtype == np.float16 and s.shape == (2, 7)
+    assert all(memory._in_packing_arena(torch.from_numpy(x)) for x in (w, s))
+    outside = memory.packed_empty((3, 5))
+    assert not memory._in_packing_arena(torch.from_numpy(outside))
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="VmHWM is read from /proc (Linux)")

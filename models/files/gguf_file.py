@@ -143,6 +143,26 @@ class GGUFFile:
         except UnicodeDecodeError:
             raise self._error(field, "not valid UTF-8") from None
 
+    def _strings(self, n: int, key: str) -> list[str]:
+        """``n`` strings in a row (a vocabulary, its merges: 100k and more): ``_string``'s checks in one loop."""
+        buf, pos, end, out = self._buf, self._pos, len(self._buf), []
+        length = struct.Struct("<Q").unpack_from
+        for i in range(n):
+            if pos + 8 > end:
+                self._pos = pos
+                self._take(8, f"{key}[{i}] length")  # (raises, naming the entry)
+            size = length(buf, pos)[0]
+            if pos + 8 + size > end:
+                self._pos = pos + 8
+                self._take(size, f"{key}[{i}]")
+            try:
+                out.append(str(buf[pos + 8:pos + 8 + size], "utf-8"))
+            except UnicodeDecodeError:
+                raise self._error(f"{key}[{i}]", "not valid UTF-8") from None
+            pos += 8 + size
+        self._pos = pos
+        return out
+
     def _value(self, vtype: int, key: str):
         if vtype in SCALARS:
             return self._scalar(vtype, key)
@@ -162,7 +182,7 @@ class GGUFFile:
             if n > MAX_STRINGS:  # (a vocabulary, the largest string array a model has: refused before it is read)
                 raise self._error(key, f"{n} strings; tmac reads at most {MAX_STRINGS} (a vocabulary of "
                                        f"{MAX_STRINGS} tokens, or as many merges)")
-            return [self._string(f"{key}[{i}]") for i in range(n)]
+            return self._strings(n, key)
         raise self._error(key, f"arrays of type {etype} are not supported")
 
     def _tensor(self, name: str, ne: list[int], ggml_type: int, start: int) -> GGUFTensor:

@@ -23,7 +23,7 @@ from tmac.base.formats import BITS, Q8_0_LAYOUT, check_bits, check_group_size, d
 from tmac.base.glue import check_kv_dtype
 from tmac.nn.linear import Linear
 from tmac.nn.linear import gather_packed
-from tmac.base.memory import release_freed_memory
+from tmac.base.memory import packing_into_arena, release_freed_memory
 from tmac.base.progress import Progress
 from tmac.quant.quantize import quantize_weight
 from tmac.base.qweight import QuantizedWeight, RowCodes, stack_rows
@@ -177,7 +177,7 @@ def _from_source(path, bits, group_size, symmetric, head_bits, context, kv_dtype
     del table
     model.norm.weight = _param(weight("norm.weight"))
 
-    with Progress(f"loading {os.path.basename(path)}", cfg.n_layers + 1, progress) as bar:
+    with Progress(f"loading {os.path.basename(path)}", cfg.n_layers + 1, progress) as bar, packing_into_arena():
         built = None if ahead is None else (lambda i: _compile_ahead(model, i, ahead, kv_dtype))
         _load_layers(model, weight, src, opts, bar, built)
         head_name = "tok_embeddings.weight" if cfg.tie_embeddings else "output.weight"

@@ -76,7 +76,7 @@ def pack(qw: QuantizedWeight, spec: KernelSpec, factors=None) -> PackedWeight:
         raise ValueError(f"weight (K={k}, bits={fmt.bits}, zeros={fmt.has_zeros}, parameters "
                          f"{fmt.scale_dtype}/{fmt.zero_dtype}) does not match kernel {spec.name}")
     bm, mb = spec.block_rows, spec.blocks(m)
-    weights = packed_empty(packed_shapes(spec, m)[0])  # (a large one in huge pages of its own)
+    weights = packed_empty(packed_shapes(spec, m)[0])
     chunks = chunk_views(weights, spec)
     step = max(1, PACK_WEIGHTS // (bm * k))  # blocks per slice
     for b0 in range(0, mb, step):
@@ -120,8 +120,9 @@ def chunk_views(a: np.ndarray, spec: KernelSpec) -> list[tuple[int, int, np.ndar
 
 
 def chunk_major(a: np.ndarray, spec: KernelSpec) -> np.ndarray:
-    """Block-major ``a [MB, R, X]`` in K-chunk order (``chunk_views``)."""
-    out = np.empty_like(a)
+    """Block-major ``a [MB, R, X]`` in K-chunk order (``chunk_views``), where packed weights are made
+    (``packed_empty``)."""
+    out = packed_empty(a.shape, a.dtype)
     for r0, n, view in chunk_views(out, spec):
         view[...] = a[:, r0:r0 + n]
     return out
