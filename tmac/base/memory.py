@@ -251,9 +251,8 @@ def release_read_pages(t: torch.Tensor) -> None:
 class PackingArena:
     """Huge-page memory that a model's packed tensors are made in as they are packed, each thread's one after
     another in chunks of its own (a loader's thread builds a layer at a time, so a layer's tensors lie together in
-    the order it packs them). What ``gather_into_arena`` would do afterwards, without a second copy: on a first
-    run the copy wrote every small tensor's bytes twice, into fresh pages each time (0.3-0.6 s of a 1B model's
-    load where fresh pages fault at ~1 GB/s, as in VMs). A chunk's unused tail is address space, never touched."""
+    the order it packs them). What ``gather_into_arena`` would do afterwards, without writing every small tensor
+    a second time into fresh pages (docs/decisions.md). A chunk's unused tail is address space, never touched."""
 
     CHUNK = 256 << 20
 
