@@ -470,3 +470,41 @@ def test_a_wrong_option_or_path_is_said_before_torch_or_fastapi_is_imported(args
     r = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=60)
     assert said in r.stderr and r.stdout.split(" ", 1)[1].strip() == "[]", (r.stdout, r.stderr)
     assert r.stdout.split(" ", 1)[0] != "0"
+
+
+GC_STATES = r"""
+import gc, json, sys
+import tmac.apps.process as process
+
+states = []
+real = process.freeze_imports
+
+
+def freeze_imports():
+    states.append([gc.isenabled(), "torch" in sys.modules])
+    real()
+    states.append([gc.isenabled(), gc.get_freeze_count() > 0])
+
+
+process.freeze_imports = freeze_imports
+sys.argv = ["tmac", *sys.argv[1:]]
+from tmac.apps.console import main
+
+code = main()
+print(json.dumps({"code": code, "states": states, "enabled": gc.isenabled()}))
+"""
+
+
+@pytest.mark.parametrize("command", ["run", "info"])
+def test_the_command_line_collects_garbage_once_its_imports_are_done(command):
+    """Garbage collection is off while the command line imports (each full collection walks torch's objects and
+    frees next to nothing), then on for the rest of the process, the imports' objects frozen out of its reach."""
+    args = ["run", smollm2_path(), "-p", "Hi", "-n", "2", "--temperature", "0"] if command == "run" else ["info"]
+    r = subprocess.run([sys.executable, "-c", GC_STATES, *args], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    seen = json.loads(r.stdout.strip().splitlines()[-1])
+    assert seen["code"] == 0 and seen["enabled"] is True
+    before, after = seen["states"]  # once
+    assert before[0] is False and after == [True, True]
+    if command == "run":  # off until torch and the model's modules are imported, on before the model loads
+        assert before[1] is True

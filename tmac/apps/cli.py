@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         warnings.showwarning = _show_warning
     try:
         from tmac.base.memory import one_malloc_arena
-        from tmac.apps.process import prefer_passive_openmp
+        from tmac.apps.process import freeze_imports, prefer_passive_openmp
 
         prefer_passive_openmp()  # (the command line owns its process: tmac.apps.process)
         one_malloc_arena()
@@ -58,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
             if not os.path.exists(args.model) and not getattr(args, "shape", None):  # (before torch is imported:
                 # said at once; with --shape the two refuse each other first)
                 raise FileNotFoundError(f"no such model file or directory: {args.model}")
+        if args.func not in (cli_generate.cmd_run, cli_generate.cmd_chat, cli_generate.cmd_serve):
+            freeze_imports()  # (those three once torch and the model's modules are imported)
         code = args.func(args) or 0
         _finish_packed_copies()
         return code

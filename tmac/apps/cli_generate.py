@@ -199,6 +199,9 @@ def _load(args):
     from tmac.models.run import generate  # noqa: F401
     from tmac.models.files import load, packed_cache  # noqa: F401
     from tmac.base.timing import process_seconds
+    from tmac.apps.process import freeze_imports
+
+    freeze_imports()
 
     if args.threads is not None:
         tmac.set_num_threads(args.threads)  # (at most the CPUs this process may use)
@@ -533,6 +536,9 @@ def cmd_serve(args) -> int:
     except ImportError as e:
         raise ValueError(f"tmac serve needs FastAPI and uvicorn ({e}); pip install fastapi uvicorn") from None
     if args.ray:
+        from tmac.apps.process import freeze_imports
+
+        freeze_imports()  # (the model loads in the replicas)
         return _serve_on_ray(args)
     if (warning := open_bind_warning(args.host, args.api_key)) is not None:
         print(warning, file=sys.stderr)

@@ -1,5 +1,6 @@
 """The ``tmac`` command's entry point: Ctrl-C while the command line is still importing exits quietly (130)."""
 
+import gc
 import signal
 import sys
 
@@ -10,6 +11,7 @@ def _interrupted(signum, frame):
 
 
 def main() -> int:
+    gc.disable()  # until the imports are done: tmac.apps.process.freeze_imports
     signal.signal(signal.SIGINT, _interrupted)  # until the CLI's own handling takes over
     from tmac.apps import cli
 

@@ -40,6 +40,18 @@ def own_torch_threads(model, otherwise: int | None = None) -> None:
         torch.set_num_threads(otherwise)
 
 
+def freeze_imports() -> None:
+    """What the command's imports made (torch's half a million objects, which live as long as the process) moved
+    out of the garbage collector's reach, and collection turned back on: the command line's entry point holds it
+    off until here (``tmac.apps.console``), since each full collection during the imports and a model's load walks
+    them all and frees next to nothing (their garbage: ~7000 small objects, kept). Once per process; harmless
+    where collection was never off."""
+    import gc
+
+    gc.freeze()
+    gc.enable()
+
+
 def freeze_what_loading_made() -> None:
     """The objects alive after a load (torch's, the model's, the server's modules) moved out of the garbage
     collector's reach: they live as long as the process, and walking them again costs each full collection while
