@@ -42,7 +42,7 @@ print(json.dumps({"import_s": imported, "load_s": loaded - imported, "first_toke
 
 def tmac_run(model: str, cache: str, threads: int, env_extra=None) -> dict:
     env = dict(os.environ, TMAC_CACHE_DIR=cache, **(env_extra or {}))
-    r = subprocess.run([sys.executable, "-m", "tmac.apps.cli", "run", model, "-p", PROMPT, "-n", "16", "--temperature",
+    r = subprocess.run([sys.executable, "-m", "tmac", "run", model, "-p", PROMPT, "-n", "16", "--temperature",
                         "0", "--json", "--threads", str(threads)], capture_output=True, text=True, env=env)
     if r.returncode:
         raise SystemExit(f"tmac run failed:\n{r.stderr[-2000:]}")
