@@ -133,6 +133,15 @@ def test_packed_empty_makes_arrays_in_the_arena_of_a_loading_model():
     assert all(memory._in_packing_arena(torch.from_numpy(x)) for x in (w, s))
     outside = memory.packed_empty((3, 5))
     assert not memory._in_packing_arena(torch.from_numpy(outside))
+    # loads at once share one arena, whichever ends first; the last one out lets it go
+    first, second = memory.packing_into_arena(), memory.packing_into_arena()
+    first.__enter__()
+    second.__enter__()
+    shared = memory._PACKING
+    first.__exit__(None, None, None)
+    assert memory._PACKING is shared and memory._in_packing_arena(torch.from_numpy(memory.packed_empty((8,))))
+    second.__exit__(None, None, None)
+    assert memory._PACKING is None
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="VmHWM is read from /proc (Linux)")

@@ -276,17 +276,25 @@ class PackingArena:
 
 _ARENAS: dict[object, tuple[int, int]] = {}  # (start, end) of each live ``PackingArena`` chunk
 _PACKING: PackingArena | None = None  # where ``packed_empty`` makes tensors while a model loads
+_LOADING = [0, threading.Lock()]  # loads inside ``packing_into_arena`` now; guards it and ``_PACKING``
 
 
 @contextlib.contextmanager
 def packing_into_arena():
-    """``packed_empty`` makes its arrays in one ``PackingArena`` (from any thread) until the block ends."""
+    """``packed_empty`` makes its arrays in one ``PackingArena`` (from any thread) until the block ends. Loads at
+    the same time (a server's threads) share it, each thread in chunks of its own; the last one out lets it go."""
     global _PACKING
-    before, _PACKING = _PACKING, PackingArena()
+    with _LOADING[1]:
+        if not _LOADING[0]:
+            _PACKING = PackingArena()
+        _LOADING[0] += 1
     try:
         yield
     finally:
-        _PACKING = before
+        with _LOADING[1]:
+            _LOADING[0] -= 1
+            if not _LOADING[0]:
+                _PACKING = None
 
 
 def packed_empty(shape: tuple[int, ...], dtype="uint8") -> np.ndarray:
