@@ -81,7 +81,10 @@ class _DotGemm:
         self.sg = spec.super_groups
         if self.sg and self.unit != self.wg:
             raise ValueError(f"{spec.name}: a super group's weight groups must be one integer sum each")
-        self.offset = float(code_offset(spec.bits))
+        # codes less their offset, where the ISA multiplies signed bytes and the format has no zeros (whose
+        # K-quant form d·a·q − dmin·b takes the codes as stored): no offset term in the epilogue
+        self.signed = isa.dot_signed_codes and not spec.has_zeros
+        self.offset = 0.0 if self.signed else float(code_offset(spec.bits))
 
     def declare(self):
         from tvm.script.ir_builder import tirx as T
@@ -113,6 +116,18 @@ class _DotGemm:
                                                                      align=1) for b in (S, Z))
 
     # ---- values ---------------------------------------------------------------------------------------------------
+    def flat_row(self, rows: int, index):
+        """Where row ``index`` of the part's block lies among an array's ``[MB, rows, X]`` rows (steps, weight or super
+        groups) stored in K-chunk order (``tmac.execution.packing.chunk_views``): chunk c's rows of every block
+        after the chunks before it, the last chunk possibly shorter."""
+        from tvm import tirx
+
+        per = rows * self.spec.k_chunk // self.spec.k_padded
+        if rows == 1 or per >= rows:
+            return self.blk * rows + index
+        r0 = index // per * per
+        return self.mb * r0 + self.blk * tirx.min(per, rows - r0) + (index - r0)
+
     def param(self, buf, g, r, dtype=F32):
         """``dtype`` x lanes: scale or zero (or multiplier) of weight group g for vector r of the part."""
         from tvm import tirx
@@ -120,11 +135,9 @@ class _DotGemm:
         row = self.first + r * self.lanes
         sg, bm, L = self.sg, self.bm, self.lanes
         if sg:
-            at = ((self.blk * (self.k // self.wg // sg) + g // sg) * (sg + self.fb) + g % sg) * bm + row
-        elif self.s_shape[1] == 1:
-            at = self.blk * bm + row
+            at = self.flat_row(self.s_shape[1], g // sg) * ((sg + self.fb) * bm) + g % sg * bm + row
         else:
-            at = (self.blk * (self.k // self.wg) + g) * bm + row
+            at = self.flat_row(self.s_shape[1], g) * bm + row
         v = buf[vec(at, L)]
         return v if buf.dtype == dtype else tirx.Cast(f"{dtype}x{L}", v)
 
@@ -132,7 +145,7 @@ class _DotGemm:
         from tvm import tirx
 
         sg, bm, L = self.sg, self.bm, self.lanes
-        base = (self.blk * (self.k // self.wg // sg) + j) * (sg + self.fb) + sg
+        base = self.flat_row(self.s_shape[1], j) * (sg + self.fb) + sg
         v = buf[vec(base * bm // self.fb + self.first + r * L, L)]
         return v if buf.dtype == F32 else tirx.Cast(f"float32x{L}", v)
 
@@ -151,7 +164,7 @@ class _DotGemm:
         from tvm import tirx
         from tvm.script.ir_builder import tirx as T
 
-        rows, bm = self.rows, self.bm
+        rows = self.rows
 
         def u32(value):
             return tirx.Broadcast(tirx.IntImm("uint32", value), rows)
@@ -163,8 +176,18 @@ class _DotGemm:
                 v = v ^ t ^ (t << u32(delta))
             return v
 
-        with T.serial(0, self.steps) as s:
-            step = (self.blk * self.steps + s) * self.row_bytes  # the block's step, in bytes
+        for r0, count in self.spec.chunk_ranges(self.steps):  # (K chunks: tmac.execution.packing)
+            self.emit_unpack_steps(P, r0, count, u32, transposed)
+
+    def emit_unpack_steps(self, P, r0: int, count: int, u32, transposed) -> None:
+        """Steps r0 .. r0 + count − 1 of the part (one K chunk) into P."""
+        from tvm import tirx
+        from tvm.script.ir_builder import tirx as T
+
+        rows, bm = self.rows, self.bm
+        with T.serial(0, count) as i:
+            s = r0 + i
+            step = self.flat_row(self.steps, s) * self.row_bytes  # the block's step, in bytes
             words = []
             for first, planes in self.spec.layout.chunks:
                 at = step + bm * first + self.first * planes
@@ -187,6 +210,10 @@ class _DotGemm:
                             t.append(b << u32(8 * j + first))
                     for b in t:
                         out = b if out is None else out | b
+                if self.signed:
+                    lanes = 4 * rows
+                    out = tirx.reinterpret(f"uint32x{rows}", tirx.reinterpret(f"int8x{lanes}", out) - tirx.Broadcast(
+                        tirx.IntImm("int8", code_offset(self.spec.bits)), lanes))
                 T.buffer_store(P, out, [vec((2 * s + half) * rows, rows)])
 
     def sum_span(self) -> int:
@@ -232,9 +259,14 @@ class _DotGemm:
                 # repeated in every accumulator's expression)
                 ws = [T.bind(tirx.reinterpret(f"int8x{self.vl}", P[vec(kk * rows + r * L, L)]))
                       for r in range(r_)]
+                if isa.dot_lane_activations and q % L == 0:  # the next L steps' words of each activation row
+                    words = [T.bind(self.X32[vec((n0 + c) * (self.k // 4) + kk, L)]) for c in range(c_)]
                 for c in range(c_):
-                    xb = tirx.reinterpret(f"int8x{self.vl}",
-                                          tirx.Broadcast(self.X32[(n0 + c) * (self.k // 4) + kk], L))
+                    if isa.dot_lane_activations:
+                        xb = tirx.reinterpret(f"int8x{self.vl}", tirx.Shuffle([words[c]], [q % L] * L))
+                    else:
+                        xb = tirx.reinterpret(f"int8x{self.vl}",
+                                              tirx.Broadcast(self.X32[(n0 + c) * (self.k // 4) + kk], L))
                     for r in range(r_):
                         a = r * c_ + c
                         acc[a] = T.bind(isa.dot(acc[a], ws[r], xb))
@@ -250,22 +282,25 @@ class _DotGemm:
             scales = [T.bind(self.param(self.SF, g, r)) for r in range(r_)]
             zeros = [T.bind(self.param(self.ZF, g, r)) for r in range(r_)] if self.ZF is not None else None
             offset = self.bcast(f32(self.offset))
-            coefs = None if fold else [T.bind(scales[r] * offset if zeros is None else scales[r] * offset + zeros[r])
-                                       for r in range(r_)]
+            term = bool(self.offset) or zeros is not None  # a Σx term at all (not for signed codes without zeros)
+            coefs = None if fold or not term else \
+                [T.bind(scales[r] * offset if zeros is None else scales[r] * offset + zeros[r]) for r in range(r_)]
             for c in range(c_):
                 xd = self.bcast(self.XD[n0 + c, first // self.qb])
-                xs = T.bind(self.bcast(self.XS[n0 + c, first // unit]))
-                shift = T.bind(xs * self.bcast(f32(-self.offset))) if fold else None
+                xs = T.bind(self.bcast(self.XS[n0 + c, first // unit])) if term else None
+                shift = T.bind(xs * self.bcast(f32(-self.offset))) if fold and self.offset else None
                 for r in range(r_):
                     a = r * c_ + c
                     total = isa.dot_widen(acc[0][a])
                     for piece in acc[1:]:
                         total = total + isa.dot_widen(piece[a])
                     val = tirx.Cast(f"float32x{L}", total) * xd
-                    if not fold:
+                    if not term:
+                        out = F[at(c, r)] + scales[r] * val
+                    elif not fold:
                         out = F[at(c, r)] + scales[r] * val - coefs[r] * xs
                     else:
-                        out = F[at(c, r)] + scales[r] * (val + shift)
+                        out = F[at(c, r)] + scales[r] * (val if shift is None else val + shift)
                         out = out if zeros is None else out - zeros[r] * xs
                     T.buffer_store(F, out, [at(c, r)])
 
@@ -311,9 +346,11 @@ class _DotGemm:
                         for piece in acc:
                             total = total + self.isa.dot_scaled(piece[r * c_ + c], mults[r])
                         T.buffer_store(sums, total, [at(c, r)])
-            # the Σx term over the super group's groups, as expressions (registers)
+            # the Σx term over the super group's groups, as expressions (registers); none for signed codes
+            # without zeros
+            term = self.ZF is not None or bool(self.offset)
             terms = [self.bcast(f32(0.0))] * (r_ * c_)
-            for gi in range(sg):
+            for gi in range(sg if term else 0):
                 g = j * sg + gi
                 coefs = [T.bind(self.param(self.SF if self.ZF is None else self.ZF, g, r)) for r in range(r_)]
                 for c in range(c_):
@@ -322,11 +359,12 @@ class _DotGemm:
                         terms[r * c_ + c] = T.bind(terms[r * c_ + c] + coefs[r] * xs)
             for r in range(r_):
                 d = T.bind(self.super_param(self.SS, j, r))
-                m = T.bind(d * self.bcast(f32(self.offset)) if self.ZF is None
-                           else self.super_param(self.ZS, j, r))
+                m = None if not term else T.bind(d * self.bcast(f32(self.offset)) if self.ZF is None
+                                                 else self.super_param(self.ZS, j, r))
                 for c in range(c_):
                     dx = self.bcast(self.XD[n0 + c, j])
-                    total = d * (tirx.Cast(f"float32x{L}", sums[at(c, r)]) * dx) - m * terms[r * c_ + c]
+                    total = d * (tirx.Cast(f"float32x{L}", sums[at(c, r)]) * dx)
+                    total = total if m is None else total - m * terms[r * c_ + c]
                     T.buffer_store(F, F[at(c, r)] + total, [at(c, r)])
 
     def emit(self, name: str) -> None:

@@ -1,5 +1,6 @@
 """arm64: NEON ``tbl`` does the lookups; with the dot-product extension ``sdot`` sums 4 bit planes of a row, and
-``sadalp`` + ``ssra`` the others' byte pairs (2 planes; 4 planes without dotprod) in int16."""
+``sadalp`` + ``ssra`` the others' byte pairs (2 planes; 4 planes without dotprod) in int16. With dotprod a prompt's
+rows multiply instead (``sdot`` on unpacked codes, codegen/dot.py)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,15 @@ class ArmIsa(Isa):
         from tvm import tirx
 
         return tirx.call_llvm_pure_intrin("int8x16", "llvm.aarch64.neon.tbl1", table16, idx)
+
+    def dot(self, acc, w, x):
+        if not self.dotprod:
+            return super().dot(acc, w, x)
+        from tvm import tirx
+
+        # codes of at most 6 bits (``DOT_BITS``), or less their offset (``dot_signed_codes``): ``sdot``'s int8 × int8
+        return tirx.call_llvm_pure_intrin("int32x4", "llvm.aarch64.neon.sdot", acc,
+                                          tirx.reinterpret("int8x16", w), tirx.reinterpret("int8x16", x))
 
     def _pair_sums(self, planes: int, steps: int) -> bool:
         """Whether a lut group of ``steps`` steps sums ``planes``-plane rows as byte pairs in int16 lanes: 2 planes,
@@ -78,5 +88,6 @@ def _target(mattr: list[str]) -> dict:
 
 
 NEON_DOTPROD = ArmIsa("neon_dotprod", "arm64", 16, frozenset({"neon", "dotprod"}),
-                      _target(["+neon", "+dotprod"]), "NEON + dotprod: tbl, sdot, sadalp", dotprod=True)
+                      _target(["+neon", "+dotprod"]), "NEON + dotprod: tbl, sdot, sadalp", dotprod=True,
+                      dot_rows=32, dot_lane_activations=True, dot_signed_codes=True)
 NEON = ArmIsa("neon", "arm64", 16, frozenset({"neon"}), _target(["+neon"]), "NEON: tbl, sadalp, ssra")

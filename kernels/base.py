@@ -26,6 +26,13 @@ class Isa:
     # vectors by four rows on AVX-512 too, whose 32 registers would hold 4 x 4 but spilled the float sums beside them
     # (docs/decisions.md, "Dot products for many rows")
     dot_tile: tuple = (2, 4)
+    # the dot-product GEMM loads an activation row's words of as many steps as a vector has lanes at once and takes
+    # each step's by lane (arm64: ``sdot``'s indexed form), not as a broadcast load a step (``ld1r`` has no offset
+    # addressing: each took an address computation besides)
+    dot_lane_activations: bool = False
+    # ``dot`` multiplies signed bytes (arm64's ``sdot``): codes of formats without zeros are unpacked less their
+    # offset, and their epilogue has no offset term (x86's instructions take unsigned codes)
+    dot_signed_codes: bool = False
 
     @property
     def gemm_accumulators(self) -> int:

@@ -118,6 +118,54 @@ def test_arm64_kernels_under_qemu(harness, tmp_path, rng, isa, bits, zeros, para
     assert rel_l2(y1[0], expected[0]) <= 1e-5
 
 
+@pytest.mark.parametrize("kind", ["Q4_0", "w4g32", "w5g64-sym", "Q4_K", "Q6_K", "Q3_K"])
+def test_arm64_dot_products_under_qemu(harness, tmp_path, rng, kind):
+    """A prompt's dot products on a Cortex-A76 (``sdot``; codes of formats without zeros less their offset): the
+    int8 activations bit for bit the reference's, the GEMM its oracle's, with the weights in NEON's K chunks (a
+    shorter last one), a partial last row block and a partial last tile of activation rows."""
+    import gguf
+
+    from tmac.codegen.build import build_library
+    from tmac.execution.lut_ops import dot_buffers, dot_padded_rows
+    from tmac.models.files.synthetic import k_quant_blocks
+    from tmac.quant.quantize import import_gguf
+
+    m, k, n = 72, 768, 5
+    if kind.endswith("_K"):
+        qw = import_gguf(k_quant_blocks(rng, m, k, kind), kind, (m, k))
+    elif kind == "Q4_0":
+        w = (rng.standard_normal((m, k)) * 0.02).astype(np.float32)
+        qw = import_gguf(gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_0), kind, (m, k))
+    else:
+        bits, group = kind.split("-")[0][1:].split("g")
+        qw = quantize_weight(rng.standard_normal((m, k)).astype(np.float32), bits=int(bits), group_size=int(group),
+                             symmetric=kind.endswith("-sym"))
+    spec = spec_for(qw, ISAS["neon_dotprod"], k_chunk=512 if kind.endswith("_K") else 320)
+    assert spec.dot_products and spec.k_chunk < spec.k_padded
+    lib = str(tmp_path / "kern.so")
+    build_library(spec, ISAS["neon_dotprod"], lib)
+    pw = pack(qw, spec)
+    x = rng.standard_normal((n, k)).astype(np.float32)
+    rows = dot_padded_rows(spec, n)
+    d = str(tmp_path)
+    bufs = [f"{name} {dt} 2 {' '.join(map(str, t.shape))}"
+            for name, dt, t in zip(("xq", "xd", "xs"), ("int8", "float32", "float32"), dot_buffers(spec, rows))]
+    weights = [_write(d, "w", pw.weights), _write(d, "s", pw.scales)] + \
+        ([_write(d, "z", pw.zeros)] if pw.zeros is not None else [])
+    calls = ["quantize_rows 4", _write(d, "x", np.vstack([x, np.zeros((rows - n, k), np.float32)])), *bufs,
+             f"dot_gemm {len(weights) + 4}", *weights, *bufs, f"y float32 2 {n} {m}"]
+    (tmp_path / "calls.txt").write_text("\n".join(calls) + "\n")
+    r = subprocess.run(["qemu-aarch64", "-cpu", "cortex-a76", "-L", "/usr/aarch64-linux-gnu", harness, lib, d],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    block = spec.activation_block
+    want_q, want_d = ref.quantize_activations(x, block)
+    np.testing.assert_array_equal(np.fromfile(os.path.join(d, "xq.out"), np.int8).reshape(rows, k)[:n], want_q)
+    np.testing.assert_array_equal(np.fromfile(os.path.join(d, "xd.out"), np.float32).reshape(rows, -1)[:n], want_d)
+    y = np.fromfile(os.path.join(d, "y.out"), np.float32).reshape(n, m)
+    assert rel_l2(y, ref.dot_matmul(x, qw, block)) <= 1e-5
+
+
 def test_arm64_argument_check_reaches_the_caller(harness, tmp_path):
     from tmac.codegen.build import build_library
 

@@ -9,7 +9,8 @@ import torch
 from conftest import rel_l2, runnable_isas
 from tmac import QuantizedWeight, WeightFormat, quantize_weight
 from tmac.base import reference as ref
-from tmac.execution.lut_ops import DOT_ROWS_ENV, LutWeight, dot_buffers, dot_padded_rows, takes_dot_products
+from tmac.execution.lut_ops import (DOT_ROWS_ENV, LutWeight, dot_buffers, dot_padded_rows, prompt_rows,
+                                    takes_dot_products)
 from tmac.execution.packing import pack
 from tmac.kernels import ISAS
 from tmac.quant.choose import spec_for
@@ -114,6 +115,23 @@ def test_dot_gemm_matches_its_oracle(rng, isa, kind):
 
 
 @pytest.mark.parametrize("isa", DOT_ISAS)
+@pytest.mark.parametrize("kind, k, k_chunk", [("w4g32", 512, 192), ("w4grow", 512, 128), ("w6g16-sym", 512, 192),
+                                              ("Q4_K", 768, 512), ("Q6_K", 768, 256)])
+def test_dot_gemm_reads_weights_stored_in_k_chunks(rng, isa, kind, k, k_chunk):
+    """Weights packed in K chunks (the LUT kernels' order on 16-byte vectors: a chunk's rows of every block, then
+    the next chunk's; a shorter last chunk) give the dot products the oracle's result: the steps, the groups' scales
+    and a K-quant's multipliers and super scales are each found in their chunk."""
+    m, n = 80, 7
+    qw = _weight(rng, kind, m, k)
+    lw = LutWeight(pack(qw, spec_for(qw, ISAS[isa], k_chunk=k_chunk)))
+    assert lw.spec.k_chunk == k_chunk < lw.spec.k_padded and lw.spec.dot_products
+    x = rng.standard_normal((n, k)).astype(np.float32)
+    with prompt_rows():
+        y = lw.matmul(torch.from_numpy(x)).numpy()
+    assert rel_l2(y, ref.dot_matmul(x, qw, lw.spec.activation_block)) <= 1e-5
+
+
+@pytest.mark.parametrize("isa", DOT_ISAS)
 def test_integer_part_is_bit_exact(rng, isa):
     """Activations already int8 with a 127 in every block (scale 1), weight scale 1 and zero −offset: y is the
     integer product of codes and activations, exactly."""
@@ -164,18 +182,20 @@ def test_a_whole_row_group_is_a_loop_not_code_that_grows_with_k(isa):
 
 
 def test_which_specs_have_dot_products():
-    """Bit-plane codes of 3 to 6 bits in one K chunk on an ISA with dot products; not 2-bit codes (two planes'
-    lookups cost no more), 8-bit codes, K chunks, or ISAs without (arm64 and the generic fallback keep table
-    lookups)."""
+    """Bit-plane codes of 3 to 6 bits, in one K chunk or several, on an ISA with dot products (x86, and arm64 with
+    ``sdot``); not 2-bit codes (two planes' lookups cost no more), 8-bit codes, or ISAs without (arm64 without
+    dotprod and the generic fallback keep table lookups)."""
     rng = np.random.default_rng(0)
     w = rng.standard_normal((64, 512)).astype(np.float32)
     qw = quantize_weight(w, bits=4, group_size=32)
     spec = spec_for(qw, ISAS["avx2"])
     assert spec.dot_products and spec.functions[-2:] == ("quantize_rows", "dot_gemm")
-    assert not dataclasses.replace(spec, k_chunk=256).dot_products
+    assert dataclasses.replace(spec, k_chunk=256).dot_products
     assert all(spec_for(quantize_weight(w, bits=b, group_size=32), ISAS["avx2"]).dot_products for b in (3, 5, 6))
-    assert not any(spec_for(quantize_weight(w, bits=b, group_size=32), ISAS["avx2"]).dot_products for b in (2, 8))
-    for other in ("neon_dotprod", "neon", "generic_x86_64"):
+    assert not any(spec_for(quantize_weight(w, bits=b, group_size=32), ISAS[i]).dot_products
+                   for b in (2, 8) for i in ("avx2", "neon_dotprod"))
+    assert spec_for(qw, ISAS["neon_dotprod"]).dot_products
+    for other in ("neon", "generic_x86_64"):
         assert not spec_for(qw, ISAS[other]).dot_products
 
 
