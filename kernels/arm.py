@@ -89,5 +89,5 @@ def _target(mattr: list[str]) -> dict:
 
 NEON_DOTPROD = ArmIsa("neon_dotprod", "arm64", 16, frozenset({"neon", "dotprod"}),
                       _target(["+neon", "+dotprod"]), "NEON + dotprod: tbl, sdot, sadalp", dotprod=True,
-                      dot_rows=32, dot_lane_activations=True, dot_signed_codes=True)
+                      dot_rows=16, dot_lane_activations=True, dot_signed_codes=True)
 NEON = ArmIsa("neon", "arm64", 16, frozenset({"neon"}), _target(["+neon"]), "NEON: tbl, sadalp, ssra")
