@@ -3,8 +3,8 @@ calls in turns (``TMAC_DOT_ROWS`` picks the path), the best of each over ``--rou
 
     python bench/dot_vs_lut.py [--isa avx2] [--rows 16,32,256] [--shape 2048x2048] [--types Q4_K,Q6_K,w4g32]
 
-Types: llama.cpp's K-quants (random blocks, ``k_quant_blocks``), or ``w<bits>g<group>[-sym]`` (``quantize_weight``;
-``-sym``: no zeros, as Q4_0).
+Types: llama.cpp's K-quants and i-quants (random blocks, ``k_quant_blocks``), or ``w<bits>g<group>[-sym]``
+(``quantize_weight``; ``-sym``: no zeros, as Q4_0).
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from tmac.kernels import best_isa
 
 
 def weight(kind: str, m: int, k: int, rng):
-    if kind.endswith("_K"):
+    if kind.endswith("_K") or kind.startswith("IQ"):
         from tmac.models.files.synthetic import k_quant_blocks
         from tmac.quant.quantize import import_gguf
 

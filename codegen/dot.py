@@ -24,7 +24,7 @@ from tmac.base.reference import QUANT_BLOCK
 from tmac.quant.spec import KernelSpec, packed_shapes
 
 from tmac.codegen.tir import arg, prim_func
-from tmac.codegen.vectors import f32, fold, vec
+from tmac.codegen.vectors import constant, f32, fold, vec
 
 F32 = "float32"
 UNROLLED_UNITS = 4  # a weight group of up to this many integer sums is emitted straight, a longer one as a loop
@@ -82,9 +82,10 @@ class _DotGemm:
         if self.sg and self.unit != self.wg:
             raise ValueError(f"{spec.name}: a super group's weight groups must be one integer sum each")
         # codes less their offset, where the ISA multiplies signed bytes and the format has no zeros (whose
-        # K-quant form d·a·q − dmin·b takes the codes as stored): no offset term in the epilogue
+        # K-quant form d·a·q − dmin·b takes the codes as stored): no offset term in the epilogue. A codebook's
+        # codes become its levels (signed), or the levels + 128 as unsigned bytes (offset 128)
         self.signed = isa.dot_signed_codes and not spec.has_zeros
-        self.offset = 0.0 if self.signed else float(code_offset(spec.bits))
+        self.offset = 0.0 if self.signed else 128.0 if spec.codebook else float(code_offset(spec.bits))
 
     def declare(self):
         from tvm.script.ir_builder import tirx as T
@@ -177,7 +178,44 @@ class _DotGemm:
             return v
 
         for r0, count in self.spec.chunk_ranges(self.steps):  # (K chunks: tmac.execution.packing)
-            self.emit_unpack_steps(P, r0, count, u32, transposed)
+            if self.spec.codebook:
+                self.emit_levels(P, r0, count, u32)
+            else:
+                self.emit_unpack_steps(P, r0, count, u32, transposed)
+
+    def emit_levels(self, P, r0: int, count: int, u32) -> None:
+        """Codebook codes (``CodebookCodes``) of steps r0 .. r0 + count − 1 into P as their levels (+ 128 where
+        ``dot`` takes unsigned bytes), looked up a weight vector at a time in the 16 levels. Quads: a row's word
+        a step, the low nibble of byte j the code of activation 8·step + j, the high one of 8·step + 4 + j; planes:
+        a row's byte a step, the codes of activations 2·step (low nibble) and 2·step + 1."""
+        from tvm import tirx
+        from tvm.script.ir_builder import tirx as T
+
+        rows, L = self.rows, self.lanes
+        levels = [v if self.signed else v + 128 for v in self.spec.codebook]
+        table = constant([v - 256 if v > 127 else v for v in levels], "int8")
+
+        def store(word, kk):
+            for r in range(self.r):
+                part = tirx.reinterpret(f"int8x{self.vl}", tirx.Shuffle([word], list(range(r * L, (r + 1) * L))))
+                looked = tirx.reinterpret(f"uint32x{L}", self.isa.lookup(table, part))
+                T.buffer_store(P, looked, [vec(kk * rows + r * L, L)])
+
+        def at(s):  # the part's first byte of step s
+            return self.flat_row(self.steps, s) * self.row_bytes + self.first * (self.row_bytes // self.bm)
+
+        nibbles = u32(0x0F0F0F0F)
+        if self.spec.quads:
+            with T.serial(0, count) as i:
+                word = T.bind(self.W32[vec(at(r0 + i) // 4, rows)])
+                store(word & nibbles, 2 * (r0 + i))
+                store((word >> u32(4)) & nibbles, 2 * (r0 + i) + 1)
+            return
+        with T.serial(0, count // 2) as i:
+            b0, b1 = (T.bind(tirx.Cast(f"uint32x{rows}", self.W8[vec(at(r0 + 2 * i + h), rows)])) for h in (0, 1))
+            low = u32(0x0F)
+            word = (b0 & low) | ((b0 >> u32(4)) << u32(8)) | ((b1 & low) << u32(16)) | ((b1 >> u32(4)) << u32(24))
+            store(word, (r0 + 2 * i) // 2)
 
     def emit_unpack_steps(self, P, r0: int, count: int, u32, transposed) -> None:
         """Steps r0 .. r0 + count − 1 of the part (one K chunk) into P."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 from tmac.quant.spec import PARALLEL_TABLE_ROWS, KernelSpec
 
 from tmac.codegen.tir import arg, prim_func
+from tmac.codegen.vectors import constant
 
 
 def build_tables_func(spec: KernelSpec):
@@ -56,11 +57,6 @@ def _emit_row(spec: KernelSpec, X, LUT, LS, XS, row) -> None:
     tv = min(16, lg // per)  # tables whose scale candidates are taken at once
     amaxv = T.alloc_buffer((tv,), f32, scope="global")
     lanes = T.alloc_buffer((16,), f32, scope="global")
-
-    def constant(values):  # a float32 vector of these lanes (LLVM folds the shuffle of broadcasts)
-        distinct = sorted(set(values))
-        sources = [tirx.Broadcast(tirx.FloatImm(f32, v), len(values)) for v in distinct]
-        return tirx.Shuffle(sources, [distinct.index(v) * len(values) + i for i, v in enumerate(values)])
 
     # coefficient vectors of the reference: entry p of a table is Σ_j coefs[j][p]·x_j (exact products)
     coefs = [constant([float(c) for c in column]) for column in codes.coefficients.T]

@@ -43,6 +43,16 @@ def f32(value: float):
     return tirx.FloatImm(F32, value)
 
 
+def constant(values, dtype: str = F32):
+    """A vector of these lanes, ``dtype`` each (LLVM folds the shuffle of broadcasts into one constant)."""
+    from tvm import tirx
+
+    imm = tirx.FloatImm if dtype.startswith("float") else tirx.IntImm
+    distinct = sorted(set(values))
+    sources = [tirx.Broadcast(imm(dtype, v), len(values)) for v in distinct]
+    return tirx.Shuffle(sources, [distinct.index(v) * len(values) + i for i, v in enumerate(values)])
+
+
 def bcast(value, lanes: int):
     from tvm import tirx
 

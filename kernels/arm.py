@@ -21,6 +21,10 @@ class ArmIsa(Isa):
 
         return tirx.call_llvm_pure_intrin("int8x16", "llvm.aarch64.neon.tbl1", table16, idx)
 
+    @property
+    def dot_codebooks(self) -> bool:
+        return self.dotprod  # ``sdot``: the levels as signed bytes
+
     def dot(self, acc, w, x):
         if not self.dotprod:
             return super().dot(acc, w, x)

@@ -35,6 +35,12 @@ class Isa:
     dot_signed_codes: bool = False
 
     @property
+    def dot_codebooks(self) -> bool:
+        """Whether ``dot`` can multiply a codebook's levels (i-quants: int8 levels up to ±127, or those + 128 as
+        unsigned bytes), not only small codes."""
+        return False
+
+    @property
     def gemm_accumulators(self) -> int:
         """Accumulator vectors a GEMM tile keeps before a block's rows are done in parts: a quarter of the
         registers."""

@@ -15,6 +15,12 @@ class X86Isa(Isa):
     dot_rows: int = 32  # vpdpbusd or vpmaddubsw on unpacked codes beat the lookups from here (docs/decisions.md)
 
     @property
+    def dot_codebooks(self) -> bool:
+        # levels + 128 as unsigned bytes: ``vpdpbusd`` sums their products in int32; ``vpmaddubsw``'s int16 pairs
+        # would saturate (2·241·127 > 2^15)
+        return self.vnni
+
+    @property
     def _suffix(self) -> tuple[str, str, str]:
         """(pshufb, pmaddubsw, pmaddwd) intrinsic names for this vector width."""
         if self.vector_bytes == 64:

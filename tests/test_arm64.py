@@ -118,11 +118,12 @@ def test_arm64_kernels_under_qemu(harness, tmp_path, rng, isa, bits, zeros, para
     assert rel_l2(y1[0], expected[0]) <= 1e-5
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "w4g32", "w5g64-sym", "Q4_K", "Q6_K", "Q3_K"])
+@pytest.mark.parametrize("kind", ["Q4_0", "w4g32", "w5g64-sym", "Q4_K", "Q6_K", "Q3_K", "IQ4_NL", "IQ4_XS", "IQ2_XS"])
 def test_arm64_dot_products_under_qemu(harness, tmp_path, rng, kind):
-    """A prompt's dot products on a Cortex-A76 (``sdot``; codes of formats without zeros less their offset): the
-    int8 activations bit for bit the reference's, the GEMM its oracle's, with the weights in NEON's K chunks (a
-    shorter last one), a partial last row block and a partial last tile of activation rows."""
+    """A prompt's dot products on a Cortex-A76 (``sdot``; codes of formats without zeros less their offset, an
+    i-quant's codes as its levels): the int8 activations bit for bit the reference's, the GEMM its oracle's, with
+    the weights in NEON's K chunks (a shorter last one), a partial last row block and a partial last tile of
+    activation rows."""
     import gguf
 
     from tmac.codegen.build import build_library
@@ -131,7 +132,7 @@ def test_arm64_dot_products_under_qemu(harness, tmp_path, rng, kind):
     from tmac.quant.quantize import import_gguf
 
     m, k, n = 72, 768, 5
-    if kind.endswith("_K"):
+    if kind.endswith("_K") or kind.startswith("IQ"):
         qw = import_gguf(k_quant_blocks(rng, m, k, kind), kind, (m, k))
     elif kind == "Q4_0":
         w = (rng.standard_normal((m, k)) * 0.02).astype(np.float32)
@@ -140,7 +141,7 @@ def test_arm64_dot_products_under_qemu(harness, tmp_path, rng, kind):
         bits, group = kind.split("-")[0][1:].split("g")
         qw = quantize_weight(rng.standard_normal((m, k)).astype(np.float32), bits=int(bits), group_size=int(group),
                              symmetric=kind.endswith("-sym"))
-    spec = spec_for(qw, ISAS["neon_dotprod"], k_chunk=512 if kind.endswith("_K") else 320)
+    spec = spec_for(qw, ISAS["neon_dotprod"], k_chunk=512 if qw.format.super_group else 320)
     assert spec.dot_products and spec.k_chunk < spec.k_padded
     lib = str(tmp_path / "kern.so")
     build_library(spec, ISAS["neon_dotprod"], lib)

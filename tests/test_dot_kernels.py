@@ -20,6 +20,11 @@ pytestmark = pytest.mark.skipif(not DOT_ISAS, reason="no ISA of this CPU has dot
 
 
 def _weight(rng, kind: str, m: int, k: int) -> QuantizedWeight:
+    if kind.startswith("IQ"):  # the i-quants' codebook codes, from llama.cpp-layout blocks
+        from tmac.models.files.synthetic import k_quant_blocks
+        from tmac.quant.quantize import import_gguf
+
+        return import_gguf(k_quant_blocks(rng, m, k, kind), kind, (m, k))
     if kind.startswith("Q"):
         import gguf
 
@@ -129,6 +134,24 @@ def test_dot_gemm_reads_weights_stored_in_k_chunks(rng, isa, kind, k, k_chunk):
     with prompt_rows():
         y = lw.matmul(torch.from_numpy(x)).numpy()
     assert rel_l2(y, ref.dot_matmul(x, qw, lw.spec.activation_block)) <= 1e-5
+
+
+@pytest.mark.parametrize("isa", DOT_ISAS)
+@pytest.mark.parametrize("kind", ["IQ4_NL", "IQ4_XS", "IQ2_XXS", "IQ2_XS", "IQ3_S", "IQ1_M"])
+def test_codebook_dot_gemm_matches_its_oracle(rng, isa, kind):
+    """The i-quants' codebook codes (16 integer levels up to ±127; bit-plane bytes, or quads on AVX-512 VBMI) take
+    dot products on their levels where the ISA multiplies them without saturating (VNNI's ``vpdpbusd`` on the
+    levels + 128; arm64's ``sdot``), and a prompt's product is then the oracle's; elsewhere table lookups."""
+    m, k, n = 200, 512, 37
+    qw = _weight(rng, kind, m, k)
+    lw = LutWeight(pack(qw, spec_for(qw, ISAS[isa])))
+    assert lw.spec.codebook and lw.spec.dot_products == ISAS[isa].dot_codebooks == ISAS[isa].vnni
+    x = rng.standard_normal((n, k)).astype(np.float32)
+    with prompt_rows():
+        y = lw.matmul(torch.from_numpy(x)).numpy()
+    want = ref.dot_matmul(x, qw, lw.spec.activation_block) if lw.spec.dot_products else ref.lut_matmul(x, qw)
+    assert rel_l2(y, want) <= 1e-5
+    assert rel_l2(y, x.astype(np.float64) @ qw.dequantize().astype(np.float64).T) <= 0.03
 
 
 @pytest.mark.parametrize("isa", DOT_ISAS)

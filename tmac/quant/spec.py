@@ -167,11 +167,15 @@ class KernelSpec:
     @property
     def dot_products(self) -> bool:
         """Whether its library also has the dot-product GEMM for many rows (``quantize_rows``, ``dot_gemm``:
-        codegen/dot.py): bit-plane codes of 3 to 6 bits (not quads, whose 64-entry lookups serve 3 and 5 bits on
-        AVX-512 VBMI), on an ISA with dot products (``Isa.dot_rows``)."""
-        return ISAS[self.isa].dot_rows > 0 and self.bits in DOT_BITS and not (self.codebook or self.triples or
-                                                                              self.quads) \
-            and (self.group_size % QUANT_BLOCK == 0 or self.group_size == 16)
+        codegen/dot.py), on an ISA with dot products (``Isa.dot_rows``): bit-plane codes of 3 to 6 bits (not quads,
+        whose 64-entry lookups serve 3 and 5 bits on AVX-512 VBMI), and codebook codes (the i-quants, in either
+        layout) where the ISA multiplies their levels (``Isa.dot_codebooks``)."""
+        isa = ISAS[self.isa]
+        if isa.dot_rows <= 0 or self.triples or not (self.group_size % QUANT_BLOCK == 0 or self.group_size == 16):
+            return False
+        if self.codebook:
+            return isa.dot_codebooks
+        return self.bits in DOT_BITS and not self.quads
 
     @property
     def activation_block(self) -> int:
