@@ -23,7 +23,7 @@ from tmac.base.formats import code_offset
 from tmac.base.reference import QUANT_BLOCK
 from tmac.quant.spec import KernelSpec, packed_shapes
 
-from tmac.codegen.tir import arg, prim_func
+from tmac.codegen.tir import arg, chunk_row, prim_func
 from tmac.codegen.vectors import constant, f32, fold, vec
 
 F32 = "float32"
@@ -86,6 +86,7 @@ class _DotGemm:
         # codes become its levels (signed), or the levels + 128 as unsigned bytes (offset 128)
         self.signed = isa.dot_signed_codes and not spec.has_zeros
         self.offset = 0.0 if self.signed else 128.0 if spec.codebook else float(code_offset(spec.bits))
+        self.sum_term = bool(self.offset) or spec.has_zeros  # a Σx term at all (none: signed codes without zeros)
 
     def declare(self):
         from tvm.script.ir_builder import tirx as T
@@ -126,8 +127,8 @@ class _DotGemm:
         per = rows * self.spec.k_chunk // self.spec.k_padded
         if rows == 1 or per >= rows:
             return self.blk * rows + index
-        r0 = index // per * per
-        return self.mb * r0 + self.blk * tirx.min(per, rows - r0) + (index - r0)
+        r0 = index // per * per  # the chunk of ``index``, found at run time: the tile loops run over all of K
+        return chunk_row(self.mb, self.blk, index, r0, tirx.min(per, rows - r0))
 
     def param(self, buf, g, r, dtype=F32):
         """``dtype`` x lanes: scale or zero (or multiplier) of weight group g for vector r of the part."""
@@ -320,7 +321,7 @@ class _DotGemm:
             scales = [T.bind(self.param(self.SF, g, r)) for r in range(r_)]
             zeros = [T.bind(self.param(self.ZF, g, r)) for r in range(r_)] if self.ZF is not None else None
             offset = self.bcast(f32(self.offset))
-            term = bool(self.offset) or zeros is not None  # a Σx term at all (not for signed codes without zeros)
+            term = self.sum_term
             coefs = None if fold or not term else \
                 [T.bind(scales[r] * offset if zeros is None else scales[r] * offset + zeros[r]) for r in range(r_)]
             for c in range(c_):
@@ -384,9 +385,8 @@ class _DotGemm:
                         for piece in acc:
                             total = total + self.isa.dot_scaled(piece[r * c_ + c], mults[r])
                         T.buffer_store(sums, total, [at(c, r)])
-            # the Σx term over the super group's groups, as expressions (registers); none for signed codes
-            # without zeros
-            term = self.ZF is not None or bool(self.offset)
+            # the Σx term over the super group's groups, as expressions (registers)
+            term = self.sum_term
             terms = [self.bcast(f32(0.0))] * (r_ * c_)
             for gi in range(sg if term else 0):
                 g = j * sg + gi

@@ -26,7 +26,7 @@ from tmac.base.formats import code_offset
 from tmac.quant.spec import KernelSpec, packed_shapes
 
 from tmac.codegen.tables import build_tables_func, emit_tables
-from tmac.codegen.tir import arg, prefetch, prim_func
+from tmac.codegen.tir import arg, chunk_row, prefetch, prim_func
 from tmac.codegen.vectors import vec
 
 F32 = "float32"
@@ -110,10 +110,8 @@ class _Gemm:
         return tirx.Select(mask, tirx.Broadcast(tirx.IntImm("int8", 0), self.vl) - looked, looked)
 
     def chunk_row(self, blk, r, r0, rc):
-        """K chunks (tmac.execution.packing): chunk c of W, S and Z holds every block's rows (steps, weight or super groups)
-        of its lut groups, so row r of block blk in a chunk of rows [r0, r0 + rc) is flat row mb·r0 + blk·rc +
-        (r − r0)."""
-        return self.mb * r0 + blk * rc + (r - r0)
+        """Row r of block blk in the K chunk of rows [r0, r0 + rc) (``tir.chunk_row``)."""
+        return chunk_row(self.mb, blk, r, r0, rc)
 
     def param(self, buf, blk, g, row, g0, gc):
         """A scale or zero (float16 parameters, and multipliers, widen in registers: vcvtph2ps, fcvtl)."""

@@ -36,3 +36,10 @@ def prefetch(buffer, index, level: int = 1) -> None:
     # llvm.prefetch(address, rw = 0: read, locality: 3 keeps it in every level, 2 from L2 on; cache type = 1: data)
     T.evaluate(tirx.call_llvm_intrin("void", "llvm.prefetch.p0", tirx.address_of(buffer[index]),
                                      *(tirx.IntImm("int32", a) for a in (0, 4 - level, 1))))
+
+
+def chunk_row(mb, blk, r, r0, rc):
+    """K chunks (tmac.execution.packing): chunk c of W, S and Z holds every block's rows (steps, weight or super
+    groups) of its activations, so row r of block blk in a chunk of rows [r0, r0 + rc) is flat row mb·r0 + blk·rc +
+    (r − r0), where mb blocks make the weight."""
+    return mb * r0 + blk * rc + (r - r0)
