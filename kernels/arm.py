@@ -10,6 +10,7 @@ from tmac.kernels.base import Isa, plane_weights
 
 # largest |table entry| (tables are int8 in ±127: tmac.base.reference.quantize_tables)
 TABLE_MAX = 127
+PAIR_SUM_VECTORS = 12  # weight vectors of pair-summed chunks an unrolled body may load (``unroll_fits``)
 
 
 @dataclass(frozen=True)
@@ -49,10 +50,11 @@ class ArmIsa(Isa):
         """The pair sums' accumulator: an int16 lane a row's byte pair."""
         return f"int16x{self.vector_bytes // 2}"
 
-    def unroll_vectors(self, planes: int) -> int:
-        # pair sums unrolled over more than 8 weight vectors spilled in llvm-mca's listings (docs/decisions.md,
-        # "NEON's pair sums")
-        return 8 if self._pair_sums(planes, 1) else super().unroll_vectors(planes)
+    def unroll_fits(self, vectors: list[tuple[int, float]]) -> bool:
+        # pair sums of more than 12 weight vectors a body spilled, and 8 left the 6-bit and 5-bit GEMVs' lut groups
+        # to a loop of one step (counted under qemu: docs/decisions.md, "NEON's pair sums")
+        paired = sum(v for planes, v in vectors if self._pair_sums(planes, 1))
+        return paired <= PAIR_SUM_VECTORS and super().unroll_fits(vectors)
 
     def acc_dtype(self, planes: int, steps: int) -> str:
         if self._pair_sums(planes, steps):

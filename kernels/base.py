@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+UNROLL_VECTORS = 32  # weight vectors an unrolled inner-loop body may load at most (docs/decisions.md, "Unroll")
+
+
 @dataclass(frozen=True)
 class Isa:
     name: str
@@ -52,9 +55,10 @@ class Isa:
         iteration."""
         return self.vector_registers // 2
 
-    def unroll_vectors(self, planes: int) -> int:
-        """Weight vectors of ``planes``-plane chunks an unrolled inner-loop body may load (tmac.quant.choose)."""
-        return 32
+    def unroll_fits(self, vectors: list[tuple[int, float]]) -> bool:
+        """Whether an unrolled inner-loop body may load these weight vectors, (planes of a chunk, its vectors) each
+        (tmac.quant.choose): ``UNROLL_VECTORS`` in all."""
+        return sum(v for _, v in vectors) <= UNROLL_VECTORS
 
     def acc_dtype(self, planes: int, steps: int) -> str:
         """The accumulator vector type of ``accumulate`` over a lut group of ``steps`` steps."""

@@ -7,7 +7,8 @@
  * A tensor is read from DIR/NAME.bin when that file exists and starts zeroed otherwise; a name used again
  * refers to the same tensor. After all calls every
  * tensor is written to DIR/NAME.out. The library's thread-pool and workspace hooks are filled with pthreads
- * and malloc, as libtvm_runtime would fill them; errors raised by the kernels are printed and exit with 2.
+ * and malloc, as libtvm_runtime would fill them (2 threads, or TMAC_NUM_THREADS: 1 makes instruction counts exact);
+ * errors raised by the kernels are printed and exit with 2.
  */
 #include <dlfcn.h>
 #include <pthread.h>
@@ -34,7 +35,10 @@ static void *run_task(void *arg) {
 }
 
 static int parallel_launch(ParallelLambda f, void *cdata, int num_task) {
-  if (num_task <= 0) num_task = NUM_THREADS;
+  if (num_task <= 0) {
+    const char *threads = getenv("TMAC_NUM_THREADS");
+    num_task = threads && atoi(threads) > 0 ? atoi(threads) : NUM_THREADS;
+  }
   ParallelEnv env = {NULL, num_task};
   pthread_t threads[64];
   Task tasks[64];

@@ -191,17 +191,24 @@ def _default_block_rows(spec: KernelSpec, sixteen_registers: bool) -> int:
     wider = 2 if vl == 64 and row_bytes == 4 and not spec.triples and \
         (spec.step_vectors(rows) == 4 or spec.quads and spec.bits == 5) else 1
     narrower = 2 if sixteen_registers and spec.layout.chunks == ((0, 1),) else 1
+    if vl == 16 and spec.super_groups and spec.has_zeros:
+        # K-quants with mins sum two floats a row over a super group (codegen/lut.py): 32 rows' were 16 of NEON's
+        # registers and spilled (Q2_K, docs/decisions.md "Block rows")
+        rows = min(rows, 16)
     return wider * rows // narrower
 
 
 def _default_unroll(spec: KernelSpec, block_rows: int, isa) -> int:
-    """Up to 8 table pairs and ``Isa.unroll_vectors`` weight vectors (32; 8 for NEON's pair sums) per unrolled
-    body; with 16 registers a lut group of 4 or more steps is not unrolled whole: the body and the epilogue would
-    share one basic block, whose schedule spills (docs/decisions.md, "Unroll" and "NEON's pair sums")."""
-    steps, vectors = spec.steps_per_lut_group, spec.step_vectors(block_rows)
+    """Up to 8 table pairs per unrolled body, and as many weight vectors as ``Isa.unroll_fits`` (32; NEON's pair
+    sums 12); with 16 registers a lut group of 4 or more steps is not unrolled whole: the body and the epilogue
+    would share one basic block, whose schedule spills (docs/decisions.md, "Unroll" and "NEON's pair sums")."""
+    steps = spec.steps_per_lut_group
     sixteen_registers = isa.vector_registers == 16
-    limit = min(isa.unroll_vectors(planes) for _, planes in spec.layout.chunks or ((0, spec.layout.codes.planes),))
-    fits = [u for u in spec.unrolls() if u * vectors <= limit and
+    chunks = spec.layout.chunks
+    # each chunk's weight vectors a step: (planes, vectors); quads and triples as one
+    per_step = [(planes, block_rows * planes / spec.vector_bytes) for _, planes in chunks] if chunks else \
+        [(spec.layout.codes.planes, spec.step_vectors(block_rows))]
+    fits = [u for u in spec.unrolls() if isa.unroll_fits([(p, u * v) for p, v in per_step]) and
             not (sixteen_registers and u == steps and steps >= 4)]
     return fits[0] if fits else 1
 
