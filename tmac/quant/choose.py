@@ -191,11 +191,14 @@ def _default_block_rows(spec: KernelSpec, sixteen_registers: bool) -> int:
     wider = 2 if vl == 64 and row_bytes == 4 and not spec.triples and \
         (spec.step_vectors(rows) == 4 or spec.quads and spec.bits == 5) else 1
     narrower = 2 if sixteen_registers and spec.layout.chunks == ((0, 1),) else 1
+    rows = wider * rows // narrower
     if vl == 16 and spec.super_groups and spec.has_zeros:
         # K-quants with mins sum two floats a row over a super group (codegen/lut.py): 32 rows' were 16 of NEON's
-        # registers and spilled (Q2_K, docs/decisions.md "Block rows")
+        # registers and spilled (Q2_K, docs/decisions.md "NEON's tilings by instruction counts")
         rows = min(rows, 16)
-    return wider * rows // narrower
+    if vl == 16 and spec.codebook:  # codebook codes, one byte a row a step: blocks of 64 rows took a sixth more
+        rows = min(rows, 32)  # instructions on NEON (the same place)
+    return rows
 
 
 def _default_unroll(spec: KernelSpec, block_rows: int, isa) -> int:
