@@ -51,8 +51,10 @@ class ArmIsa(Isa):
         return f"int16x{self.vector_bytes // 2}"
 
     def unroll_fits(self, vectors: list[tuple[int, float]]) -> bool:
-        # pair sums of more than 12 weight vectors a body spilled, and 8 left the 6-bit and 5-bit GEMVs' lut groups
-        # to a loop of one step (counted under qemu: docs/decisions.md, "NEON's pair sums")
+        # only the pair-summed chunks' vectors count: counting a step's every vector against 8 left 6-bit steps
+        # never unrolled (a tenth more instructions a Q6_K GEMV); 16 pair-summed vectors (8-bit) lost, and the 5-bit
+        # types without dotprod lose up to 4 % at 8 (counted under qemu: docs/decisions.md, "NEON's tilings by
+        # instruction counts")
         paired = sum(v for planes, v in vectors if self._pair_sums(planes, 1))
         return paired <= PAIR_SUM_VECTORS and super().unroll_fits(vectors)
 
