@@ -57,7 +57,8 @@ def _write(d, name, a):
                                                  (8, False, "float16"), ("ternary triples", False, "float32"),
                                                  ("Q2_K", True, "super"), ("Q5_K", True, "super"),
                                                  ("Q6_K", False, "super"), ("IQ4_NL", False, "blocks"),
-                                                 ("IQ4_XS", False, "super"), ("IQ2_XS", False, "super")])
+                                                 ("IQ4_XS", False, "super"), ("IQ2_XS", False, "super"),
+                                                 ("IQ1_S", True, "super")])
 def test_arm64_kernels_under_qemu(harness, tmp_path, rng, isa, bits, zeros, params):
     from tmac.codegen.build import build_library
     from tmac.models.files.synthetic import k_quant_blocks
@@ -77,7 +78,7 @@ def test_arm64_kernels_under_qemu(harness, tmp_path, rng, isa, bits, zeros, para
     chunks = {} if params == "super" else {"k_chunk": 384 if triples else 128}  # K chunks (triples: a shorter last)
     spec = spec_for(qw, ISAS[isa], n_tile=2, **chunks, **({"triples": True} if triples else {}))  # NEON: planes
     assert spec.triples == triples and bool(spec.super_groups) == (params == "super")
-    assert bool(spec.codebook) == str(bits).startswith("IQ")
+    assert bool(spec.codebook) == (str(bits).startswith("IQ") and bits != "IQ1_S")  # (IQ1_S: a K-quant of 2 bits)
     assert spec.k_chunk < spec.k_padded or params == "super"
     lib = str(tmp_path / "kern.so")
     build_library(spec, ISAS[isa], lib)

@@ -1,8 +1,9 @@
 """Codebook formats (llama.cpp's IQ4_NL and IQ4_XS: 4-bit codes indexing 16 non-uniform levels) at their own size:
 imported exactly (against the ``gguf`` package's dequantization), looked up in one table per activation by every
 ISA this CPU runs (against the numpy reference and fp64), held at the file's bytes, and a model of them against
-an fp64 forward of the same file. The grid i-quants (IQ1_S to IQ3_S: grid indices and sign bits) import exactly as
-4-bit codes of their at most 16 levels, through the same kernels, held at those codes' bytes (not 8 bits)."""
+an fp64 forward of the same file. The grid i-quants (IQ1_M to IQ3_S: grid indices and sign bits) import exactly as
+4-bit codes of their at most 16 levels, through the same kernels, held at those codes' bytes (not 8 bits); IQ1_S,
+whose shift is one a group, as a K-quant of 2-bit codes."""
 import gguf
 import numpy as np
 import pytest
@@ -49,6 +50,30 @@ def test_import_is_exact_and_keeps_the_codes(rng, type_name):
     assert tmac.WeightFormat.from_dict(qw.format.to_dict()) is FORMATS[type_name.lower()]
     used = np.unique(np.asarray(levels)[qw.codes])  # (random blocks reach every level a grid has)
     assert len(used) == {"IQ2": 6, "IQ1": 6}.get(type_name[:3], 16)
+
+
+def test_iq1_s_imports_as_a_k_quant_of_two_bit_codes(rng):
+    """IQ1_S: w = d·(2s + 1)·(grid ± ⅛) with one shift a group of 32, so codes grid + 1 of 2 bits, multipliers
+    a = 2s + 1 and b = 7a or 9a of one super scale d and one d/8 (its K-quant form d·a·q − (d/8)·b), exactly the
+    ``gguf`` package's weights; held at 2.625 bits a weight (codes, a byte of a and of b a group, d and d/8 a super
+    group) instead of 4-bit codes' 4.31: 1.68x the file's 1.5625. The kernels: ``test_k_quant_super_scales``."""
+    m, k = 256, 1024
+    blocks = k_quant_blocks(rng, m, k, "IQ1_S")
+    qw = import_gguf(blocks, "IQ1_S", (m, k))
+    want = dequantize(blocks, gguf.GGMLQuantizationType.IQ1_S).reshape(m, k)
+    np.testing.assert_array_equal(qw.dequantize(), want.astype(np.float32))
+    fmt = qw.format
+    assert (fmt.bits, fmt.group_size, fmt.has_zeros, fmt.codebook) == (2, 32, True, None)
+    assert set(np.unique(qw.codes)) == {0, 1, 2}
+    (a, d), (b, dmin) = qw.factors
+    assert set(np.unique(a)) == set(range(1, 16, 2)) and np.array_equal(dmin, d / 8)
+    assert ((b == 7 * a) | (b == 9 * a)).all() and (b == 7 * a).any() and (b == 9 * a).any()
+    for isa in RUNNABLE:
+        spec = spec_for(qw, ISAS[isa])
+        packed = pack(qw, spec)
+        held = sum(x.nbytes for x in (packed.weights, packed.scales, packed.zeros))
+        assert held * 8 / (m * k) == 2 + 8 / 32 + 8 / 32 + 2 * 16 / 256, isa
+        assert held <= 1.7 * blocks.nbytes
 
 
 @pytest.mark.parametrize("isa, type_name", CASES)

@@ -16,6 +16,8 @@ def test_gguf_formats_described_once():
     assert set(FORMATS["iq2_xxs"].codebook) >= {s * v for s in (-1, 1) for v in (0x08, 0x19, 0x2B)}
     assert FORMATS["iq3_s"].codebook == tuple(range(-15, 16, 2))
     assert set(FORMATS["iq1_m"].codebook) >= {-9, -7, -1, 1, 7, 9}
+    iq1_s = FORMATS["iq1_s"]  # a K-quant of 2-bit codes grid + 1, its ±⅛ shift a group's zero
+    assert (iq1_s.bits, iq1_s.has_zeros, iq1_s.codebook, iq1_s.groups_per_super) == (2, True, None, 8)
     assert FORMATS["iq2_xs"].group_size == FORMATS["iq1_m"].group_size == 16 and FORMATS["iq3_xxs"].group_size == 32
     assert FORMATS["q4_1"].has_zeros and not FORMATS["q4_0"].has_zeros
     assert FORMATS["q4_k"].group_size == 32 and FORMATS["q4_k"].gguf.block_size == 256  # 8 groups a block

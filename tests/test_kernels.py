@@ -216,7 +216,7 @@ def test_raw_kernel_checks_shapes(rng):
                           torch.empty(1, 8))
 
 
-@pytest.mark.parametrize("isa, type_name", _on_isas(["Q4_K", "Q5_K", "Q2_K", "Q3_K", "Q6_K"]))
+@pytest.mark.parametrize("isa, type_name", _on_isas(["Q4_K", "Q5_K", "Q2_K", "Q3_K", "Q6_K", "IQ1_S"]))
 def test_k_quant_super_scales(rng, isa, type_name):
     """K-quants' scales d·a and zeros dmin·b − offset·d·a stream as byte multipliers of one float16 per 256 weights,
     llama.cpp's d and dmin (Q4_K: 4.625 bits a weight instead of 6; Q6_K: signed multipliers, no zeros, 6.5625 as

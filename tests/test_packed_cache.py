@@ -133,7 +133,7 @@ def test_ctrl_c_while_the_copy_is_written_ends_the_run_and_the_next_writes_it(tm
     import time
 
     env = dict(os.environ, TMAC_CACHE_DIR=str(tmp_path / "root"), TMAC_MODEL_CACHE="1")
-    shutil.copytree(os.environ["TMAC_CACHE_DIR"], tmp_path / "root", ignore=shutil.ignore_patterns("*.lock", "models"))
+    shutil.copytree(os.environ["TMAC_CACHE_DIR"], tmp_path / "root", ignore=shutil.ignore_patterns("*.lock", "models", ".build-*"))
     held = ("import sys, time\nfrom tmac.nn import serialize\nwrite = serialize._write_aligned\n"
             "serialize._write_aligned = lambda *a: (time.sleep(300), write(*a))[1]\n"
             "from tmac.apps.cli import main\nsys.exit(main(sys.argv[1:]))\n")
@@ -276,7 +276,7 @@ def test_the_cache_keeps_to_its_size(cache, tmp_path, source, monkeypatch):
 def test_tmac_cache_lists_and_clears(tmp_path, source):
     env = dict(os.environ, TMAC_CACHE_DIR=str(tmp_path / "root"), TMAC_MODEL_CACHE="1")
     kernels = os.environ["TMAC_CACHE_DIR"]  # (the suite's compiled kernels, copied: nothing compiles here)
-    shutil.copytree(kernels, tmp_path / "root", ignore=shutil.ignore_patterns("*.lock", "models"))
+    shutil.copytree(kernels, tmp_path / "root", ignore=shutil.ignore_patterns("*.lock", "models", ".build-*"))
 
     def tmac_cli(*args):
         r = subprocess.run([sys.executable, "-m", "tmac.apps.cli", *args], capture_output=True, text=True, timeout=600,

@@ -231,7 +231,7 @@ def test_gguf_k_quant_import_is_exact(rng, import_slices, type_name, bits, group
         import_gguf(extreme, type_name, (6, 512))
 
 
-@pytest.mark.parametrize("type_name", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("type_name", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ1_S"])
 def test_k_quant_imports_keep_the_files_multipliers(rng, monkeypatch, type_name):
     """A K-quant import carries the file's integer multipliers and d, dmin (``factors``) instead of factoring its float
     scales again: they give the scales and zeros exactly in float32 as the kernels compute them, as the factoring

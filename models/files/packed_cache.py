@@ -68,6 +68,7 @@ def layout() -> dict:
     """What a packed copy's bytes depend on besides the source: the ISA, the generator, the tilings chosen (the tuning
     table and the code of the defaults), the packing and the importers. (A copy packed otherwise would still load
     correctly, repacked layer by layer on every load: seconds and a second copy of the weights each run.)"""
+    from tmac.base import formats, gguf_blocks
     from tmac.execution import packing
     from tmac.kernels import best_isa
     from tmac.quant import choose, embedding, kquant, quantize
@@ -83,7 +84,8 @@ def layout() -> dict:
             tuning = hashlib.sha256(f.read()).hexdigest()[:16]
     except OSError:
         pass
-    packer = source_digest([m.__file__ for m in (choose, packing, kquant, quantize, embedding, tmac_file)])
+    packer = source_digest([m.__file__ for m in (choose, packing, kquant, quantize, embedding, tmac_file, formats,
+                                                 gguf_blocks)])
     return {"isa": best_isa().name, "generator": generator_digest(), "packer": packer, "tuning": tuning,
             "format": tmac_file.FORMAT_VERSION}
 

@@ -59,7 +59,7 @@ def k_quant_blocks(rng: np.random.Generator, rows: int, k: int, type_name: str =
     def uniform_bytes(count, lo=0, hi=256):
         return rng.integers(lo, hi, (n, count), dtype=np.uint8)
 
-    if type_name in CODEBOOK_TYPES:
+    if type_name in CODEBOOK_TYPES + GRID_TYPES:
         return codebook_blocks(rng, rows, k, type_name)
     if type_name == "Q6_K":  # {u8 ql[128]; u8 qh[64]; i8 scales[16]; f16 d}
         sc = (rng.integers(16, 128, (n, 16)) * rng.choice([-1, 1], (n, 16))).astype(np.int8)
@@ -125,7 +125,8 @@ def _grid_blocks(rng: np.random.Generator, rows: int, k: int, type_name: str) ->
 
 
 K_QUANT_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
-CODEBOOK_TYPES = ("IQ4_NL", "IQ4_XS") + GRID_TYPES
+# held as codebook codes (IQ1_S, a grid type too, is a K-quant of 2-bit codes: tmac.base.formats)
+CODEBOOK_TYPES = ("IQ4_NL", "IQ4_XS") + tuple(t for t in GRID_TYPES if t != "IQ1_S")
 TERNARY_TYPES = ("TQ1_0", "TQ2_0")
 TERNARY_SCALE = 0.0200042724609375  # a float16 value, so every block's d holds it exactly
 
@@ -208,7 +209,7 @@ def write_random_gguf(path: str, cfg: LlamaConfig, weight_type: str | Callable[[
         qtype = gguf.GGMLQuantizationType[kind]
         if kind in ("F32", "F16"):
             w.add_tensor(name, data.astype(np.float16 if kind == "F16" else np.float32))
-        elif kind in K_QUANT_TYPES + CODEBOOK_TYPES:  # gguf-py quantizes none: random blocks of the same magnitude
+        elif kind in K_QUANT_TYPES + CODEBOOK_TYPES + GRID_TYPES:  # gguf-py quantizes none: random blocks of the same magnitude
             w.add_tensor(name, k_quant_blocks(rng, *shape, kind), raw_dtype=qtype)
         else:
             w.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)

@@ -281,7 +281,8 @@ def check_group_size(group_size) -> None:
 #   IQ3_S  {f16 d; u8 qs[64]; u8 qh[8]; u8 sg[32]; u8 sc[4]}  per 4: index qs | bit of qh << 8; w = d·(2s + 1)·±grid,
 #         grid ∈ {1, 3, .., 15}, s per 32
 #   IQ1_S  {f16 d; u8 qs[32]; u16 qh[8]}  per 32: qh = 4 × 3 index bits, s (3 bits), delta sign; w = d·(2s + 1)·
-#         (grid ± ⅛), grid ∈ {−1, 0, 1}: level 8·grid ± 1, scale d·(2s + 1)/8
+#         (grid ± ⅛), grid ∈ {−1, 0, 1}: not codes but a K-quant of 2-bit codes q = grid + 1, w = d·a·q − (d/8)·b with
+#         a = 2s + 1, b = 7a (+⅛) or 9a (−⅛): its delta is one a group, as a min
 #   IQ1_M  {u8 qs[32]; u8 qh[16]; u16 sc[4]}  d: the top nibbles of sc; per 8: 3 index bits and the delta's sign (a
 #         nibble of qh); s per 16 (3 bits)
 IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # llama.cpp's kvalues_iq4nl
@@ -313,7 +314,9 @@ FORMATS: dict[str, WeightFormat] = {
         *(WeightFormat(name.lower(), 4, group, has_zeros=False, gguf=GGUFBlock(name, 256, size), super_group=256,
                        codebook=GRID_LEVELS[name])
           for name, group, size in (("IQ2_XXS", 32, 66), ("IQ2_XS", 16, 74), ("IQ2_S", 16, 82), ("IQ3_XXS", 32, 98),
-                                    ("IQ3_S", 32, 110), ("IQ1_S", 32, 50), ("IQ1_M", 16, 56))),
+                                    ("IQ3_S", 32, 110), ("IQ1_M", 16, 56))),
+        # IQ1_S as a K-quant of 2-bit codes grid + 1: scale d·(2s + 1), zero (d/8)·b (the delta)
+        WeightFormat("iq1_s", 2, 32, has_zeros=True, gguf=GGUFBlock("IQ1_S", 256, 50), super_group=256),
         WeightFormat("bitnet", 2, PER_TENSOR, has_zeros=False, ternary=True),
     )
 }

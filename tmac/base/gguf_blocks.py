@@ -219,7 +219,7 @@ _IQ2 = _padded((-43, -25, -8, 8, 25, 43), range(-5, 7))  # ±{0x08, 0x19, 0x2b}
 _IQ1 = _padded((-9, -7, -1, 1, 7, 9), range(-6, 7))  # 8·{−1, 0, 1} ± 1
 GRID_LEVELS = {"IQ2_XXS": _IQ2, "IQ2_XS": _IQ2, "IQ2_S": _IQ2,
                "IQ3_XXS": tuple(sorted(s * v for s in (-1, 1) for v in (4, 12, 20, 28, 36, 44, 52, 62))),
-               "IQ3_S": tuple(range(-15, 16, 2)), "IQ1_S": _IQ1, "IQ1_M": _IQ1}
+               "IQ3_S": tuple(range(-15, 16, 2)), "IQ1_M": _IQ1}
 
 
 @functools.lru_cache(maxsize=None)
@@ -312,12 +312,29 @@ def _iq1_codes(type_name: str, idx: np.ndarray, minus: np.ndarray) -> np.ndarray
     return _codes(levels.reshape(len(idx), -1), GRID_LEVELS[type_name])
 
 
-def decode_iq1_s(blocks, offset):
-    qh = blocks[:, 34:50].copy().view("<u2")  # [n, 8]: per 32
-    high = (qh[:, :, None] >> np.array([0, 3, 6, 9], np.uint16)) & 7
+# IQ1_S as a K-quant of 2-bit codes q = grid + 1 (its deltas are one a group of 32, as a K-quant's min):
+# w = d·(2s + 1)·(grid ± ⅛) = d·a·q − (d/8)·b with a = 2s + 1 and b = 7a (delta +⅛) or 9a (−⅛): the file's 1.56 bits
+# a weight held at 2.6 instead of 4.3 as codebook codes, exactly (IQ1_M's deltas are one per 8 weights: codes)
+def _iq1_s_qh(blocks):
+    return blocks[:, 34:50].copy().view("<u2")  # [n, 8]: per 32, 4 × 3 index bits, s (3 bits), the delta's sign
+
+
+def params_iq1_s(blocks):
+    qh = _iq1_s_qh(blocks)
+    a = (2 * ((qh >> 12) & 7) + 1).astype(np.uint8)
+    b = a * np.where((qh & 0x8000) != 0, 9, 7).astype(np.uint8)
+    d = _f16(blocks, 0).astype(np.float32)
+    return (a, d), (b, d / np.float32(8))  # (d/8 in float32: exact; stored float16 where it is one)
+
+
+def codes_iq1_s(blocks, offset):
+    high = (_iq1_s_qh(blocks)[:, :, None] >> np.array([0, 3, 6, 9], np.uint16)) & 7
     idx = blocks[:, 2:34].astype(np.uint16) | (high.reshape(len(blocks), -1) << 8)
-    minus = np.repeat((qh & 0x8000) != 0, 4, axis=1)
-    return _iq1_codes("IQ1_S", idx, minus), _scale(_f16(blocks, 0).astype(np.float32), (qh >> 12) & 7, -3), None
+    return (_grid("IQ1_S")[idx] + 1).astype(np.uint8).reshape(len(blocks), -1)
+
+
+scales_iq1_s = _k_quant_scales("iq1_s")
+decode_iq1_s = _composed("iq1_s")
 
 
 def decode_iq1_m(blocks, offset):
