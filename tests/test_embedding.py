@@ -48,6 +48,39 @@ def test_k_quant_tables_are_gguf_rows(rng, type_name):
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("type_name", ["Q2_K", "Q4_K", "Q6_K", "IQ1_S", "IQ4_XS", "Q4_0"])
+def test_a_streamed_table_reads_its_parameters_from_the_file_too(rng, monkeypatch, type_name):
+    """A token table left in the GGUF (``StreamedEmbedding``) holds neither codes nor, where its format is the
+    file's type, scales and zeros (a K-quant table's float32 parameters were 2-4 bits a weight): a lookup decodes its
+    rows' blocks whole. Its rows are those it gave with the parameters held, bit for bit; its state dict, ``held()``
+    and ``quantized_weight()`` still have every parameter."""
+    import tmac.quant.quantize as q
+    from tmac.models.files.synthetic import k_quant_blocks
+    from tmac.quant.embedding import StreamedEmbedding
+
+    monkeypatch.setattr(q, "STREAM_CODES", 1)
+    shape = (48, 512)
+    blocks = gguf.quants.quantize(rng.standard_normal(shape).astype(np.float32) * 0.02,
+                                  gguf.GGMLQuantizationType.Q4_0) if type_name == "Q4_0" else \
+        k_quant_blocks(rng, *shape, type_name)
+    qw = import_gguf(blocks, type_name, shape)
+    emb = StreamedEmbedding(qw)
+    assert not dict(emb.named_buffers())  # nothing held: codes, scales and zeros stay in the file
+    ids = torch.tensor([0, 5, 47, 5, 30])
+    got = emb(ids)
+    with_params = tmac.Embedding(qw)
+    assert torch.equal(got, with_params(ids)) and torch.equal(emb.row(47), with_params.row(47))
+    want = dequantize(blocks, gguf.GGMLQuantizationType[type_name]).reshape(shape)[ids.numpy()]
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+    assert torch.equal(emb.scales, with_params.scales) and (emb.zeros is None) == (with_params.zeros is None)
+    assert emb.zeros is None or torch.equal(emb.zeros, with_params.zeros)
+    state = emb.state_dict()
+    plain = tmac.Embedding._empty(state["_extra_state"])
+    plain.load_state_dict(state)
+    assert torch.equal(plain(ids), got) and torch.equal(emb.held()(ids), got)
+    np.testing.assert_array_equal(emb.quantized_weight().dequantize(), with_params.quantized_weight().dequantize())
+
+
 def test_smollm2_q8_0_table_is_bit_exact():
     reader = gguf.GGUFReader(smollm2_path())
     (t,) = [t for t in reader.tensors if t.name == "token_embd.weight"]

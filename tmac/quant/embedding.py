@@ -62,21 +62,25 @@ class Embedding(nn.Module):
     def _rows(self, rows: torch.Tensor) -> torch.Tensor:
         return self._dequantized(rows, self._codes(self.codes[rows]))
 
-    def _dequantized(self, rows: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
-        """Float32 rows ``rows`` of the table from their uint8 ``codes`` ``[n, embedding_dim]``."""
+    def _dequantized(self, rows: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor | None = None,
+                     zeros: torch.Tensor | None = None) -> torch.Tensor:
+        """Float32 rows ``rows`` of the table from their uint8 ``codes`` ``[n, embedding_dim]`` (and, given, their own
+        ``scales`` and ``zeros`` instead of the held table's)."""
         fmt, d = self.format, self.embedding_dim
         q = torch.tensor(fmt.codebook, dtype=torch.float32)[codes.long()] if fmt.codebook is not None else \
             codes.float() - fmt.offset
         per_tensor = fmt.group_size == PER_TENSOR
-        groups = 1 if per_tensor else self.scales.shape[1]
+        if scales is None:
+            scales, zeros = self.scales, self.zeros
+            scales, zeros = (p if p is None or per_tensor else p[rows] for p in (scales, zeros))
+        groups = 1 if per_tensor else scales.shape[1]
 
         def expand(p):
-            p = p.float() if per_tensor else p[rows].float()
-            return p.reshape(-1, groups, 1)
+            return p.float().reshape(-1, groups, 1)
 
-        w = q.reshape(len(rows), groups, d // groups) * expand(self.scales)
-        if self.zeros is not None:
-            w = w - expand(self.zeros)
+        w = q.reshape(len(rows), groups, d // groups) * expand(scales)
+        if zeros is not None:
+            w = w - expand(zeros)
         return w.reshape(len(rows), d)
 
     def _codes(self, packed: torch.Tensor) -> torch.Tensor:
@@ -161,9 +165,11 @@ class Embedding(nn.Module):
 
 class StreamedEmbedding(Embedding):
     """A ``tmac.Embedding`` whose codes stay in the model file (``RowCodes``: a GGUF's table, decoded a row at a
-    time from the mapped blocks as tokens are looked up); its scales and zeros are held. A tied table is then held
-    once, as the head's packed weights, and an untied one not at all. ``codes`` materializes the packed codes on
-    each access (a checkpoint, a comparison); lookups never do."""
+    time from the mapped blocks as tokens are looked up), and its scales and zeros with them where the table's format
+    is the file's type (a K-quant table's float32 parameters were 2-4 bits a weight beside the file's 2.6-6.6, 48 MB
+    for a Q2_K table of 49152 × 2048); other tables hold theirs. A tied table is then held once, as the head's packed
+    weights, and an untied one not at all. ``codes`` (and streamed ``scales``, ``zeros``) materialize on each access
+    (a checkpoint, a comparison); lookups never do."""
 
     def _held_codes(self, qw: QuantizedWeight) -> None:
         """None: the codes stay in the file, read through ``qw``'s ``RowCodes``."""
@@ -175,8 +181,37 @@ class StreamedEmbedding(Embedding):
     def _set(self, fmt, shape, codes, scales, zeros) -> None:
         self.format = fmt
         self.num_embeddings, self.embedding_dim = shape
-        self.register_buffer("scales", scales)
-        self.register_buffer("zeros", zeros)
+        row = fmt.gguf
+        self._decoder = row.decoder() if row is not None and self._stream.blocks is not None and \
+            row.type_name == self._stream.type_name else None
+        if self._decoder is None:  # (per-row or float16-zero variants of the type: their own parameters)
+            self.register_buffer("scales", scales)
+            self.register_buffer("zeros", zeros)
+
+    def __getattr__(self, name: str):
+        if name in ("scales", "zeros") and self.__dict__.get("_decoder") is not None:
+            return self._file_params(name == "zeros")
+        return super().__getattr__(name)
+
+    def _decoded(self, r0: int, r1: int, rows: np.ndarray | None = None):
+        """Codes, scales and zeros (tensors in the format's dtypes) of rows ``r0:r1`` (or ``rows``) from the file's
+        blocks, by the type's decoder: the values ``import_gguf`` gave the table."""
+        fmt, blocks = self.format, self._stream.blocks
+        part = blocks[r0:r1] if rows is None else blocks[rows]
+        n = len(part)
+        with np.errstate(invalid="ignore", over="ignore"):
+            codes, s, z = self._decoder(np.ascontiguousarray(part).reshape(-1, fmt.gguf.type_size), fmt.offset)
+        groups = fmt.groups_per_row(self.embedding_dim)
+        s = torch.from_numpy(np.asarray(s).reshape(n, groups).astype(fmt.scale_dtype))
+        z = None if z is None else torch.from_numpy(np.asarray(z).reshape(n, groups).astype(fmt.zero_dtype))
+        return np.asarray(codes).reshape(n, self.embedding_dim), s, z
+
+    def _file_params(self, zeros: bool) -> torch.Tensor | None:
+        if zeros and not self.format.has_zeros:
+            return None
+        step = max(1, PACK_SLICE // self.embedding_dim)
+        return torch.cat([self._decoded(r0, min(r0 + step, self.num_embeddings))[2 if zeros else 1]
+                          for r0 in range(0, self.num_embeddings, step)])
 
     @property
     def codes(self) -> torch.Tensor:
@@ -204,6 +239,9 @@ class StreamedEmbedding(Embedding):
         return table
 
     def _rows(self, rows: torch.Tensor) -> torch.Tensor:
+        if self._decoder is not None:  # the rows' blocks decoded whole: codes, scales and zeros
+            codes, s, z = self._decoded(0, 0, rows.numpy())
+            return self._dequantized(rows, torch.from_numpy(codes), s, z)
         codes = np.concatenate([self._stream[r:r + 1] for r in rows.tolist()]) if len(rows) else \
             np.empty((0, self.embedding_dim), np.uint8)
         return self._dequantized(rows, torch.from_numpy(codes))
@@ -211,6 +249,10 @@ class StreamedEmbedding(Embedding):
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
         destination[prefix + "codes"] = self.codes  # a checkpoint holds them (loaded as a plain Embedding)
+        if self._decoder is not None:
+            destination[prefix + "scales"] = self.scales
+            if self.format.has_zeros:
+                destination[prefix + "zeros"] = self.zeros
 
 
 def _pack_codes(codes, bits: int) -> torch.Tensor:
