@@ -38,6 +38,12 @@ class Isa:
     dot_signed_codes: bool = False
 
     @property
+    def dot_two_bit_super_groups(self) -> bool:
+        """Whether 2-bit codes in K-quant super groups of 32-weight groups (IQ1_S) take dot products for many rows:
+        their multipliers sum in integers once a group, where two planes' lookups cost a float epilogue a group."""
+        return False
+
+    @property
     def dot_codebooks(self) -> bool:
         """Whether ``dot`` can multiply a codebook's levels (i-quants: int8 levels up to ±127, or those + 128 as
         unsigned bytes), not only small codes."""

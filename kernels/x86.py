@@ -15,6 +15,10 @@ class X86Isa(Isa):
     dot_rows: int = 32  # vpdpbusd or vpmaddubsw on unpacked codes beat the lookups from here (docs/decisions.md)
 
     @property
+    def dot_two_bit_super_groups(self) -> bool:
+        return True  # 1.1-1.5x the lookups from 64 rows on every ISA but VBMI's quads (docs/decisions.md, "IQ1_S")
+
+    @property
     def dot_codebooks(self) -> bool:
         # levels + 128 as unsigned bytes: ``vpdpbusd`` sums their products in int32; ``vpmaddubsw``'s int16 pairs
         # would saturate (2·241·127 > 2^15)

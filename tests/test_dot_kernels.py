@@ -96,17 +96,18 @@ def test_k_quant_activations_take_one_scale_a_super_group(rng, isa, kind):
 
 @pytest.mark.parametrize("isa", DOT_ISAS)
 @pytest.mark.parametrize("kind", ["w4g32", "w4g128-sym", "w4grow", "w4g16", "w3g64", "w5g32", "w6g16-sym", "Q4_0",
-                                  "Q4_1", "Q4_K", "Q3_K", "Q5_K", "Q6_K"])
+                                  "Q4_1", "Q4_K", "Q3_K", "Q5_K", "Q6_K", "IQ1_S"])
 def test_dot_gemm_matches_its_oracle(rng, isa, kind):
-    """``dot_gemm`` of 3- to 6-bit codes (bit-plane chunks of 4, 2 and 1 planes) and every parameter kind (float32
-    and float16 scales, zeros or none, groups of 16 to a whole row, llama.cpp's Q4_0/Q4_1 blocks and the K-quants'
-    byte multipliers of d and dmin, Q3_K's and Q6_K's signed) against the reference, with a partial last row block
-    and a partial last tile of activation rows; codes in quads keep table lookups at any row count."""
+    """``dot_gemm`` of 3- to 6-bit codes (bit-plane chunks of 4, 2 and 1 planes), and IQ1_S's 2-bit K-quant form,
+    and every parameter kind (float32 and float16 scales, zeros or none, groups of 16 to a whole row, llama.cpp's
+    Q4_0/Q4_1 blocks and the K-quants' byte multipliers of d and dmin, Q3_K's and Q6_K's signed) against the
+    reference, with a partial last row block and a partial last tile of activation rows; codes in quads keep table
+    lookups at any row count (and IQ1_S on arm64, measured on x86 only)."""
     m, k = 200, 512
     qw = _weight(rng, kind, m, k)
     lw = LutWeight(pack(qw, spec_for(qw, ISAS[isa])))
     # the one layout of these codes without dot products: quads (64-entry lookups, AVX-512 VBMI: 3 and 5 bits)
-    assert lw.spec.dot_products != lw.spec.quads
+    assert lw.spec.dot_products != (lw.spec.quads or kind == "IQ1_S" and ISAS[isa].arch != "x86_64")
     for n in (ISAS[isa].dot_rows, ISAS[isa].dot_rows + 5):
         assert takes_dot_products(lw.spec, n) == lw.spec.dot_products
         x = rng.standard_normal((n, k)).astype(np.float32)
@@ -206,8 +207,9 @@ def test_a_whole_row_group_is_a_loop_not_code_that_grows_with_k(isa):
 
 def test_which_specs_have_dot_products():
     """Bit-plane codes of 3 to 6 bits, in one K chunk or several, on an ISA with dot products (x86, and arm64 with
-    ``sdot``); not 2-bit codes (two planes' lookups cost no more), 8-bit codes, or ISAs without (arm64 without
-    dotprod and the generic fallback keep table lookups)."""
+    ``sdot``); not 2-bit codes (two planes' lookups cost no more) but IQ1_S's on x86 (super groups of 32-weight
+    groups, not in quads), nor 8-bit codes, or ISAs without (arm64 without dotprod and the generic fallback keep
+    table lookups)."""
     rng = np.random.default_rng(0)
     w = rng.standard_normal((64, 512)).astype(np.float32)
     qw = quantize_weight(w, bits=4, group_size=32)
@@ -217,6 +219,13 @@ def test_which_specs_have_dot_products():
     assert all(spec_for(quantize_weight(w, bits=b, group_size=32), ISAS["avx2"]).dot_products for b in (3, 5, 6))
     assert not any(spec_for(quantize_weight(w, bits=b, group_size=32), ISAS[i]).dot_products
                    for b in (2, 8) for i in ("avx2", "neon_dotprod"))
+    from tmac.models.files.synthetic import k_quant_blocks
+    from tmac.quant.quantize import import_gguf
+
+    iq1_s, q2_k = (import_gguf(k_quant_blocks(rng, 64, 512, t), t, (64, 512)) for t in ("IQ1_S", "Q2_K"))
+    assert spec_for(iq1_s, ISAS["avx2"]).dot_products and not spec_for(q2_k, ISAS["avx2"]).dot_products
+    vbmi = spec_for(iq1_s, ISAS["avx512_vbmi"])
+    assert not spec_for(iq1_s, ISAS["neon_dotprod"]).dot_products and vbmi.quads and not vbmi.dot_products
     assert spec_for(qw, ISAS["neon_dotprod"]).dot_products
     for other in ("neon", "generic_x86_64"):
         assert not spec_for(qw, ISAS[other]).dot_products

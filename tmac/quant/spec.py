@@ -168,13 +168,16 @@ class KernelSpec:
     def dot_products(self) -> bool:
         """Whether its library also has the dot-product GEMM for many rows (``quantize_rows``, ``dot_gemm``:
         codegen/dot.py), on an ISA with dot products (``Isa.dot_rows``): bit-plane codes of 3 to 6 bits (not quads,
-        whose 64-entry lookups serve 3 and 5 bits on AVX-512 VBMI), and codebook codes (the i-quants, in either
-        layout) where the ISA multiplies their levels (``Isa.dot_codebooks``)."""
+        whose 64-entry lookups serve 3 and 5 bits on AVX-512 VBMI), 2-bit ones in super groups of 32-weight groups
+        where the ISA says so (``Isa.dot_two_bit_super_groups``: IQ1_S on x86), and codebook codes (the i-quants, in
+        either layout) where the ISA multiplies their levels (``Isa.dot_codebooks``)."""
         isa = ISAS[self.isa]
         if isa.dot_rows <= 0 or self.triples or not (self.group_size % QUANT_BLOCK == 0 or self.group_size == 16):
             return False
         if self.codebook:
             return isa.dot_codebooks
+        if self.bits == 2 and self.super_groups and self.group_size >= QUANT_BLOCK:  # IQ1_S's K-quant form
+            return isa.dot_two_bit_super_groups and not self.quads
         return self.bits in DOT_BITS and not self.quads
 
     @property
