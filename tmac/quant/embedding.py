@@ -190,7 +190,7 @@ class StreamedEmbedding(Embedding):
 
     def __getattr__(self, name: str):
         if name in ("scales", "zeros") and self.__dict__.get("_decoder") is not None:
-            return self._file_params(name == "zeros")
+            return self._file_params()[name == "zeros"]
         return super().__getattr__(name)
 
     def _decoded(self, r0: int, r1: int, rows: np.ndarray | None = None):
@@ -206,12 +206,23 @@ class StreamedEmbedding(Embedding):
         z = None if z is None else torch.from_numpy(np.asarray(z).reshape(n, groups).astype(fmt.zero_dtype))
         return np.asarray(codes).reshape(n, self.embedding_dim), s, z
 
-    def _file_params(self, zeros: bool) -> torch.Tensor | None:
-        if zeros and not self.format.has_zeros:
-            return None
-        step = max(1, PACK_SLICE // self.embedding_dim)
-        return torch.cat([self._decoded(r0, min(r0 + step, self.num_embeddings))[2 if zeros else 1]
-                          for r0 in range(0, self.num_embeddings, step)])
+    def _file_params(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The whole table's scales and zeros from the file's blocks, by the type's parameter decoder where it has
+        one (the codes are not decoded)."""
+        fmt, blocks = self.format, self._stream.blocks
+        decode = fmt.gguf.scale_decoder()
+        groups = fmt.groups_per_row(self.embedding_dim)
+        step = max(1, PARAM_SLICE // groups)  # (their temporaries: a few float64 values a group)
+        scales, zeros = [], []
+        for r0 in range(0, self.num_embeddings, step):
+            part = np.ascontiguousarray(blocks[r0:r0 + step]).reshape(-1, fmt.gguf.type_size)
+            with np.errstate(invalid="ignore", over="ignore"):
+                s, z = decode(part, fmt.offset) if decode is not None else self._decoder(part, fmt.offset)[1:]
+            n = min(step, self.num_embeddings - r0)
+            scales.append(torch.from_numpy(np.asarray(s).reshape(n, groups).astype(fmt.scale_dtype)))
+            if z is not None:
+                zeros.append(torch.from_numpy(np.asarray(z).reshape(n, groups).astype(fmt.zero_dtype)))
+        return torch.cat(scales), torch.cat(zeros) if zeros else None
 
     @property
     def codes(self) -> torch.Tensor:
@@ -235,7 +246,8 @@ class StreamedEmbedding(Embedding):
         """The same table with its codes in memory (what a checkpoint of it loads as)."""
         table = Embedding.__new__(Embedding)
         nn.Module.__init__(table)
-        table._set(self.format, (self.num_embeddings, self.embedding_dim), self.codes, self.scales, self.zeros)
+        scales, zeros = self._file_params() if self._decoder is not None else (self.scales, self.zeros)
+        table._set(self.format, (self.num_embeddings, self.embedding_dim), self.codes, scales, zeros)
         return table
 
     def _rows(self, rows: torch.Tensor) -> torch.Tensor:
@@ -250,9 +262,10 @@ class StreamedEmbedding(Embedding):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         destination[prefix + "codes"] = self.codes  # a checkpoint holds them (loaded as a plain Embedding)
         if self._decoder is not None:
-            destination[prefix + "scales"] = self.scales
-            if self.format.has_zeros:
-                destination[prefix + "zeros"] = self.zeros
+            scales, zeros = self._file_params()
+            destination[prefix + "scales"] = scales
+            if zeros is not None:
+                destination[prefix + "zeros"] = zeros
 
 
 def _pack_codes(codes, bits: int) -> torch.Tensor:
@@ -275,6 +288,7 @@ def _pack_codes(codes, bits: int) -> torch.Tensor:
 
 
 PACK_SLICE = 1 << 20  # codes packed at a time (a slice of RowCodes: its decoding temporaries too)
+PARAM_SLICE = 1 << 19  # groups whose parameters a streamed table decodes at a time
 
 
 def _shapes(fmt: WeightFormat, v: int, d: int) -> dict:
