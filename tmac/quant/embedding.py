@@ -193,35 +193,36 @@ class StreamedEmbedding(Embedding):
             return self._file_params()[name == "zeros"]
         return super().__getattr__(name)
 
-    def _decoded(self, r0: int, r1: int, rows: np.ndarray | None = None):
-        """Codes, scales and zeros (tensors in the format's dtypes) of rows ``r0:r1`` (or ``rows``) from the file's
-        blocks, by the type's decoder: the values ``import_gguf`` gave the table."""
-        fmt, blocks = self.format, self._stream.blocks
-        part = blocks[r0:r1] if rows is None else blocks[rows]
-        n = len(part)
-        with np.errstate(invalid="ignore", over="ignore"):
-            codes, s, z = self._decoder(np.ascontiguousarray(part).reshape(-1, fmt.gguf.type_size), fmt.offset)
+    def _params(self, s, z, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A decoder's scales and zeros of ``n`` rows as tensors ``[n, groups]`` in the format's dtypes."""
+        fmt = self.format
         groups = fmt.groups_per_row(self.embedding_dim)
-        s = torch.from_numpy(np.asarray(s).reshape(n, groups).astype(fmt.scale_dtype))
-        z = None if z is None else torch.from_numpy(np.asarray(z).reshape(n, groups).astype(fmt.zero_dtype))
-        return np.asarray(codes).reshape(n, self.embedding_dim), s, z
+        return torch.from_numpy(np.asarray(s).reshape(n, groups).astype(fmt.scale_dtype)), \
+            None if z is None else torch.from_numpy(np.asarray(z).reshape(n, groups).astype(fmt.zero_dtype))
+
+    def _decoded(self, rows: np.ndarray):
+        """Codes, scales and zeros of rows ``rows`` from the file's blocks, by the type's decoder: the values
+        ``import_gguf`` gave the table."""
+        fmt = self.format
+        with np.errstate(invalid="ignore", over="ignore"):
+            codes, s, z = self._decoder(self._stream.blocks[rows].reshape(-1, fmt.gguf.type_size), fmt.offset)
+        return np.asarray(codes).reshape(len(rows), self.embedding_dim), *self._params(s, z, len(rows))
 
     def _file_params(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The whole table's scales and zeros from the file's blocks, by the type's parameter decoder where it has
         one (the codes are not decoded)."""
         fmt, blocks = self.format, self._stream.blocks
         decode = fmt.gguf.scale_decoder()
-        groups = fmt.groups_per_row(self.embedding_dim)
-        step = max(1, PARAM_SLICE // groups)  # (their temporaries: a few float64 values a group)
+        step = max(1, PARAM_SLICE // fmt.groups_per_row(self.embedding_dim))  # (a few float64 temporaries a group)
         scales, zeros = [], []
         for r0 in range(0, self.num_embeddings, step):
             part = np.ascontiguousarray(blocks[r0:r0 + step]).reshape(-1, fmt.gguf.type_size)
             with np.errstate(invalid="ignore", over="ignore"):
                 s, z = decode(part, fmt.offset) if decode is not None else self._decoder(part, fmt.offset)[1:]
-            n = min(step, self.num_embeddings - r0)
-            scales.append(torch.from_numpy(np.asarray(s).reshape(n, groups).astype(fmt.scale_dtype)))
+            s, z = self._params(s, z, min(step, self.num_embeddings - r0))
+            scales.append(s)
             if z is not None:
-                zeros.append(torch.from_numpy(np.asarray(z).reshape(n, groups).astype(fmt.zero_dtype)))
+                zeros.append(z)
         return torch.cat(scales), torch.cat(zeros) if zeros else None
 
     @property
@@ -252,7 +253,7 @@ class StreamedEmbedding(Embedding):
 
     def _rows(self, rows: torch.Tensor) -> torch.Tensor:
         if self._decoder is not None:  # the rows' blocks decoded whole: codes, scales and zeros
-            codes, s, z = self._decoded(0, 0, rows.numpy())
+            codes, s, z = self._decoded(rows.numpy())
             return self._dequantized(rows, torch.from_numpy(codes), s, z)
         codes = np.concatenate([self._stream[r:r + 1] for r in rows.tolist()]) if len(rows) else \
             np.empty((0, self.embedding_dim), np.uint8)
