@@ -24,6 +24,7 @@ from tmac.base.reference import QUANT_BLOCK
 from tmac.quant.spec import KernelSpec, packed_shapes
 
 from tmac.codegen.tir import arg, chunk_row, prim_func
+from tmac.codegen.grids import expanded_pair
 from tmac.codegen.vectors import constant, f32, fold, vec
 
 F32 = "float32"
@@ -149,7 +150,10 @@ class _DotGemm:
         sg, bm, L = self.sg, self.bm, self.lanes
         base = self.flat_row(self.s_shape[1], j) * (sg + self.fb) + sg
         v = buf[vec(base * bm // self.fb + self.first + r * L, L)]
-        return v if buf.dtype == F32 else tirx.Cast(f"float32x{L}", v)
+        v = v if buf.dtype == F32 else tirx.Cast(f"float32x{L}", v)
+        if self.spec.super_exponent:  # stored times 2^e (exact either way: a power of two)
+            v = v * self.bcast(tirx.FloatImm(F32, 2.0 ** -self.spec.super_exponent))
+        return v
 
     def bcast(self, value):
         from tvm import tirx
@@ -208,7 +212,15 @@ class _DotGemm:
         nibbles = u32(0x0F0F0F0F)
         if self.spec.quads:
             with T.serial(0, count) as i:
-                word = T.bind(self.W32[vec(at(r0 + i) // 4, rows)])
+                if self.spec.grid:  # each pair of vectors' rows expanded from their indices and signs
+                    if rows % (2 * L):
+                        raise ValueError(f"{self.spec.name}: a dot tile of grid codes needs whole vector pairs")
+                    codes = [c for v in range(0, rows // L, 2)
+                             for c in expanded_pair(self.isa, self.spec.layout, self.W8, at(r0 + i) + v * 2 * L)]
+                    word = T.bind(tirx.Shuffle([tirx.reinterpret(f"uint32x{L}", c) for c in codes],
+                                               list(range(rows))))
+                else:
+                    word = T.bind(self.W32[vec(at(r0 + i) // 4, rows)])
                 store(word & nibbles, 2 * (r0 + i))
                 store((word >> u32(4)) & nibbles, 2 * (r0 + i) + 1)
             return

@@ -25,6 +25,7 @@ from __future__ import annotations
 from tmac.base.formats import code_offset
 from tmac.quant.spec import KernelSpec, packed_shapes
 
+from tmac.codegen.grids import expanded_pair
 from tmac.codegen.tables import build_tables_func, emit_tables
 from tmac.codegen.tir import arg, chunk_row, prefetch, prim_func
 from tmac.codegen.vectors import vec
@@ -256,7 +257,7 @@ class _Gemm:
         from tvm import tirx
         from tvm.script.ir_builder import tirx as T
 
-        sg = self.sg
+        sg, spec = self.sg, self.spec
         with T.vectorized(0, self.n_tile * self.sb) as i:
             for buf in self.sums:
                 T.buffer_store(buf, tirx.FloatImm(F32, 0.0), [i])
@@ -269,9 +270,12 @@ class _Gemm:
                 at = r * self.sb + i
                 base = (self.chunk_row(self.blk, j, g0 // sg, gc // sg) * (sg + self.fb) + sg) * self.bm \
                     // self.fb + self.first_row + i
-                total = tirx.Cast(F32, self.SS[base]) * self.sums[0][at]
+                d, m = (None if b is None else tirx.Cast(F32, b[base]) for b in (self.SS, self.ZS))
+                if spec.super_exponent:  # stored times 2^e (exact either way: a power of two)
+                    d, m = (None if v is None else v * tirx.FloatImm(F32, 2.0 ** -spec.super_exponent) for v in (d, m))
+                total = d * self.sums[0][at]
                 if self.Z is not None:
-                    total = total - tirx.Cast(F32, self.ZS[base]) * self.sums[1][at]
+                    total = total - m * self.sums[1][at]
                 T.buffer_store(self.out, self.out[self.at(r, i)] + total, [self.at(r, i)])
 
     def emit_lut_group(self, g, g0, gc) -> None:
@@ -303,15 +307,22 @@ class _Gemm:
         for j, (t_lo, t_hi, base, qp, first_plane) in enumerate(layout.lookups(step, bm)):
             tables = [tuple(self.tables_flat[self.nt * n_tile + r, vec(t * 16, self.tw)] for t in (t_lo, t_hi))
                       for r in range(n_tile)]
+            stored = layout.stored_bytes(vl)  # a weight vector's bytes in W (a grid's: half)
             for (_, p, nv, off, _), acc in zip(self.chunks, self.accs):
                 for v in range(nv):
                     vb = self.part * nv + v  # the vector in the block
-                    start = base + off + vb * vl
-                    if self.ahead and (base + off + v * vl) % 64 == 0:  # a line's first
+                    start = base + off + vb * stored
+                    if self.ahead and (base + off + v * stored) % 64 == 0:  # a line's first
                         prefetch(self.WF, byte_at(start + self.ahead))
                         if self.ahead_l2:
                             prefetch(self.WF, byte_at(start + self.ahead_l2), level=2)
-                    idx = self.nibbles(weights(start, vl), qp)
+                    if self.spec.grid:  # a pair of vectors from one load (a part has whole pairs: 4 vectors)
+                        if v % 2 == 0:
+                            pair = [T.bind(c) for c in expanded_pair(isa, layout, self.WF, byte_at(start))]
+                        codes = pair[v % 2]
+                    else:
+                        codes = weights(start, vl)
+                    idx = self.nibbles(codes, qp)
                     masks = [isa.lane_mask(weights(layout.mask_start(j, vb, h, bm, vl), vl // 8))
                              for h in (0, 1)] if layout.codes.negated else None
                     for r, t_pair in enumerate(tables):

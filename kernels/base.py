@@ -50,6 +50,12 @@ class Isa:
         return False
 
     @property
+    def expands_grids(self) -> bool:
+        """Whether the kernels expand grid i-quants' indices and sign bits into codes in registers (``permute2``,
+        ``multishift``: ``tmac.codegen.grids``), so that they are held at their own size."""
+        return False
+
+    @property
     def gemm_accumulators(self) -> int:
         """Accumulator vectors a GEMM tile keeps before a block's rows are done in parts: a quarter of the
         registers."""

@@ -25,6 +25,22 @@ class X86Isa(Isa):
         return self.vnni
 
     @property
+    def expands_grids(self) -> bool:
+        return self.wide_lookup  # VBMI's two-table permute and multishift (docs/decisions.md, "Grid indices")
+
+    def permute2(self, idx, low, high):
+        """Byte i: entry ``idx[i] & 127`` of the 128 bytes ``low``, ``high`` (``vpermi2b``)."""
+        from tvm import tirx
+
+        return tirx.call_llvm_pure_intrin("uint8x64", "llvm.x86.avx512.vpermi2var.qi.512", low, idx, high)
+
+    def multishift(self, offsets, data):
+        """Byte i: the 8 bits from bit ``offsets[i] & 63`` of its 8-byte lane of ``data``, wrapping (``vpmultishiftqb``)."""
+        from tvm import tirx
+
+        return tirx.call_llvm_pure_intrin("uint8x64", "llvm.x86.avx512.pmultishift.qb.512", offsets, data)
+
+    @property
     def _suffix(self) -> tuple[str, str, str]:
         """(pshufb, pmaddubsw, pmaddwd) intrinsic names for this vector width."""
         if self.vector_bytes == 64:

@@ -20,6 +20,7 @@ from tmac.execution.packing import pack, unpack
 from tmac.kernels import ISAS
 from tmac.models.files.synthetic import CODEBOOK_TYPES, GRID_TYPES, k_quant_blocks
 from tmac.quant.choose import spec_for
+from tmac.quant.layout import GRID_TYPES as HELD_AS_GRIDS
 from tmac.quant.quantize import import_gguf
 
 RUNNABLE = runnable_isas()
@@ -89,10 +90,13 @@ def test_kernels_match_the_reference_and_hold_the_files_bytes(rng, isa, type_nam
     spec = spec_for(qw, ISAS[isa])
     assert spec.codebook == qw.format.codebook and bool(spec.super_groups) == (type_name != "IQ4_NL")
     assert spec.quads == ISAS[isa].wide_lookup  # (64-entry lookups: four activations' tables at once; groups of 16 too)
+    # IQ2_XXS where the kernels expand grids (AVX-512 VBMI): its indices and sign bits, the file's size
+    assert spec.grid == (type_name if type_name in HELD_AS_GRIDS and ISAS[isa].expands_grids else "")
     packed = pack(qw, spec)
     held = sum(a.nbytes for a in (packed.weights, packed.scales))
     padding = spec.blocks(m) * spec.block_rows / m
-    assert held <= 1.15 * (codes_bytes(type_name, m, k) if type_name in GRID_TYPES else blocks.nbytes) * padding
+    own = type_name not in GRID_TYPES or spec.grid
+    assert held <= 1.15 * (blocks.nbytes if own else codes_bytes(type_name, m, k)) * padding
     lw = LutWeight(packed)
     exact_w = qw.dequantize().astype(np.float64)
     for n in (1, 3, 20):
@@ -111,6 +115,30 @@ def test_kernels_match_the_reference_and_hold_the_files_bytes(rng, isa, type_nam
     x = rng.standard_normal((3, k)).astype(np.float32)
     for rows in (x[:1], x):
         assert rel_l2(chunked.matmul(torch.from_numpy(rows)).numpy(), ref.lut_matmul(rows, qw)) <= 1e-5
+
+
+@pytest.mark.parametrize("isa", sorted({RUNNABLE[0], RUNNABLE[-1]}))
+def test_super_scales_below_float16s_range_are_held_as_float16_times_a_power_of_two(rng, isa):
+    """IQ2_XXS's super scale is llama.cpp's d/8, below float16's normal range where d < 2^−11 (as in real files): it
+    is held as float16 d/8·2^e (``super_exponent``), not float32, and the kernels' sums are the reference's; the
+    matrix at 1.12x the file's bytes (2 bits of indices and signs, a byte multiplier a 32, float16 a 256) where the
+    kernels expand grids."""
+    m, k = 128, 512
+    blocks = k_quant_blocks(rng, m, k, "IQ2_XXS")
+    blocks[:, :2] = (rng.uniform(1, 2, len(blocks)) * 2.0 ** -13).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    qw = import_gguf(blocks, "IQ2_XXS", (m, k))
+    spec = spec_for(qw, ISAS[isa])
+    assert (spec.scale_dtype, spec.super_exponent) == ("float16", 2)  # d/8·2^2 ≥ 2^−14, float16's least normal
+    packed = pack(qw, spec)
+    if spec.grid:
+        held = sum(a.nbytes for a in (packed.weights, packed.scales))
+        assert held * 8 / (m * k) == 2 + 8 / 32 + 16 / 256 and held <= 1.125 * blocks.nbytes
+    back = unpack(packed, qw.format)
+    np.testing.assert_array_equal(back.scales, qw.scales)
+    lw = LutWeight(packed)
+    for n in (1, 20):
+        x = rng.standard_normal((n, k)).astype(np.float32)
+        assert rel_l2(lw.matmul(torch.from_numpy(x)).numpy(), ref.lut_matmul(x, qw)) <= 1e-5
 
 
 @pytest.mark.parametrize("isa", [i for i in RUNNABLE if not i.startswith("generic")])

@@ -107,3 +107,71 @@ def test_a_saved_spec_carries_the_isa_vector_width_and_is_checked_against_it():
     for width in (32, 0, "64", None):
         with pytest.raises(ValueError, match="vector_bytes"):
             KernelSpec.from_dict({**saved, "vector_bytes": width})
+
+
+def _grid_spec(k=256, **tiling):
+    from tmac.base.formats import FORMATS
+    from tmac.quant.choose import spec_for_format
+
+    return spec_for_format(FORMATS["iq2_xxs"], k, ISAS["avx512_vbmi"], **tiling)
+
+
+def test_grid_quads_hold_an_index_and_a_sign_byte_a_row_a_step():
+    """IQ2_XXS on AVX-512 VBMI (``GridQuads``): a pair of vectors' 32 rows a step are 64 bytes, each row's grid index
+    (the entry whose 8 magnitudes its codes' low two bits are) at byte i and its sign bits at byte 32 + i, read back
+    against llama.cpp's grid from the ``gguf`` package; unpacking inverts packing, and codes that are no grid entry
+    are refused by name."""
+    from gguf.quants import IQ2_XXS
+
+    from tmac.quant.layout import GridQuads
+
+    spec = _grid_spec()
+    layout = spec.layout
+    assert type(layout) is GridQuads and spec.grid == "IQ2_XXS" and spec.quads
+    IQ2_XXS.init_grid()
+    grid = np.rint(np.asarray(IQ2_XXS.grid, np.float64).reshape(256, 8)).astype(int)  # magnitudes 8, 25, 43
+    rng = np.random.default_rng(0)
+    bm, steps = spec.block_rows, spec.k // 8
+    idx = rng.integers(0, 256, (2 * bm, steps))
+    neg = rng.integers(0, 2, (2 * bm, steps, 8))
+    codes = (np.searchsorted([8, 25, 43], grid[idx]) | (neg << 2)).reshape(2 * bm, -1).astype(np.uint8)
+    levels = np.asarray(spec.codebook)
+    assert (levels[codes] == np.where(neg, -1, 1).reshape(2 * bm, -1) * grid[idx].reshape(2 * bm, -1)).all()
+    w = layout.pack(codes, spec)
+    assert w.shape == (2, steps, 2 * bm)
+    for blk, step, byte in zip(rng.integers(0, 2, 60), rng.integers(0, steps, 60), rng.integers(0, 2 * bm, 60)):
+        pair, at = divmod(int(byte), 64)
+        row = blk * bm + 32 * pair + at % 32
+        want = idx[row, step] if at < 32 else int(np.packbits(neg[row, step], bitorder="little")[0])
+        assert w[blk, step, byte] == want
+    np.testing.assert_array_equal(layout.unpack(w, spec), codes)
+    codes[5, 17] = 3  # a magnitude no level has
+    with pytest.raises(ValueError, match=r"row 5, activations 16-23.*IQ2_XXS's grid"):
+        layout.pack(codes, spec)
+    codes[5, 16:24] = [0, 0, 0, 0, 0, 0, 0, 1]  # magnitudes (8, .., 8, 25): no entry of the grid
+    assert not (grid == [8] * 7 + [25]).all(axis=1).any()
+    with pytest.raises(ValueError, match="IQ2_XXS's grid"):
+        layout.pack(codes, spec)
+
+
+def test_grid_and_super_exponent_fields_round_trip_and_are_checked():
+    """A grid spec's JSON names its grid (and its super scales' exponent); a spec without them is written as before
+    they existed; a grid on an ISA that does not expand grids, or an exponent without super groups, is refused."""
+    import json
+
+    from tmac.quant.spec import KernelSpec
+
+    spec = _grid_spec(super_exponent=3)
+    saved = json.loads(spec.to_json())
+    assert (saved["grid"], saved["super_exponent"]) == ("IQ2_XXS", 3)
+    assert KernelSpec.from_dict(saved) == spec and spec.name.endswith("_iq2_xxs_se3")
+    plain = _spec(64, 3, quads=True)
+    assert not {"grid", "super_exponent"} & set(json.loads(plain.to_json()))
+    with pytest.raises(ValueError, match="expands grids"):
+        KernelSpec.from_dict({**saved, "quads": False})
+    with pytest.raises(ValueError, match="super_exponent"):
+        KernelSpec.from_dict({**json.loads(plain.to_json()), "super_exponent": 2})
+    with pytest.raises(ValueError, match="grid"):
+        KernelSpec.from_dict({**saved, "grid": 7})
+    with pytest.raises(ValueError, match="not one of"):
+        KernelSpec.from_dict({**saved, "grid": "IQ3_XXS"})

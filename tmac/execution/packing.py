@@ -93,7 +93,7 @@ def pack(qw: QuantizedWeight, spec: KernelSpec, factors=None) -> PackedWeight:
         if factors is None:
             raise ValueError(f"the scales (and zeros) of this {fmt.name} weight are not multiples of one float32 per "
                              f"{spec.super_groups} groups, as kernel {spec.name} needs")
-        if spec.scale_dtype == "float16" and super_dtype(factors) != "float16":
+        if spec.scale_dtype == "float16" and super_dtype(factors, spec.super_exponent) != "float16":
             raise ValueError(f"the super scales of this {fmt.name} weight are not all float16 values, as kernel "
                              f"{spec.name} stores them")
         (a, d), zero_factors = factors
@@ -213,7 +213,7 @@ def _pack_super(mult: np.ndarray, base: np.ndarray, qw: QuantizedWeight, spec: K
     head = _pack_params(mult, qw, spec, mult.dtype)  # [MB, G, BM]
     g = head.shape[1]
     full = np.zeros((mb * bm, g // sg), spec.scale_dtype)
-    full[:qw.shape[0]] = base
+    full[:qw.shape[0]] = np.ldexp(base, spec.super_exponent)  # (exact: a power of two)
     tail = np.ascontiguousarray(full.reshape(mb, bm, -1).transpose(0, 2, 1)).view(mult.dtype)  # [MB, G/SG, F·BM]
     return np.concatenate([head.reshape(mb, g // sg, sg * bm), tail], axis=2)
 
@@ -226,7 +226,7 @@ def _super_factors(p: np.ndarray, m: int, spec: KernelSpec) -> tuple[np.ndarray,
     rows = lambda a: np.ascontiguousarray(a.transpose(0, 2, 1).reshape(-1, a.shape[1])[:m])  # noqa: E731 [M, X]
     mult = rows(np.ascontiguousarray(p[:, :, :sg * bm]).reshape(mb, supers * sg, bm))
     tail = np.ascontiguousarray(p[:, :, sg * bm:]).view(spec.scale_dtype)  # [MB, G/SG, BM]
-    return mult, rows(tail).astype(np.float32)
+    return mult, np.ldexp(rows(tail).astype(np.float32), -spec.super_exponent)
 
 
 def _pack_params(p: np.ndarray, qw: QuantizedWeight, spec: KernelSpec, dtype: str) -> np.ndarray:

@@ -81,7 +81,7 @@ def respec(fmt: WeightFormat, spec: KernelSpec, isa, rows: int) -> KernelSpec:
     """The spec weights packed as ``spec`` (``rows`` of them) take on ``isa`` (what loading them there repacks to):
     the same format and K, that ISA's tiling for them, and the saved parameter storage (super scales only where the
     weight's parameters factored, in the saved dtype)."""
-    tiling = {"super_groups": spec.super_groups, "super_dtype": spec.scale_dtype}
+    tiling = {"super_groups": spec.super_groups, "super_dtype": spec.scale_dtype, "super_exponent": spec.super_exponent}
     return fitting_block_rows(spec_for_format(fmt, spec.k, isa, **tiling), rows, fmt, isa, tiling)
 
 

@@ -17,8 +17,8 @@ from tmac.base.formats import PER_ROW, PER_TENSOR, WeightFormat
 from tmac.quant.kquant import factor_params
 from tmac.base.qweight import QuantizedWeight, all_float16
 from tmac.base.reference import TRIPLE_LUT_GROUP, default_lut_group, padded_k
-from tmac.quant.layout import QUAD_CHUNKS, quad_step
-from tmac.quant.spec import KernelSpec, packed_shapes
+from tmac.quant.layout import GRID_TYPES, QUAD_CHUNKS, quad_step
+from tmac.quant.spec import MAX_SUPER_EXPONENT, KernelSpec, packed_shapes
 
 
 def spec_for(qw: QuantizedWeight, isa, **tiling) -> KernelSpec:
@@ -36,7 +36,8 @@ def spec_and_factors(qw: QuantizedWeight, isa, tiling: dict):
         if factors is None:  # plain float32 parameters
             tiling = {**tiling, "super_groups": 0}
         elif "super_dtype" not in tiling:
-            tiling = {**tiling, "super_dtype": super_dtype(factors)}
+            exponent = tiling.get("super_exponent", super_exponent(factors))
+            tiling = {**tiling, "super_dtype": super_dtype(factors, exponent), "super_exponent": exponent}
     return fitting_block_rows(spec_for_format(fmt, qw.shape[1], isa, **tiling), qw.shape[0], fmt, isa, tiling), factors
 
 
@@ -57,11 +58,19 @@ def fitting_block_rows(spec: KernelSpec, rows: int, fmt: WeightFormat, isa, tili
     return spec
 
 
-def super_dtype(factors) -> str:
-    """Storage of the super scales of ``factor_params``' factors: float16 where every one is a float16 value (a
-    K-quant import's always are: llama.cpp's d and dmin), else float32."""
+def super_dtype(factors, exponent: int = 0) -> str:
+    """Storage of the super scales of ``factor_params``' factors times 2^``exponent``: float16 where every one is a
+    float16 value (a K-quant import's always are: llama.cpp's d and dmin), else float32."""
     bases = [f[1] for f in factors if f is not None]
-    return "float16" if all(all_float16(b) for b in bases) else "float32"
+    return "float16" if all(all_float16(np.ldexp(b, exponent)) for b in bases) else "float32"
+
+
+def super_exponent(factors) -> int:
+    """The least power of two that makes every super scale a float16 value (llama.cpp's d over a power of two can
+    fall below float16's normal range: IQ2's d/8), or 0 where none is needed or none does."""
+    if super_dtype(factors) == "float16":
+        return 0
+    return next((e for e in range(1, MAX_SUPER_EXPONENT + 1) if super_dtype(factors, e) == "float16"), 0)
 
 
 def spec_for_format(fmt: WeightFormat, k: int, isa, **tiling) -> KernelSpec:
@@ -71,8 +80,10 @@ def spec_for_format(fmt: WeightFormat, k: int, isa, **tiling) -> KernelSpec:
     params = dict(scale_dtype=fmt.scale_dtype, zero_dtype=fmt.zero_dtype if fmt.has_zeros else "float32")
     supers = tiling.pop("super_groups", fmt.groups_per_super)
     halves = tiling.pop("super_dtype", "float16")  # (a K-quant file's own)
+    exponent = tiling.pop("super_exponent", 0)
     if supers:
-        params.update(super_groups=supers, scale_dtype=halves, zero_dtype=halves if fmt.has_zeros else "float32")
+        params.update(super_groups=supers, scale_dtype=halves, zero_dtype=halves if fmt.has_zeros else "float32",
+                      super_exponent=exponent if halves == "float16" else 0)
     if fmt.codebook is not None:  # one activation a table, in bit-plane bytes (tmac.quant.layout.CodebookCodes)
         params["codebook"] = fmt.codebook
     triples = tiling.pop("triples", uses_triples(fmt, k, isa))
@@ -84,6 +95,11 @@ def spec_for_format(fmt: WeightFormat, k: int, isa, **tiling) -> KernelSpec:
     step = 8 if fmt.codebook is not None else quad_step(planes) if planes in QUAD_CHUNKS else 0
     if tiling.pop("quads", isa.wide_lookup and (triples or step and lut_group % step == 0)):
         params["quads"] = True
+    # a grid i-quant's quads are held as its indices and sign bits where the kernels expand them (its own size)
+    own = fmt.gguf is not None and fmt.gguf.type_name in GRID_TYPES and isa.expands_grids
+    grid = tiling.pop("grid", fmt.gguf.type_name if own else "")
+    if grid and params.get("quads"):
+        params["grid"] = grid
     if triples:  # 1.67 instead of 2 bits streamed per weight
         fixed, params = (2, k, k, TRIPLE_LUT_GROUP, False), {**params, "triples": True}
     else:

@@ -199,6 +199,10 @@ class Layout(ABC):
     def step_activations(self) -> int:
         return self.step_tables * self.codes.per_table
 
+    def stored_bytes(self, vector_bytes: int) -> int:
+        """Bytes of W a weight vector of ``vector_bytes`` is read from (expanded from fewer: ``GridQuads``)."""
+        return vector_bytes
+
     def step_vectors(self, block_rows: int, vector_bytes: int) -> int:
         """Weight vectors a block of ``block_rows`` rows reads per step."""
         return block_rows * self.row_bytes // vector_bytes * max(1, len(self.quad_chunks))
@@ -487,8 +491,83 @@ class Quads(Layout):
         return self.codes.codes_of(nib, neg, spec.k)
 
 
-def layout_of(bits: int, triples: bool, quads: bool, codebook: tuple = ()) -> Layout:
-    """The layout of a spec's ``bits``, ``triples``, ``quads`` and ``codebook`` fields."""
+GRID_TYPES = ("IQ2_XXS",)  # grids of 8-weight entries, at most 256, of 3 magnitudes: a step's index and sign byte
+_POWERS_OF_3 = 3 ** np.arange(8, dtype=np.int32)
+
+
+class GridQuads(Quads):
+    """Quads of codebook codes held as llama.cpp's grid indices and sign bits (``GRID_TYPES``): a row's two bytes a
+    step instead of four, which the kernel expands into the quads' code bytes (``tmac.codegen.grids``). A code is
+    magnitude | sign << 2, the magnitude the index of the grid value among the codebook's first levels::
+
+        W [MB, K/8, 2·BM]  uint8
+
+    A pair of vectors' rows (VL/2, 32) has 64 bytes of a ``[blk, step]`` row, from byte ``64·v``: byte i is the grid
+    index of row ``32·v + i`` for activations ``8·step .. +7``, byte 32 + i the row's sign bits (bit j: activation
+    ``8·step + j`` negative)."""
+
+    def __init__(self, codes: CodebookCodes, grid: str):
+        super().__init__(codes)
+        self.grid, self.step_bytes = grid, 2
+
+    @property
+    def suffix(self) -> str:
+        return super().suffix + "g"
+
+    def stored_bytes(self, vector_bytes: int) -> int:
+        return vector_bytes // 2
+
+    def problems(self, spec):
+        if self.grid not in GRID_TYPES:
+            return [f"grid {self.grid!r:.20} is not one of {GRID_TYPES}"]
+        from tmac.base.gguf_blocks import GRID_LEVELS
+
+        if self.codes.levels != GRID_LEVELS[self.grid]:
+            return [f"grid {self.grid} takes its own codebook {GRID_LEVELS[self.grid]}"]
+        if spec.block_rows % (spec.vector_bytes // 2):
+            return [f"grid quads take blocks of whole vector pairs ({spec.vector_bytes // 2} rows)"]
+        return super().problems(spec)
+
+    def magnitudes(self) -> np.ndarray:
+        """The grid's entries as magnitude codes ``[entries, 8]``."""
+        from tmac.base.gguf_blocks import grid_magnitude_codes
+
+        return grid_magnitude_codes(self.grid)
+
+    def pack(self, codes, spec):
+        bm, per = spec.block_rows, spec.vector_bytes // 2
+        rows, k = codes.shape
+        mb, steps = rows // bm, k // 8
+        c = codes.reshape(rows, steps, 8)
+        index_of = np.full(3 ** 8, -1, np.int16)  # magnitudes of an entry, as base-3 digits → its index
+        index_of[(self.magnitudes().astype(np.int32) * _POWERS_OF_3).sum(axis=1)] = np.arange(256, dtype=np.int16)
+        mags = c & 3
+        key = (np.minimum(mags, 2).astype(np.int32) * _POWERS_OF_3).sum(axis=2)
+        idx = index_of[key]
+        bad = (idx < 0) | ((c & 0xF8) != 0).any(axis=2) | (mags == 3).any(axis=2)
+        if bad.any():
+            r, s = np.argwhere(bad)[0]
+            raise ValueError(f"codes {c[r, s].tolist()} (row {r}, activations {8 * s}-{8 * s + 7}) are no entry of "
+                             f"{self.grid}'s grid with signs")
+        signs = np.packbits(c >> 2, axis=2, bitorder="little")[:, :, 0]
+        out = np.empty((mb, steps, 2 * bm), np.uint8)
+        v = out.reshape(mb, steps, bm // per, 2, per)
+        for half, values in enumerate((idx.astype(np.uint8), signs)):
+            v[:, :, :, half] = values.reshape(mb, bm // per, per, steps).transpose(0, 3, 1, 2)
+        return out
+
+    def unpack(self, w, spec):
+        bm, per, (mb, steps, _) = spec.block_rows, spec.vector_bytes // 2, w.shape
+        v = w.reshape(mb, steps, bm // per, 2, per)
+        idx, signs = (v[:, :, :, half].transpose(0, 2, 3, 1).reshape(mb * bm, steps) for half in (0, 1))
+        neg = np.unpackbits(signs[:, :, None], axis=2, bitorder="little")
+        return (self.magnitudes()[idx] | (neg << 2)).reshape(mb * bm, 8 * steps)
+
+
+def layout_of(bits: int, triples: bool, quads: bool, codebook: tuple = (), grid: str = "") -> Layout:
+    """The layout of a spec's ``bits``, ``triples``, ``quads``, ``codebook`` and ``grid`` fields."""
+    if grid:
+        return GridQuads(CodebookCodes(codebook), grid)
     if codebook:  # (its codes refuse triples: ``CodebookCodes.problems``)
         return Quads(CodebookCodes(codebook)) if quads else Planes(CodebookCodes(codebook))
     codes = TripleCodes() if triples else PlaneCodes(bits)

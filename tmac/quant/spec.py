@@ -23,6 +23,7 @@ DOT_BITS = (3, 4, 5, 6)
 # activation rows from which ``build_tables`` runs on the thread pool: a parallel launch costs more than one row's
 # tables take (the few rows of a batched decode step stay serial; a prefill's go parallel)
 PARALLEL_TABLE_ROWS = 16
+MAX_SUPER_EXPONENT = 24  # (float16's subnormals reach 2^−24)
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,10 @@ class KernelSpec:
     super_groups: int = 0  # weight groups sharing one super scale of the scales and zeros (K-quants); 0: plain S, Z
     k_chunk: int = 0
     codebook: tuple = ()  # a codebook format's levels (tmac.base.formats): one activation to a table; (): bit planes
+    grid: str = ""  # quads of codebook codes held as this grid i-quant's indices and signs (tmac.quant.layout.GridQuads)
+    # super scales stored times 2^super_exponent, the kernels scaling their sums back: float16 where llama.cpp's d
+    # over a power of two (IQ2's d/8) falls below float16's normal range
+    super_exponent: int = 0
 
     def __post_init__(self):
         check_bits(self.bits)
@@ -54,10 +59,14 @@ class KernelSpec:
             raise ValueError(f"invalid kernel spec: ISA {self.isa!r:.50} is not one of {', '.join(ISAS)} (tmac.kernels)")
         if self.codebook:
             check_codebook(self.codebook, self.bits)
-        layout = layout_of(self.bits, self.triples, self.quads, self.codebook)
+        if not isinstance(self.grid, str):
+            raise ValueError(f"invalid kernel spec: grid {self.grid!r:.50} is not a string")
+        layout = layout_of(self.bits, self.triples, self.quads, self.codebook, self.grid)
         object.__setattr__(self, "_layout", layout)
         k, g, lg, bm, vl = self.k, self.group_size, self.lut_group, self.block_rows, self.vector_bytes
         problems = []
+        if self.grid and not (self.quads and ISAS[self.isa].expands_grids):
+            problems.append(f"grid {self.grid} needs quads on an ISA that expands grids, not {self.isa}")
         if not kernels_take(k):
             problems.append(f"K={k} must be a positive multiple of {K_MULTIPLE}")
         if g <= 0 or k % g:
@@ -75,6 +84,8 @@ class KernelSpec:
                                   k % (g * self.super_groups)):
             problems.append(f"super_groups={self.super_groups} needs lut_group = group_size, an even count and must "
                             f"divide the K/group_size={k // g} groups")
+        if self.super_exponent and not (self.super_groups and 0 < self.super_exponent <= MAX_SUPER_EXPONENT):
+            problems.append(f"super_exponent={self.super_exponent} needs super groups and at most {MAX_SUPER_EXPONENT}")
         if self.super_groups and self.has_zeros and self.scale_dtype != self.zero_dtype:
             problems.append(f"super scales take one dtype, got {self.scale_dtype!r}/{self.zero_dtype!r}")
         if steps and (self.k_chunk <= 0 or self.k_chunk % self.chunk_unit or self.k_chunk > self.k_padded):
@@ -160,7 +171,8 @@ class KernelSpec:
             ("_zh" if self.has_zeros and self.zero_dtype == "float16" else "") + self._layout.suffix + \
             (f"_ks{self.super_groups}" if self.super_groups else "") + \
             (f"_kc{self.k_chunk}" if self.k_chunk < self.k_padded else "") + \
-            (f"_cb{_levels_hash(self.codebook)}" if self.codebook else "")
+            (f"_cb{_levels_hash(self.codebook)}" if self.codebook else "") + \
+            (f"_{self.grid.lower()}" if self.grid else "") + (f"_se{self.super_exponent}" if self.super_exponent else "")
         return (f"lut_{self.isa}_b{self.bits}_k{self.k}_g{self.group_size}_lg{self.lut_group}{z}"
                 f"_bm{self.block_rows}_nt{self.n_tile}_u{self.unroll}{half}")
 
@@ -205,13 +217,16 @@ class KernelSpec:
             fields_["codebook"] = list(self.codebook)
         else:
             del fields_["codebook"]
+        for name in ("grid", "super_exponent"):  # (absent where unused, as before they existed)
+            if not fields_[name]:
+                del fields_[name]
         return fields_
 
     @classmethod
     def from_dict(cls, d) -> "KernelSpec":
         """A spec from JSON; specs written before the later fields existed lack them (float32, bit planes)."""
         names = {f.name for f in fields(cls)}
-        strings = {"isa", "scale_dtype", "zero_dtype"}
+        strings = {"isa", "scale_dtype", "zero_dtype", "grid"}
         if isinstance(d, dict) and "codebook" in d:  # JSON's list
             if not isinstance(d["codebook"], list):
                 raise ValueError(f"kernel spec field 'codebook' must be a list of levels, got {d['codebook']!r:.50}")
@@ -248,7 +263,7 @@ class KernelSpec:
 
 
 _LATER_FIELDS = {"scale_dtype": "float32", "zero_dtype": "float32", "triples": False, "quads": False,
-                 "super_groups": 0, "k_chunk": None, "codebook": ()}  # old meaning (k_chunk: all of K)
+                 "super_groups": 0, "k_chunk": None, "codebook": (), "grid": "", "super_exponent": 0}  # old meaning (k_chunk: all of K)
 
 
 def _levels_hash(levels: tuple) -> str:
