@@ -215,8 +215,9 @@ class _DotGemm:
                 if self.spec.grid:  # each pair of vectors' rows expanded from their indices and signs
                     if rows % (2 * L):
                         raise ValueError(f"{self.spec.name}: a dot tile of grid codes needs whole vector pairs")
+                    stored = self.spec.layout.stored_bytes(self.vl)
                     codes = [c for v in range(0, rows // L, 2)
-                             for c in expanded_pair(self.isa, self.spec.layout, self.W8, at(r0 + i) + v * 2 * L)]
+                             for c in expanded_pair(self.isa, self.spec.layout, self.W8, at(r0 + i) + v * stored)]
                     word = T.bind(tirx.Shuffle([tirx.reinterpret(f"uint32x{L}", c) for c in codes],
                                                list(range(rows))))
                 else:

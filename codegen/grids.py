@@ -1,11 +1,18 @@
-"""Grid i-quants expanded in registers (``tmac.quant.layout.GridQuads``): the grid indices and sign bytes of a vector's
-16 rows and one step become the quads' code bytes that the lookups and the dot products read — byte 4i + p of row i
-holds code p | code p + 4 << 4, a code being magnitude | sign << 2.
+"""Grid i-quants expanded in registers (``tmac.quant.layout.GridQuads``): the grid indices and sign bytes of a pair
+of vectors' 32 rows and one step become the quads' code bytes that the lookups and the dot products read — byte
+4i + p of row i holds code p | code p + 4 << 4, a code being magnitude | sign << b.
 
-A grid entry is a 16-bit word of 2-bit magnitudes, magnitude p at bit ``OFFSETS[p]`` and p + 4 four bits above, so
-that one ``multishift`` window of 8 bits holds magnitude p in its bits 0-1 and p + 4 in bits 4-5. The words' low and
-high bytes are two tables of 256, looked up a quarter (64 entries of each) at a time by ``permute2``, whose index
-bit 6 picks the high bytes' table in the lanes that want them; the index's top two bits pick the quarter."""
+A grid entry is a 16-bit word of its magnitudes, looked up as two tables of 256 bytes (its low and its high byte;
+``permute2`` reads 128 entries, a blend on the index's top bit picks the half). A ``permute2`` a vector puts two rows'
+words side by side in an 8-byte lane, from which ``multishift`` windows cut each code byte's fields:
+
+- IQ2_XXS (an entry a step, eight 2-bit magnitudes): magnitude p at bit ``OFFSETS[p]`` of the word and p + 4 four
+  bits above, so one window holds both (bits 0-1, 4-5); the row's sign byte beside the words gives signs p and p + 4
+  (bits 2, 6) in a second window.
+- IQ3_XXS (two entries a step, four 3-bit magnitudes each, in the word's nibbles): the sign bits go into the nibbles'
+  free top bits first (each word's bytes from its row's sign byte, shifted by a window), so that nibble p of the
+  step's first word is code p and of its second code p + 4; a window on each puts them in one byte.
+"""
 
 from __future__ import annotations
 
@@ -15,27 +22,42 @@ from tmac.codegen.vectors import constant, vec
 
 OFFSETS = (0, 2, 8, 10)
 ROWS = 16  # a vector's rows: 4 code bytes each; a pair of vectors' grid bytes are one load
-# vector h of a pair, its rows 2j, 2j + 1 (8-byte lane j): their words' low and high bytes, their sign bytes (from the
-# pair's low bytes beside its signs, and its high bytes: ``permute2``), then two unused bytes
+# IQ2_XXS, vector h of a pair, its rows 2j, 2j + 1 (8-byte lane j): their words' low and high bytes, their sign bytes
+# (from the pair's low bytes beside its signs, and its high bytes: ``permute2``), then two unused bytes
 PLACE = [[at for j in range(ROWS // 2) for r in (ROWS * h + 2 * j,) for at in (r, 64 + r, r + 1, 65 + r, 32 + r, 33 + r,
                                                                               0, 0)] for h in (0, 1)]
 # byte 4e + p of lane j (row 2j + e): magnitudes p, p + 4 from the row's word; its signs p (bit 2) and p + 4 (bit 6)
 MAGNITUDE_BITS = [16 * e + OFFSETS[p] for _ in range(ROWS // 2) for e in (0, 1) for p in range(4)]
 SIGN_BITS = [8 * (4 + e) + p - 2 for _ in range(ROWS // 2) for e in (0, 1) for p in range(4)]
+# IQ3_XXS: entry e of pair row r is lane 2r + e; its sign byte spread to both lanes, then shifted so that the low byte
+# takes signs 4e, 4e + 1 at bits 3, 7 (the sign byte's order: ``layout.SIGN_ORDER``) and the high byte 4e + 2, 4e + 3
+# (a window from bit 8·(lane mod 8) − k is the lane's byte shifted left by k, rotating in bits from above)
+SPREAD_SIGNS = [r for r in range(32) for _ in (0, 1)]
+SIGN_SHIFTS = [[(8 * (lane % 8) - (first - 2 * (lane % 2))) % 64 for lane in range(64)] for first in (3, 2)]
+# vector h, rows 2j, 2j + 1: the words of their two entries (low, high byte each), in order
+PLACE_ENTRIES = [[at for j in range(ROWS // 2) for r in (ROWS * h + 2 * j, ROWS * h + 2 * j + 1) for e in (0, 1)
+                  for at in (2 * r + e, 64 + 2 * r + e)] for h in (0, 1)]
+# byte 4e + p of lane j (row 2j + e): nibble p of its first word (bits 0-3), of its second (bits 4-7)
+FIRST_NIBBLES = [32 * e + 4 * p for _ in range(ROWS // 2) for e in (0, 1) for p in range(4)]
+SECOND_NIBBLES = [32 * e + 12 + 4 * p for _ in range(ROWS // 2) for e in (0, 1) for p in range(4)]
 
 
 def entry_words(magnitudes: np.ndarray) -> np.ndarray:
-    """The grid's entries ``[entries, 8]`` (2-bit magnitude codes) as the 16-bit words described above."""
+    """The grid's entries ``[entries, width]`` (magnitude codes) as the 16-bit words described above."""
     m = magnitudes.astype(np.uint16)
     words = np.zeros(len(m), np.uint16)
+    if m.shape[1] == 4:  # nibble p: magnitude p
+        for p in range(4):
+            words |= m[:, p] << (4 * p)
+        return words
     for p, at in enumerate(OFFSETS):
         words |= (m[:, p] << at) | (m[:, p + 4] << (at + 4))
     return words
 
 
 def expanded_pair(isa, layout, buf, at):
-    """The quads' code bytes (uint8x64) of the two vectors whose 64 grid bytes start at byte ``at`` of ``buf``: 32
-    rows' indices, then their sign bytes."""
+    """The quads' code bytes (uint8x64) of the two vectors whose grid bytes start at byte ``at`` of ``buf``: 32 rows'
+    indices (an entry or two a row), then their sign bytes."""
     from tvm import tirx
 
     def u8(value):
@@ -51,8 +73,18 @@ def expanded_pair(isa, layout, buf, at):
     low, high = ([isa.permute2(grid, table(half[q:q + 64]), table(half[q + 64:q + 128])) for q in (0, 128)]
                  for half in (words & 255, words >> 8))
     low, high = (tirx.Select(top, b, a) for a, b in (low, high))
-    low = tirx.Shuffle([low, grid], list(range(32)) + list(range(96, 128)))  # the low bytes, then the signs
     out = []
+    if layout.width == 4:
+        signs = buf[vec(at + 64, 32)]
+        spread = tirx.Shuffle([signs, signs], SPREAD_SIGNS)
+        low, high = (word | (isa.multishift(table(shifts), spread) & u8(0x88))
+                     for word, shifts in zip((low, high), SIGN_SHIFTS))
+        for h in (0, 1):
+            placed = isa.permute2(table(PLACE_ENTRIES[h]), low, high)
+            out.append((isa.multishift(table(FIRST_NIBBLES), placed) & u8(0x0F)) |
+                       (isa.multishift(table(SECOND_NIBBLES), placed) & u8(0xF0)))
+        return out
+    low = tirx.Shuffle([low, grid], list(range(32)) + list(range(96, 128)))  # the low bytes, then the signs
     for h in (0, 1):
         placed = isa.permute2(table(PLACE[h]), low, high)
         magnitudes = isa.multishift(table(MAGNITUDE_BITS), placed)

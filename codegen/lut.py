@@ -311,11 +311,11 @@ class _Gemm:
             for (_, p, nv, off, _), acc in zip(self.chunks, self.accs):
                 for v in range(nv):
                     vb = self.part * nv + v  # the vector in the block
-                    start = base + off + vb * stored
-                    if self.ahead and (base + off + v * stored) % 64 == 0:  # a line's first
-                        prefetch(self.WF, byte_at(start + self.ahead))
+                    start, rel = base + off + vb * stored, base + off + v * stored  # (rel: within the part's)
+                    for line in range(-(-rel // 64) * 64, rel + stored, 64) if self.ahead else ():  # lines begun here
+                        prefetch(self.WF, byte_at(start - rel + line + self.ahead))
                         if self.ahead_l2:
-                            prefetch(self.WF, byte_at(start + self.ahead_l2), level=2)
+                            prefetch(self.WF, byte_at(start - rel + line + self.ahead_l2), level=2)
                     if self.spec.grid:  # a pair of vectors from one load (a part has whole pairs: 4 vectors)
                         if v % 2 == 0:
                             pair = [T.bind(c) for c in expanded_pair(isa, layout, self.WF, byte_at(start))]

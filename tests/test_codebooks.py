@@ -2,8 +2,9 @@
 imported exactly (against the ``gguf`` package's dequantization), looked up in one table per activation by every
 ISA this CPU runs (against the numpy reference and fp64), held at the file's bytes, and a model of them against
 an fp64 forward of the same file. The grid i-quants (IQ1_M to IQ3_S: grid indices and sign bits) import exactly as
-4-bit codes of their at most 16 levels, through the same kernels, held at those codes' bytes (not 8 bits); IQ1_S,
-whose shift is one a group, as a K-quant of 2-bit codes."""
+4-bit codes of their at most 16 levels, through the same kernels, held at those codes' bytes (not 8 bits) — IQ2_XXS
+and IQ3_XXS where the kernels expand grids (AVX-512 VBMI) at their own, as indices and sign bits; IQ1_S, whose shift
+is one a group, as a K-quant of 2-bit codes."""
 import gguf
 import numpy as np
 import pytest

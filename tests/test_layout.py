@@ -1,5 +1,7 @@
 """The weight layouts (``tmac.quant.layout``) against their documented byte formulas, read back byte by byte from the
 codes, on every vector width, and their unpackers against their packers. numpy only: no kernel is compiled."""
+import itertools
+
 import numpy as np
 import pytest
 
@@ -109,48 +111,59 @@ def test_a_saved_spec_carries_the_isa_vector_width_and_is_checked_against_it():
             KernelSpec.from_dict({**saved, "vector_bytes": width})
 
 
-def _grid_spec(k=256, **tiling):
+def _grid_spec(k=256, type_name="IQ2_XXS", **tiling):
     from tmac.base.formats import FORMATS
     from tmac.quant.choose import spec_for_format
 
-    return spec_for_format(FORMATS["iq2_xxs"], k, ISAS["avx512_vbmi"], **tiling)
+    return spec_for_format(FORMATS[type_name.lower()], k, ISAS["avx512_vbmi"], **tiling)
 
 
-def test_grid_quads_hold_an_index_and_a_sign_byte_a_row_a_step():
-    """IQ2_XXS on AVX-512 VBMI (``GridQuads``): a pair of vectors' 32 rows a step are 64 bytes, each row's grid index
-    (the entry whose 8 magnitudes its codes' low two bits are) at byte i and its sign bits at byte 32 + i, read back
-    against llama.cpp's grid from the ``gguf`` package; unpacking inverts packing, and codes that are no grid entry
-    are refused by name."""
-    from gguf.quants import IQ2_XXS
+@pytest.mark.parametrize("type_name, magnitudes", [("IQ2_XXS", (8, 25, 43)), ("IQ3_XXS", (4, 12, 20, 28, 36, 44, 52, 62))])
+def test_grid_quads_hold_indices_and_a_sign_byte_a_row_a_step(type_name, magnitudes):
+    """IQ2_XXS and IQ3_XXS on AVX-512 VBMI (``GridQuads``): a pair of vectors' 32 rows a step hold each row's grid
+    indices (IQ2_XXS one entry of 8 weights, IQ3_XXS two of 4: byte E·i + e) and then its sign byte (at E·32 + i, in
+    ``SIGN_ORDER``), read back against llama.cpp's grid from the ``gguf`` package; a code is magnitude | sign << b,
+    levels the codebook's; unpacking inverts packing, and codes that are no grid entry are refused by name."""
+    import gguf.quants
 
-    from tmac.quant.layout import GridQuads
+    from tmac.quant.layout import SIGN_ORDER, GridQuads
 
-    spec = _grid_spec()
+    spec = _grid_spec(type_name=type_name)
     layout = spec.layout
-    assert type(layout) is GridQuads and spec.grid == "IQ2_XXS" and spec.quads
-    IQ2_XXS.init_grid()
-    grid = np.rint(np.asarray(IQ2_XXS.grid, np.float64).reshape(256, 8)).astype(int)  # magnitudes 8, 25, 43
+    assert type(layout) is GridQuads and spec.grid == type_name and spec.quads
+    cls = getattr(gguf.quants, type_name)
+    cls.init_grid()
+    grid = np.rint(np.asarray(cls.grid, np.float64).reshape(cls.grid_shape)).astype(int)
+    width, entries = grid.shape[1], 8 // grid.shape[1]
+    bits = 2 if width == 8 else 3
     rng = np.random.default_rng(0)
     bm, steps = spec.block_rows, spec.k // 8
-    idx = rng.integers(0, 256, (2 * bm, steps))
+    idx = rng.integers(0, len(grid), (2 * bm, steps, entries))
     neg = rng.integers(0, 2, (2 * bm, steps, 8))
-    codes = (np.searchsorted([8, 25, 43], grid[idx]) | (neg << 2)).reshape(2 * bm, -1).astype(np.uint8)
-    levels = np.asarray(spec.codebook)
-    assert (levels[codes] == np.where(neg, -1, 1).reshape(2 * bm, -1) * grid[idx].reshape(2 * bm, -1)).all()
+    values = grid[idx].reshape(2 * bm, steps, 8)
+    codes = (np.searchsorted(magnitudes, values) | (neg << bits)).reshape(2 * bm, -1).astype(np.uint8)
+    assert (np.asarray(spec.codebook)[codes] == (np.where(neg, -1, 1) * values).reshape(2 * bm, -1)).all()
     w = layout.pack(codes, spec)
-    assert w.shape == (2, steps, 2 * bm)
-    for blk, step, byte in zip(rng.integers(0, 2, 60), rng.integers(0, steps, 60), rng.integers(0, 2 * bm, 60)):
-        pair, at = divmod(int(byte), 64)
-        row = blk * bm + 32 * pair + at % 32
-        want = idx[row, step] if at < 32 else int(np.packbits(neg[row, step], bitorder="little")[0])
-        assert w[blk, step, byte] == want
+    assert w.shape == (2, steps, (entries + 1) * bm)
+    pair_bytes = (entries + 1) * 32
+    for blk, step, byte in zip(rng.integers(0, 2, 80), rng.integers(0, steps, 80),
+                               rng.integers(0, (entries + 1) * bm, 80)):
+        pair, at = divmod(int(byte), pair_bytes)
+        if at < 32 * entries:
+            i, e = divmod(at, entries)
+            assert w[blk, step, byte] == idx[blk * bm + 32 * pair + i, step, e]
+        else:
+            row = blk * bm + 32 * pair + at - 32 * entries
+            want = sum(int(neg[row, step, j]) << k for k, j in enumerate(SIGN_ORDER[width]))
+            assert w[blk, step, byte] == want
     np.testing.assert_array_equal(layout.unpack(w, spec), codes)
-    codes[5, 17] = 3  # a magnitude no level has
-    with pytest.raises(ValueError, match=r"row 5, activations 16-23.*IQ2_XXS's grid"):
+    codes[5, 17] = 1 << (bits + 1)  # a code above magnitude | sign
+    with pytest.raises(ValueError, match=rf"row 5, activations 16-23.*{type_name}'s grid"):
         layout.pack(codes, spec)
-    codes[5, 16:24] = [0, 0, 0, 0, 0, 0, 0, 1]  # magnitudes (8, .., 8, 25): no entry of the grid
-    assert not (grid == [8] * 7 + [25]).all(axis=1).any()
-    with pytest.raises(ValueError, match="IQ2_XXS's grid"):
+    present = {tuple(np.searchsorted(magnitudes, entry)) for entry in grid}
+    missing = next(m for m in itertools.product(range(len(magnitudes)), repeat=width) if m not in present)
+    codes[5, 16:16 + width] = missing  # magnitudes that are no entry of the grid
+    with pytest.raises(ValueError, match=rf"row 5, activations 16-23.*{type_name}'s grid"):
         layout.pack(codes, spec)
 
 
@@ -174,4 +187,6 @@ def test_grid_and_super_exponent_fields_round_trip_and_are_checked():
     with pytest.raises(ValueError, match="grid"):
         KernelSpec.from_dict({**saved, "grid": 7})
     with pytest.raises(ValueError, match="not one of"):
+        KernelSpec.from_dict({**saved, "grid": "IQ2_XS"})
+    with pytest.raises(ValueError, match="takes its own codebook"):
         KernelSpec.from_dict({**saved, "grid": "IQ3_XXS"})

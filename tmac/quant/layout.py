@@ -491,35 +491,43 @@ class Quads(Layout):
         return self.codes.codes_of(nib, neg, spec.k)
 
 
-GRID_TYPES = ("IQ2_XXS",)  # grids of 8-weight entries, at most 256, of 3 magnitudes: a step's index and sign byte
-_POWERS_OF_3 = 3 ** np.arange(8, dtype=np.int32)
+# grid i-quants held as their indices: weights an entry covers (a step's 8, or 4: two indices a step) and the bits of
+# a magnitude code (codes are magnitude | sign << bits); their grids have at most 256 entries
+GRID_TYPES = {"IQ2_XXS": (8, 2), "IQ3_XXS": (4, 3)}
+# the bit order of a step's sign byte: IQ3_XXS's holds signs 0, 2, 4, 6, 1, 3, 5, 7, so that the kernel puts each
+# pair its nibbles need 4 bits apart in one shift
+SIGN_ORDER = {8: tuple(range(8)), 4: (0, 2, 4, 6, 1, 3, 5, 7)}
 
 
 class GridQuads(Quads):
-    """Quads of codebook codes held as llama.cpp's grid indices and sign bits (``GRID_TYPES``): a row's two bytes a
-    step instead of four, which the kernel expands into the quads' code bytes (``tmac.codegen.grids``). A code is
-    magnitude | sign << 2, the magnitude the index of the grid value among the codebook's first levels::
+    """Quads of codebook codes held as llama.cpp's grid indices and sign bits (``GRID_TYPES``): a row's E index bytes
+    (E = 8 / entry width: 1 for IQ2_XXS, 2 for IQ3_XXS) and a sign byte a step instead of four code bytes, which the
+    kernel expands into the quads' code bytes (``tmac.codegen.grids``). A code is magnitude | sign << b, the magnitude
+    the index of the grid value among the codebook's first levels::
 
-        W [MB, K/8, 2·BM]  uint8
+        W [MB, K/8, (E + 1)·BM]  uint8
 
-    A pair of vectors' rows (VL/2, 32) has 64 bytes of a ``[blk, step]`` row, from byte ``64·v``: byte i is the grid
-    index of row ``32·v + i`` for activations ``8·step .. +7``, byte 32 + i the row's sign bits (bit j: activation
-    ``8·step + j`` negative)."""
+    A pair of vectors' rows (VL/2, 32) has (E + 1)·32 bytes of a ``[blk, step]`` row, from byte ``(E + 1)·32·v``:
+    byte E·i + e is entry e of row ``32·v + i`` for activations ``8·step + 8e/E ..``, byte E·32 + i the row's sign
+    bits (bit k: activation ``8·step + SIGN_ORDER[k]`` negative)."""
 
     def __init__(self, codes: CodebookCodes, grid: str):
         super().__init__(codes)
-        self.grid, self.step_bytes = grid, 2
+        self.grid = grid
+        self.width, self.magnitude_bits = GRID_TYPES.get(grid, (8, 2))
+        self.entries = 8 // self.width  # a row's indices a step
+        self.step_bytes = self.entries + 1
 
     @property
     def suffix(self) -> str:
         return super().suffix + "g"
 
     def stored_bytes(self, vector_bytes: int) -> int:
-        return vector_bytes // 2
+        return vector_bytes // 4 * self.step_bytes
 
     def problems(self, spec):
         if self.grid not in GRID_TYPES:
-            return [f"grid {self.grid!r:.20} is not one of {GRID_TYPES}"]
+            return [f"grid {self.grid!r:.20} is not one of {tuple(GRID_TYPES)}"]
         from tmac.base.gguf_blocks import GRID_LEVELS
 
         if self.codes.levels != GRID_LEVELS[self.grid]:
@@ -529,39 +537,46 @@ class GridQuads(Quads):
         return super().problems(spec)
 
     def magnitudes(self) -> np.ndarray:
-        """The grid's entries as magnitude codes ``[entries, 8]``."""
+        """The grid's entries as magnitude codes ``[entries, width]``."""
         from tmac.base.gguf_blocks import grid_magnitude_codes
 
         return grid_magnitude_codes(self.grid)
 
     def pack(self, codes, spec):
-        bm, per = spec.block_rows, spec.vector_bytes // 2
+        bm, per, e, bits = spec.block_rows, spec.vector_bytes // 2, self.entries, self.magnitude_bits
         rows, k = codes.shape
         mb, steps = rows // bm, k // 8
         c = codes.reshape(rows, steps, 8)
-        index_of = np.full(3 ** 8, -1, np.int16)  # magnitudes of an entry, as base-3 digits → its index
-        index_of[(self.magnitudes().astype(np.int32) * _POWERS_OF_3).sum(axis=1)] = np.arange(256, dtype=np.int16)
-        mags = c & 3
-        key = (np.minimum(mags, 2).astype(np.int32) * _POWERS_OF_3).sum(axis=2)
-        idx = index_of[key]
-        bad = (idx < 0) | ((c & 0xF8) != 0).any(axis=2) | (mags == 3).any(axis=2)
+        grid = self.magnitudes()
+        base = int(grid.max()) + 1  # magnitudes: an entry is a number of ``width`` digits in this base
+        powers = base ** np.arange(self.width, dtype=np.int32)
+        index_of = np.full(base ** self.width, -1, np.int16)
+        index_of[(grid.astype(np.int32) * powers).sum(axis=1)] = np.arange(len(grid), dtype=np.int16)
+        mags = c & ((1 << bits) - 1)
+        key = (np.minimum(mags, base - 1).astype(np.int32).reshape(rows, steps, e, self.width) * powers).sum(axis=3)
+        idx = index_of[key]  # [rows, steps, E]
+        bad = (idx < 0).any(axis=2) | (c >> (bits + 1) != 0).any(axis=2) | (mags >= base).any(axis=2)
         if bad.any():
             r, s = np.argwhere(bad)[0]
-            raise ValueError(f"codes {c[r, s].tolist()} (row {r}, activations {8 * s}-{8 * s + 7}) are no entry of "
+            raise ValueError(f"codes {c[r, s].tolist()} (row {r}, activations {8 * s}-{8 * s + 7}) are no entries of "
                              f"{self.grid}'s grid with signs")
-        signs = np.packbits(c >> 2, axis=2, bitorder="little")[:, :, 0]
-        out = np.empty((mb, steps, 2 * bm), np.uint8)
-        v = out.reshape(mb, steps, bm // per, 2, per)
-        for half, values in enumerate((idx.astype(np.uint8), signs)):
-            v[:, :, :, half] = values.reshape(mb, bm // per, per, steps).transpose(0, 3, 1, 2)
+        signs = np.packbits(c[:, :, list(SIGN_ORDER[self.width])] >> bits, axis=2, bitorder="little")[:, :, 0]
+        out = np.empty((mb, steps, (e + 1) * bm), np.uint8)
+        v = out.reshape(mb, steps, bm // per, (e + 1) * per)
+        v[..., :e * per] = idx.astype(np.uint8).reshape(mb, bm // per, per, steps, e).transpose(0, 3, 1, 2, 4) \
+            .reshape(mb, steps, bm // per, e * per)
+        v[..., e * per:] = signs.reshape(mb, bm // per, per, steps).transpose(0, 3, 1, 2)
         return out
 
     def unpack(self, w, spec):
-        bm, per, (mb, steps, _) = spec.block_rows, spec.vector_bytes // 2, w.shape
-        v = w.reshape(mb, steps, bm // per, 2, per)
-        idx, signs = (v[:, :, :, half].transpose(0, 2, 3, 1).reshape(mb * bm, steps) for half in (0, 1))
-        neg = np.unpackbits(signs[:, :, None], axis=2, bitorder="little")
-        return (self.magnitudes()[idx] | (neg << 2)).reshape(mb * bm, 8 * steps)
+        bm, per, e, (mb, steps, _) = spec.block_rows, spec.vector_bytes // 2, self.entries, w.shape
+        v = w.reshape(mb, steps, bm // per, (e + 1) * per)
+        idx = v[..., :e * per].reshape(mb, steps, bm // per, per, e).transpose(0, 2, 3, 1, 4).reshape(mb * bm, steps, e)
+        signs = v[..., e * per:].transpose(0, 2, 3, 1).reshape(mb * bm, steps)
+        neg = np.empty((mb * bm, steps, 8), np.uint8)
+        neg[:, :, list(SIGN_ORDER[self.width])] = np.unpackbits(signs[:, :, None], axis=2, bitorder="little")
+        mags = self.magnitudes()[idx].reshape(mb * bm, steps, 8)
+        return (mags | (neg << self.magnitude_bits)).reshape(mb * bm, 8 * steps)
 
 
 def layout_of(bits: int, triples: bool, quads: bool, codebook: tuple = (), grid: str = "") -> Layout:
