@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from tmac.codegen.vectors import constant, vec
+from tmac.quant.layout import seven_bit_signs
 
 OFFSETS = (0, 2, 8, 10)
 ROWS = 16  # a vector's rows: 4 code bytes each; a pair of vectors' grid bytes are one load
@@ -70,9 +71,19 @@ def expanded_pair(isa, layout, buf, at):
     words = entry_words(layout.magnitudes())
     grid = buf[vec(at, 64)]
     top = tirx.reinterpret("int8x64", grid) < tirx.Broadcast(tirx.IntImm("int8", 0), 64)  # index bit 7: entries 128+
-    low, high = ([isa.permute2(grid, table(half[q:q + 64]), table(half[q + 64:q + 128])) for q in (0, 128)]
-                 for half in (words & 255, words >> 8))
-    low, high = (tirx.Select(top, b, a) for a, b in (low, high))
+    low, high = ([isa.permute2(grid, table(half[q:q + 64]), table(half[q + 64:q + 128]))
+                  for q in range(0, len(words), 128)] for half in (words & 255, words >> 8))
+    low, high = ([tirx.Select(top, b, a) for a, b in zip(looked[0::2], looked[1::2])] for looked in (low, high))
+    if layout.index_bits == 9:  # the ninth bit, and 7 signs above it, in each row's second byte (lanes 32-63)
+        second = tirx.Shuffle([grid, grid], list(range(32, 64)) * 2)
+        ninth = (second & u8(1)) != u8(0)
+        low, high = (tirx.Select(ninth, b, a) for a, b in (low, high))
+        seven = tirx.reinterpret("uint8x64", tirx.reinterpret("uint16x32", grid) >> tirx.Broadcast(
+            tirx.IntImm("uint16", 1), 32))  # (bit 7 from the next byte: ``permute2`` reads bits 0-6)
+        signs = seven_bit_signs()
+        grid = isa.permute2(seven, table(signs[:64]), table(signs[64:]))  # the sign bytes at lanes 32-63
+    else:
+        low, high = low[0], high[0]
     out = []
     if layout.width == 4:
         signs = buf[vec(at + 64, 32)]

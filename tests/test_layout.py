@@ -118,12 +118,15 @@ def _grid_spec(k=256, type_name="IQ2_XXS", **tiling):
     return spec_for_format(FORMATS[type_name.lower()], k, ISAS["avx512_vbmi"], **tiling)
 
 
-@pytest.mark.parametrize("type_name, magnitudes", [("IQ2_XXS", (8, 25, 43)), ("IQ3_XXS", (4, 12, 20, 28, 36, 44, 52, 62))])
+@pytest.mark.parametrize("type_name, magnitudes", [("IQ2_XXS", (8, 25, 43)), ("IQ3_XXS", (4, 12, 20, 28, 36, 44, 52, 62)),
+                                                   ("IQ2_XS", (8, 25, 43))])
 def test_grid_quads_hold_indices_and_a_sign_byte_a_row_a_step(type_name, magnitudes):
-    """IQ2_XXS and IQ3_XXS on AVX-512 VBMI (``GridQuads``): a pair of vectors' 32 rows a step hold each row's grid
-    indices (IQ2_XXS one entry of 8 weights, IQ3_XXS two of 4: byte E·i + e) and then its sign byte (at E·32 + i, in
-    ``SIGN_ORDER``), read back against llama.cpp's grid from the ``gguf`` package; a code is magnitude | sign << b,
-    levels the codebook's; unpacking inverts packing, and codes that are no grid entry are refused by name."""
+    """IQ2_XXS, IQ3_XXS and IQ2_XS on AVX-512 VBMI (``GridQuads``): a pair of vectors' 32 rows a step hold each row's
+    grid indices (IQ2_XXS, IQ2_XS one entry of 8 weights, IQ3_XXS two of 4: byte E·i + e) and then its sign byte (at
+    E·32 + i, in ``SIGN_ORDER``; IQ2_XS: its 512-entry grid's ninth index bit and 7 signs, the 8th their parity), read
+    back against llama.cpp's grid from the ``gguf`` package; a code is magnitude | sign << b, levels the codebook's;
+    unpacking inverts packing, and codes that are no grid entry, or signs of odd parity for IQ2_XS, are refused by
+    name."""
     import gguf.quants
 
     from tmac.quant.layout import SIGN_ORDER, GridQuads
@@ -140,6 +143,9 @@ def test_grid_quads_hold_indices_and_a_sign_byte_a_row_a_step(type_name, magnitu
     bm, steps = spec.block_rows, spec.k // 8
     idx = rng.integers(0, len(grid), (2 * bm, steps, entries))
     neg = rng.integers(0, 2, (2 * bm, steps, 8))
+    nine = len(grid) == 512
+    if nine:  # llama.cpp's 8th sign is the parity of the 7 stored
+        neg[:, :, 7] = neg[:, :, :7].sum(axis=2) % 2
     values = grid[idx].reshape(2 * bm, steps, 8)
     codes = (np.searchsorted(magnitudes, values) | (neg << bits)).reshape(2 * bm, -1).astype(np.uint8)
     assert (np.asarray(spec.codebook)[codes] == (np.where(neg, -1, 1) * values).reshape(2 * bm, -1)).all()
@@ -151,12 +157,19 @@ def test_grid_quads_hold_indices_and_a_sign_byte_a_row_a_step(type_name, magnitu
         pair, at = divmod(int(byte), pair_bytes)
         if at < 32 * entries:
             i, e = divmod(at, entries)
-            assert w[blk, step, byte] == idx[blk * bm + 32 * pair + i, step, e]
+            assert w[blk, step, byte] == idx[blk * bm + 32 * pair + i, step, e] & 255
         else:
             row = blk * bm + 32 * pair + at - 32 * entries
             want = sum(int(neg[row, step, j]) << k for k, j in enumerate(SIGN_ORDER[width]))
+            if nine:
+                want = idx[row, step, 0] >> 8 | (want & 0x7F) << 1
             assert w[blk, step, byte] == want
     np.testing.assert_array_equal(layout.unpack(w, spec), codes)
+    if nine:
+        codes[5, 16] ^= 1 << bits  # one sign flipped: odd
+        with pytest.raises(ValueError, match=r"row 5, activations 16-23.*odd count of negative signs"):
+            layout.pack(codes, spec)
+        codes[5, 16] ^= 1 << bits
     codes[5, 17] = 1 << (bits + 1)  # a code above magnitude | sign
     with pytest.raises(ValueError, match=rf"row 5, activations 16-23.*{type_name}'s grid"):
         layout.pack(codes, spec)
@@ -187,6 +200,16 @@ def test_grid_and_super_exponent_fields_round_trip_and_are_checked():
     with pytest.raises(ValueError, match="grid"):
         KernelSpec.from_dict({**saved, "grid": 7})
     with pytest.raises(ValueError, match="not one of"):
-        KernelSpec.from_dict({**saved, "grid": "IQ2_XS"})
+        KernelSpec.from_dict({**saved, "grid": "IQ3_S"})
     with pytest.raises(ValueError, match="takes its own codebook"):
         KernelSpec.from_dict({**saved, "grid": "IQ3_XXS"})
+    # IQ2_XS's grid has IQ2_XXS's levels, but not its entries: a weight of one is not packed in the other's grid
+    from tmac import QuantizedWeight
+    from tmac.base.formats import FORMATS
+    from tmac.execution.packing import pack
+
+    other = KernelSpec.from_dict({**saved, "grid": "IQ2_XS"})
+    qw = QuantizedWeight(np.zeros((64, spec.k), np.uint8), np.ones((64, spec.k // 32), np.float32), None,
+                         FORMATS["iq2_xxs"])
+    with pytest.raises(ValueError, match="does not match kernel"):
+        pack(qw, other)

@@ -234,7 +234,7 @@ def _grid(type_name: str) -> np.ndarray:
 
 
 @functools.cache
-def _ksigns() -> np.ndarray:
+def ksigns() -> np.ndarray:
     """The 7 stored sign bits of 8 weights and their parity as the 8th (llama.cpp's ksigns_iq2xs), as bits ``[128, 8]``."""
     seven = np.arange(128, dtype=np.uint8)
     odd = np.unpackbits(seven[:, None], axis=1).sum(axis=1) % 2
@@ -280,7 +280,7 @@ def _nibble_scales(sc: np.ndarray) -> np.ndarray:
 def _seven_bit_signs(words: np.ndarray) -> np.ndarray:
     """u32 words ``[n, W]`` of four 7-bit sign indices (bits 0, 7, 14, 21) as 8 sign bits each: ``[n, 32·W]``."""
     seven = (words[:, :, None] >> np.array([0, 7, 14, 21], np.uint32)) & 0x7F
-    return _ksigns()[seven].reshape(len(words), -1)
+    return ksigns()[seven].reshape(len(words), -1)
 
 
 def decode_iq2_xxs(blocks, offset):
@@ -292,7 +292,7 @@ def decode_iq2_xxs(blocks, offset):
 
 def decode_iq2_xs(blocks, offset):
     q = blocks[:, 2:66].copy().view("<u2")  # [n, 32]: per 8 weights
-    codes = _grid_codes("IQ2_XS", q & 511, _ksigns()[q >> 9].reshape(len(blocks), -1))
+    codes = _grid_codes("IQ2_XS", q & 511, ksigns()[q >> 9].reshape(len(blocks), -1))
     return codes, _scale(_f16(blocks, 0).astype(np.float32), _nibble_scales(blocks[:, 66:74]), -3), None
 
 

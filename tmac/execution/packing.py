@@ -72,7 +72,7 @@ def pack(qw: QuantizedWeight, spec: KernelSpec, factors=None) -> PackedWeight:
         (spec.scale_dtype == "float16" and fmt.scale_dtype != "float16") or
         (spec.has_zeros and spec.zero_dtype == "float16" and fmt.zero_dtype != "float16"))
     if (k, fmt.bits, fmt.has_zeros) != (spec.k, spec.bits, spec.has_zeros) or halves_unpromised or \
-            not layout.codes.accepts(fmt, qw.scales.shape[1]):
+            not layout.accepts(fmt, qw.scales.shape[1]):
         raise ValueError(f"weight (K={k}, bits={fmt.bits}, zeros={fmt.has_zeros}, parameters "
                          f"{fmt.scale_dtype}/{fmt.zero_dtype}) does not match kernel {spec.name}")
     bm, mb = spec.block_rows, spec.blocks(m)
@@ -196,7 +196,7 @@ def _params_and_factors(packed: PackedWeight, fmt: WeightFormat):
 
 def _check_unpack(packed: PackedWeight, fmt: WeightFormat) -> KernelSpec:
     spec = packed.spec
-    if (fmt.bits, fmt.has_zeros) != (spec.bits, spec.has_zeros) or not spec.layout.codes.accepts(fmt):
+    if (fmt.bits, fmt.has_zeros) != (spec.bits, spec.has_zeros) or not spec.layout.accepts(fmt):
         raise ValueError(f"format {fmt.name} does not match kernel {spec.name}")
     return spec
 

@@ -203,6 +203,10 @@ class Layout(ABC):
         """Bytes of W a weight vector of ``vector_bytes`` is read from (expanded from fewer: ``GridQuads``)."""
         return vector_bytes
 
+    def accepts(self, fmt, scale_groups: int = 1) -> bool:
+        """Whether weights of format ``fmt`` with ``scale_groups`` scales a row take this layout: its codes'."""
+        return self.codes.accepts(fmt, scale_groups)
+
     def step_vectors(self, block_rows: int, vector_bytes: int) -> int:
         """Weight vectors a block of ``block_rows`` rows reads per step."""
         return block_rows * self.row_bytes // vector_bytes * max(1, len(self.quad_chunks))
@@ -491,30 +495,39 @@ class Quads(Layout):
         return self.codes.codes_of(nib, neg, spec.k)
 
 
-# grid i-quants held as their indices: weights an entry covers (a step's 8, or 4: two indices a step) and the bits of
-# a magnitude code (codes are magnitude | sign << bits); their grids have at most 256 entries
-GRID_TYPES = {"IQ2_XXS": (8, 2), "IQ3_XXS": (4, 3)}
+# grid i-quants held as their indices: weights an entry covers (a step's 8, or 4: two indices a step), the bits of a
+# magnitude code (codes are magnitude | sign << bits) and of an index (9: a grid of 512, IQ2_XS, whose ninth bit
+# shares a byte with 7 sign bits, the 8th their parity, as in the file)
+GRID_TYPES = {"IQ2_XXS": (8, 2, 8), "IQ3_XXS": (4, 3, 8), "IQ2_XS": (8, 2, 9)}
 # the bit order of a step's sign byte: IQ3_XXS's holds signs 0, 2, 4, 6, 1, 3, 5, 7, so that the kernel puts each
 # pair its nibbles need 4 bits apart in one shift
 SIGN_ORDER = {8: tuple(range(8)), 4: (0, 2, 4, 6, 1, 3, 5, 7)}
 
 
+def seven_bit_signs() -> np.ndarray:
+    """llama.cpp's sign bytes of 7 sign bits (the 8th their parity), by the 7 bits: uint8 ``[128]``."""
+    from tmac.base.gguf_blocks import ksigns
+
+    return np.packbits(ksigns(), axis=1, bitorder="little")[:, 0]
+
+
 class GridQuads(Quads):
     """Quads of codebook codes held as llama.cpp's grid indices and sign bits (``GRID_TYPES``): a row's E index bytes
-    (E = 8 / entry width: 1 for IQ2_XXS, 2 for IQ3_XXS) and a sign byte a step instead of four code bytes, which the
-    kernel expands into the quads' code bytes (``tmac.codegen.grids``). A code is magnitude | sign << b, the magnitude
-    the index of the grid value among the codebook's first levels::
+    (E = 8 / entry width: 1 for IQ2_XXS and IQ2_XS, 2 for IQ3_XXS) and a sign byte a step instead of four code bytes,
+    which the kernel expands into the quads' code bytes (``tmac.codegen.grids``). A code is magnitude | sign << b,
+    the magnitude the index of the grid value among the codebook's first levels::
 
         W [MB, K/8, (E + 1)·BM]  uint8
 
     A pair of vectors' rows (VL/2, 32) has (E + 1)·32 bytes of a ``[blk, step]`` row, from byte ``(E + 1)·32·v``:
-    byte E·i + e is entry e of row ``32·v + i`` for activations ``8·step + 8e/E ..``, byte E·32 + i the row's sign
-    bits (bit k: activation ``8·step + SIGN_ORDER[k]`` negative)."""
+    byte E·i + e is (the low 8 bits of) entry e of row ``32·v + i`` for activations ``8·step + 8e/E ..``, byte
+    E·32 + i the row's sign bits (bit k: activation ``8·step + SIGN_ORDER[k]`` negative) — or, with 9-bit indices,
+    the index's ninth bit and 7 sign bits above it (the 8th sign their parity: other signs are refused)."""
 
     def __init__(self, codes: CodebookCodes, grid: str):
         super().__init__(codes)
         self.grid = grid
-        self.width, self.magnitude_bits = GRID_TYPES.get(grid, (8, 2))
+        self.width, self.magnitude_bits, self.index_bits = GRID_TYPES.get(grid, (8, 2, 8))
         self.entries = 8 // self.width  # a row's indices a step
         self.step_bytes = self.entries + 1
 
@@ -535,6 +548,9 @@ class GridQuads(Quads):
         if spec.block_rows % (spec.vector_bytes // 2):
             return [f"grid quads take blocks of whole vector pairs ({spec.vector_bytes // 2} rows)"]
         return super().problems(spec)
+
+    def accepts(self, fmt, scale_groups: int = 1) -> bool:
+        return super().accepts(fmt, scale_groups) and fmt.gguf is not None and fmt.gguf.type_name == self.grid
 
     def magnitudes(self) -> np.ndarray:
         """The grid's entries as magnitude codes ``[entries, width]``."""
@@ -561,6 +577,13 @@ class GridQuads(Quads):
             raise ValueError(f"codes {c[r, s].tolist()} (row {r}, activations {8 * s}-{8 * s + 7}) are no entries of "
                              f"{self.grid}'s grid with signs")
         signs = np.packbits(c[:, :, list(SIGN_ORDER[self.width])] >> bits, axis=2, bitorder="little")[:, :, 0]
+        if self.index_bits == 9:  # the ninth index bit, then the first 7 signs; the 8th must be their parity
+            odd = np.unpackbits(signs[:, :, None], axis=2).sum(axis=2) % 2 != 0
+            if odd.any():
+                r, s = np.argwhere(odd)[0]
+                raise ValueError(f"codes {c[r, s].tolist()} (row {r}, activations {8 * s}-{8 * s + 7}) have an odd "
+                                 f"count of negative signs, which {self.grid}'s 7 sign bits cannot hold")
+            signs = ((idx[:, :, 0] >> 8) | ((signs & 0x7F) << 1)).astype(np.uint8)
         out = np.empty((mb, steps, (e + 1) * bm), np.uint8)
         v = out.reshape(mb, steps, bm // per, (e + 1) * per)
         v[..., :e * per] = idx.astype(np.uint8).reshape(mb, bm // per, per, steps, e).transpose(0, 3, 1, 2, 4) \
@@ -573,6 +596,9 @@ class GridQuads(Quads):
         v = w.reshape(mb, steps, bm // per, (e + 1) * per)
         idx = v[..., :e * per].reshape(mb, steps, bm // per, per, e).transpose(0, 2, 3, 1, 4).reshape(mb * bm, steps, e)
         signs = v[..., e * per:].transpose(0, 2, 3, 1).reshape(mb * bm, steps)
+        if self.index_bits == 9:
+            idx = idx | ((signs & 1).astype(np.int32) << 8)[:, :, None]
+            signs = seven_bit_signs()[signs >> 1]
         neg = np.empty((mb * bm, steps, 8), np.uint8)
         neg[:, :, list(SIGN_ORDER[self.width])] = np.unpackbits(signs[:, :, None], axis=2, bitorder="little")
         mags = self.magnitudes()[idx].reshape(mb * bm, steps, 8)
