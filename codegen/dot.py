@@ -207,7 +207,7 @@ class _DotGemm:
                 T.buffer_store(P, looked, [vec(kk * rows + r * L, L)])
 
         def at(s):  # the part's first byte of step s
-            return self.flat_row(self.steps, s) * self.row_bytes + self.first * (self.row_bytes // self.bm)
+            return self.flat_row(self.steps, s) * self.row_bytes + self.first * self.row_bytes // self.bm
 
         nibbles = u32(0x0F0F0F0F)
         if self.spec.quads:

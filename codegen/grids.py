@@ -74,7 +74,10 @@ def expanded_pair(isa, layout, buf, at):
     low, high = ([isa.permute2(grid, table(half[q:q + 64]), table(half[q + 64:q + 128]))
                   for q in range(0, len(words), 128)] for half in (words & 255, words >> 8))
     low, high = ([tirx.Select(top, b, a) for a, b in zip(looked[0::2], looked[1::2])] for looked in (low, high))
-    if layout.index_bits == 9:  # the ninth bit, and 7 signs above it, in each row's second byte (lanes 32-63)
+    if layout.ninth_mask:  # IQ3_S: the ninth bits a lane mask, after the signs
+        ninth = isa.lane_mask(buf[vec(at + 96, 8)])
+        low, high = (tirx.Select(ninth, b, a) for a, b in (low, high))
+    elif layout.index_bits == 9:  # IQ2_XS: the ninth bit, and 7 signs above it, in each row's second byte (lanes 32-63)
         second = tirx.Shuffle([grid, grid], list(range(32, 64)) * 2)
         ninth = (second & u8(1)) != u8(0)
         low, high = (tirx.Select(ninth, b, a) for a, b in (low, high))

@@ -214,13 +214,13 @@ def _padded(used: tuple[int, ...], filler: range) -> tuple[int, ...]:
 
 
 # each type's levels (``WeightFormat.codebook`` of its row in ``tmac.base.formats``): sign × grid magnitude, IQ1's
-# 8·(grid ± ⅛). IQ2's code is magnitude | sign << 2, IQ3_XXS's magnitude | sign << 3 (kernels build codes from grid
+# 8·(grid ± ⅛). IQ2's code is magnitude | sign << 2, IQ3's magnitude | sign << 3 (kernels build codes from grid
 # indices and sign bits: ``tmac.quant.layout.GridQuads``), the others in their levels' order
 _IQ2 = (8, 25, 43, 0, -8, -25, -43, 1, -5, -4, -3, -2, -1, 2, 3, 4)  # ±{0x08, 0x19, 0x2b}, then small fillers
 _IQ3 = (4, 12, 20, 28, 36, 44, 52, 62)
 _IQ1 = _padded((-9, -7, -1, 1, 7, 9), range(-6, 7))  # 8·{−1, 0, 1} ± 1
 GRID_LEVELS = {"IQ2_XXS": _IQ2, "IQ2_XS": _IQ2, "IQ2_S": _IQ2, "IQ3_XXS": _IQ3 + tuple(-v for v in _IQ3),
-               "IQ3_S": tuple(range(-15, 16, 2)), "IQ1_M": _IQ1}
+               "IQ3_S": tuple(range(1, 16, 2)) + tuple(range(-1, -16, -2)), "IQ1_M": _IQ1}
 
 
 @functools.lru_cache(maxsize=None)
