@@ -2,16 +2,18 @@
 of vectors' 32 rows and one step become the quads' code bytes that the lookups and the dot products read — byte
 4i + p of row i holds code p | code p + 4 << 4, a code being magnitude | sign << b.
 
-A grid entry is a 16-bit word of its magnitudes, looked up as two tables of 256 bytes (its low and its high byte;
-``permute2`` reads 128 entries, a blend on the index's top bit picks the half). A ``permute2`` a vector puts two rows'
-words side by side in an 8-byte lane, from which ``multishift`` windows cut each code byte's fields:
+A grid entry is a 16-bit word of its magnitudes, looked up as two tables of 256 or 512 bytes (its low and its high
+byte; ``permute2`` reads 128 entries, blends on the index's eighth bit and on its ninth pick the part: IQ2_XS's ninth
+is in the row's second byte, beside 7 signs whose byte ``permute2`` looks up; IQ3_S's a lane mask). A ``permute2`` a
+vector puts two rows' words side by side in an 8-byte lane, from which ``multishift`` windows cut each code byte's
+fields:
 
-- IQ2_XXS (an entry a step, eight 2-bit magnitudes): magnitude p at bit ``OFFSETS[p]`` of the word and p + 4 four
-  bits above, so one window holds both (bits 0-1, 4-5); the row's sign byte beside the words gives signs p and p + 4
-  (bits 2, 6) in a second window.
-- IQ3_XXS (two entries a step, four 3-bit magnitudes each, in the word's nibbles): the sign bits go into the nibbles'
-  free top bits first (each word's bytes from its row's sign byte, shifted by a window), so that nibble p of the
-  step's first word is code p and of its second code p + 4; a window on each puts them in one byte.
+- IQ2_XXS, IQ2_XS (an entry a step, eight 2-bit magnitudes): magnitude p at bit ``OFFSETS[p]`` of the word and p + 4
+  four bits above, so one window holds both (bits 0-1, 4-5); the row's sign byte beside the words gives signs p and
+  p + 4 (bits 2, 6) in a second window.
+- IQ3_XXS, IQ3_S (two entries a step, four 3-bit magnitudes each, in the word's nibbles): the sign bits go into the
+  nibbles' free top bits first (each word's bytes from its row's sign byte, shifted by a window), so that nibble p of
+  the step's first word is code p and of its second code p + 4; a window on each puts them in one byte.
 """
 
 from __future__ import annotations
