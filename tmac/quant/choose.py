@@ -36,8 +36,11 @@ def spec_and_factors(qw: QuantizedWeight, isa, tiling: dict):
         if factors is None:  # plain float32 parameters
             tiling = {**tiling, "super_groups": 0}
         elif "super_dtype" not in tiling:
-            exponent = tiling.get("super_exponent", super_exponent(factors))
-            tiling = {**tiling, "super_dtype": super_dtype(factors, exponent), "super_exponent": exponent}
+            if "super_exponent" in tiling:
+                dtype, exponent = super_dtype(factors, tiling["super_exponent"]), tiling["super_exponent"]
+            else:
+                dtype, exponent = super_storage(factors)
+            tiling = {**tiling, "super_dtype": dtype, "super_exponent": exponent}
     return fitting_block_rows(spec_for_format(fmt, qw.shape[1], isa, **tiling), qw.shape[0], fmt, isa, tiling), factors
 
 
@@ -65,12 +68,14 @@ def super_dtype(factors, exponent: int = 0) -> str:
     return "float16" if all(all_float16(np.ldexp(b, exponent)) for b in bases) else "float32"
 
 
-def super_exponent(factors) -> int:
-    """The least power of two that makes every super scale a float16 value (llama.cpp's d over a power of two can
-    fall below float16's normal range: IQ2's d/8), or 0 where none is needed or none does."""
-    if super_dtype(factors) == "float16":
-        return 0
-    return next((e for e in range(1, MAX_SUPER_EXPONENT + 1) if super_dtype(factors, e) == "float16"), 0)
+def super_storage(factors) -> tuple[str, int]:
+    """``super_dtype`` and exponent of the super scales: float16 times the least power of two that makes every one a
+    float16 value (llama.cpp's d over a power of two can fall below float16's normal range: IQ2's d/8), else
+    float32 as they are."""
+    for exponent in range(MAX_SUPER_EXPONENT + 1):
+        if super_dtype(factors, exponent) == "float16":
+            return "float16", exponent
+    return "float32", 0
 
 
 def spec_for_format(fmt: WeightFormat, k: int, isa, **tiling) -> KernelSpec:

@@ -14,6 +14,7 @@ activations being weight 0. Scales, zeros and the order of K chunks are ``tmac.e
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 
 import numpy as np
@@ -504,6 +505,20 @@ GRID_TYPES = {"IQ2_XXS": (8, 2, 8), "IQ3_XXS": (4, 3, 8), "IQ2_XS": (8, 2, 9), "
 SIGN_ORDER = {8: tuple(range(8)), 4: (0, 2, 4, 6, 1, 3, 5, 7)}
 
 
+@functools.cache
+def _entry_index(grid: str) -> tuple[np.ndarray, int]:
+    """A grid's entry index by its magnitudes read as a number of ``width`` digits (-1: no entry), and that base (the
+    count of magnitudes): what packing looks each step's codes up in."""
+    from tmac.base.gguf_blocks import grid_magnitude_codes
+
+    entries = grid_magnitude_codes(grid)
+    base = int(entries.max()) + 1
+    index_of = np.full(base ** entries.shape[1], -1, np.int16)
+    index_of[(entries.astype(np.int32) * base ** np.arange(entries.shape[1], dtype=np.int32)).sum(axis=1)] = \
+        np.arange(len(entries), dtype=np.int16)
+    return index_of, base
+
+
 def seven_bit_signs() -> np.ndarray:
     """llama.cpp's sign bytes of 7 sign bits (the 8th their parity), by the 7 bits: uint8 ``[128]``."""
     from tmac.base.gguf_blocks import ksigns
@@ -570,11 +585,8 @@ class GridQuads(Quads):
         rows, k = codes.shape
         mb, steps = rows // bm, k // 8
         c = codes.reshape(rows, steps, 8)
-        grid = self.magnitudes()
-        base = int(grid.max()) + 1  # magnitudes: an entry is a number of ``width`` digits in this base
+        index_of, base = _entry_index(self.grid)
         powers = base ** np.arange(self.width, dtype=np.int32)
-        index_of = np.full(base ** self.width, -1, np.int16)
-        index_of[(grid.astype(np.int32) * powers).sum(axis=1)] = np.arange(len(grid), dtype=np.int16)
         mags = c & ((1 << bits) - 1)
         key = (np.minimum(mags, base - 1).astype(np.int32).reshape(rows, steps, e, self.width) * powers).sum(axis=3)
         idx = index_of[key]  # [rows, steps, E]

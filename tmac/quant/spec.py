@@ -263,7 +263,8 @@ class KernelSpec:
 
 
 _LATER_FIELDS = {"scale_dtype": "float32", "zero_dtype": "float32", "triples": False, "quads": False,
-                 "super_groups": 0, "k_chunk": None, "codebook": (), "grid": "", "super_exponent": 0}  # old meaning (k_chunk: all of K)
+                 "super_groups": 0, "k_chunk": None, "codebook": (), "grid": "",
+                 "super_exponent": 0}  # old meaning (k_chunk: all of K)
 
 
 def _levels_hash(levels: tuple) -> str:
