@@ -24,7 +24,7 @@ from tmac.base.reference import QUANT_BLOCK
 from tmac.quant.spec import KernelSpec, packed_shapes
 
 from tmac.codegen.tir import arg, chunk_row, prim_func
-from tmac.codegen.grids import expanded_pair
+from tmac.codegen.grids import expanded_pairs
 from tmac.codegen.vectors import constant, f32, fold, vec
 
 F32 = "float32"
@@ -215,9 +215,12 @@ class _DotGemm:
                 if self.spec.grid:  # each pair of vectors' rows expanded from their indices and signs
                     if rows % (2 * L):
                         raise ValueError(f"{self.spec.name}: a dot tile of grid codes needs whole vector pairs")
-                    stored = self.spec.layout.stored_bytes(self.vl)
-                    codes = [c for v in range(0, rows // L, 2)
-                             for c in expanded_pair(self.isa, self.spec.layout, self.W8, at(r0 + i) + v * stored)]
+                    layout = self.spec.layout
+                    stored = layout.stored_bytes(self.vl)
+                    group = 4 if layout.entries == 1 and rows // L % 4 == 0 else 2  # (IQ2: two pairs share lookups)
+                    codes = [c for v in range(0, rows // L, group)
+                             for c in expanded_pairs(self.isa, layout, self.W8,
+                                                     [at(r0 + i) + (v + 2 * q) * stored for q in range(group // 2)])]
                     word = T.bind(tirx.Shuffle([tirx.reinterpret(f"uint32x{L}", c) for c in codes],
                                                list(range(rows))))
                 else:

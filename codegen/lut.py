@@ -25,7 +25,7 @@ from __future__ import annotations
 from tmac.base.formats import code_offset
 from tmac.quant.spec import KernelSpec, packed_shapes
 
-from tmac.codegen.grids import expanded_pair
+from tmac.codegen.grids import expanded_pairs
 from tmac.codegen.tables import build_tables_func, emit_tables
 from tmac.codegen.tir import arg, chunk_row, prefetch, prim_func
 from tmac.codegen.vectors import vec
@@ -317,9 +317,11 @@ class _Gemm:
                         if self.ahead_l2:
                             prefetch(self.WF, byte_at(start - rel + line + self.ahead_l2), level=2)
                     if self.spec.grid:  # a pair of vectors from one load (a part has whole pairs: 4 vectors)
-                        if v % 2 == 0:
-                            pair = [T.bind(c) for c in expanded_pair(isa, layout, self.WF, byte_at(start))]
-                        codes = pair[v % 2]
+                        group = 4 if layout.entries == 1 and nv % 4 == 0 else 2  # (IQ2: two pairs share lookups)
+                        if v % group == 0:
+                            expanded = [T.bind(c) for c in expanded_pairs(
+                                isa, layout, self.WF, [byte_at(start + 2 * stored * q) for q in range(group // 2)])]
+                        codes = expanded[v % group]
                     else:
                         codes = weights(start, vl)
                     idx = self.nibbles(codes, qp)

@@ -119,12 +119,14 @@ def _grid_spec(k=256, type_name="IQ2_XXS", **tiling):
 
 
 @pytest.mark.parametrize("type_name, magnitudes", [("IQ2_XXS", (8, 25, 43)), ("IQ3_XXS", (4, 12, 20, 28, 36, 44, 52, 62)),
-                                                   ("IQ2_XS", (8, 25, 43)), ("IQ3_S", tuple(range(1, 16, 2)))])
+                                                   ("IQ2_XS", (8, 25, 43)), ("IQ3_S", tuple(range(1, 16, 2))),
+                                                   ("IQ2_S", (8, 25, 43))])
 def test_grid_quads_hold_indices_and_a_sign_byte_a_row_a_step(type_name, magnitudes):
-    """IQ2_XXS, IQ3_XXS, IQ2_XS and IQ3_S on AVX-512 VBMI (``GridQuads``): a pair of vectors' 32 rows a step hold
-    each row's grid indices (IQ2_XXS, IQ2_XS one entry of 8 weights, IQ3_XXS, IQ3_S two of 4: byte E·i + e) and then
-    its sign byte (at E·32 + i, in ``SIGN_ORDER``; IQ2_XS: its 512-entry grid's ninth index bit and 7 signs, the 8th
-    their parity; IQ3_S's ninth bits after the signs, bit E·i + e), read back against llama.cpp's grid from the
+    """IQ2_XXS, IQ3_XXS, IQ2_XS, IQ3_S and IQ2_S on AVX-512 VBMI (``GridQuads``): a pair of vectors' 32 rows a step
+    hold each row's grid indices (IQ2_XXS, IQ2_XS, IQ2_S one entry of 8 weights, IQ3_XXS, IQ3_S two of 4: byte E·i + e)
+    and then its sign byte (at E·32 + i, in ``SIGN_ORDER``; IQ2_XS: its 512-entry grid's ninth index bit and 7 signs,
+    the 8th their parity), then the higher index bits as masks of 32·E bits (IQ3_S's ninth, IQ2_S's ninth and tenth:
+    bit E·i + e of mask h is bit 8 + h of index E·i + e), read back against llama.cpp's grid from the
     ``gguf`` package; a code is magnitude | sign << b, levels the codebook's; unpacking inverts packing, and codes
     that are no grid entry, or signs of odd parity for IQ2_XS, are refused by name."""
     import gguf.quants
@@ -150,17 +152,19 @@ def test_grid_quads_hold_indices_and_a_sign_byte_a_row_a_step(type_name, magnitu
     codes = (np.searchsorted(magnitudes, values) | (neg << bits)).reshape(2 * bm, -1).astype(np.uint8)
     assert (np.asarray(spec.codebook)[codes] == (np.where(neg, -1, 1) * values).reshape(2 * bm, -1)).all()
     w = layout.pack(codes, spec)
-    pair_bytes = (entries + 1) * 32 + (8 if len(grid) == 512 and width == 4 else 0)
+    masks = {256: 0, 512: 0 if nine else 1, 1024: 2}[len(grid)]
+    pair_bytes = (entries + 1) * 32 + 4 * entries * masks
     assert w.shape == (2, steps, pair_bytes * bm // 32)
     for blk, step, byte in zip(rng.integers(0, 2, 80), rng.integers(0, steps, 80), rng.integers(0, w.shape[2], 80)):
         pair, at = divmod(int(byte), pair_bytes)
         if at < 32 * entries:
             i, e = divmod(at, entries)
             assert w[blk, step, byte] == idx[blk * bm + 32 * pair + i, step, e] & 255
-        elif at >= 32 * (entries + 1):  # IQ3_S's ninth bits: bit 8·b + j of these is that of index byte 8·b + j
+        elif at >= 32 * (entries + 1):  # mask h's byte b: bit j is bit 8 + h of index byte 8·b + j
+            h, b = divmod(at - 32 * (entries + 1), 4 * entries)
             for j in range(8):
-                i, e = divmod(8 * (at - 32 * (entries + 1)) + j, entries)
-                assert (w[blk, step, byte] >> j & 1) == idx[blk * bm + 32 * pair + i, step, e] >> 8
+                i, e = divmod(8 * b + j, entries)
+                assert (w[blk, step, byte] >> j & 1) == idx[blk * bm + 32 * pair + i, step, e] >> (8 + h) & 1
         else:
             row = blk * bm + 32 * pair + at - 32 * entries
             want = sum(int(neg[row, step, j]) << k for k, j in enumerate(SIGN_ORDER[width]))
@@ -203,7 +207,7 @@ def test_grid_and_super_exponent_fields_round_trip_and_are_checked():
     with pytest.raises(ValueError, match="grid"):
         KernelSpec.from_dict({**saved, "grid": 7})
     with pytest.raises(ValueError, match="not one of"):
-        KernelSpec.from_dict({**saved, "grid": "IQ2_S"})
+        KernelSpec.from_dict({**saved, "grid": "IQ1_M"})
     with pytest.raises(ValueError, match="takes its own codebook"):
         KernelSpec.from_dict({**saved, "grid": "IQ3_XXS"})
     # IQ2_XS's grid has IQ2_XXS's levels, but not its entries: a weight of one is not packed in the other's grid

@@ -498,8 +498,9 @@ class Quads(Layout):
 
 # grid i-quants held as their indices: weights an entry covers (a step's 8, or 4: two indices a step), the bits of a
 # magnitude code (codes are magnitude | sign << bits) and of an index (9: a grid of 512 — IQ2_XS's ninth bit shares a
-# byte with 7 sign bits, the 8th their parity, as in the file; IQ3_S's ninth bits follow a pair of vectors' signs)
-GRID_TYPES = {"IQ2_XXS": (8, 2, 8), "IQ3_XXS": (4, 3, 8), "IQ2_XS": (8, 2, 9), "IQ3_S": (4, 3, 9)}
+# byte with 7 sign bits, the 8th their parity, as in the file; IQ3_S's ninth bits and IQ2_S's ninth and tenth follow
+# a pair of vectors' signs)
+GRID_TYPES = {"IQ2_XXS": (8, 2, 8), "IQ3_XXS": (4, 3, 8), "IQ2_XS": (8, 2, 9), "IQ3_S": (4, 3, 9), "IQ2_S": (8, 2, 10)}
 # the bit order of a step's sign byte: IQ3_XXS's holds signs 0, 2, 4, 6, 1, 3, 5, 7, so that the kernel puts each
 # pair its nibbles need 4 bits apart in one shift
 SIGN_ORDER = {8: tuple(range(8)), 4: (0, 2, 4, 6, 1, 3, 5, 7)}
@@ -537,17 +538,19 @@ class GridQuads(Quads):
     A pair of vectors' rows (VL/2, 32) has P bytes of a ``[blk, step]`` row, from byte ``P·v``: byte E·i + e is (the
     low 8 bits of) entry e of row ``32·v + i`` for activations ``8·step + 8e/E ..``, byte E·32 + i the row's sign bits
     (bit k: activation ``8·step + SIGN_ORDER[k]`` negative) — IQ2_XS's instead the index's ninth bit and 7 sign bits
-    above it (the 8th sign their parity: other signs are refused) — and IQ3_S's ninth bits then follow, 8 bytes: bit
-    E·i + e of their little-endian 64 that of byte E·i + e."""
+    above it (the 8th sign their parity: other signs are refused) — and IQ3_S's and IQ2_S's higher index bits then
+    follow as lane masks, 8 bytes: bit E·i + e of the little-endian 32·E bits of mask h is bit 8 + h of index
+    E·i + e (IQ3_S one mask of 64, IQ2_S two of 32)."""
 
     def __init__(self, codes: CodebookCodes, grid: str):
         super().__init__(codes)
         self.grid = grid
         self.width, self.magnitude_bits, self.index_bits = GRID_TYPES.get(grid, (8, 2, 8))
         self.entries = 8 // self.width  # a row's indices a step
-        # IQ3_S's ninth index bits: a 64-bit lane mask a pair of vectors
-        self.ninth_mask = self.index_bits == 9 and self.width == 4
-        self.pair_bytes = 32 * (self.entries + 1) + (8 if self.ninth_mask else 0)
+        # IQ2_XS's ninth index bit shares a byte with 7 signs; IQ3_S's and IQ2_S's high bits are lane masks
+        self.ninth_in_signs = self.index_bits == 9 and self.width == 8
+        self.masks = 0 if self.ninth_in_signs else self.index_bits - 8
+        self.pair_bytes = 32 * (self.entries + 1) + 4 * self.entries * self.masks
         self.step_bytes = self.pair_bytes / 32  # (3.25 for IQ3_S: a block's rows are whole pairs)
 
     @property
@@ -596,7 +599,7 @@ class GridQuads(Quads):
             raise ValueError(f"codes {c[r, s].tolist()} (row {r}, activations {8 * s}-{8 * s + 7}) are no entries of "
                              f"{self.grid}'s grid with signs")
         signs = np.packbits(c[:, :, list(SIGN_ORDER[self.width])] >> bits, axis=2, bitorder="little")[:, :, 0]
-        if self.index_bits == 9 and not self.ninth_mask:  # the ninth index bit, then the first 7 signs; the 8th
+        if self.ninth_in_signs:  # the ninth index bit, then the first 7 signs; the 8th
             odd = np.unpackbits(signs[:, :, None], axis=2).sum(axis=2) % 2 != 0  # must be their parity
             if odd.any():
                 r, s = np.argwhere(odd)[0]
@@ -608,19 +611,21 @@ class GridQuads(Quads):
         pairs = idx.reshape(mb, bm // per, per, steps, e).transpose(0, 3, 1, 2, 4).reshape(mb, steps, bm // per, e * per)
         v[..., :e * per] = pairs.astype(np.uint8)
         v[..., e * per:(e + 1) * per] = signs.reshape(mb, bm // per, per, steps).transpose(0, 3, 1, 2)
-        if self.ninth_mask:
-            v[..., (e + 1) * per:] = np.packbits((pairs >> 8).astype(bool), axis=3, bitorder="little")
+        for h in range(self.masks):
+            at = (e + 1) * per + h * e * per // 8
+            v[..., at:at + e * per // 8] = np.packbits((pairs >> (8 + h)) & 1, axis=3, bitorder="little")
         return out
 
     def unpack(self, w, spec):
         bm, per, e, (mb, steps, _) = spec.block_rows, spec.vector_bytes // 2, self.entries, w.shape
         v = w.reshape(mb, steps, bm // per, self.pair_bytes)
         idx = v[..., :e * per].astype(np.int32)
-        if self.ninth_mask:
-            idx |= np.unpackbits(v[..., (e + 1) * per:], axis=3, bitorder="little").astype(np.int32) << 8
+        for h in range(self.masks):
+            at = (e + 1) * per + h * e * per // 8
+            idx |= np.unpackbits(v[..., at:at + e * per // 8], axis=3, bitorder="little").astype(np.int32) << (8 + h)
         idx = idx.reshape(mb, steps, bm // per, per, e).transpose(0, 2, 3, 1, 4).reshape(mb * bm, steps, e)
         signs = v[..., e * per:(e + 1) * per].transpose(0, 2, 3, 1).reshape(mb * bm, steps)
-        if self.index_bits == 9 and not self.ninth_mask:
+        if self.ninth_in_signs:
             idx = idx | ((signs & 1).astype(np.int32) << 8)[:, :, None]
             signs = seven_bit_signs()[signs >> 1]
         neg = np.empty((mb * bm, steps, 8), np.uint8)
