@@ -25,6 +25,7 @@ from tmac.quant.spec import KernelSpec, packed_shapes
 
 from tmac.codegen.tir import arg, chunk_row, prim_func
 from tmac.codegen.grids import expanded_pairs
+from tmac.quant.layout import SHIFT_MULTIPLIER
 from tmac.codegen.vectors import constant, f32, fold, vec
 
 F32 = "float32"
@@ -80,6 +81,7 @@ class _DotGemm:
         self.unit = min(self.wg, QUANT_BLOCK)  # activations an integer sum covers: a weight group or a block
         self.qb = spec.activation_block
         self.sg = spec.super_groups
+        self.shifts = getattr(spec.layout, "shifts", False)  # IQ1_M's grid: shifts above its multipliers
         if self.sg and self.unit != self.wg:
             raise ValueError(f"{spec.name}: a super group's weight groups must be one integer sum each")
         # codes less their offset, where the ISA multiplies signed bytes and the format has no zeros (whose
@@ -135,14 +137,18 @@ class _DotGemm:
         """``dtype`` x lanes: scale or zero (or multiplier) of weight group g for vector r of the part."""
         from tvm import tirx
 
-        row = self.first + r * self.lanes
-        sg, bm, L = self.sg, self.bm, self.lanes
-        if sg:
-            at = self.flat_row(self.s_shape[1], g // sg) * ((sg + self.fb) * bm) + g % sg * bm + row
-        else:
-            at = self.flat_row(self.s_shape[1], g) * bm + row
-        v = buf[vec(at, L)]
+        L = self.lanes
+        v = buf[vec(self.param_at(g, self.first + r * L), L)]
+        if self.shifts and buf is self.SF:  # (IQ1_M's grid: its shifts above the multiplier)
+            v = v & tirx.Broadcast(tirx.IntImm(buf.dtype, SHIFT_MULTIPLIER), L)
         return v if buf.dtype == dtype else tirx.Cast(f"{dtype}x{L}", v)
+
+    def param_at(self, g, row):
+        """Where weight group g's scale or zero (or multiplier) of block row ``row`` lies in S or Z, flat."""
+        sg, bm = self.sg, self.bm
+        if sg:
+            return self.flat_row(self.s_shape[1], g // sg) * ((sg + self.fb) * bm) + g % sg * bm + row
+        return self.flat_row(self.s_shape[1], g) * bm + row
 
     def super_param(self, buf, j, r):
         from tvm import tirx
@@ -218,9 +224,13 @@ class _DotGemm:
                     layout = self.spec.layout
                     stored = layout.stored_bytes(self.vl)
                     group = 4 if layout.entries == 1 and rows // L % 4 == 0 else 2  # (IQ2: two pairs share lookups)
+                    per = self.spec.group_size // 8  # (IQ1_M: the steps of a group, whose multipliers hold shifts)
                     codes = [c for v in range(0, rows // L, group)
-                             for c in expanded_pairs(self.isa, layout, self.W8,
-                                                     [at(r0 + i) + (v + 2 * q) * stored for q in range(group // 2)])]
+                             for c in expanded_pairs(
+                                 self.isa, layout, self.W8,
+                                 [at(r0 + i) + (v + 2 * q) * stored for q in range(group // 2)],
+                                 (self.SF[vec(self.param_at((r0 + i) // per, self.first + v * L), L * group)],
+                                  (r0 + i) % per) if self.shifts else None)]
                     word = T.bind(tirx.Shuffle([tirx.reinterpret(f"uint32x{L}", c) for c in codes],
                                                list(range(rows))))
                 else:

@@ -59,10 +59,11 @@ def entry_words(magnitudes: np.ndarray) -> np.ndarray:
     return words
 
 
-def expanded_pairs(isa, layout, buf, starts):
+def expanded_pairs(isa, layout, buf, starts, shifts=None):
     """The quads' code bytes (uint8x64, a vector's) of the pairs of vectors whose grid bytes start at ``starts`` of
-    ``buf``: 32 rows' indices (an entry or two a row), then their sign bytes. Two pairs of IQ2 (an entry a row: their
-    indices fill half a vector) share each lookup, pair q's rows in lanes 32q-."""
+    ``buf``: 32 rows' indices (an entry or two a row), then their sign bytes. Two pairs of IQ2 and IQ1_M (an entry a
+    row: their indices fill half a vector) share each lookup, pair q's rows in lanes 32q-. IQ1_M: ``shifts`` are the
+    pairs' rows' multiplier bytes of the step's group and the step's entry in that group (its shift: bit 4 + e)."""
     from tvm import tirx
 
     def u8(value):
@@ -81,20 +82,33 @@ def expanded_pairs(isa, layout, buf, starts):
     pairs = len(starts)
     if pairs not in (1, 2) or pairs == 2 and layout.entries != 1:
         raise ValueError(f"{layout.grid}: {pairs} pairs of vectors in one expansion")
-    loads = [buf[vec(at, 64)] for at in starts]
-    grid = loads[0] if pairs == 1 else halves(0)
-    signs = loads[0] if pairs == 1 else halves(1)  # (a pair's at lanes 32-, two pairs' at 0- and 32-)
+    if layout.shifts:  # IQ1_M: 32 index bytes a pair, its masks after them
+        loads = [buf[vec(at, 32)] for at in starts]
+        grid = tirx.Shuffle(loads * (3 - pairs), list(range(64)))
+    else:
+        loads = [buf[vec(at, 64)] for at in starts]
+        grid = loads[0] if pairs == 1 else halves(0)
+        signs = loads[0] if pairs == 1 else halves(1)  # (a pair's at lanes 32-, two pairs' at 0- and 32-)
+
+    def lane_mask(h):  # the pairs' mask h after their indices (and signs) as one of 64 lanes
+        held = [buf[vec(at + layout.masks_at + 4 * layout.entries * h, 4 * layout.entries)] for at in starts]
+        if layout.entries == 1:  # 4 bytes a pair
+            held = [tirx.Shuffle(held * (3 - pairs), list(range(8)))]
+        return isa.lane_mask(held[0])
     words = entry_words(layout.magnitudes())
     top = tirx.reinterpret("int8x64", grid) < tirx.Broadcast(tirx.IntImm("int8", 0), 64)  # index bit 7: entries 128+
     low, high = ([isa.permute2(grid, table(half[q:q + 64]), table(half[q + 64:q + 128]))
                   for q in range(0, len(words), 128)] for half in (words & 255, words >> 8))
     low, high = picked(top, low), picked(top, high)
-    for h in range(layout.masks):  # IQ3_S, IQ2_S: index bit 8 + h a lane mask after the signs (IQ2_S: 32 lanes)
-        held = [buf[vec(at + 32 * (layout.entries + 1), 8)] for at in starts]
-        if layout.entries == 1:  # mask h: 4 bytes a pair
-            held = [tirx.Shuffle(held, [8 * (q % pairs) + 4 * h + i for q in (0, 1) for i in range(4)])]
-        bit = isa.lane_mask(held[0])
+    for h in range(layout.masks):  # IQ3_S, IQ2_S, IQ1_M: index bit 8 + h a lane mask (IQ2, IQ1: 32 lanes a pair)
+        bit = lane_mask(h)
         low, high = picked(bit, low), picked(bit, high)
+    if layout.shifts:  # IQ1_M: an entry's shift is the "sign" of its 8 weights
+        held, entry = shifts
+        if pairs == 1:
+            held = tirx.Shuffle([held, held], list(range(64)))
+        bit = tirx.Cast("uint8", tirx.IntImm("int32", 16) << entry)
+        signs = tirx.Select((tirx.reinterpret("uint8x64", held) & tirx.Broadcast(bit, 64)) != u8(0), u8(255), u8(0))
     if layout.ninth_in_signs:  # IQ2_XS: the ninth bit, and 7 signs above it, in each row's second byte
         second = signs if pairs == 2 else tirx.Shuffle([grid, grid], list(range(32, 64)) * 2)
         ninth = (second & u8(1)) != u8(0)

@@ -26,6 +26,7 @@ from tmac.base.formats import code_offset
 from tmac.quant.spec import KernelSpec, packed_shapes
 
 from tmac.codegen.grids import expanded_pairs
+from tmac.quant.layout import SHIFT_MULTIPLIER
 from tmac.codegen.tables import build_tables_func, emit_tables
 from tmac.codegen.tir import arg, chunk_row, prefetch, prim_func
 from tmac.codegen.vectors import vec
@@ -65,6 +66,7 @@ class _Gemm:
         self.chunks = [(o, p, self.sb * p // vl, bm * o, vl // p) for o, p in self.layout.chunks]
         self.ramp = tirx.Ramp(tirx.IntImm("int32", 0), tirx.IntImm("int32", 1), vl)
         self.sg = spec.super_groups
+        self.shifts = getattr(self.layout, "shifts", False)  # IQ1_M's grid: shifts above its multipliers
         # K-quants (super scales): −(½s + z)·Σx = (offset − ½)·d·a·Σx − m·b·Σx, so a super group's terms are summed
         # with the multipliers a, b only, and d, m applied once at its end (per-group d·a and m·b − offset·d·a would
         # cost the epilogue more than the smaller parameters save); without zeros the term is −½·d·a·Σx, and
@@ -118,14 +120,19 @@ class _Gemm:
         """A scale or zero (float16 parameters, and multipliers, widen in registers: vcvtph2ps, fcvtl)."""
         from tvm import tirx
 
+        value = buf[self.param_at(blk, g, row, g0, gc)]
+        if self.shifts and buf is self.SF:  # (IQ1_M's grid: its shifts above the multiplier)
+            value = value & tirx.IntImm(buf.dtype, SHIFT_MULTIPLIER)
+        return value if buf.dtype == F32 else tirx.Cast(F32, value)
+
+    def param_at(self, blk, g, row, g0, gc):
+        """Where weight group g's scale or zero (or multiplier) of block row ``row`` lies in S or Z, flat."""
         sg, bm = self.sg, self.bm
         if sg:  # [super group][multipliers of its SG groups, then F·BM bytes of d or m]
-            at = self.chunk_row(blk, g // sg, g0 // sg, gc // sg) * (sg + self.fb) * bm + g % sg * bm + row
-        elif self.s_shape[1] == 1:  # one scale a row: not chunked
-            at = blk * bm + row
-        else:
-            at = self.chunk_row(blk, g, g0, gc) * bm + row
-        return buf[at] if buf.dtype == F32 else tirx.Cast(F32, buf[at])
+            return self.chunk_row(blk, g // sg, g0 // sg, gc // sg) * (sg + self.fb) * bm + g % sg * bm + row
+        if self.s_shape[1] == 1:  # one scale a row: not chunked
+            return blk * bm + row
+        return self.chunk_row(blk, g, g0, gc) * bm + row
 
     # ---- emitters -------------------------------------------------------------------------------------------------
     def declare(self, tables: bool) -> None:
@@ -319,8 +326,14 @@ class _Gemm:
                     if self.spec.grid:  # a pair of vectors from one load (a part has whole pairs: 4 vectors)
                         group = 4 if layout.entries == 1 and nv % 4 == 0 else 2  # (IQ2: two pairs share lookups)
                         if v % group == 0:
+                            shifts = None
+                            if self.shifts:  # the pairs' rows' multiplier bytes of the step's group
+                                per, lpw = self.spec.group_size // 8, self.lut_groups_per_wg
+                                at = self.param_at(self.blk, step // per, vb * vl // 4, g0 // lpw, gc // lpw)
+                                shifts = (self.SF[vec(at, vl // 4 * group)], step % per)
                             expanded = [T.bind(c) for c in expanded_pairs(
-                                isa, layout, self.WF, [byte_at(start + 2 * stored * q) for q in range(group // 2)])]
+                                isa, layout, self.WF, [byte_at(start + 2 * stored * q) for q in range(group // 2)],
+                                shifts)]
                         codes = expanded[v % group]
                     else:
                         codes = weights(start, vl)

@@ -142,6 +142,37 @@ def test_super_scales_below_float16s_range_are_held_as_float16_times_a_power_of_
         assert rel_l2(lw.matmul(torch.from_numpy(x)).numpy(), ref.lut_matmul(x, qw)) <= 1e-5
 
 
+def test_iq1_m_grid_holds_its_shifts_in_the_multipliers(rng):
+    """IQ1_M packed for AVX-512 VBMI (its grid indices; packing needs no such CPU): an entry's shift (−⅛ or +⅛, the
+    codes' bit 2) is bit 4 + e of its group's multiplier byte, the multiplier 2s + 1 below it, so the matrix is the
+    file's 1.75 bits a weight plus 0.25 (11 index bits an entry, a byte a 16, float16 a 256): 1.107x; packing and
+    unpacking round-trip, and multipliers above 15 are refused by name."""
+    from tmac.quant.kquant import factor_params
+
+    m, k = 128, 512
+    blocks = k_quant_blocks(rng, m, k, "IQ1_M")
+    qw = import_gguf(blocks, "IQ1_M", (m, k))
+    spec = spec_for(qw, ISAS["avx512_vbmi"])
+    assert spec.grid == "IQ1_M"
+    packed = pack(qw, spec)
+    held = sum(a.nbytes for a in (packed.weights, packed.scales))
+    assert held * 8 / (m * k) == 11 / 8 + 8 / 16 + 16 / 256 and held <= 1.11 * blocks.nbytes
+    sg, bm = spec.super_groups, spec.block_rows
+    mult = packed.scales.reshape(-1, (sg + spec.super_bytes) * bm)[:, :sg * bm].reshape(-1, sg, bm)  # [blk·S, G, BM]
+    mult = mult.reshape(m // bm, k // (sg * 16), sg, bm).transpose(0, 3, 1, 2).reshape(m, k // 16).view(np.uint8)
+    shifts = (qw.codes[:, ::8] >> 2) & 1  # an entry's
+    np.testing.assert_array_equal(mult >> 4, shifts[:, 0::2] | shifts[:, 1::2] << 1)
+    (a, d), zero = factor_params(qw, sg)
+    np.testing.assert_array_equal(mult & 15, a)
+    back = unpack(packed, qw.format)
+    np.testing.assert_array_equal(back.codes, qw.codes)
+    np.testing.assert_array_equal(back.scales, qw.scales)
+    a = a.copy()
+    a[3, 5] = 17
+    with pytest.raises(ValueError, match="multipliers of this iq1_m weight exceed 15"):
+        pack(qw, spec, factors=((a, d), zero))
+
+
 @pytest.mark.parametrize("isa", [i for i in RUNNABLE if not i.startswith("generic")])
 def test_tables_and_integer_sums_are_bit_exact(rng, isa):
     """The compiled table build gives the reference's int8 tables and scales (entry p of activation k's table:

@@ -120,15 +120,17 @@ def _grid_spec(k=256, type_name="IQ2_XXS", **tiling):
 
 @pytest.mark.parametrize("type_name, magnitudes", [("IQ2_XXS", (8, 25, 43)), ("IQ3_XXS", (4, 12, 20, 28, 36, 44, 52, 62)),
                                                    ("IQ2_XS", (8, 25, 43)), ("IQ3_S", tuple(range(1, 16, 2))),
-                                                   ("IQ2_S", (8, 25, 43))])
+                                                   ("IQ2_S", (8, 25, 43)), ("IQ1_M", (-1, 0, 1))])
 def test_grid_quads_hold_indices_and_a_sign_byte_a_row_a_step(type_name, magnitudes):
-    """IQ2_XXS, IQ3_XXS, IQ2_XS, IQ3_S and IQ2_S on AVX-512 VBMI (``GridQuads``): a pair of vectors' 32 rows a step
-    hold each row's grid indices (IQ2_XXS, IQ2_XS, IQ2_S one entry of 8 weights, IQ3_XXS, IQ3_S two of 4: byte E·i + e)
-    and then its sign byte (at E·32 + i, in ``SIGN_ORDER``; IQ2_XS: its 512-entry grid's ninth index bit and 7 signs,
-    the 8th their parity), then the higher index bits as masks of 32·E bits (IQ3_S's ninth, IQ2_S's ninth and tenth:
-    bit E·i + e of mask h is bit 8 + h of index E·i + e), read back against llama.cpp's grid from the
-    ``gguf`` package; a code is magnitude | sign << b, levels the codebook's; unpacking inverts packing, and codes
-    that are no grid entry, or signs of odd parity for IQ2_XS, are refused by name."""
+    """IQ2_XXS, IQ3_XXS, IQ2_XS, IQ3_S, IQ2_S and IQ1_M on AVX-512 VBMI (``GridQuads``): a pair of vectors' 32 rows a
+    step hold each row's grid indices (IQ2_XXS, IQ2_XS, IQ2_S, IQ1_M one entry of 8 weights, IQ3_XXS, IQ3_S two of 4:
+    byte E·i + e) and then its sign byte (at E·32 + i, in ``SIGN_ORDER``; IQ2_XS: its 512-entry grid's ninth index bit
+    and 7 signs, the 8th their parity; IQ1_M none), then the higher index bits as masks of 32·E bits (IQ3_S's ninth,
+    IQ2_S's ninth and tenth, IQ1_M's 9th-11th: bit E·i + e of mask h is bit 8 + h of index E·i + e; IQ1_M's shifts in
+    its multipliers, bit 4 + e of its group's), read back against llama.cpp's grid from the ``gguf`` package; a code
+    is magnitude | sign << b (IQ1_M: grid + 1 | shift << 2), levels the codebook's; unpacking inverts packing, and
+    codes that are no grid entry, signs of odd parity for IQ2_XS, or two shifts in an IQ1_M entry are refused by
+    name."""
     import gguf.quants
 
     from tmac.quant.layout import SIGN_ORDER, GridQuads
@@ -146,22 +148,26 @@ def test_grid_quads_hold_indices_and_a_sign_byte_a_row_a_step(type_name, magnitu
     idx = rng.integers(0, len(grid), (2 * bm, steps, entries))
     neg = rng.integers(0, 2, (2 * bm, steps, 8))
     nine = len(grid) == 512 and width == 8  # (IQ2_XS)
+    shifts = type_name == "IQ1_M"  # (a shift, −⅛ or +⅛, an entry: its "sign")
     if nine:  # llama.cpp's 8th sign is the parity of the 7 stored
         neg[:, :, 7] = neg[:, :, :7].sum(axis=2) % 2
+    if shifts:
+        neg[:] = neg[:, :, :1]
     values = grid[idx].reshape(2 * bm, steps, 8)
     codes = (np.searchsorted(magnitudes, values) | (neg << bits)).reshape(2 * bm, -1).astype(np.uint8)
-    assert (np.asarray(spec.codebook)[codes] == (np.where(neg, -1, 1) * values).reshape(2 * bm, -1)).all()
+    levels = 8 * values + np.where(neg, -1, 1) if shifts else np.where(neg, -1, 1) * values
+    assert (np.asarray(spec.codebook)[codes] == levels.reshape(2 * bm, -1)).all()
     w = layout.pack(codes, spec)
-    masks = {256: 0, 512: 0 if nine else 1, 1024: 2}[len(grid)]
-    pair_bytes = (entries + 1) * 32 + 4 * entries * masks
+    masks = {256: 0, 512: 0 if nine else 1, 1024: 2, 2048: 3}[len(grid)]
+    pair_bytes = (entries + 1 - shifts) * 32 + 4 * entries * masks
     assert w.shape == (2, steps, pair_bytes * bm // 32)
     for blk, step, byte in zip(rng.integers(0, 2, 80), rng.integers(0, steps, 80), rng.integers(0, w.shape[2], 80)):
         pair, at = divmod(int(byte), pair_bytes)
         if at < 32 * entries:
             i, e = divmod(at, entries)
             assert w[blk, step, byte] == idx[blk * bm + 32 * pair + i, step, e] & 255
-        elif at >= 32 * (entries + 1):  # mask h's byte b: bit j is bit 8 + h of index byte 8·b + j
-            h, b = divmod(at - 32 * (entries + 1), 4 * entries)
+        elif at >= 32 * (entries + 1 - shifts):  # mask h's byte b: bit j is bit 8 + h of index byte 8·b + j
+            h, b = divmod(at - 32 * (entries + 1 - shifts), 4 * entries)
             for j in range(8):
                 i, e = divmod(8 * b + j, entries)
                 assert (w[blk, step, byte] >> j & 1) == idx[blk * bm + 32 * pair + i, step, e] >> (8 + h) & 1
@@ -171,7 +177,18 @@ def test_grid_quads_hold_indices_and_a_sign_byte_a_row_a_step(type_name, magnitu
             if nine:
                 want = idx[row, step, 0] >> 8 | (want & 0x7F) << 1
             assert w[blk, step, byte] == want
-    np.testing.assert_array_equal(layout.unpack(w, spec), codes)
+    if shifts:  # the shifts are held in the groups' multiplier bytes, bits 4 + e
+        held = layout.shift_bits(codes, spec.group_size)
+        per = spec.group_size // 8
+        np.testing.assert_array_equal(held, (neg[:, ::per, 0] << 4 | neg[:, 1::per, 0] << 5).reshape(held.shape))
+        np.testing.assert_array_equal(layout.with_shifts(layout.unpack(w, spec), held, spec.group_size), codes)
+    else:
+        np.testing.assert_array_equal(layout.unpack(w, spec), codes)
+    if shifts:
+        codes[5, 16] ^= 1 << bits  # one weight's shift against its entry's
+        with pytest.raises(ValueError, match=r"row 5, activations 16-23.*two shifts in one grid entry"):
+            layout.pack(codes, spec)
+        codes[5, 16] ^= 1 << bits
     if nine:
         codes[5, 16] ^= 1 << bits  # one sign flipped: odd
         with pytest.raises(ValueError, match=r"row 5, activations 16-23.*odd count of negative signs"):
@@ -207,7 +224,7 @@ def test_grid_and_super_exponent_fields_round_trip_and_are_checked():
     with pytest.raises(ValueError, match="grid"):
         KernelSpec.from_dict({**saved, "grid": 7})
     with pytest.raises(ValueError, match="not one of"):
-        KernelSpec.from_dict({**saved, "grid": "IQ1_M"})
+        KernelSpec.from_dict({**saved, "grid": "IQ1_S"})
     with pytest.raises(ValueError, match="takes its own codebook"):
         KernelSpec.from_dict({**saved, "grid": "IQ3_XXS"})
     # IQ2_XS's grid has IQ2_XXS's levels, but not its entries: a weight of one is not packed in the other's grid

@@ -207,18 +207,13 @@ del _name
 
 
 # ---- the grid i-quants: indices into llama.cpp's grids, sign bits; levels as codebook codes -------------------------
-def _padded(used: tuple[int, ...], filler: range) -> tuple[int, ...]:
-    """16 distinct levels: the ``used`` ones, then unused fillers of small magnitude (a table's range is set by the
-    largest level, so fillers inside it cost nothing)."""
-    return tuple(sorted(used + tuple(v for v in filler if v not in used)[:16 - len(used)]))
-
-
 # each type's levels (``WeightFormat.codebook`` of its row in ``tmac.base.formats``): sign × grid magnitude, IQ1's
-# 8·(grid ± ⅛). IQ2's code is magnitude | sign << 2, IQ3's magnitude | sign << 3 (kernels build codes from grid
-# indices and sign bits: ``tmac.quant.layout.GridQuads``), the others in their levels' order
+# 8·(grid ± ⅛). IQ2's code is magnitude | sign << 2, IQ3's magnitude | sign << 3, IQ1_M's (grid + 1) | shift << 2
+# (kernels build codes from grid indices and sign bits: ``tmac.quant.layout.GridQuads``); fillers of small magnitude
+# pad them to 16 (a table's range is set by the largest level, so fillers inside it cost nothing)
 _IQ2 = (8, 25, 43, 0, -8, -25, -43, 1, -5, -4, -3, -2, -1, 2, 3, 4)  # ±{0x08, 0x19, 0x2b}, then small fillers
 _IQ3 = (4, 12, 20, 28, 36, 44, 52, 62)
-_IQ1 = _padded((-9, -7, -1, 1, 7, 9), range(-6, 7))  # 8·{−1, 0, 1} ± 1
+_IQ1 = (-7, 1, 9, 0, -9, -1, 7, 2, -6, -5, -4, -3, -2, 3, 4, 5)
 GRID_LEVELS = {"IQ2_XXS": _IQ2, "IQ2_XS": _IQ2, "IQ2_S": _IQ2, "IQ3_XXS": _IQ3 + tuple(-v for v in _IQ3),
                "IQ3_S": tuple(range(1, 16, 2)) + tuple(range(-1, -16, -2)), "IQ1_M": _IQ1}
 
@@ -244,7 +239,10 @@ def ksigns() -> np.ndarray:
 @functools.cache
 def grid_magnitude_codes(type_name: str) -> np.ndarray:
     """A sign-magnitude grid's entries ``[entries, width]`` as the indices of their magnitudes among its codebook's
-    first levels (IQ2's codes are magnitude | sign << 2, IQ3_XXS's magnitude | sign << 3)."""
+    first levels (IQ2's codes are magnitude | sign << 2, IQ3_XXS's magnitude | sign << 3; IQ1_M's grid + 1 | shift
+    << 2)."""
+    if type_name.startswith("IQ1"):
+        return (_grid(type_name) + 1).astype(np.uint8)
     levels = list(GRID_LEVELS[type_name])
     return np.vectorize(levels.index, otypes=[np.uint8])(_grid(type_name))
 

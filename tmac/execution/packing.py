@@ -38,6 +38,7 @@ import numpy as np
 from tmac.quant.choose import spec_and_factors, super_dtype
 from tmac.base.formats import PER_TENSOR, WeightFormat
 from tmac.quant.kquant import factor_params
+from tmac.quant.layout import SHIFT_MULTIPLIER
 from tmac.base.memory import packed_empty
 from tmac.base.qweight import QuantizedWeight, RowCodes
 from tmac.quant.spec import KernelSpec, packed_shapes
@@ -79,6 +80,8 @@ def pack(qw: QuantizedWeight, spec: KernelSpec, factors=None) -> PackedWeight:
     weights = packed_empty(packed_shapes(spec, m)[0])
     chunks = chunk_views(weights, spec)
     step = max(1, PACK_WEIGHTS // (bm * k))  # blocks per slice
+    shifts = getattr(layout, "shifts", False)  # (IQ1_M's grid: its shifts go into the multipliers)
+    shift_bits = np.zeros((mb * bm, k // spec.group_size), np.uint8) if shifts else None
     for b0 in range(0, mb, step):
         b1 = min(mb, b0 + step)
         codes = np.full(((b1 - b0) * bm, k), layout.codes.pad_code, dtype=np.uint8)
@@ -87,6 +90,8 @@ def pack(qw: QuantizedWeight, spec: KernelSpec, factors=None) -> PackedWeight:
         part = layout.pack(codes, spec)
         for r0, n, view in chunks:
             view[b0:b1] = part[:, r0:r0 + n]
+        if shifts:
+            shift_bits[b0 * bm:b1 * bm] = layout.shift_bits(codes, spec.group_size)
     if spec.super_groups:
         if factors is None:
             factors = factor_params(qw, spec.super_groups)
@@ -97,6 +102,11 @@ def pack(qw: QuantizedWeight, spec: KernelSpec, factors=None) -> PackedWeight:
             raise ValueError(f"the super scales of this {fmt.name} weight are not all float16 values, as kernel "
                              f"{spec.name} stores them")
         (a, d), zero_factors = factors
+        if shifts:
+            if (np.asarray(a) & ~np.int64(SHIFT_MULTIPLIER)).any():
+                raise ValueError(f"multipliers of this {fmt.name} weight exceed {SHIFT_MULTIPLIER}, which kernel "
+                                 f"{spec.name} holds below its grid entries' shifts")
+            a = (np.asarray(a) | shift_bits[:m]).astype(a.dtype)
         scales = _pack_super(a, d, qw, spec)
         zeros = None if zero_factors is None else _pack_super(*zero_factors, qw, spec)
     else:
@@ -139,9 +149,12 @@ def block_major(a: np.ndarray, spec: KernelSpec) -> np.ndarray:
 def unpack(packed: PackedWeight, fmt: WeightFormat) -> QuantizedWeight:
     """The exact inverse of ``pack``: codes and parameters of the ``packed.m`` true rows in format ``fmt``."""
     spec = _check_unpack(packed, fmt)
-    codes = spec.layout.unpack(block_major(packed.weights, spec), spec)
+    codes = spec.layout.unpack(block_major(packed.weights, spec), spec)[:packed.m]
+    if getattr(spec.layout, "shifts", False):
+        stored = _super_factors(block_major(packed.scales, spec), packed.m, spec)[0]  # (the shifts in place)
+        codes = spec.layout.with_shifts(codes, stored, spec.group_size)
     scales, zeros, factors = _params_and_factors(packed, fmt)
-    return QuantizedWeight(np.ascontiguousarray(codes[:packed.m]), scales, zeros, fmt, factors)
+    return QuantizedWeight(np.ascontiguousarray(codes), scales, zeros, fmt, factors)
 
 
 def unpack_by_rows(packed: PackedWeight, fmt: WeightFormat) -> QuantizedWeight:
@@ -186,7 +199,8 @@ def _params_and_factors(packed: PackedWeight, fmt: WeightFormat):
     s, z = (None if p is None else block_major(p, spec) for p in (packed.scales, packed.zeros))
     if not spec.super_groups:
         return _unpack_params(s, m, fmt), None if z is None else _unpack_params(z, m, fmt), None
-    factors = tuple(None if p is None else _super_factors(p, m, spec) for p in (s, z))
+    shifts = getattr(spec.layout, "shifts", False)
+    factors = (_super_factors(s, m, spec, shifts), None if z is None else _super_factors(z, m, spec))
     (a, d), zero = factors  # scale d·a, zero m·b − offset·scale
     scales = np.repeat(d, spec.super_groups, axis=1) * a.astype(np.float32)
     zeros = None if zero is None else \
@@ -218,13 +232,15 @@ def _pack_super(mult: np.ndarray, base: np.ndarray, qw: QuantizedWeight, spec: K
     return np.concatenate([head.reshape(mb, g // sg, sg * bm), tail], axis=2)
 
 
-def _super_factors(p: np.ndarray, m: int, spec: KernelSpec) -> tuple[np.ndarray, np.ndarray]:
+def _super_factors(p: np.ndarray, m: int, spec: KernelSpec, shifts: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """The multipliers ``[M, G]`` (their packed bytes' type) and float32 super scales ``[M, G/SG]`` of S or Z of a
-    super-scale spec (block-major)."""
+    super-scale spec (block-major); ``shifts``: the multipliers without the grid entries' shifts above them."""
     bm, sg = spec.block_rows, spec.super_groups
     mb, supers = p.shape[:2]
     rows = lambda a: np.ascontiguousarray(a.transpose(0, 2, 1).reshape(-1, a.shape[1])[:m])  # noqa: E731 [M, X]
     mult = rows(np.ascontiguousarray(p[:, :, :sg * bm]).reshape(mb, supers * sg, bm))
+    if shifts:  # (IQ1_M's grid: ``pack``)
+        mult = mult & mult.dtype.type(SHIFT_MULTIPLIER)
     tail = np.ascontiguousarray(p[:, :, sg * bm:]).view(spec.scale_dtype)  # [MB, G/SG, BM]
     return mult, np.ldexp(rows(tail).astype(np.float32), -spec.super_exponent)
 

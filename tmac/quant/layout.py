@@ -499,8 +499,12 @@ class Quads(Layout):
 # grid i-quants held as their indices: weights an entry covers (a step's 8, or 4: two indices a step), the bits of a
 # magnitude code (codes are magnitude | sign << bits) and of an index (9: a grid of 512 — IQ2_XS's ninth bit shares a
 # byte with 7 sign bits, the 8th their parity, as in the file; IQ3_S's ninth bits and IQ2_S's ninth and tenth follow
-# a pair of vectors' signs)
-GRID_TYPES = {"IQ2_XXS": (8, 2, 8), "IQ3_XXS": (4, 3, 8), "IQ2_XS": (8, 2, 9), "IQ3_S": (4, 3, 9), "IQ2_S": (8, 2, 10)}
+# a pair of vectors' signs; IQ1_M's 2048 entries are magnitudes grid + 1, its three high bits and its shifts follow
+# its indices)
+GRID_TYPES = {"IQ2_XXS": (8, 2, 8), "IQ3_XXS": (4, 3, 8), "IQ2_XS": (8, 2, 9), "IQ3_S": (4, 3, 9), "IQ2_S": (8, 2, 10),
+              "IQ1_M": (8, 2, 11)}
+# IQ1_M's multiplier bits below its entries' shifts (``GridQuads.shift_bits``)
+SHIFT_MULTIPLIER = 15
 # the bit order of a step's sign byte: IQ3_XXS's holds signs 0, 2, 4, 6, 1, 3, 5, 7, so that the kernel puts each
 # pair its nibbles need 4 bits apart in one shift
 SIGN_ORDER = {8: tuple(range(8)), 4: (0, 2, 4, 6, 1, 3, 5, 7)}
@@ -533,24 +537,30 @@ class GridQuads(Quads):
     code bytes, which the kernel expands into the quads' code bytes (``tmac.codegen.grids``). A code is
     magnitude | sign << b, the magnitude the index of the grid value among the codebook's first levels::
 
-        W [MB, K/8, P·BM/32]  uint8      (P = (E + 1)·32 bytes a pair of vectors, 8 more for IQ3_S)
+        W [MB, K/8, P·BM/32]  uint8      (P = (E + 1)·32 bytes a pair of vectors, 8 more for IQ3_S and IQ2_S)
 
     A pair of vectors' rows (VL/2, 32) has P bytes of a ``[blk, step]`` row, from byte ``P·v``: byte E·i + e is (the
     low 8 bits of) entry e of row ``32·v + i`` for activations ``8·step + 8e/E ..``, byte E·32 + i the row's sign bits
     (bit k: activation ``8·step + SIGN_ORDER[k]`` negative) — IQ2_XS's instead the index's ninth bit and 7 sign bits
     above it (the 8th sign their parity: other signs are refused) — and IQ3_S's and IQ2_S's higher index bits then
     follow as lane masks, 8 bytes: bit E·i + e of the little-endian 32·E bits of mask h is bit 8 + h of index
-    E·i + e (IQ3_S one mask of 64, IQ2_S two of 32)."""
+    E·i + e (IQ3_S one mask of 64, IQ2_S two of 32). IQ1_M has no sign bytes: its code is (grid + 1) | shift << 2,
+    the shift (−⅛) one an entry, held in its group's multiplier byte (``shift_bits``), so the masks of its three
+    high index bits follow the indices (P = 44)."""
 
     def __init__(self, codes: CodebookCodes, grid: str):
         super().__init__(codes)
         self.grid = grid
         self.width, self.magnitude_bits, self.index_bits = GRID_TYPES.get(grid, (8, 2, 8))
         self.entries = 8 // self.width  # a row's indices a step
-        # IQ2_XS's ninth index bit shares a byte with 7 signs; IQ3_S's and IQ2_S's high bits are lane masks
+        # IQ2_XS's ninth index bit shares a byte with 7 signs; IQ3_S's, IQ2_S's and IQ1_M's high bits are lane masks
         self.ninth_in_signs = self.index_bits == 9 and self.width == 8
         self.masks = 0 if self.ninth_in_signs else self.index_bits - 8
-        self.pair_bytes = 32 * (self.entries + 1) + 4 * self.entries * self.masks
+        # IQ1_M: an entry's "sign" is its shift (−⅛), one bit an entry, held in its group's multiplier byte above the
+        # multiplier (``shift_bits``), so no sign bytes
+        self.shifts = grid.startswith("IQ1")
+        self.masks_at = 32 * self.entries + (0 if self.shifts else 32)  # (in a pair's bytes)
+        self.pair_bytes = self.masks_at + 4 * self.entries * self.masks
         self.step_bytes = self.pair_bytes / 32  # (3.25 for IQ3_S: a block's rows are whole pairs)
 
     @property
@@ -599,6 +609,12 @@ class GridQuads(Quads):
             raise ValueError(f"codes {c[r, s].tolist()} (row {r}, activations {8 * s}-{8 * s + 7}) are no entries of "
                              f"{self.grid}'s grid with signs")
         signs = np.packbits(c[:, :, list(SIGN_ORDER[self.width])] >> bits, axis=2, bitorder="little")[:, :, 0]
+        if self.shifts:  # one shift an entry: its 8 weights' "signs" alike
+            mixed = (signs != 0) & (signs != 255)
+            if mixed.any():
+                r, s = np.argwhere(mixed)[0]
+                raise ValueError(f"codes {c[r, s].tolist()} (row {r}, activations {8 * s}-{8 * s + 7}) mix "
+                                 f"{self.grid}'s two shifts in one grid entry")
         if self.ninth_in_signs:  # the ninth index bit, then the first 7 signs; the 8th
             odd = np.unpackbits(signs[:, :, None], axis=2).sum(axis=2) % 2 != 0  # must be their parity
             if odd.any():
@@ -610,21 +626,38 @@ class GridQuads(Quads):
         v = out.reshape(mb, steps, bm // per, self.pair_bytes)
         pairs = idx.reshape(mb, bm // per, per, steps, e).transpose(0, 3, 1, 2, 4).reshape(mb, steps, bm // per, e * per)
         v[..., :e * per] = pairs.astype(np.uint8)
-        v[..., e * per:(e + 1) * per] = signs.reshape(mb, bm // per, per, steps).transpose(0, 3, 1, 2)
+        signs = signs.reshape(mb, bm // per, per, steps).transpose(0, 3, 1, 2)
+        if not self.shifts:
+            v[..., e * per:(e + 1) * per] = signs
         for h in range(self.masks):
-            at = (e + 1) * per + h * e * per // 8
+            at = self.masks_at + h * e * per // 8
             v[..., at:at + e * per // 8] = np.packbits((pairs >> (8 + h)) & 1, axis=3, bitorder="little")
         return out
+
+    def shift_bits(self, codes: np.ndarray, group_size: int) -> np.ndarray:
+        """IQ1_M: the shifts of each group's entries as its multiplier's bits 4 and up (``[rows, K/group]`` uint8),
+        which the kernels read beside the multiplier (its bits 0-3); codes are checked by ``pack``."""
+        rows, k = codes.shape
+        per = group_size // 8
+        shift = ((codes[:, ::8] >> self.magnitude_bits) & 1).reshape(rows, k // group_size, per)
+        return (shift << (4 + np.arange(per, dtype=np.uint8))).sum(axis=2, dtype=np.uint8)
+
+    def with_shifts(self, codes: np.ndarray, multipliers: np.ndarray, group_size: int) -> np.ndarray:
+        """``unpack``'s codes with the shifts of ``multipliers`` (bits 4 and up, ``[rows, K/group]``) put back."""
+        per = group_size // 8
+        bits = (multipliers[:, :, None].astype(np.uint8) >> (4 + np.arange(per, dtype=np.uint8))) & 1
+        return codes | (np.repeat(bits.reshape(len(codes), -1), 8, axis=1) << self.magnitude_bits).astype(np.uint8)
 
     def unpack(self, w, spec):
         bm, per, e, (mb, steps, _) = spec.block_rows, spec.vector_bytes // 2, self.entries, w.shape
         v = w.reshape(mb, steps, bm // per, self.pair_bytes)
         idx = v[..., :e * per].astype(np.int32)
         for h in range(self.masks):
-            at = (e + 1) * per + h * e * per // 8
+            at = self.masks_at + h * e * per // 8
             idx |= np.unpackbits(v[..., at:at + e * per // 8], axis=3, bitorder="little").astype(np.int32) << (8 + h)
         idx = idx.reshape(mb, steps, bm // per, per, e).transpose(0, 2, 3, 1, 4).reshape(mb * bm, steps, e)
-        signs = v[..., e * per:(e + 1) * per].transpose(0, 2, 3, 1).reshape(mb * bm, steps)
+        signs = np.zeros((mb * bm, steps), np.uint8) if self.shifts else \
+            v[..., e * per:(e + 1) * per].transpose(0, 2, 3, 1).reshape(mb * bm, steps)  # (IQ1_M's: ``with_shifts``)
         if self.ninth_in_signs:
             idx = idx | ((signs & 1).astype(np.int32) << 8)[:, :, None]
             signs = seven_bit_signs()[signs >> 1]
