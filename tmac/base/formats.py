@@ -271,8 +271,8 @@ def check_group_size(group_size) -> None:
 #   weight (IQ1: none, but a shift ±⅛ per 8 or 32 weights); gguf-py's quants module holds the grids. Each weight is
 #   one of at most 16 integer levels (``gguf_blocks.GRID_LEVELS``) times its group's scale, so they import as 4-bit
 #   codebook codes (a grid index would be one lookup only in a table of all its weights' activations, and their signs
-#   differ row by row); on AVX-512 VBMI the kernels of IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S expand them from
-#   their indices and signs, held at their own size (``tmac.quant.layout.GridQuads``):
+#   differ row by row); on AVX-512 VBMI the kernels of IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S and IQ1_M expand them
+#   from their indices and signs (IQ1_M's shifts), held at their own size (``tmac.quant.layout.GridQuads``):
 #   IQ2_XXS {f16 d; u32 qs[16]}  per 32: u32 of 4 grid indices, u32 of 4 × 7 sign bits (ksigns: the 8th is the parity)
 #         and a 4-bit s; w = d·(2s + 1)/8 · ±grid, grid ∈ {8, 25, 43}
 #   IQ2_XS {f16 d; u16 qs[32]; u8 sc[8]}  per 8: 9-bit index | 7 sign bits << 9; s per 16 (nibbles of sc)
