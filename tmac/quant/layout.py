@@ -511,17 +511,23 @@ SIGN_ORDER = {8: tuple(range(8)), 4: (0, 2, 4, 6, 1, 3, 5, 7)}
 
 
 @functools.cache
-def _entry_index(grid: str) -> tuple[np.ndarray, int]:
-    """A grid's entry index by its magnitudes read as a number of ``width`` digits (-1: no entry), and that base (the
-    count of magnitudes): what packing looks each step's codes up in."""
+def _entry_index(grid: str, bits: int) -> np.ndarray:
+    """A grid's entry index by its magnitudes as a key of ``bits`` a weight (magnitude p at bit bits·p; -1: no
+    entry): what packing looks each step's codes up in."""
     from tmac.base.gguf_blocks import grid_magnitude_codes
 
     entries = grid_magnitude_codes(grid)
-    base = int(entries.max()) + 1
-    index_of = np.full(base ** entries.shape[1], -1, np.int16)
-    index_of[(entries.astype(np.int32) * base ** np.arange(entries.shape[1], dtype=np.int32)).sum(axis=1)] = \
+    index_of = np.full(1 << (bits * entries.shape[1]), -1, np.int16)
+    index_of[(entries.astype(np.int32) << (bits * np.arange(entries.shape[1], dtype=np.int32))).sum(axis=1)] = \
         np.arange(len(entries), dtype=np.int16)
-    return index_of, base
+    return index_of
+
+
+@functools.cache
+def _sign_order(width: int) -> np.ndarray:
+    """A byte's 8 bits (bit p: weight p's sign) in ``SIGN_ORDER[width]``: uint8 ``[256]``."""
+    bits = np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little")
+    return np.packbits(bits[:, list(SIGN_ORDER[width])], axis=1, bitorder="little")[:, 0]
 
 
 def seven_bit_signs() -> np.ndarray:
@@ -597,18 +603,23 @@ class GridQuads(Quads):
         bm, per, e, bits = spec.block_rows, spec.vector_bytes // 2, self.entries, self.magnitude_bits
         rows, k = codes.shape
         mb, steps = rows // bm, k // 8
-        c = codes.reshape(rows, steps, 8)
-        index_of, base = _entry_index(self.grid)
-        powers = base ** np.arange(self.width, dtype=np.int32)
-        mags = c & ((1 << bits) - 1)
-        key = (np.minimum(mags, base - 1).astype(np.int32).reshape(rows, steps, e, self.width) * powers).sum(axis=3)
-        idx = index_of[key]  # [rows, steps, E]
-        bad = (idx < 0).any(axis=2) | (c >> (bits + 1) != 0).any(axis=2) | (mags >= base).any(axis=2)
+        c = np.ascontiguousarray(codes).reshape(rows, steps, 8)
+        step = c.view("<u8")[:, :, 0]  # a step's 8 codes as one word: byte p code p
+        byte = np.uint64(0x0101010101010101)
+        key = np.zeros((rows, steps, e), np.int32)
+        for p in range(8):  # entry p // width's key: magnitude p mod width at bit bits·(p mod width)
+            field = ((step >> np.uint64(8 * p)) & np.uint64((1 << bits) - 1)).astype(np.int32)
+            key[:, :, p // self.width] |= field << (bits * (p % self.width))
+        idx = _entry_index(self.grid, bits)[key]  # [rows, steps, E]: −1 where no entry has those magnitudes
+        bad = (idx < 0).any(axis=2) | (step & ~(byte * np.uint64((2 << bits) - 1)) != 0)  # (above magnitude | sign)
         if bad.any():
             r, s = np.argwhere(bad)[0]
             raise ValueError(f"codes {c[r, s].tolist()} (row {r}, activations {8 * s}-{8 * s + 7}) are no entries of "
                              f"{self.grid}'s grid with signs")
-        signs = np.packbits(c[:, :, list(SIGN_ORDER[self.width])] >> bits, axis=2, bitorder="little")[:, :, 0]
+        # bit ``bits`` of each byte gathered into one byte (bit p: byte p's; a multiply's sum without carries), then
+        # put in ``SIGN_ORDER``
+        gathered = ((step >> np.uint64(bits)) & byte) * np.uint64(0x0102040810204080) >> np.uint64(56)
+        signs = _sign_order(self.width)[gathered.astype(np.uint8)]
         if self.shifts:  # one shift an entry: its 8 weights' "signs" alike
             mixed = (signs != 0) & (signs != 255)
             if mixed.any():
