@@ -65,6 +65,7 @@ def expanded_pairs(isa, layout, buf, starts, shifts=None):
     row: their indices fill half a vector) share each lookup, pair q's rows in lanes 32q-. IQ1_M: ``shifts`` are the
     pairs' rows' multiplier bytes of the step's group and the step's entry in that group (its shift: bit 4 + e)."""
     from tvm import tirx
+    from tvm.script.ir_builder import tirx as T
 
     def u8(value):
         return tirx.Broadcast(tirx.IntImm("uint8", value), 64)
@@ -76,8 +77,8 @@ def expanded_pairs(isa, layout, buf, starts, shifts=None):
     def halves(part):  # lanes 32·part- of each pair's load: the indices (0), the sign bytes (1)
         return tirx.Shuffle(loads, [64 * q + 32 * part + i for q in range(2) for i in range(32)])
 
-    def picked(bit, parts):  # each two parts (bit clear, set) as one
-        return [tirx.Select(bit, b, a) for a, b in zip(parts[0::2], parts[1::2])]
+    def picked(bit, parts):  # each two parts (bit clear, set) as one, bound: small expressions compile fast
+        return [T.bind(tirx.Select(bit, b, a)) for a, b in zip(parts[0::2], parts[1::2])]
 
     pairs = len(starts)
     if pairs not in (1, 2) or pairs == 2 and layout.entries != 1:
@@ -97,6 +98,7 @@ def expanded_pairs(isa, layout, buf, starts, shifts=None):
         return isa.lane_mask(held[0])
     words = entry_words(layout.magnitudes())
     top = tirx.reinterpret("int8x64", grid) < tirx.Broadcast(tirx.IntImm("int8", 0), 64)  # index bit 7: entries 128+
+    grid = T.bind(grid)
     low, high = ([isa.permute2(grid, table(half[q:q + 64]), table(half[q + 64:q + 128]))
                   for q in range(0, len(words), 128)] for half in (words & 255, words >> 8))
     low, high = picked(top, low), picked(top, high)
