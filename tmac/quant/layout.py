@@ -539,7 +539,7 @@ def seven_bit_signs() -> np.ndarray:
 
 class GridQuads(Quads):
     """Quads of codebook codes held as llama.cpp's grid indices and sign bits (``GRID_TYPES``): a row's E index bytes
-    (E = 8 / entry width: 1 for IQ2_XXS and IQ2_XS, 2 for IQ3_XXS and IQ3_S) and a sign byte a step instead of four
+    (E = 8 / entry width: 1 for IQ2 and IQ1_M, 2 for IQ3_XXS and IQ3_S) and a sign byte a step instead of four
     code bytes, which the kernel expands into the quads' code bytes (``tmac.codegen.grids``). A code is
     magnitude | sign << b, the magnitude the index of the grid value among the codebook's first levels::
 
