@@ -19,8 +19,16 @@ def test_info_lists_what_matters():
     r = tmac("info")
     assert r.returncode == 0, r.stderr
     for field in ("architecture", "avx2", "avx512bw", "avx512vnni", "avxvnni", "neon", "dotprod", "kernel ISA",
-                  "threads", "torch", "apache-tvm", "apache-tvm-ffi", "kernel cache", "huge pages", "THP "):
+                  "threads", "torch", "apache-tvm", "apache-tvm-ffi", "kernel cache", "huge pages", "THP ", "i-quants"):
         assert field in r.stdout
+    # the grid i-quants held at their file's size: where the ISA's kernels expand grids, all of them
+    from tmac.kernels import ISAS
+    from tmac.quant.layout import GRID_TYPES
+
+    facts = json.loads(tmac("info", "--json").stdout)
+    expands = facts["kernel_isa"] is not None and ISAS[facts["kernel_isa"]].expands_grids
+    assert facts["iquants_at_file_size"] == (sorted(GRID_TYPES) if expands else [])
+    assert ("IQ1_M, IQ2_S" in r.stdout) == expands
 
 
 @pytest.mark.slow

@@ -240,6 +240,7 @@ def cmd_info(args) -> int:
     from tmac.execution import runtime
     from tmac.base.cpu import FEATURES, cpu_features, machine_arch, physical_cores
     from tmac.kernels import ISA_ENV, best_isa
+    from tmac.quant.layout import GRID_TYPES
 
     arch, feats = machine_arch(), cpu_features()
     isa = problem = None
@@ -255,6 +256,8 @@ def cmd_info(args) -> int:
         "threads": runtime.get_num_threads(), "physical_cores": physical_cores(),
         "torch": _version("torch"), "apache_tvm": _version("apache-tvm"), "apache_tvm_ffi": _version("apache-tvm-ffi"),
         "kernel_cache": cache.cache_dir(), "kernel_dir": kernel_dir, "huge_pages": _huge_pages_line(),
+        # the grid i-quants the kernels hold as the file's indices and signs (at its size), else as 4-bit codes
+        "iquants_at_file_size": sorted(GRID_TYPES) if isa and isa.expands_grids else [],
     }
     if args.json:
         print(json.dumps(facts))
@@ -276,6 +279,10 @@ def cmd_info(args) -> int:
         ("kernel cache", facts["kernel_cache"]),
         ("kernel dir", kernel_dir or "(none; set TMAC_KERNEL_DIR)"),
         ("huge pages", facts["huge_pages"]),
+        ("i-quants", f"IQ4_NL, IQ4_XS, {', '.join(facts['iquants_at_file_size'])} at the file's size; IQ1_S as "
+                     "2-bit codes" if facts["iquants_at_file_size"] else
+         "IQ4_NL, IQ4_XS at the file's size; IQ1-IQ3 as 2- or 4-bit codes, above it (AVX-512 VBMI holds their grids "
+         "at it)"),
     ])
     return 0
 
