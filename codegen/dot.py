@@ -81,7 +81,7 @@ class _DotGemm:
         self.unit = min(self.wg, QUANT_BLOCK)  # activations an integer sum covers: a weight group or a block
         self.qb = spec.activation_block
         self.sg = spec.super_groups
-        self.shifts = getattr(spec.layout, "shifts", False)  # IQ1_M's grid: shifts above its multipliers
+        self.shifts = spec.layout.shifts  # IQ1_M's grid: shifts above its multipliers
         if self.sg and self.unit != self.wg:
             raise ValueError(f"{spec.name}: a super group's weight groups must be one integer sum each")
         # codes less their offset, where the ISA multiplies signed bytes and the format has no zeros (whose

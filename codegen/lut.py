@@ -66,7 +66,7 @@ class _Gemm:
         self.chunks = [(o, p, self.sb * p // vl, bm * o, vl // p) for o, p in self.layout.chunks]
         self.ramp = tirx.Ramp(tirx.IntImm("int32", 0), tirx.IntImm("int32", 1), vl)
         self.sg = spec.super_groups
-        self.shifts = getattr(self.layout, "shifts", False)  # IQ1_M's grid: shifts above its multipliers
+        self.shifts = self.layout.shifts  # IQ1_M's grid: shifts above its multipliers
         # K-quants (super scales): −(½s + z)·Σx = (offset − ½)·d·a·Σx − m·b·Σx, so a super group's terms are summed
         # with the multipliers a, b only, and d, m applied once at its end (per-group d·a and m·b − offset·d·a would
         # cost the epilogue more than the smaller parameters save); without zeros the term is −½·d·a·Σx, and

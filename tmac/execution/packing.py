@@ -80,7 +80,7 @@ def pack(qw: QuantizedWeight, spec: KernelSpec, factors=None) -> PackedWeight:
     weights = packed_empty(packed_shapes(spec, m)[0])
     chunks = chunk_views(weights, spec)
     step = max(1, PACK_WEIGHTS // (bm * k))  # blocks per slice
-    shifts = getattr(layout, "shifts", False)  # (IQ1_M's grid: its shifts go into the multipliers)
+    shifts = layout.shifts  # (IQ1_M's grid: its shifts go into the multipliers)
     shift_bits = np.zeros((mb * bm, k // spec.group_size), np.uint8) if shifts else None
     for b0 in range(0, mb, step):
         b1 = min(mb, b0 + step)
@@ -150,7 +150,7 @@ def unpack(packed: PackedWeight, fmt: WeightFormat) -> QuantizedWeight:
     """The exact inverse of ``pack``: codes and parameters of the ``packed.m`` true rows in format ``fmt``."""
     spec = _check_unpack(packed, fmt)
     codes = spec.layout.unpack(block_major(packed.weights, spec), spec)[:packed.m]
-    if getattr(spec.layout, "shifts", False):
+    if spec.layout.shifts:
         stored = _super_factors(block_major(packed.scales, spec), packed.m, spec)[0]  # (the shifts in place)
         codes = spec.layout.with_shifts(codes, stored, spec.group_size)
     scales, zeros, factors = _params_and_factors(packed, fmt)
@@ -199,7 +199,7 @@ def _params_and_factors(packed: PackedWeight, fmt: WeightFormat):
     s, z = (None if p is None else block_major(p, spec) for p in (packed.scales, packed.zeros))
     if not spec.super_groups:
         return _unpack_params(s, m, fmt), None if z is None else _unpack_params(z, m, fmt), None
-    shifts = getattr(spec.layout, "shifts", False)
+    shifts = spec.layout.shifts
     factors = (_super_factors(s, m, spec, shifts), None if z is None else _super_factors(z, m, spec))
     (a, d), zero = factors  # scale d·a, zero m·b − offset·scale
     scales = np.repeat(d, spec.super_groups, axis=1) * a.astype(np.float32)

@@ -180,6 +180,7 @@ class Layout(ABC):
 
     wide_lookup = False  # 64-entry lookups, one serving four tables
     quad_chunks: tuple = ()
+    shifts = False  # IQ1_M's grid: an entry's shift held above its group's multiplier (``GridQuads.shift_bits``)
     chunks: tuple
     step_tables: int
     step_bytes: int
