@@ -81,7 +81,7 @@ class _DotGemm:
         self.unit = min(self.wg, QUANT_BLOCK)  # activations an integer sum covers: a weight group or a block
         self.qb = spec.activation_block
         self.sg = spec.super_groups
-        self.shifts = spec.layout.shifts  # IQ1_M's grid: shifts above its multipliers
+        self.shifts = spec.layout.shifts  # IQ1's grid: shifts above its multipliers
         if self.sg and self.unit != self.wg:
             raise ValueError(f"{spec.name}: a super group's weight groups must be one integer sum each")
         # codes less their offset, where the ISA multiplies signed bytes and the format has no zeros (whose
@@ -139,7 +139,7 @@ class _DotGemm:
 
         L = self.lanes
         v = buf[vec(self.param_at(g, self.first + r * L), L)]
-        if self.shifts and buf is self.SF:  # (IQ1_M's grid: its shifts above the multiplier)
+        if self.shifts and buf is self.SF:  # (IQ1's grid: its shifts above the multiplier)
             v = v & tirx.Broadcast(tirx.IntImm(buf.dtype, SHIFT_MULTIPLIER), L)
         return v if buf.dtype == dtype else tirx.Cast(f"{dtype}x{L}", v)
 
@@ -224,7 +224,7 @@ class _DotGemm:
                     layout = self.spec.layout
                     stored = layout.stored_bytes(self.vl)
                     group = 4 if layout.entries == 1 and rows // L % 4 == 0 else 2  # (IQ2: two pairs share lookups)
-                    per = self.spec.group_size // 8  # (IQ1_M: the steps of a group, whose multipliers hold shifts)
+                    per = self.spec.group_size // 8  # (IQ1: the steps of a group, whose multipliers hold shifts)
                     codes = [c for v in range(0, rows // L, group)
                              for c in expanded_pairs(
                                  self.isa, layout, self.W8,

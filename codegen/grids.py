@@ -61,8 +61,8 @@ def entry_words(magnitudes: np.ndarray) -> np.ndarray:
 
 def expanded_pairs(isa, layout, buf, starts, shifts=None):
     """The quads' code bytes (uint8x64, a vector's) of the pairs of vectors whose grid bytes start at ``starts`` of
-    ``buf``: 32 rows' indices (an entry or two a row), then their sign bytes. Two pairs of IQ2 and IQ1_M (an entry a
-    row: their indices fill half a vector) share each lookup, pair q's rows in lanes 32q-. IQ1_M: ``shifts`` are the
+    ``buf``: 32 rows' indices (an entry or two a row), then their sign bytes. Two pairs of IQ2 and IQ1 (an entry a
+    row: their indices fill half a vector) share each lookup, pair q's rows in lanes 32q-. IQ1: ``shifts`` are the
     pairs' rows' multiplier bytes of the step's group and the step's entry in that group (its shift: bit 4 + e)."""
     from tvm import tirx
     from tvm.script.ir_builder import tirx as T
@@ -83,7 +83,7 @@ def expanded_pairs(isa, layout, buf, starts, shifts=None):
     pairs = len(starts)
     if pairs not in (1, 2) or pairs == 2 and layout.entries != 1:
         raise ValueError(f"{layout.grid}: {pairs} pairs of vectors in one expansion")
-    if layout.shifts:  # IQ1_M: 32 index bytes a pair, its masks after them
+    if layout.shifts:  # IQ1: 32 index bytes a pair, its masks after them
         loads = [buf[vec(at, 32)] for at in starts]
         grid = tirx.Shuffle(loads * (3 - pairs), list(range(64)))
     else:
@@ -102,10 +102,10 @@ def expanded_pairs(isa, layout, buf, starts, shifts=None):
     low, high = ([isa.permute2(grid, table(half[q:q + 64]), table(half[q + 64:q + 128]))
                   for q in range(0, len(words), 128)] for half in (words & 255, words >> 8))
     low, high = picked(top, low), picked(top, high)
-    for h in range(layout.masks):  # IQ3_S, IQ2_S, IQ1_M: index bit 8 + h a lane mask (IQ2, IQ1: 32 lanes a pair)
+    for h in range(layout.masks):  # IQ3_S, IQ2_S, IQ1: index bit 8 + h a lane mask (IQ2, IQ1: 32 lanes a pair)
         bit = lane_mask(h)
         low, high = picked(bit, low), picked(bit, high)
-    if layout.shifts:  # IQ1_M: an entry's shift is the "sign" of its 8 weights
+    if layout.shifts:  # IQ1: an entry's shift is the "sign" of its 8 weights
         held, entry = shifts
         if pairs == 1:
             held = tirx.Shuffle([held, held], list(range(64)))

@@ -66,7 +66,7 @@ class _Gemm:
         self.chunks = [(o, p, self.sb * p // vl, bm * o, vl // p) for o, p in self.layout.chunks]
         self.ramp = tirx.Ramp(tirx.IntImm("int32", 0), tirx.IntImm("int32", 1), vl)
         self.sg = spec.super_groups
-        self.shifts = self.layout.shifts  # IQ1_M's grid: shifts above its multipliers
+        self.shifts = self.layout.shifts  # IQ1's grid: shifts above its multipliers
         # K-quants (super scales): −(½s + z)·Σx = (offset − ½)·d·a·Σx − m·b·Σx, so a super group's terms are summed
         # with the multipliers a, b only, and d, m applied once at its end (per-group d·a and m·b − offset·d·a would
         # cost the epilogue more than the smaller parameters save); without zeros the term is −½·d·a·Σx, and
@@ -121,7 +121,7 @@ class _Gemm:
         from tvm import tirx
 
         value = buf[self.param_at(blk, g, row, g0, gc)]
-        if self.shifts and buf is self.SF:  # (IQ1_M's grid: its shifts above the multiplier)
+        if self.shifts and buf is self.SF:  # (IQ1's grid: its shifts above the multiplier)
             value = value & tirx.IntImm(buf.dtype, SHIFT_MULTIPLIER)
         return value if buf.dtype == F32 else tirx.Cast(F32, value)
 

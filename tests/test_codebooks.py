@@ -58,7 +58,8 @@ def test_iq1_s_imports_as_a_k_quant_of_two_bit_codes(rng):
     """IQ1_S: w = d·(2s + 1)·(grid ± ⅛) with one shift a group of 32, so codes grid + 1 of 2 bits, multipliers
     a = 2s + 1 and b = 7a or 9a of one super scale d and one d/8 (its K-quant form d·a·q − (d/8)·b), exactly the
     ``gguf`` package's weights; held at 2.625 bits a weight (codes, a byte of a and of b a group, d and d/8 a super
-    group) instead of 4-bit codes' 4.31: 1.68x the file's 1.5625. The kernels: ``test_k_quant_super_scales``."""
+    group) instead of 4-bit codes' 4.31: 1.68x the file's 1.5625. The kernels: ``test_k_quant_super_scales``. Where
+    the kernels expand grids it is held as its grid indices instead (``test_iq1_s_is_held_as_grid_indices...``)."""
     m, k = 256, 1024
     blocks = k_quant_blocks(rng, m, k, "IQ1_S")
     qw = import_gguf(blocks, "IQ1_S", (m, k))
@@ -71,11 +72,64 @@ def test_iq1_s_imports_as_a_k_quant_of_two_bit_codes(rng):
     assert set(np.unique(a)) == set(range(1, 16, 2)) and np.array_equal(dmin, d / 8)
     assert ((b == 7 * a) | (b == 9 * a)).all() and (b == 7 * a).any() and (b == 9 * a).any()
     for isa in RUNNABLE:
+        if ISAS[isa].expands_grids:
+            continue
         spec = spec_for(qw, ISAS[isa])
         packed = pack(qw, spec)
         held = sum(x.nbytes for x in (packed.weights, packed.scales, packed.zeros))
         assert held * 8 / (m * k) == 2 + 8 / 32 + 8 / 32 + 2 * 16 / 256, isa
         assert held <= 1.7 * blocks.nbytes
+
+
+def test_iq1_s_is_held_as_grid_indices_where_the_kernels_expand_grids(rng):
+    """Where the kernels expand grids, IQ1_S is held as its 11-bit grid indices, its multiplier a = 2s + 1 a group
+    of 32 with the group's shift in the multiplier byte's bits 4-7 (IQ1_M's codebook codes (grid + 1) | shift << 2,
+    scale d·a/8), a float16 d/8 a 256: 1.6875 bits a weight, 1.08x the file's bytes. The kernels' sums are the
+    reference's of that form (GEMV, few-row and dot-product GEMMs; where this CPU runs such kernels), within a
+    rounding of the exact weights; and unpacking gives the import back, codes, parameters and factors alike."""
+    from tmac.base.formats import IQ1_S_AS_CODES
+    from tmac.execution.lut_ops import takes_dot_products
+    from tmac.quant.held import held_weight
+
+    m, k = 256, 1024
+    blocks = k_quant_blocks(rng, m, k, "IQ1_S")
+    qw = import_gguf(blocks, "IQ1_S", (m, k))
+    spec = spec_for(qw, ISAS["avx512_vbmi"])  # (packing needs no such CPU)
+    assert (spec.grid, spec.bits, spec.codebook, spec.has_zeros) == ("IQ1_S", 4, IQ1_S_AS_CODES.codebook, False)
+    packed = pack(qw, spec)
+    assert packed.zeros is None
+    held = packed.weights.nbytes + packed.scales.nbytes
+    assert held * 8 / (m * k) == 11 / 8 + 8 / 32 + 16 / 256 and held <= 1.08 * blocks.nbytes
+    codes, _ = held_weight(qw, spec)
+    assert codes.format is IQ1_S_AS_CODES
+    np.testing.assert_array_equal(codes.dequantize(), qw.dequantize())  # the same weights, exactly
+    exact_w = qw.dequantize().astype(np.float64)
+    for isa in (isa for isa in RUNNABLE if ISAS[isa].expands_grids):
+        lw = LutWeight(pack(qw, spec_for(qw, ISAS[isa])))
+        for n in (1, 3, 20, 64):
+            x = rng.standard_normal((n, k)).astype(np.float32)
+            y = lw.matmul(torch.from_numpy(x)).numpy()
+            dots = takes_dot_products(lw.spec, n)
+            want = ref.dot_matmul(x, codes, lw.spec.activation_block) if dots else ref.lut_matmul(x, codes)
+            assert rel_l2(y, want) <= 1e-5, (isa, n)
+            assert rel_l2(want, x.astype(np.float64) @ exact_w.T) <= 0.02
+    assert takes_dot_products(spec, 64)
+    back = unpack(packed, qw.format)
+    assert back.format is qw.format
+    for got, expected in ((back.codes, qw.codes), (back.scales, qw.scales), (back.zeros, qw.zeros),
+                          *zip((*back.factors[0], *back.factors[1]), (*qw.factors[0], *qw.factors[1]))):
+        assert got.dtype == expected.dtype
+        np.testing.assert_array_equal(got, expected)
+    # a file packed for another ISA repacks through the import's form, both ways (a .tmac file moved between CPUs)
+    two_bits = pack(qw, spec_for(qw, ISAS["avx2"]))
+    for a, b in ((pack(unpack(two_bits, qw.format), spec), packed),
+                 (pack(unpack(packed, qw.format), two_bits.spec), two_bits)):
+        for x, y in ((a.weights, b.weights), (a.scales, b.scales), (a.zeros, b.zeros)):
+            np.testing.assert_array_equal(x, y)
+    bad = import_gguf(blocks, "IQ1_S", (m, k))
+    bad.factors[1][0][7, 3] = 5 * bad.factors[0][0][7, 3]  # a shift IQ1_S does not have
+    with pytest.raises(ValueError, match="group 3 of row 7 is not IQ1_S's"):
+        pack(bad, spec)
 
 
 @pytest.mark.parametrize("isa, type_name", CASES)

@@ -14,6 +14,7 @@ from tmac.execution.lut_ops import (DOT_ROWS_ENV, LutWeight, dot_buffers, dot_pa
 from tmac.execution.packing import pack
 from tmac.kernels import ISAS
 from tmac.quant.choose import spec_for
+from tmac.quant.held import held_weight
 
 DOT_ISAS = [i for i in runnable_isas() if ISAS[i].dot_rows > 0]
 pytestmark = pytest.mark.skipif(not DOT_ISAS, reason="no ISA of this CPU has dot-product kernels")
@@ -102,12 +103,15 @@ def test_dot_gemm_matches_its_oracle(rng, isa, kind):
     and every parameter kind (float32 and float16 scales, zeros or none, groups of 16 to a whole row, llama.cpp's
     Q4_0/Q4_1 blocks and the K-quants' byte multipliers of d and dmin, Q3_K's and Q6_K's signed) against the
     reference, with a partial last row block and a partial last tile of activation rows; codes in quads keep table
-    lookups at any row count (and IQ1_S on arm64, measured on x86 only)."""
+    lookups at any row count (and IQ1_S on arm64, measured on x86 only), but codebook codes (IQ1_S where the kernels
+    expand its grid)."""
     m, k = 200, 512
     qw = _weight(rng, kind, m, k)
     lw = LutWeight(pack(qw, spec_for(qw, ISAS[isa])))
     # the one layout of these codes without dot products: quads (64-entry lookups, AVX-512 VBMI: 3 and 5 bits)
-    assert lw.spec.dot_products != (lw.spec.quads or kind == "IQ1_S" and ISAS[isa].arch != "x86_64")
+    assert lw.spec.dot_products != (lw.spec.quads and not lw.spec.codebook or kind == "IQ1_S" and
+                                    ISAS[isa].arch != "x86_64")
+    qw = held_weight(qw, lw.spec)[0]  # (IQ1_S's grid: as codebook codes, the same weights)
     for n in (ISAS[isa].dot_rows, ISAS[isa].dot_rows + 5):
         assert takes_dot_products(lw.spec, n) == lw.spec.dot_products
         x = rng.standard_normal((n, k)).astype(np.float32)
@@ -208,7 +212,7 @@ def test_a_whole_row_group_is_a_loop_not_code_that_grows_with_k(isa):
 def test_which_specs_have_dot_products():
     """Bit-plane codes of 3 to 6 bits, in one K chunk or several, on an ISA with dot products (x86, and arm64 with
     ``sdot``); not 2-bit codes (two planes' lookups cost no more) but IQ1_S's on x86 (super groups of 32-weight
-    groups, not in quads), nor 8-bit codes, or ISAs without (arm64 without dotprod and the generic fallback keep
+    groups, not in quads; its grid's codebook codes on AVX-512 VBMI), nor 8-bit codes, or ISAs without (arm64 without dotprod and the generic fallback keep
     table lookups)."""
     rng = np.random.default_rng(0)
     w = rng.standard_normal((64, 512)).astype(np.float32)
@@ -224,8 +228,9 @@ def test_which_specs_have_dot_products():
 
     iq1_s, q2_k = (import_gguf(k_quant_blocks(rng, 64, 512, t), t, (64, 512)) for t in ("IQ1_S", "Q2_K"))
     assert spec_for(iq1_s, ISAS["avx2"]).dot_products and not spec_for(q2_k, ISAS["avx2"]).dot_products
-    vbmi = spec_for(iq1_s, ISAS["avx512_vbmi"])
-    assert not spec_for(iq1_s, ISAS["neon_dotprod"]).dot_products and vbmi.quads and not vbmi.dot_products
+    vbmi = spec_for(iq1_s, ISAS["avx512_vbmi"])  # its grid indices, expanded to codebook codes: multiplied
+    assert not spec_for(iq1_s, ISAS["neon_dotprod"]).dot_products and vbmi.grid == "IQ1_S" and vbmi.dot_products
+    assert not spec_for(iq1_s, ISAS["avx512_vbmi"], grid="").dot_products  # (its 2-bit form: quads)
     assert spec_for(qw, ISAS["neon_dotprod"]).dot_products
     for other in ("neon", "generic_x86_64"):
         assert not spec_for(qw, ISAS[other]).dot_products

@@ -242,8 +242,9 @@ def test_k_quant_super_scales(rng, isa, type_name):
     s13 = np.repeat(d13, supers, axis=1) * a.astype(np.float32)
     z13 = None if zeros is None else \
         np.repeat(zero_factors[1], supers, axis=1) * zero_factors[0].astype(np.float32) - np.float32(fmt.offset) * s13
+    two_bits = {"grid": ""} if type_name == "IQ1_S" else {}  # (its K-quant form: these are no IQ1_S parameters)
     for weight, halves in ((qw, True), (QuantizedWeight(qw.codes, s13, z13, fmt), False)):
-        spec = spec_for(weight, ISAS[isa])
+        spec = spec_for(weight, ISAS[isa], **two_bits)
         assert spec.super_groups == supers and spec.super_bytes == (2 if halves else 4)
         with pytest.raises(ValueError, match="even count"):  # the kernels take a super group's lut groups in pairs
             dataclasses.replace(spec, super_groups=1)

@@ -120,14 +120,15 @@ def _grid_spec(k=256, type_name="IQ2_XXS", **tiling):
 
 @pytest.mark.parametrize("type_name, magnitudes", [("IQ2_XXS", (8, 25, 43)), ("IQ3_XXS", (4, 12, 20, 28, 36, 44, 52, 62)),
                                                    ("IQ2_XS", (8, 25, 43)), ("IQ3_S", tuple(range(1, 16, 2))),
-                                                   ("IQ2_S", (8, 25, 43)), ("IQ1_M", (-1, 0, 1))])
+                                                   ("IQ2_S", (8, 25, 43)), ("IQ1_M", (-1, 0, 1)),
+                                                   ("IQ1_S", (-1, 0, 1))])
 def test_grid_quads_hold_indices_and_a_sign_byte_a_row_a_step(type_name, magnitudes):
-    """IQ2_XXS, IQ3_XXS, IQ2_XS, IQ3_S, IQ2_S and IQ1_M on AVX-512 VBMI (``GridQuads``): a pair of vectors' 32 rows a
+    """IQ2_XXS, IQ3_XXS, IQ2_XS, IQ3_S, IQ2_S, IQ1_M and IQ1_S on AVX-512 VBMI (``GridQuads``): a pair of vectors' 32 rows a
     step hold each row's grid indices (IQ2_XXS, IQ2_XS, IQ2_S, IQ1_M one entry of 8 weights, IQ3_XXS, IQ3_S two of 4:
     byte E·i + e) and then its sign byte (at E·32 + i, in ``SIGN_ORDER``; IQ2_XS: its 512-entry grid's ninth index bit
     and 7 signs, the 8th their parity; IQ1_M none), then the higher index bits as masks of 32·E bits (IQ3_S's ninth,
     IQ2_S's ninth and tenth, IQ1_M's 9th-11th: bit E·i + e of mask h is bit 8 + h of index E·i + e; IQ1_M's shifts in
-    its multipliers, bit 4 + e of its group's), read back against llama.cpp's grid from the ``gguf`` package; a code
+    its multipliers, bit 4 + e of its group's; IQ1_S's too, four entries a group of 32), read back against llama.cpp's grid from the ``gguf`` package; a code
     is magnitude | sign << b (IQ1_M: grid + 1 | shift << 2), levels the codebook's; unpacking inverts packing, and
     codes that are no grid entry, signs of odd parity for IQ2_XS, or two shifts in an IQ1_M entry are refused by
     name."""
@@ -148,7 +149,7 @@ def test_grid_quads_hold_indices_and_a_sign_byte_a_row_a_step(type_name, magnitu
     idx = rng.integers(0, len(grid), (2 * bm, steps, entries))
     neg = rng.integers(0, 2, (2 * bm, steps, 8))
     nine = len(grid) == 512 and width == 8  # (IQ2_XS)
-    shifts = type_name == "IQ1_M"  # (a shift, −⅛ or +⅛, an entry: its "sign")
+    shifts = type_name.startswith("IQ1")  # (a shift, −⅛ or +⅛, an entry: its "sign")
     if nine:  # llama.cpp's 8th sign is the parity of the 7 stored
         neg[:, :, 7] = neg[:, :, :7].sum(axis=2) % 2
     if shifts:
@@ -180,7 +181,8 @@ def test_grid_quads_hold_indices_and_a_sign_byte_a_row_a_step(type_name, magnitu
     if shifts:  # the shifts are held in the groups' multiplier bytes, bits 4 + e
         held = layout.shift_bits(codes, spec.group_size)
         per = spec.group_size // 8
-        np.testing.assert_array_equal(held, (neg[:, ::per, 0] << 4 | neg[:, 1::per, 0] << 5).reshape(held.shape))
+        want = sum(neg[:, e::per, 0] << (4 + e) for e in range(per))
+        np.testing.assert_array_equal(held, want.reshape(held.shape))
         np.testing.assert_array_equal(layout.with_shifts(layout.unpack(w, spec), held, spec.group_size), codes)
     else:
         np.testing.assert_array_equal(layout.unpack(w, spec), codes)
@@ -224,7 +226,7 @@ def test_grid_and_super_exponent_fields_round_trip_and_are_checked():
     with pytest.raises(ValueError, match="grid"):
         KernelSpec.from_dict({**saved, "grid": 7})
     with pytest.raises(ValueError, match="not one of"):
-        KernelSpec.from_dict({**saved, "grid": "IQ1_S"})
+        KernelSpec.from_dict({**saved, "grid": "IQ4_XS"})
     with pytest.raises(ValueError, match="takes its own codebook"):
         KernelSpec.from_dict({**saved, "grid": "IQ3_XXS"})
     # IQ2_XS's grid has IQ2_XXS's levels, but not its entries: a weight of one is not packed in the other's grid

@@ -5,7 +5,7 @@ Weights come back as ``QuantizedWeight`` when the caller wants the file's own we
 where the type allows (``tmac.base.formats.GGUF_EXACT``: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, the K-quants Q2_K to Q6_K,
 TQ1_0, TQ2_0, the i-quants IQ1_M to IQ4_XS as codebook codes — the grid types' held by the kernels as the file's
 indices and signs on AVX-512 VBMI (1.04-1.12x the file), as 4-bit codes elsewhere (above the files' 1.75-3.44
-bits) — and IQ1_S as a K-quant of 2-bit codes), and a matrix of any other quantized type (MXFP4) at 8 bits in
+bits) — and IQ1_S as a K-quant of 2-bit codes, held as its indices on AVX-512 VBMI too), and a matrix of any other quantized type (MXFP4) at 8 bits in
 Q8_0's layout — within a fraction of the type's own rounding, at a quarter of float32's bytes and several times its
 speed.
 Otherwise tensors come as float32 (F32 read directly, every other type through ``gguf.quants.dequantize``) or

@@ -125,7 +125,7 @@ def _grid_blocks(rng: np.random.Generator, rows: int, k: int, type_name: str) ->
 
 
 K_QUANT_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
-# held as codebook codes (IQ1_S, a grid type too, is a K-quant of 2-bit codes: tmac.base.formats)
+# imported as codebook codes (IQ1_S, a grid type too, is a K-quant of 2-bit codes: tmac.base.formats)
 CODEBOOK_TYPES = ("IQ4_NL", "IQ4_XS") + tuple(t for t in GRID_TYPES if t != "IQ1_S")
 TERNARY_TYPES = ("TQ1_0", "TQ2_0")
 TERNARY_SCALE = 0.0200042724609375  # a float16 value, so every block's d holds it exactly

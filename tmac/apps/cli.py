@@ -279,8 +279,8 @@ def cmd_info(args) -> int:
         ("kernel cache", facts["kernel_cache"]),
         ("kernel dir", kernel_dir or "(none; set TMAC_KERNEL_DIR)"),
         ("huge pages", facts["huge_pages"]),
-        ("i-quants", f"IQ4_NL, IQ4_XS, {', '.join(facts['iquants_at_file_size'])} at the file's size; IQ1_S as "
-                     "2-bit codes" if facts["iquants_at_file_size"] else
+        ("i-quants", f"IQ4_NL, IQ4_XS, {', '.join(facts['iquants_at_file_size'])} at the file's size"
+         if facts["iquants_at_file_size"] else
          "IQ4_NL, IQ4_XS at the file's size; IQ1-IQ3 as 2- or 4-bit codes, above it (AVX-512 VBMI holds their grids "
          "at it)"),
     ])

@@ -271,8 +271,8 @@ def check_group_size(group_size) -> None:
 #   weight (IQ1: none, but a shift ±⅛ per 8 or 32 weights); gguf-py's quants module holds the grids. Each weight is
 #   one of at most 16 integer levels (``gguf_blocks.GRID_LEVELS``) times its group's scale, so they import as 4-bit
 #   codebook codes (a grid index would be one lookup only in a table of all its weights' activations, and their signs
-#   differ row by row); on AVX-512 VBMI the kernels of IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S and IQ1_M expand them
-#   from their indices and signs (IQ1_M's shifts), held at their own size (``tmac.quant.layout.GridQuads``):
+#   differ row by row); on AVX-512 VBMI the kernels of IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_M and IQ1_S expand
+#   them from their indices and signs (IQ1's shifts), held at their own size (``tmac.quant.layout.GridQuads``):
 #   IQ2_XXS {f16 d; u32 qs[16]}  per 32: u32 of 4 grid indices, u32 of 4 × 7 sign bits (ksigns: the 8th is the parity)
 #         and a 4-bit s; w = d·(2s + 1)/8 · ±grid, grid ∈ {8, 25, 43}
 #   IQ2_XS {f16 d; u16 qs[32]; u8 sc[8]}  per 8: 9-bit index | 7 sign bits << 9; s per 16 (nibbles of sc)
@@ -283,7 +283,8 @@ def check_group_size(group_size) -> None:
 #         grid ∈ {1, 3, .., 15}, s per 32
 #   IQ1_S  {f16 d; u8 qs[32]; u16 qh[8]}  per 32: qh = 4 × 3 index bits, s (3 bits), delta sign; w = d·(2s + 1)·
 #         (grid ± ⅛), grid ∈ {−1, 0, 1}: not codes but a K-quant of 2-bit codes q = grid + 1, w = d·a·q − (d/8)·b with
-#         a = 2s + 1, b = 7a (+⅛) or 9a (−⅛): its delta is one a group, as a min
+#         a = 2s + 1, b = 7a (+⅛) or 9a (−⅛): its delta is one a group, as a min (where kernels expand grids, held
+#         as its indices: ``IQ1_S_AS_CODES``)
 #   IQ1_M  {u8 qs[32]; u8 qh[16]; u16 sc[4]}  d: the top nibbles of sc; per 8: 3 index bits and the delta's sign (a
 #         nibble of qh); s per 16 (3 bits)
 IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # llama.cpp's kvalues_iq4nl
@@ -323,6 +324,11 @@ FORMATS: dict[str, WeightFormat] = {
 }
 
 GGUF_EXACT = {f.gguf.type_name: f for f in FORMATS.values() if f.gguf is not None}
+# IQ1_S where the kernels expand its grid (``Isa.expands_grids``): IQ1_M's codebook codes (grid + 1) | shift << 2 in
+# groups of 32, scale d·(2s + 1)/8. Not an import (a file's IQ1_S imports as the row above) but the form those kernels
+# hold it in, made from that row at packing and back at unpacking (``tmac.quant.held``)
+IQ1_S_AS_CODES = WeightFormat("iq1_s_codes", 4, 32, has_zeros=False, gguf=GGUFBlock("IQ1_S", 256, 50), super_group=256,
+                              codebook=GRID_LEVELS["IQ1_S"])
 GGUF_FLOAT_TYPES = ("F32", "F16", "BF16", "F64")  # stored as floats: kept float, not requantized to 8 bits
 # quantize_weight's arguments for Q8_0's layout: what loaders keep near-lossless at 8 bits (the token table and the
 # head of a requantized model, matrices of GGUF types without an exact import)

@@ -215,7 +215,7 @@ _IQ2 = (8, 25, 43, 0, -8, -25, -43, 1, -5, -4, -3, -2, -1, 2, 3, 4)  # ±{0x08, 
 _IQ3 = (4, 12, 20, 28, 36, 44, 52, 62)
 _IQ1 = (-7, 1, 9, 0, -9, -1, 7, 2, -6, -5, -4, -3, -2, 3, 4, 5)
 GRID_LEVELS = {"IQ2_XXS": _IQ2, "IQ2_XS": _IQ2, "IQ2_S": _IQ2, "IQ3_XXS": _IQ3 + tuple(-v for v in _IQ3),
-               "IQ3_S": tuple(range(1, 16, 2)) + tuple(range(-1, -16, -2)), "IQ1_M": _IQ1}
+               "IQ3_S": tuple(range(1, 16, 2)) + tuple(range(-1, -16, -2)), "IQ1_M": _IQ1, "IQ1_S": _IQ1}
 
 
 @functools.lru_cache(maxsize=None)

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tmac.quant.choose import spec_and_factors, super_dtype
+from tmac.quant.held import held_format, held_weight, imported_weight
 from tmac.base.formats import PER_TENSOR, WeightFormat
 from tmac.quant.kquant import factor_params
 from tmac.quant.layout import SHIFT_MULTIPLIER
@@ -66,6 +67,7 @@ class PackedWeight:
 def pack(qw: QuantizedWeight, spec: KernelSpec, factors=None) -> PackedWeight:
     """Lay ``qw`` out for ``spec``. Deterministic; numpy, vectorized over row slices of ~``PACK_WEIGHTS`` codes.
     ``factors``: ``factor_params(qw)`` where the caller has it."""
+    qw, factors = held_weight(qw, spec, factors)  # (IQ1_S's grid: codebook codes)
     m, k = qw.shape
     fmt, layout = qw.format, spec.layout
     # float16 storage of plain parameters needs the format's promise; super scales are checked below
@@ -80,7 +82,7 @@ def pack(qw: QuantizedWeight, spec: KernelSpec, factors=None) -> PackedWeight:
     weights = packed_empty(packed_shapes(spec, m)[0])
     chunks = chunk_views(weights, spec)
     step = max(1, PACK_WEIGHTS // (bm * k))  # blocks per slice
-    shifts = layout.shifts  # (IQ1_M's grid: its shifts go into the multipliers)
+    shifts = layout.shifts  # (IQ1's grid: its shifts go into the multipliers)
     shift_bits = np.zeros((mb * bm, k // spec.group_size), np.uint8) if shifts else None
     for b0 in range(0, mb, step):
         b1 = min(mb, b0 + step)
@@ -148,6 +150,9 @@ def block_major(a: np.ndarray, spec: KernelSpec) -> np.ndarray:
 
 def unpack(packed: PackedWeight, fmt: WeightFormat) -> QuantizedWeight:
     """The exact inverse of ``pack``: codes and parameters of the ``packed.m`` true rows in format ``fmt``."""
+    held = held_format(fmt, None, packed.spec.grid)
+    if held is not fmt:
+        return imported_weight(unpack(packed, held), fmt)
     spec = _check_unpack(packed, fmt)
     codes = spec.layout.unpack(block_major(packed.weights, spec), spec)[:packed.m]
     if spec.layout.shifts:
@@ -160,6 +165,9 @@ def unpack(packed: PackedWeight, fmt: WeightFormat) -> QuantizedWeight:
 def unpack_by_rows(packed: PackedWeight, fmt: WeightFormat) -> QuantizedWeight:
     """``unpack(packed, fmt)`` whose codes are ``RowCodes``: unpacked a few blocks at a time as row slices are read
     (a 49152-row head's codes unpacked whole took twice their size for a moment)."""
+    held = held_format(fmt, None, packed.spec.grid)
+    if held is not fmt:
+        return imported_weight(unpack_by_rows(packed, held), fmt)
     _check_unpack(packed, fmt)
     bm = packed.spec.block_rows
 
@@ -186,15 +194,10 @@ def blocks_of(packed: PackedWeight, b0: int, b1: int) -> PackedWeight:
                         part(packed.zeros))
 
 
-def unpack_params(packed: PackedWeight, fmt: WeightFormat) -> tuple[np.ndarray, np.ndarray | None]:
-    """Float32 scales and zeros (None without) of the ``packed.m`` true rows in format ``fmt``."""
-    return _params_and_factors(packed, fmt)[:2]
-
-
 def _params_and_factors(packed: PackedWeight, fmt: WeightFormat):
-    """``unpack_params``, and the multipliers and super scales of a super-scale spec as ``QuantizedWeight.factors``
-    holds them (a repack for another ISA takes them as they are), or None: plain parameters, or super groups other
-    than the format's."""
+    """Float32 scales and zeros (None without) of the ``packed.m`` true rows in format ``fmt``, and the multipliers
+    and super scales of a super-scale spec as ``QuantizedWeight.factors`` holds them (a repack for another ISA takes
+    them as they are), or None: plain parameters, or super groups other than the format's."""
     spec, m = packed.spec, packed.m
     s, z = (None if p is None else block_major(p, spec) for p in (packed.scales, packed.zeros))
     if not spec.super_groups:
@@ -239,7 +242,7 @@ def _super_factors(p: np.ndarray, m: int, spec: KernelSpec, shifts: bool = False
     mb, supers = p.shape[:2]
     rows = lambda a: np.ascontiguousarray(a.transpose(0, 2, 1).reshape(-1, a.shape[1])[:m])  # noqa: E731 [M, X]
     mult = rows(np.ascontiguousarray(p[:, :, :sg * bm]).reshape(mb, supers * sg, bm))
-    if shifts:  # (IQ1_M's grid: ``pack``)
+    if shifts:  # (IQ1's grid: ``pack``)
         mult = mult & mult.dtype.type(SHIFT_MULTIPLIER)
     tail = np.ascontiguousarray(p[:, :, sg * bm:]).view(spec.scale_dtype)  # [MB, G/SG, BM]
     return mult, np.ldexp(rows(tail).astype(np.float32), -spec.super_exponent)

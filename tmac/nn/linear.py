@@ -176,7 +176,7 @@ class Linear(nn.Module):
 
         self.register_buffer("qweight", placeholder(w_shape, "uint8"))
         self.register_buffer("scales", placeholder(s_shape, local.param_dtypes[0]))
-        self.register_buffer("zeros", placeholder(s_shape, local.param_dtypes[1]) if fmt.has_zeros else None)
+        self.register_buffer("zeros", placeholder(s_shape, local.param_dtypes[1]) if local.has_zeros else None)
         self.register_buffer("bias", placeholder((m,), "float32") if bias else None)
         return self
 
@@ -279,7 +279,7 @@ class Linear(nn.Module):
                                  "itself (damaged, or edited)")
             tensors = {}
             for name in names[:-1]:
-                if name == "zeros" and not fmt.has_zeros or name == "bias" and not has_bias:
+                if name == "zeros" and not spec.has_zeros or name == "bias" and not has_bias:  # (IQ1_S grid: none)
                     continue
                 if prefix + name not in state_dict:
                     missing_keys.append(prefix + name)

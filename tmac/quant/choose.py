@@ -14,6 +14,7 @@ import numpy as np
 
 from tmac.base.files import read_json
 from tmac.base.formats import PER_ROW, PER_TENSOR, WeightFormat
+from tmac.quant.held import held_format
 from tmac.quant.kquant import factor_params
 from tmac.base.qweight import QuantizedWeight, all_float16
 from tmac.base.reference import TRIPLE_LUT_GROUP, default_lut_group, padded_k
@@ -81,6 +82,7 @@ def super_storage(factors) -> tuple[str, int]:
 def spec_for_format(fmt: WeightFormat, k: int, isa, **tiling) -> KernelSpec:
     """The kernel spec for weights of format ``fmt`` with ``k`` inputs on ``isa``; tiling not given explicitly
     comes from ``tmac tune``'s results for these parameters, else the defaults."""
+    fmt = held_format(fmt, isa, tiling.get("grid"), tiling.get("super_groups"))  # (IQ1_S's grid: codebook codes)
     group = k if fmt.group_size in (PER_ROW, PER_TENSOR) else fmt.group_size
     params = dict(scale_dtype=fmt.scale_dtype, zero_dtype=fmt.zero_dtype if fmt.has_zeros else "float32")
     supers = tiling.pop("super_groups", fmt.groups_per_super)
@@ -101,7 +103,7 @@ def spec_for_format(fmt: WeightFormat, k: int, isa, **tiling) -> KernelSpec:
     if tiling.pop("quads", isa.wide_lookup and (triples or step and lut_group % step == 0)):
         params["quads"] = True
     # a grid i-quant's quads are held as its indices and sign bits where the kernels expand them (its own size)
-    own = fmt.gguf is not None and fmt.gguf.type_name in GRID_TYPES and isa.expands_grids
+    own = fmt.codebook is not None and fmt.gguf is not None and fmt.gguf.type_name in GRID_TYPES and isa.expands_grids
     grid = tiling.pop("grid", fmt.gguf.type_name if own else "")
     if grid and params.get("quads"):
         params["grid"] = grid

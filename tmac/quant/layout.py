@@ -180,7 +180,7 @@ class Layout(ABC):
 
     wide_lookup = False  # 64-entry lookups, one serving four tables
     quad_chunks: tuple = ()
-    shifts = False  # IQ1_M's grid: an entry's shift held above its group's multiplier (``GridQuads.shift_bits``)
+    shifts = False  # IQ1's grid: an entry's shift held above its group's multiplier (``GridQuads.shift_bits``)
     chunks: tuple
     step_tables: int
     step_bytes: int
@@ -500,11 +500,11 @@ class Quads(Layout):
 # grid i-quants held as their indices: weights an entry covers (a step's 8, or 4: two indices a step), the bits of a
 # magnitude code (codes are magnitude | sign << bits) and of an index (9: a grid of 512 — IQ2_XS's ninth bit shares a
 # byte with 7 sign bits, the 8th their parity, as in the file; IQ3_S's ninth bits and IQ2_S's ninth and tenth follow
-# a pair of vectors' signs; IQ1_M's 2048 entries are magnitudes grid + 1, its three high bits and its shifts follow
-# its indices)
+# a pair of vectors' signs; IQ1's 2048 entries (IQ1_M's, and IQ1_S's held as IQ1_M's codes: ``tmac.quant.held``) are
+# magnitudes grid + 1, its three high bits and its shifts follow its indices)
 GRID_TYPES = {"IQ2_XXS": (8, 2, 8), "IQ3_XXS": (4, 3, 8), "IQ2_XS": (8, 2, 9), "IQ3_S": (4, 3, 9), "IQ2_S": (8, 2, 10),
-              "IQ1_M": (8, 2, 11)}
-# IQ1_M's multiplier bits below its entries' shifts (``GridQuads.shift_bits``)
+              "IQ1_M": (8, 2, 11), "IQ1_S": (8, 2, 11)}
+# IQ1's multiplier bits below its entries' shifts (``GridQuads.shift_bits``)
 SHIFT_MULTIPLIER = 15
 # the bit order of a step's sign byte: IQ3_XXS's holds signs 0, 2, 4, 6, 1, 3, 5, 7, so that the kernel puts each
 # pair its nibbles need 4 bits apart in one shift
@@ -540,7 +540,7 @@ def seven_bit_signs() -> np.ndarray:
 
 class GridQuads(Quads):
     """Quads of codebook codes held as llama.cpp's grid indices and sign bits (``GRID_TYPES``): a row's E index bytes
-    (E = 8 / entry width: 1 for IQ2 and IQ1_M, 2 for IQ3_XXS and IQ3_S) and a sign byte a step instead of four
+    (E = 8 / entry width: 1 for IQ2 and IQ1, 2 for IQ3_XXS and IQ3_S) and a sign byte a step instead of four
     code bytes, which the kernel expands into the quads' code bytes (``tmac.codegen.grids``). A code is
     magnitude | sign << b, the magnitude the index of the grid value among the codebook's first levels::
 
@@ -551,19 +551,19 @@ class GridQuads(Quads):
     (bit k: activation ``8·step + SIGN_ORDER[k]`` negative) — IQ2_XS's instead the index's ninth bit and 7 sign bits
     above it (the 8th sign their parity: other signs are refused) — and IQ3_S's and IQ2_S's higher index bits then
     follow as lane masks, 8 bytes: bit E·i + e of the little-endian 32·E bits of mask h is bit 8 + h of index
-    E·i + e (IQ3_S one mask of 64, IQ2_S two of 32). IQ1_M has no sign bytes: its code is (grid + 1) | shift << 2,
-    the shift (−⅛) one an entry, held in its group's multiplier byte (``shift_bits``), so the masks of its three
-    high index bits follow the indices (P = 44)."""
+    E·i + e (IQ3_S one mask of 64, IQ2_S two of 32). IQ1 (IQ1_M, and IQ1_S as its codes) has no sign bytes: its
+    code is (grid + 1) | shift << 2, the shift (−⅛) one an entry, held in its group's multiplier byte
+    (``shift_bits``), so the masks of its three high index bits follow the indices (P = 44)."""
 
     def __init__(self, codes: CodebookCodes, grid: str):
         super().__init__(codes)
         self.grid = grid
         self.width, self.magnitude_bits, self.index_bits = GRID_TYPES.get(grid, (8, 2, 8))
         self.entries = 8 // self.width  # a row's indices a step
-        # IQ2_XS's ninth index bit shares a byte with 7 signs; IQ3_S's, IQ2_S's and IQ1_M's high bits are lane masks
+        # IQ2_XS's ninth index bit shares a byte with 7 signs; IQ3_S's, IQ2_S's and IQ1's high bits are lane masks
         self.ninth_in_signs = self.index_bits == 9 and self.width == 8
         self.masks = 0 if self.ninth_in_signs else self.index_bits - 8
-        # IQ1_M: an entry's "sign" is its shift (−⅛), one bit an entry, held in its group's multiplier byte above the
+        # IQ1: an entry's "sign" is its shift (−⅛), one bit an entry, held in its group's multiplier byte above the
         # multiplier (``shift_bits``), so no sign bytes
         self.shifts = grid.startswith("IQ1")
         self.masks_at = 32 * self.entries + (0 if self.shifts else 32)  # (in a pair's bytes)
@@ -647,7 +647,7 @@ class GridQuads(Quads):
         return out
 
     def shift_bits(self, codes: np.ndarray, group_size: int) -> np.ndarray:
-        """IQ1_M: the shifts of each group's entries as its multiplier's bits 4 and up (``[rows, K/group]`` uint8),
+        """IQ1: the shifts of each group's entries as its multiplier's bits 4 and up (``[rows, K/group]`` uint8),
         which the kernels read beside the multiplier (its bits 0-3); codes are checked by ``pack``."""
         rows, k = codes.shape
         per = group_size // 8
@@ -669,7 +669,7 @@ class GridQuads(Quads):
             idx |= np.unpackbits(v[..., at:at + e * per // 8], axis=3, bitorder="little").astype(np.int32) << (8 + h)
         idx = idx.reshape(mb, steps, bm // per, per, e).transpose(0, 2, 3, 1, 4).reshape(mb * bm, steps, e)
         signs = np.zeros((mb * bm, steps), np.uint8) if self.shifts else \
-            v[..., e * per:(e + 1) * per].transpose(0, 2, 3, 1).reshape(mb * bm, steps)  # (IQ1_M's: ``with_shifts``)
+            v[..., e * per:(e + 1) * per].transpose(0, 2, 3, 1).reshape(mb * bm, steps)  # (IQ1's: ``with_shifts``)
         if self.ninth_in_signs:
             idx = idx | ((signs & 1).astype(np.int32) << 8)[:, :, None]
             signs = seven_bit_signs()[signs >> 1]
