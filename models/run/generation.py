@@ -7,14 +7,14 @@ session gives.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-
-from tmac.execution.lut_ops import prompt_rows
-from tmac.models.run.decode import Plans
 from tmac.models.run.sampling import Sampler, SamplingParams, check_for_vocabulary, logprobs
 from tmac.models.run.sequence import Sequence
 from tmac.models.text.stream import TextStream
+
+if TYPE_CHECKING:
+    from tmac.models.run.decode import Plans
 
 # a long prompt is prefilled this many tokens at a time: each chunk's activations stay in the caches
 # (docs/decisions.md, "Prompts are prefilled")
@@ -33,6 +33,10 @@ def prefill(model, ids: list[int], sequence: Sequence, first: int = 0, last_only
     for start, end in prefill_chunks(first, len(ids)):
         plan = plans.prefill(end - start) if plans is not None and last_only else None
         if plan is None:
+            import torch
+
+            from tmac.execution.lut_ops import prompt_rows
+
             with prompt_rows():  # (its projections multiply as a plan's would)
                 logits = model(torch.tensor(ids[start:end]), start, last_only=last_only, cache=sequence)
             yield end, logits
@@ -112,12 +116,16 @@ class Generation:
         completes."""
         plan = plans.decode(1) if plans is not None else None
         token, pos = self.next_id, len(self.sequence.ids)
-        logits = plan.step(token, pos, self.sequence) if plan else \
-            self.model(torch.tensor([token]), pos, last_only=True, cache=self.sequence)[-1]
+        if plan:
+            logits = plan.step(token, pos, self.sequence)
+        else:
+            import torch
+
+            logits = self.model(torch.tensor([token]), pos, last_only=True, cache=self.sequence)[-1]
         self.sequence.ids.append(token)
         return self.take(logits)
 
-    def take(self, logits: torch.Tensor) -> str:
+    def take(self, logits) -> str:
         """Sample the next token from ``logits``; the text it completes (held back while a stop string may be
         forming; the rest comes with ``close``)."""
         token = self.sampler.sample(logits)
@@ -152,6 +160,8 @@ def step_together(model, plans: Plans, generations: list[Generation]) -> list[st
     elif (plan := plans.decode(1)) is not None:
         rows = [plan.step(t, p, q).clone() for t, p, q in zip(tokens, positions, sequences)]
     else:
+        import torch
+
         rows = model.forward_rows(torch.tensor(tokens), positions, sequences)
     pieces = []
     for g, logits in zip(generations, rows):

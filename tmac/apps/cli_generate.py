@@ -382,26 +382,105 @@ def read_prompt(args) -> str:
     return sys.stdin.read()
 
 
+def _recorded(args):
+    """The model stepped from its packed copy's plan recipe, without importing torch (``tmac.models.run.recipe``),
+    and the seconds its load took; None where the run needs torch: options that bypass the packed copy, a source
+    that is not a GGUF, or no current recipe yet (the run then writes one)."""
+    if args.bits is not None or args.group_size is not None or args.head_bits is not None or \
+            not getattr(args, "mmap", True) or os.environ.get("TMAC_RECIPES", "1") == "0":
+        return None
+    from tmac.models.files import packed_cache
+    from tmac.models.files.hub import default_model_path, is_gguf, resolve
+
+    if not packed_cache.enabled():
+        return None
+    path = resolve(args.model) if args.model else default_model_path()
+    if not os.path.isfile(path) or not is_gguf(path):
+        return None
+    key, copy = packed_cache.lookup(path, PACKED_OPTIONS)
+    if copy is None:
+        return None
+    from tmac.base.timing import process_seconds
+    from tmac.models.run import recipe
+
+    if args.threads is not None:
+        from tmac.execution import runtime
+
+        runtime.set_num_threads(args.threads)
+    args.import_s = process_seconds()
+    t0 = time.perf_counter()
+    from tmac.base.errors import ModelFormatError
+
+    try:
+        model = recipe.read(recipe.path_for(copy, args.context, args.kv_dtype), copy,
+                            recipe.key(copy, args.context, args.kv_dtype))
+    except ModelFormatError:  # a damaged copy: the torch path's load says so, removes it and packs it again
+        return None
+    if model is None:
+        return None
+    packed_cache.touch(key)
+    args.packed_copy, args.packing_copy = True, False
+    quantization = model.file_quantization
+    print(f"tmac: running the file's {quantization} weights exactly" if quantization else
+          "tmac: running the file's own weights exactly", file=sys.stderr)
+    return model, time.perf_counter() - t0
+
+
+# the load options whose packed copy a run without them uses (``load_model``'s defaults)
+PACKED_OPTIONS = dict(bits=None, group_size=None, symmetric=False, head_bits=None)
+
+
+def _record(model, session, args) -> None:
+    """After a run with torch from a GGUF's packed copy (or one written behind it): write the copy's plan recipe,
+    so that the next run needs no torch. Quietly nothing where it cannot be written."""
+    import warnings
+
+    from tmac.models.files import packed_cache
+    from tmac.models.run import recipe
+
+    if args.bits is not None or args.group_size is not None or args.head_bits is not None or \
+            os.environ.get("TMAC_RECIPES", "1") == "0":
+        return
+    if packed_cache.writing():  # (a first run's copy, written behind it: said, as the command's end says it)
+        print("tmac: finishing the packed copy of the model for the next runs ...", file=sys.stderr, flush=True)
+        packed_cache.wait()
+    copy = getattr(model, "packed_copy", None)
+    if not copy or not os.path.isfile(copy):
+        return
+    try:
+        recipe.record_run(model, session, copy, args.context)
+    except OSError as e:  # (a full or read-only cache: the next run takes torch again)
+        warnings.warn(f"could not write the plan recipe of {copy} ({e})", stacklevel=2)
+
+
 def cmd_run(args) -> int:
     prompt = read_prompt(args)
     if not prompt.strip():
         raise ValueError("the prompt is empty")
     params = sampling_params(args)
     check_load_args(args)
-    model, load_s = _load(args)
     from tmac.models.run.generate import Session
 
-    session = Session(model)
+    recorded = _recorded(args)
+    if recorded is not None:
+        model, load_s = recorded
+        session = Session(model, plans=model.plans, sequence=model.sequence)
+    else:
+        model, load_s = _load(args)
+        session = Session(model)
     ids = _prompt_ids(model, args, [{"role": "user", "content": prompt}])
     first: list = []
     interrupted = stream_answer(session, ids, params, None if args.json else sys.stdout, first)
     text = session.last.text.text() if session.last is not None else ""
     st = _stats(session, load_s, args, first[0] if first else None)
     if args.json:
-        print(json.dumps({"text": text, "prompt_ids": ids, "generated_ids": list(session.last.ids), **st}))
+        print(json.dumps({"text": text, "prompt_ids": ids, "generated_ids": list(session.last.ids), **st,
+                          "torch": recorded is None}))
     else:
         print()
         print(_stats_line(st), file=sys.stderr)
+    if recorded is None and not interrupted:
+        _record(model, session, args)
     return 130 if interrupted else 0
 
 

@@ -130,15 +130,18 @@ def ffi():
             env_int("TVM_THREAD_POOL_SPIN_COUNT", 0, MAX_SPIN_YIELDS)
         os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", str(SPIN_YIELDS))
         # first: it loads libtvm_ffi.so, which libtvm_runtime.so links against. Without ml_dtypes, which it imports
-        # only to name numpy's bfloat16 and float8 types (kernels take float32 and integer tensors): 2 MiB
-        blocked = "ml_dtypes" not in sys.modules
-        if blocked:
-            sys.modules["ml_dtypes"] = None  # (an import of it raises ImportError, which tvm_ffi expects)
+        # only to name numpy's bfloat16 and float8 types (kernels take float32 and integer tensors): 2 MiB; and
+        # without torch where the process has not imported it (a run from a plan recipe: half a second and 300 MiB;
+        # torch tensors imported later still pass, through the DLPack protocol)
+        blocked = [name for name in ("ml_dtypes", "torch") if name not in sys.modules]
+        for name in blocked:
+            sys.modules[name] = None  # (an import of it raises ImportError, which tvm_ffi expects)
         try:
             import tvm_ffi
         finally:
-            if blocked and sys.modules.get("ml_dtypes", 0) is None:
-                del sys.modules["ml_dtypes"]
+            for name in blocked:
+                if sys.modules.get(name, 0) is None:
+                    del sys.modules[name]
 
         ctypes.CDLL(tvm_runtime_library(), mode=ctypes.RTLD_GLOBAL)
 
