@@ -2,7 +2,8 @@
 process's start to the imports done, the model loaded, the kernels ready and the first token.
 
 tmac's rows: the first run with an empty kernel cache, the first run with the kernels compiled (its packed copy
-written), the second run (the copy mapped), and a ``.tmac`` file from ``tmac convert``. llama.cpp's: a fresh process
+written, and its plans' recipe), the second run (the copy mapped, its plans replayed without torch), the same with
+torch (``TMAC_RECIPES=0``: the copy loaded as a model), and a ``.tmac`` file from ``tmac convert``. llama.cpp's: a fresh process
 each time (the file in the page cache, as for tmac's later runs). Each process is a fresh one; the rounds alternate.
 
 Run: ``python bench/startup.py MODEL.gguf [--threads 1] [--rounds 3] [--json]`` (llama.cpp: the ``peer`` extra).
@@ -73,6 +74,8 @@ def main() -> int:
             shutil.rmtree(os.path.join(cache, "models"))
             rows.setdefault("tmac, first run", []).append(tmac_run(args.model, cache, args.threads))
             rows.setdefault("tmac, second run", []).append(tmac_run(args.model, cache, args.threads))
+            rows.setdefault("tmac, second run with torch", []).append(
+                tmac_run(args.model, cache, args.threads, {"TMAC_RECIPES": "0"}))
             if i == 0:
                 subprocess.run([sys.executable, "-m", "tmac.apps.cli", "convert", args.model, "-o", converted],
                                capture_output=True, env=dict(os.environ, TMAC_CACHE_DIR=cache), check=True)

@@ -112,8 +112,8 @@ def test_a_recipe_is_keyed_and_checked(cache, tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_a_second_tmac_run_imports_no_torch(tmp_path):
     """``tmac run`` twice on a GGUF: the first (torch) packs the copy and writes its recipe, the second runs from the
-    recipe with torch made unimportable — the same tokens; with the copy damaged the third takes torch again,
-    rebuilds the copy and answers the same."""
+    recipe with torch made unimportable — the same tokens, and ``tmac chat``'s turns the same text; with the copy
+    damaged the next run takes torch again, rebuilds the copy and answers the same."""
     source = str(tmp_path / "model.gguf")
     shutil.copyfile(smollm2_path(), source)
     env = dict(os.environ, TMAC_CACHE_DIR=str(tmp_path / "root"), TMAC_MODEL_CACHE="1")
@@ -133,6 +133,13 @@ def test_a_second_tmac_run_imports_no_torch(tmp_path):
     assert first["torch"] and not second["torch"] and second["packed_copy"]
     assert second["generated_ids"] == first["generated_ids"] and second["prompt_ids"] == first["prompt_ids"]
     assert second["import_s"] < first["import_s"]
+    # tmac chat too: two turns, the second prefilling only what the first did not hold
+    chat = ["chat", source, "-n", "6", "--temperature", "0"]
+    answers = [subprocess.run([sys.executable, *prefix, *chat], input="Hi\nAnd again?\n", capture_output=True,
+                              text=True, timeout=600, env=dict(env, **extra))
+               for prefix, extra in ((["-m", "tmac.apps.cli"], {"TMAC_RECIPES": "0"}), (["-c", no_torch], {}))]
+    assert all(r.returncode == 0 for r in answers), answers[1].stderr
+    assert answers[0].stdout == answers[1].stdout and answers[1].stdout.count("\n") >= 2
     (copy,) = glob.glob(str(tmp_path / "root" / "models" / "*.tmac"))
     with open(copy, "r+b") as f:
         f.seek(os.path.getsize(copy) - 4096)

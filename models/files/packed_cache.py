@@ -3,7 +3,7 @@ packed model beside the kernel cache (a ``.tmac`` file, as ``tmac convert`` writ
 
 A copy is keyed by the source file's identity (device, inode, size, modification time, and a hash of its first and
 last 64 KiB) and by what its layout depends on (the ISA, the kernel generator's digest, the tiling table, the code
-that picks tilings, packs and writes the file, tmac's file format): a changed file, another ISA or other kernels miss and write a new
+that picks tilings, packs and writes the file, in tmac's file format): a changed file, another ISA or other kernels miss and write a new
 copy; a copy that must still be repacked as it loads (packed by other code under the same key) is written again. Copies are written
 atomically (a temporary file renamed: a reader mapping the old one keeps it), are checked as any ``.tmac`` file is
 when loaded (a damaged one is removed and rebuilt from the source), and are bounded in total size
@@ -26,10 +26,9 @@ import warnings
 from tmac.base import files
 
 SAMPLE = 64 << 10  # bytes hashed at each end of a source file
-# the code a copy's bytes depend on (``layout``), and the .tmac format it is written in
+# the code a copy's bytes depend on (``layout``; the .tmac format's version is tmac_file's code too)
 PACKER_MODULES = ("tmac.quant.choose", "tmac.execution.packing", "tmac.quant.kquant", "tmac.quant.quantize",
                   "tmac.quant.embedding", "tmac.models.files.tmac_file", "tmac.base.formats", "tmac.base.gguf_blocks")
-TMAC_FILE_VERSION = 1
 DEFAULT_GB = 20.0
 _WRITING: dict[str, threading.Thread] = {}  # copies being written behind a run, by key
 BEHIND_NICE = 10
@@ -86,8 +85,7 @@ def layout() -> dict:
         pass
     # (the modules' files, found without importing them: a run from a recipe never imports torch)
     packer = source_digest([importlib.util.find_spec(m).origin for m in PACKER_MODULES])
-    return {"isa": best_isa().name, "generator": generator_digest(), "packer": packer, "tuning": tuning,
-            "format": TMAC_FILE_VERSION}
+    return {"isa": best_isa().name, "generator": generator_digest(), "packer": packer, "tuning": tuning}
 
 
 def key_of(ident: dict, lay: dict) -> str:

@@ -23,10 +23,9 @@ from tmac.nn.serialize import load, read_model_info, save
 from tmac.models.family.arch import ARCHITECTURES, FUSED
 from tmac.models.family.bitnet import ActivationQuantized
 from tmac.models.family.llama import Concat, LlamaConfig, Transformer, expected_shape
-from tmac.models.files.packed_cache import TMAC_FILE_VERSION
 from tmac.models.text.tokenizer import pack_text, tokenizer_from_info
 
-FORMAT_VERSION = TMAC_FILE_VERSION
+FORMAT_VERSION = 1
 MAX_CONCAT = 8  # parts of one fused projection (q|k|v is 3): a count from a file is untrusted
 
 

@@ -419,6 +419,7 @@ def _recorded(args):
     if model is None:
         return None
     packed_cache.touch(key)
+    model.source = path  # (as a load from the copy says: the file the user named)
     args.packed_copy, args.packing_copy = True, False
     quantization = model.file_quantization
     print(f"tmac: running the file's {quantization} weights exactly" if quantization else
@@ -453,21 +454,25 @@ def _record(model, session, args) -> None:
         warnings.warn(f"could not write the plan recipe of {copy} ({e})", stacklevel=2)
 
 
+def _model_and_session(args):
+    """The model, its load's seconds, a ``Session`` over it, and whether it runs from a plan recipe (no torch)."""
+    from tmac.models.run.generate import Session
+
+    recorded = _recorded(args)
+    if recorded is not None:
+        model, load_s = recorded
+        return model, load_s, Session(model, plans=model.plans, sequence=model.sequence), True
+    model, load_s = _load(args)
+    return model, load_s, Session(model), False
+
+
 def cmd_run(args) -> int:
     prompt = read_prompt(args)
     if not prompt.strip():
         raise ValueError("the prompt is empty")
     params = sampling_params(args)
     check_load_args(args)
-    from tmac.models.run.generate import Session
-
-    recorded = _recorded(args)
-    if recorded is not None:
-        model, load_s = recorded
-        session = Session(model, plans=model.plans, sequence=model.sequence)
-    else:
-        model, load_s = _load(args)
-        session = Session(model)
+    model, load_s, session, recorded = _model_and_session(args)
     ids = _prompt_ids(model, args, [{"role": "user", "content": prompt}])
     first: list = []
     interrupted = stream_answer(session, ids, params, None if args.json else sys.stdout, first)
@@ -475,11 +480,11 @@ def cmd_run(args) -> int:
     st = _stats(session, load_s, args, first[0] if first else None)
     if args.json:
         print(json.dumps({"text": text, "prompt_ids": ids, "generated_ids": list(session.last.ids), **st,
-                          "torch": recorded is None}))
+                          "torch": not recorded}))
     else:
         print()
         print(_stats_line(st), file=sys.stderr)
-    if recorded is None and not interrupted:
+    if not recorded and not interrupted:
         _record(model, session, args)
     return 130 if interrupted else 0
 
@@ -527,21 +532,27 @@ def cmd_chat(args) -> int:
         raise ValueError("tmac chat reads its messages from standard input, which is closed; for one prompt use "
                          "tmac run -p TEXT")
     params = sampling_params(args)
-    model, load_s = _load(args)
-    from tmac.models.run.generate import Session
-
-    session = Session(model)
-    interactive = sys.stdin.isatty()
+    check_load_args(args)
+    model, load_s, session, recorded = _model_and_session(args)
     print(f"tmac chat: {model.source} loaded in {load_s:.1f} s. /help lists the commands, /exit quits, Ctrl-C "
           f"stops an answer.", file=sys.stderr)
+    _converse(model, session, args, params, load_s)
+    if not recorded and session.last is not None:  # (a conversation with torch: the next one starts without)
+        _record(model, session, args)
+    return 0
+
+
+def _converse(model, session, args, params, load_s: float) -> None:
+    """``tmac chat``'s turns, until end of input or /exit."""
+    interactive = sys.stdin.isatty()
     messages: list[dict] = []
     while True:
         line = _read_line("> " if interactive else "")
         if line is None:
-            return 0
+            return
         command = line.strip()
         if command in CHAT_QUIT:
-            return 0
+            return
         if command == "/help":
             print("\n".join(f"  {k:<7} {v}" for k, v in CHAT_COMMANDS.items()), file=sys.stderr)
             continue
