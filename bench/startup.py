@@ -41,10 +41,19 @@ print(json.dumps({"import_s": imported, "load_s": loaded - imported, "first_toke
 """
 
 
+def environment(**extra) -> dict:
+    """The environment of each process: as a user's, whose Python keeps compiled modules (``__pycache__``)."""
+    env = dict(os.environ, **extra)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    return env
+
+
 def tmac_run(model: str, cache: str, threads: int, env_extra=None) -> dict:
-    env = dict(os.environ, TMAC_CACHE_DIR=cache, **(env_extra or {}))
+    env = environment(TMAC_CACHE_DIR=cache, **(env_extra or {}))
+    # (--no-chat: the prompt's text alone, as llama-cpp-python's completion below feeds it, not in a chat template)
     r = subprocess.run([sys.executable, "-m", "tmac", "run", model, "-p", PROMPT, "-n", "16", "--temperature",
-                        "0", "--json", "--threads", str(threads)], capture_output=True, text=True, env=env)
+                        "0", "--json", "--threads", str(threads), "--no-chat"], capture_output=True, text=True,
+                       env=env)
     if r.returncode:
         raise SystemExit(f"tmac run failed:\n{r.stderr[-2000:]}")
     d = json.loads(r.stdout)
@@ -52,7 +61,8 @@ def tmac_run(model: str, cache: str, threads: int, env_extra=None) -> dict:
 
 
 def llama_cpp_run(model: str, threads: int) -> dict | None:
-    r = subprocess.run([sys.executable, "-c", LLAMA_CPP, model, str(threads), PROMPT], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-c", LLAMA_CPP, model, str(threads), PROMPT], capture_output=True, text=True,
+                       env=environment())
     if r.returncode:
         return None
     return json.loads(r.stdout.strip().splitlines()[-1])

@@ -107,13 +107,18 @@ def test_a_recipe_is_keyed_and_checked(cache, tmp_path, monkeypatch):
     assert glob.glob(os.path.join(str(cache), key + ".*.plans"))
     packed_cache.remove(key)
     assert not glob.glob(os.path.join(str(cache), key + ".*"))
+    # clearing the cache takes a converted file's recipes too (they have no copy of their own)
+    open(os.path.join(str(cache), "0123.cdefault.float16.plans"), "wb").close()
+    packed_cache.clear()
+    assert not glob.glob(os.path.join(str(cache), "*.plans"))
 
 
 @pytest.mark.slow
 def test_a_second_tmac_run_imports_no_torch(tmp_path):
     """``tmac run`` twice on a GGUF: the first (torch) packs the copy and writes its recipe, the second runs from the
     recipe with torch made unimportable — the same tokens, and ``tmac chat``'s turns the same text; with the copy
-    damaged the next run takes torch again, rebuilds the copy and answers the same."""
+    damaged the next run takes torch again, rebuilds the copy and answers the same; a ``.tmac`` file from ``tmac
+    convert`` runs without torch from its second run too."""
     source = str(tmp_path / "model.gguf")
     shutil.copyfile(smollm2_path(), source)
     env = dict(os.environ, TMAC_CACHE_DIR=str(tmp_path / "root"), TMAC_MODEL_CACHE="1")
@@ -140,6 +145,17 @@ def test_a_second_tmac_run_imports_no_torch(tmp_path):
                for prefix, extra in ((["-m", "tmac.apps.cli"], {"TMAC_RECIPES": "0"}), (["-c", no_torch], {}))]
     assert all(r.returncode == 0 for r in answers), answers[1].stderr
     assert answers[0].stdout == answers[1].stdout and answers[1].stdout.count("\n") >= 2
+    # a converted file: its recipe in the cache (not beside the user's file), the same tokens without torch
+    converted = str(tmp_path / "model.tmac")
+    r = subprocess.run([sys.executable, "-m", "tmac.apps.cli", "convert", source, "-o", converted], capture_output=True,
+                       text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr
+    args[1] = converted
+    assert run("-m", "tmac.apps.cli")["torch"]
+    again = run("-c", no_torch)
+    assert not again["torch"] and again["generated_ids"] == first["generated_ids"]
+    assert not glob.glob(str(tmp_path / "*.plans"))
+    args[1] = source
     (copy,) = glob.glob(str(tmp_path / "root" / "models" / "*.tmac"))
     with open(copy, "r+b") as f:
         f.seek(os.path.getsize(copy) - 4096)

@@ -15,6 +15,7 @@ thread from the packed model the run computes with, and the process ends only af
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -248,5 +249,10 @@ def evict(budget: int, keep: str | None = None) -> list[dict]:
 
 
 def clear() -> list[dict]:
-    """Remove every copy; the removed."""
-    return evict(-1)
+    """Remove every copy (and the plan recipes of converted files); the removed copies."""
+    removed = evict(-1)
+    for name in _listdir(directory()):
+        if name.endswith(".plans"):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(directory(), name))
+    return removed

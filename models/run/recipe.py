@@ -642,13 +642,13 @@ def _zeros(shape: tuple, dtype) -> np.ndarray:
     return np.frombuffer(mmap.mmap(-1, count * np.dtype(dtype).itemsize), dtype).reshape(shape)
 
 
-def record_run(model, session, copy: str, context: int | None) -> bool:
-    """After a torch run of ``model`` (loaded from, or packed into, the copy ``copy``, with the ``context`` option):
-    write the recipe a later run takes — its one-row decode plan and the ``PREFILL_LADDER`` prefill plans — unless
-    one under the same key is there. Whether one is."""
+def record_run(model, session, copy: str, context: int | None, at: str | None = None) -> bool:
+    """After a torch run of ``model`` (loaded from, or packed into, the ``.tmac`` file ``copy``, with the ``context``
+    option): write the recipe a later run takes — its one-row decode plan and the ``PREFILL_LADDER`` prefill plans —
+    named after ``at`` (default: ``copy``), unless one under the same key is there. Whether one is."""
     from tmac.models.run.decode import DecodePlan, multiplies
 
-    path = path_for(copy, context, model.kv_dtype)
+    path = path_for(at or copy, context, model.kv_dtype)
     recipe_key = key(copy, context, model.kv_dtype)
     if _current(path, recipe_key):
         return True

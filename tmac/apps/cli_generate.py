@@ -385,19 +385,19 @@ def read_prompt(args) -> str:
 def _recorded(args):
     """The model stepped from its packed copy's plan recipe, without importing torch (``tmac.models.run.recipe``),
     and the seconds its load took; None where the run needs torch: options that bypass the packed copy, a source
-    that is not a GGUF, or no current recipe yet (the run then writes one)."""
+    that is neither a GGUF nor a ``.tmac`` file, or no current recipe yet (the run then writes one)."""
     if args.bits is not None or args.group_size is not None or args.head_bits is not None or \
             not getattr(args, "mmap", True) or os.environ.get("TMAC_RECIPES", "1") == "0":
         return None
     from tmac.models.files import packed_cache
-    from tmac.models.files.hub import default_model_path, is_gguf, resolve
+    from tmac.models.files.hub import default_model_path, resolve
 
     if not packed_cache.enabled():
         return None
     path = resolve(args.model) if args.model else default_model_path()
-    if not os.path.isfile(path) or not is_gguf(path):
+    if not os.path.isfile(path):
         return None
-    key, copy = packed_cache.lookup(path, PACKED_OPTIONS)
+    key, copy, at = _recipe_place(path)
     if copy is None:
         return None
     from tmac.base.timing import process_seconds
@@ -412,13 +412,14 @@ def _recorded(args):
     from tmac.base.errors import ModelFormatError
 
     try:
-        model = recipe.read(recipe.path_for(copy, args.context, args.kv_dtype), copy,
+        model = recipe.read(recipe.path_for(at, args.context, args.kv_dtype), copy,
                             recipe.key(copy, args.context, args.kv_dtype))
     except ModelFormatError:  # a damaged copy: the torch path's load says so, removes it and packs it again
         return None
     if model is None:
         return None
-    packed_cache.touch(key)
+    if key is not None:
+        packed_cache.touch(key)
     model.source = path  # (as a load from the copy says: the file the user named)
     args.packed_copy, args.packing_copy = True, False
     quantization = model.file_quantization
@@ -431,9 +432,25 @@ def _recorded(args):
 PACKED_OPTIONS = dict(bits=None, group_size=None, symmetric=False, head_bits=None)
 
 
+def _recipe_place(path: str) -> tuple[str | None, str | None, str | None]:
+    """For a model file: the packed copy's key (a GGUF's), the ``.tmac`` file a run maps (the copy, or the file
+    itself), and the path its recipes are named after (the copy's; a converted file's own key in the cache, not
+    beside the user's file); Nones where there is none."""
+    from tmac.models.files import packed_cache
+    from tmac.models.files.hub import is_gguf
+
+    if is_gguf(path):
+        key, copy = packed_cache.lookup(path, PACKED_OPTIONS)
+        return key, copy, copy
+    if path.endswith(".tmac"):
+        mark = packed_cache.key_of(packed_cache.identity(path), {"converted": True})
+        return None, path, os.path.join(packed_cache.directory(), mark + ".tmac")
+    return None, None, None
+
+
 def _record(model, session, args) -> None:
-    """After a run with torch from a GGUF's packed copy (or one written behind it): write the copy's plan recipe,
-    so that the next run needs no torch. Quietly nothing where it cannot be written."""
+    """After a run with torch from a GGUF's packed copy (or one written behind it) or a ``.tmac`` file: write its plan
+    recipe, so that the next run needs no torch. Quietly nothing where it cannot be written."""
     import warnings
 
     from tmac.models.files import packed_cache
@@ -445,11 +462,15 @@ def _record(model, session, args) -> None:
     if packed_cache.writing():  # (a first run's copy, written behind it: said, as the command's end says it)
         print("tmac: finishing the packed copy of the model for the next runs ...", file=sys.stderr, flush=True)
         packed_cache.wait()
-    copy = getattr(model, "packed_copy", None)
+    source = getattr(model, "source", None)
+    if not packed_cache.enabled() or not isinstance(source, str) or not os.path.isfile(source):
+        return
+    _, copy, at = _recipe_place(source)
     if not copy or not os.path.isfile(copy):
         return
     try:
-        recipe.record_run(model, session, copy, args.context)
+        os.makedirs(os.path.dirname(at), mode=0o700, exist_ok=True)
+        recipe.record_run(model, session, copy, args.context, at)
     except OSError as e:  # (a full or read-only cache: the next run takes torch again)
         warnings.warn(f"could not write the plan recipe of {copy} ({e})", stacklevel=2)
 
