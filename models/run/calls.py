@@ -126,6 +126,9 @@ class CallPlan:
         return {"step": min(steps), **min(splits, key=lambda d: sum(d.values()))}
 
 
+PREFILL_ROWS_KEPT = 512  # rows of the prefill plans kept (two of a prompt's full chunks, ``PREFILL_CHUNK``)
+
+
 def prefill_rows(tokens: int) -> int:
     """The rows of the prefill plan that feeds ``tokens`` tokens: an even count up to 16, then a multiple of 4. A
     prompt's rows are compute-bound lookups, each a row's worth of time: it pays at most one row it does not have

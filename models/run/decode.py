@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from tmac.execution import runtime
-from tmac.models.run.calls import CallPlan, prefill_rows
+from tmac.models.run.calls import PREFILL_ROWS_KEPT, CallPlan, prefill_rows
 from tmac.quant.embedding import Embedding, StreamedEmbedding
 from tmac.base.float_linear import FLOAT_LINEARS, FloatLinear
 from tmac.base.formats import PER_TENSOR
@@ -398,9 +398,6 @@ class DecodePlan(CallPlan):
 
     def sequence_handles(self, sequence) -> list[tuple]:
         return _sequence_handles(sequence)
-
-
-PREFILL_ROWS_KEPT = 512  # rows of the prefill plans kept (two of a prompt's full chunks, ``PREFILL_CHUNK``)
 
 
 def plan_functions(model, plans: list) -> dict:

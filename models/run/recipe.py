@@ -32,7 +32,7 @@ import numpy as np
 
 from tmac.base import files
 from tmac.base.errors import ModelFormatError
-from tmac.models.run.calls import CallPlan, prefill_rows
+from tmac.models.run.calls import PREFILL_ROWS_KEPT, CallPlan, prefill_rows
 
 VERSION = 1
 SUFFIX = ".plans"
@@ -458,9 +458,11 @@ class RecordedPlans:
         if not fits:
             return None
         rows = min(fits)
-        if rows not in self._prefill:
-            self._prefill[rows] = self._make(self._entries[rows])
-        return self._prefill[rows]
+        plan = self._prefill.pop(rows) if rows in self._prefill else self._make(self._entries[rows])
+        self._prefill[rows] = plan  # the most recent last; as many kept as ``Plans`` keeps
+        while sum(self._prefill) > max(rows, PREFILL_ROWS_KEPT):
+            del self._prefill[next(iter(self._prefill))]
+        return plan
 
 
 class RecordedSequence:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
-import importlib.metadata
 import json
 import os
 import sys
@@ -146,7 +145,7 @@ def describe(e: Exception) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="tmac", description="Low-bit LLM inference on CPUs with table lookups.")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
-    p.add_argument("--version", action="version", version=f"tmac {_version('tmac')}")
+    p.add_argument("--version", action=_PrintVersion, nargs=0, help="show tmac's version and exit")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("-m", "--model", dest="model_flag", metavar="MODEL", default=argparse.SUPPRESS,
                         help="the model (as the positional MODEL)")
@@ -395,10 +394,20 @@ def _huge_pages_line() -> str:
             "echo madvise > /sys/kernel/mm/transparent_hugepage/enabled)")
 
 
+class _PrintVersion(argparse.Action):
+    """``--version``: read when asked for (``importlib.metadata`` costs a run's start 15 ms)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"tmac {_version('tmac')}")
+        parser.exit()
+
+
 def _version(dist: str) -> str:
+    from importlib import metadata  # (here: a run's start does without it)
+
     try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
         return "not installed"
 
 

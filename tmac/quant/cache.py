@@ -9,7 +9,6 @@ import dataclasses
 import fcntl
 import functools
 import hashlib
-import importlib.metadata
 import importlib.util
 import json
 import os
@@ -24,10 +23,22 @@ from tmac.base.files import read_json, write_atomically
 from tmac.quant.spec import KernelSpec
 
 
+@functools.cache
 def tvm_version() -> str:
+    """apache-tvm's version (the kernel cache's folder names it): from its ``.dist-info`` folder's name beside the
+    package, as ``importlib.metadata`` reads it, without the 20-30 ms of importing that and scanning every
+    distribution a run without torch would otherwise spend."""
+    spec = importlib.util.find_spec("tvm")
+    if spec is not None and spec.submodule_search_locations:
+        site = os.path.dirname(spec.submodule_search_locations[0])
+        found = [n for n in os.listdir(site) if n.startswith("apache_tvm-") and n.endswith(".dist-info")]
+        if len(found) == 1:
+            return found[0][len("apache_tvm-"):-len(".dist-info")]
+    from importlib import metadata
+
     try:
-        return importlib.metadata.version("apache-tvm")
-    except importlib.metadata.PackageNotFoundError:
+        return metadata.version("apache-tvm")
+    except metadata.PackageNotFoundError:
         raise KernelUnavailableError("apache-tvm is not installed") from None
 
 
