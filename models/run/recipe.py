@@ -21,6 +21,7 @@ digest, every view inside its base, every kernel function one its spec has.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import math
 import mmap
@@ -41,8 +42,9 @@ SUFFIX = ".plans"
 PREFILL_LADDER = (2, 4, 8, 16, 32, 64, 128, 256)
 DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": None, "int8": np.int8, "uint8": np.uint8,
           "int16": np.int16, "int32": np.int32, "int64": np.int64}
-PLAN_SOURCES = ("models/run/decode.py", "models/run/calls.py", "models/run/recipe.py", "tmac/base/glue.py",
-                "tmac/execution/lut_ops.py", "tmac/quant/spec.py", "tmac/nn/linear.py")
+# the modules whose code decides a recipe's calls (found by path: a run from a recipe imports none of the torch ones)
+PLAN_MODULES = ("tmac.models.run.decode", "tmac.models.run.calls", "tmac.models.run.recipe", "tmac.base.glue",
+                "tmac.execution.lut_ops", "tmac.quant.spec", "tmac.nn.linear")
 MAX_RECIPE = 256 << 20  # bytes: a recipe's JSON and constants (RoPE tables of a long context) stay well under
 
 
@@ -59,9 +61,9 @@ def key(copy: str, context: int | None, kv_dtype: str) -> dict:
     from tmac.quant.cache import generator_digest, source_digest
 
     st = os.stat(copy)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    return {"version": VERSION, "copy": [st.st_size, st.st_mtime_ns, st.st_ino],
-            "code": source_digest([os.path.join(root, p) for p in PLAN_SOURCES]), "generator": generator_digest(),
+    code = source_digest([importlib.util.find_spec(name).origin for name in PLAN_MODULES])
+    return {"version": VERSION, "copy": [st.st_size, st.st_mtime_ns, st.st_ino], "code": code,
+            "generator": generator_digest(),
             "isa": best_isa().name, "cpus": usable_cpus(), "context": context, "kv_dtype": kv_dtype,
             "env": {name: os.environ.get(name, "") for name in ("TMAC_ISA", "TMAC_DOT_ROWS")}}
 
@@ -619,6 +621,8 @@ class _Reader:
             return cached[0] if raw else cached[1]
         base = self._base(kind, ident)
         dt = _dtype(dtype, self.path)
+        if base.dtype != dt:  # (a view reads its tensor as the tensor is: a file of other bytes is refused)
+            _fail(self.path, f"a view of {dtype} into a tensor of {base.dtype}")
         shape, strides = _ints(shape, self.path), _ints(strides, self.path)
         if len(shape) != len(strides) or type(offset) is not int or offset < 0:
             _fail(self.path, f"a view {ref!r:.60}")
@@ -650,6 +654,8 @@ def record_run(model, session, copy: str, context: int | None, at: str | None = 
     named after ``at`` (default: ``copy``), unless one under the same key is there. Whether one is."""
     from tmac.models.run.decode import DecodePlan, multiplies
 
+    if any(getattr(m, "repacked", False) for m in model.modules()):
+        return False  # (a file packed for another CPU, repacked as it loaded: its bytes are not what runs)
     path = path_for(at or copy, context, model.kv_dtype)
     recipe_key = key(copy, context, model.kv_dtype)
     if _current(path, recipe_key):
