@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
 import signal
 import sys
+import threading
 import time
 
 from tmac.base.formats import BITS, GROUP_SIZES
@@ -191,9 +193,27 @@ def check_load_args(args) -> None:
         raise ValueError(f"--context must be a positive number of tokens, got {args.context}")
 
 
+@contextlib.contextmanager
+def _ctrl_c_held():
+    """Ctrl-C held until the block is done, then raised: in ``import torch`` a KeyboardInterrupt raised inside its C++
+    start-up aborts the process (pybind11 turns it into std::terminate) instead of ending it with "interrupted"."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    hit = []
+    old = signal.signal(signal.SIGINT, lambda signum, frame: hit.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+    if hit:
+        raise KeyboardInterrupt
+
+
 def _load(args):
     check_load_args(args)
-    import torch  # noqa: F401  (the import's time is said apart from the load's)
+    with _ctrl_c_held():
+        import torch  # noqa: F401  (the import's time is said apart from the load's)
 
     import tmac
     from tmac.models.run import generate  # noqa: F401
