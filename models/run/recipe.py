@@ -68,6 +68,16 @@ def key(copy: str, context: int | None, kv_dtype: str) -> dict:
             "env": {name: os.environ.get(name, "") for name in ("TMAC_ISA", "TMAC_DOT_ROWS")}}
 
 
+def _extent(shape, strides, itemsize: int) -> int:
+    """Bytes from a view's first element to past its last (strides in elements)."""
+    return 0 if 0 in shape else (sum((n - 1) * s for n, s in zip(shape, strides)) + 1) * itemsize
+
+
+def _name(dtype) -> str:
+    """A torch dtype's name as a recipe writes it (numpy's: ``DTYPES``)."""
+    return str(dtype).removeprefix("torch.")
+
+
 # ---- writing (a run with torch, after its plans are built) -----------------------------------------------------
 
 class _Unrecordable(Exception):
@@ -137,17 +147,11 @@ class _Recorder:
                 return "cache", i, cache
         if ptr in self.const_of:
             return "const", self.const_of[ptr], self.consts[self.const_of[ptr]]
-        at, end = t.data_ptr(), t.data_ptr() + self._extent(t)
+        at, end = t.data_ptr(), t.data_ptr() + _extent(t.shape, t.stride(), t.element_size())
         for start, stop, name in self.state:  # (few hundred: a scan per tensor is fine at record time)
             if start <= at and end <= stop:
                 return "state", name, (start, stop)
         raise _Unrecordable(f"a tensor outside the copy, the scratch, the cache and the constants ({tuple(t.shape)})")
-
-    @staticmethod
-    def _extent(t) -> int:
-        if t.numel() == 0:
-            return 0
-        return (sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1) * t.element_size()
 
     def ref(self, t) -> list:
         if t.dtype not in (self.torch.float32, self.torch.float16, self.torch.int8, self.torch.uint8,
@@ -155,7 +159,7 @@ class _Recorder:
             raise _Unrecordable(f"a tensor of dtype {t.dtype}")
         kind, ident, base = self._base(t)
         start = base[0] if kind == "state" else base.data_ptr()
-        return [kind, ident, t.data_ptr() - start, list(t.shape), list(t.stride()), str(t.dtype).removeprefix("torch.")]
+        return [kind, ident, t.data_ptr() - start, list(t.shape), list(t.stride()), _name(t.dtype)]
 
     def arg(self, plan, a) -> list:
         torch = self.torch
@@ -232,11 +236,11 @@ class _Recorder:
         blob, consts = bytearray(), []
         for t in self.consts:
             raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
-            consts.append([str(t.dtype).removeprefix("torch."), list(t.shape), len(blob)])
+            consts.append([_name(t.dtype), list(t.shape), len(blob)])
             blob += raw + bytes(-len(raw) % 64)
         body = {"version": VERSION, "libraries": self.libraries, "consts": consts,
-                "scratch": [[str(t.dtype).removeprefix("torch."), list(t.shape)] for t in self.scratch],
-                "caches": [None if c is None else [str(c.dtype).removeprefix("torch."), list(c.shape)]
+                "scratch": [[_name(t.dtype), list(t.shape)] for t in self.scratch],
+                "caches": [None if c is None else [_name(c.dtype), list(c.shape)]
                            for c in self.caches],
                 "plans": written}
         return body, bytes(blob)
@@ -244,8 +248,16 @@ class _Recorder:
 
 # ---- reading (a run without torch) -------------------------------------------------------------------------------
 
+class _Damaged(ModelFormatError):
+    """A recipe that cannot be used as it is (removed: the run takes torch and writes it again)."""
+
+
 def _fail(path: str, why: str):
-    raise ModelFormatError(f"{path}: not a usable plan recipe ({why})")
+    raise _Damaged(f"{path}: not a usable plan recipe ({why})")
+
+
+def _bad_copy(path: str, why: str):
+    raise ModelFormatError(f"{path}: not a readable packed model ({why})")
 
 
 def _header(f, size: int, what: str) -> tuple[int, dict]:
@@ -292,42 +304,37 @@ class CopyTensors:
         self.data = np.frombuffer(self.mapping, np.uint8) if self.mapping is not None else np.empty(0, np.uint8)
         meta = header.get("__metadata__") or {}
         if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
-            _fail(path, "__metadata__ is not an object of strings")
+            _bad_copy(path, "__metadata__ is not an object of strings")
         self.info = files.parse_json(meta.get("tmac", "{}"), "its tmac metadata")
         self.model_info = files.parse_json(meta.get("tmac_model", "null"), "its tmac_model metadata")
         if not isinstance(self.info, dict) or not isinstance(self.model_info, dict):
-            _fail(path, "no tmac model metadata")
+            _bad_copy(path, "no tmac model metadata")
         self.tensors: dict[str, np.ndarray] = {}
         for name, entry in header.items():
             if name == "__metadata__" or name.startswith("tmac:pad:"):
                 continue
             if not isinstance(entry, dict) or entry.get("dtype") not in self.SAFE_DTYPES:
-                _fail(path, f"tensor {name!r:.60}: dtype {entry!r:.40}")
+                _bad_copy(path, f"tensor {name!r:.60}: dtype {entry!r:.40}")
             dtype = self.SAFE_DTYPES[entry["dtype"]]
             shape, offsets = _ints(entry.get("shape"), path), _ints(entry.get("data_offsets"), path, 2)
             nbytes = math.prod(shape) * (np.dtype(dtype).itemsize if dtype is not None else 2)
             start, end = offsets
             if end != start + nbytes or 8 + n + end > size:
-                _fail(path, f"tensor {name!r:.60}: bytes {start}..{end} for shape {shape}, or past the end")
+                _bad_copy(path, f"tensor {name!r:.60}: bytes {start}..{end} for shape {shape}, or past the end")
             raw = self.data[8 + n + start:8 + n + end]
             self.tensors[name] = raw if dtype is None else raw.view(dtype).reshape(shape)
         aliases = self.info.get("aliases", {})
         if not isinstance(aliases, dict):
-            _fail(path, "aliases")
+            _bad_copy(path, "aliases")
         for name, target in aliases.items():
             if target not in self.tensors:
-                _fail(path, f"alias {name!r:.60} of a missing tensor")
+                _bad_copy(path, f"alias {name!r:.60} of a missing tensor")
             self.tensors[name] = self.tensors[target]
-
-    def layer_tensors(self) -> list[str]:
-        """The names of every tensor the file holds."""
-        return list(self.tensors)
 
     def check(self, names) -> None:
         """The tensors ``names`` (and the layers they belong to) are as saved: finite floats, and each layer's
         checksum over its spec and packed tensors."""
-        import zlib
-
+        from tmac.execution.packing import layout_checksum
         from tmac.quant.spec import KernelSpec
 
         extras = self.info.get("extra_state", {})
@@ -344,11 +351,7 @@ class CopyTensors:
                 spec = KernelSpec.from_dict(extra["spec"])
             except (ValueError, TypeError) as e:
                 raise ModelFormatError(f"{self.path}: layer {layer}: {e}") from None
-            crc = zlib.crc32(spec.to_json().encode())
-            for part in ("qweight", "scales", "zeros"):
-                t = self.tensors.get(f"{layer}.{part}")
-                if t is not None:
-                    crc = zlib.crc32(np.ascontiguousarray(t).view(np.uint8), crc)
+            crc = layout_checksum(spec, *(self.tensors.get(f"{layer}.{part}") for part in ("qweight", "scales", "zeros")))
             if extra.get("checksum") != crc:
                 raise ModelFormatError(f"{self.path}: the packed weights of layer {layer} do not match their kernel "
                                        f"spec and checksum: the file is damaged")
@@ -500,8 +503,8 @@ def read(path: str, copy: str, recipe_key: dict):
         return _Reader(path, copy, body, blob, recipe_key).model()
     except FileNotFoundError:
         return None
-    except (ModelFormatError, KeyError, TypeError, ValueError, IndexError) as e:
-        if isinstance(e, ModelFormatError) and not str(e).startswith(path):
+    except (_Damaged, KeyError, TypeError, ValueError, IndexError) as e:
+        if isinstance(e, ModelFormatError) and not isinstance(e, _Damaged):
             raise  # (the packed copy's damage: as a load says it)
         try:
             os.unlink(path)
@@ -529,7 +532,6 @@ class _Reader:
         self.loaded: dict = {}
         self.handles: dict = {}
         self.labels: dict = {}
-        self.used_state: set = set()
 
     def model(self):
         from tmac.models.text.tokenizer import tokenizer_from_info
@@ -551,7 +553,7 @@ class _Reader:
             if type(rows) is not int or rows < 2 or not entry.get("prefill"):
                 _fail(self.path, "a prefill plan")
             prefill[rows] = entry
-        self.copy.check(sorted(self.copy.layer_tensors()))  # (every layer: a prefill plan reads what decode does)
+        self.copy.check(sorted(self.copy.tensors))  # (every layer: a prefill plan reads what decode does)
         tokenizer = tokenizer_from_info(tok, self.copy.path)
         if type(self.body.get("multiplies")) is not bool:
             _fail(self.path, "multiplies")
@@ -598,7 +600,6 @@ class _Reader:
             t = self.copy.tensors.get(ident) if isinstance(ident, str) else None
             if t is None:
                 _fail(self.path, f"a tensor {ident!r:.60} the copy lacks")
-            self.used_state.add(ident)
             return t
         if kind == "scratch" and type(ident) is int and 0 <= ident < len(self.scratch_specs):
             if ident not in self.scratch:
@@ -626,7 +627,7 @@ class _Reader:
         shape, strides = _ints(shape, self.path), _ints(strides, self.path)
         if len(shape) != len(strides) or type(offset) is not int or offset < 0:
             _fail(self.path, f"a view {ref!r:.60}")
-        extent = 0 if 0 in shape else (sum((n - 1) * s for n, s in zip(shape, strides)) + 1) * dt.itemsize
+        extent = _extent(shape, strides, dt.itemsize)
         raw_base = base.reshape(-1).view(np.uint8)
         if offset + extent > raw_base.nbytes or offset % dt.itemsize:
             _fail(self.path, f"a view past its base {ref!r:.60}")

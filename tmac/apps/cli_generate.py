@@ -406,8 +406,7 @@ def _recorded(args):
     """The model stepped from its packed copy's plan recipe, without importing torch (``tmac.models.run.recipe``),
     and the seconds its load took; None where the run needs torch: options that bypass the packed copy, a source
     that is neither a GGUF nor a ``.tmac`` file, or no current recipe yet (the run then writes one)."""
-    if args.bits is not None or args.group_size is not None or args.head_bits is not None or \
-            not getattr(args, "mmap", True) or os.environ.get("TMAC_RECIPES", "1") == "0":
+    if not _takes_recipes(args) or not getattr(args, "mmap", True):
         return None
     from tmac.models.files import packed_cache
     from tmac.models.files.hub import default_model_path, resolve
@@ -452,6 +451,13 @@ def _recorded(args):
 PACKED_OPTIONS = dict(bits=None, group_size=None, symmetric=False, head_bits=None)
 
 
+def _takes_recipes(args) -> bool:
+    """Whether this run's model is one a plan recipe holds: the file's own weights (no option that bypasses its
+    packed copy), recipes not turned off (``TMAC_RECIPES=0``)."""
+    return args.bits is None and args.group_size is None and args.head_bits is None and \
+        os.environ.get("TMAC_RECIPES", "1") != "0"
+
+
 def _recipe_place(path: str) -> tuple[str | None, str | None, str | None]:
     """For a model file: the packed copy's key (a GGUF's), the ``.tmac`` file a run maps (the copy, or the file
     itself), and the path its recipes are named after (the copy's; a converted file's own key in the cache, not
@@ -476,8 +482,7 @@ def _record(model, session, args) -> None:
     from tmac.models.files import packed_cache
     from tmac.models.run import recipe
 
-    if args.bits is not None or args.group_size is not None or args.head_bits is not None or \
-            os.environ.get("TMAC_RECIPES", "1") == "0":
+    if not _takes_recipes(args):
         return
     if packed_cache.writing():  # (a first run's copy, written behind it: said, as the command's end says it)
         print("tmac: finishing the packed copy of the model for the next runs ...", file=sys.stderr, flush=True)

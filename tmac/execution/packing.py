@@ -31,6 +31,7 @@ the plain ``[MB, R, X]`` order.
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -115,6 +116,16 @@ def pack(qw: QuantizedWeight, spec: KernelSpec, factors=None) -> PackedWeight:
         scales = _pack_params(qw.scales, qw, spec, spec.scale_dtype)
         zeros = None if qw.zeros is None else _pack_params(qw.zeros, qw, spec, spec.zero_dtype)
     return PackedWeight(spec, m, weights, chunk_major(scales, spec), None if zeros is None else chunk_major(zeros, spec))
+
+
+def layout_checksum(spec: KernelSpec, *arrays) -> int:
+    """CRC-32 of a spec and the packed arrays laid out as it says (None: absent): a saved layer whose spec (a K chunk,
+    a tiling) was changed without repacking would otherwise load silently and compute garbage."""
+    crc = zlib.crc32(spec.to_json().encode())
+    for a in arrays:
+        if a is not None:
+            crc = zlib.crc32(np.ascontiguousarray(a).view(np.uint8), crc)
+    return crc
 
 
 def chunk_views(a: np.ndarray, spec: KernelSpec) -> list[tuple[int, int, np.ndarray]]:

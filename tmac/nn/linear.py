@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 import json
 import math
-import zlib
 
 import numpy as np
 import torch
@@ -28,6 +27,7 @@ from tmac.base.memory import gather_into_arena
 from tmac.quant.choose import fitting_block_rows, spec_for_format
 from tmac.quant.layout import TripleCodes
 from tmac.execution.packing import PackedWeight, pack, pack_for, unpack
+from tmac.execution.packing import layout_checksum as packed_checksum
 from tmac.base.qweight import QuantizedWeight
 from tmac.quant.quantize import quantize_weight
 from tmac.quant.spec import KernelSpec, packed_shapes
@@ -67,13 +67,9 @@ def _overflow_shift(x: torch.Tensor) -> int:
 
 
 def layout_checksum(spec: KernelSpec, *tensors) -> int:
-    """CRC-32 of a spec and the packed tensors laid out as it says: a saved layer whose spec (a K chunk, a tiling)
-    was changed without repacking would otherwise load silently and compute garbage."""
-    crc = zlib.crc32(spec.to_json().encode())
-    for t in tensors:
-        if t is not None:
-            crc = zlib.crc32(t.detach().contiguous().view(torch.uint8).numpy(), crc)
-    return crc
+    """``tmac.execution.packing.layout_checksum`` of packed tensors."""
+    return packed_checksum(spec, *(None if t is None else t.detach().contiguous().view(torch.uint8).numpy()
+                                   for t in tensors))
 
 
 @functools.lru_cache(maxsize=256)  # (a model's layers share a few; each choice costs milliseconds)

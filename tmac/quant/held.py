@@ -37,8 +37,8 @@ def held_weight(qw: QuantizedWeight, spec, factors=None):
 
     (a, d), (b, m) = factors or factor_params(qw) or _unfactored(qw)
     s = d.astype(np.float64).repeat(IQ1_S.groups_per_super, axis=1) * a
-    minus = np.float64(8) * m.repeat(IQ1_S.groups_per_super, axis=1) * b == 9 * s  # (shift −⅛, else +⅛: checked)
-    plus = np.float64(8) * m.repeat(IQ1_S.groups_per_super, axis=1) * b == 7 * s
+    shifted = np.float64(8) * m.repeat(IQ1_S.groups_per_super, axis=1) * b  # 9·s for −⅛, 7·s for +⅛ (checked)
+    minus, plus = shifted == 9 * s, shifted == 7 * s
     if not (minus | plus).all() or a.max(initial=0) > 15:
         r, g = np.argwhere(~(minus | plus) | (a > 15))[0]
         raise ValueError(f"this {IQ1_S.name} weight's group {g} of row {r} is not IQ1_S's (multiplier "
