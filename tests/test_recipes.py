@@ -5,12 +5,15 @@ a llama.cpp mix (a Q6_K v beside Q4_K q and k: its prefill plans copy each part'
 keyed (another context, environment or copy misses), checked (a damaged one is removed, a damaged copy is said as a
 load says it, and the command line then takes torch, which rebuilds the copy) and goes with its copy."""
 import glob
+import hashlib
 import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import tmac
@@ -87,13 +90,31 @@ def test_a_recipe_is_keyed_and_checked(cache, tmp_path, monkeypatch):
         assert read() is None and not os.path.exists(path)
     open(path, "wb").write(good[:-100])
     assert read() is None and not os.path.exists(path)
+    # whole bytes whose calls point past the recipe's table of views: removed too
+    (n,) = struct.unpack("<Q", good[:8])
+    body = json.loads(good[8:8 + n])
+    body["views"] = body["views"][:1]
+    text = json.dumps(body).encode()
+    data = struct.pack("<Q", len(text)) + text + good[8 + n:-32]
+    open(path, "wb").write(data + hashlib.sha256(data).digest())
+    assert read() is None and not os.path.exists(path)
     open(path, "wb").write(good)
     assert read() is not None
     # the copy damaged where a layer's weights are: said as a load says it (the command line then takes torch)
     tensors = recipe.CopyTensors(copy)
     at = tensors.tensors["layers.3.feed_forward.w2.qweight"].ctypes.data - tensors.data.ctypes.data
-    del tensors
+    scales = tensors.tensors["layers.5.attention.wqkv.scales"]
+    assert scales.dtype == np.float16
+    nan_at = scales.ctypes.data + 2 * 7 - tensors.data.ctypes.data
+    del tensors, scales
     st = os.stat(copy)
+    kept = _patch(copy, nan_at, np.array([np.nan], np.float16).tobytes())
+    os.utime(copy, ns=(st.st_atime_ns, st.st_mtime_ns))
+    with pytest.raises(ModelFormatError, match="layers.5.attention.wqkv.scales contains NaN"):
+        read()
+    _patch(copy, nan_at, kept)
+    os.utime(copy, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert read() is not None
     with open(copy, "r+b") as f:
         f.seek(at + 100)
         byte = f.read(1)
@@ -111,6 +132,24 @@ def test_a_recipe_is_keyed_and_checked(cache, tmp_path, monkeypatch):
     open(os.path.join(str(cache), "0123.cdefault.float16.plans"), "wb").close()
     packed_cache.clear()
     assert not glob.glob(os.path.join(str(cache), "*.plans"))
+
+
+def _patch(path: str, at: int, data: bytes) -> bytes:
+    """Write ``data`` at byte ``at`` of ``path``; the bytes it replaced."""
+    with open(path, "r+b") as f:
+        f.seek(at)
+        old = f.read(len(data))
+        f.seek(at)
+        f.write(data)
+    return old
+
+
+def test_float16_finiteness_by_exponent_bits():
+    """A copy's float16 tensors are tested by their exponent bits: every one of the 65536 values as numpy says."""
+    values = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
+    assert [recipe._finite(values[i:i + 1]) for i in range(1 << 16)] == np.isfinite(values).tolist()
+    assert recipe._finite(values[:0]) and recipe._finite(np.zeros((3, 0), np.float16))
+    assert not recipe._finite(np.array([[1.0, 2.0], [3.0, np.inf]], np.float32))
 
 
 @pytest.mark.slow

@@ -5,7 +5,7 @@ import pytest
 
 import tmac
 from conftest import smollm2_path
-from tmac.models.text.stream import TextStream
+from tmac.models.text.stream import TextStream, check_prompt_size
 
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 
@@ -105,3 +105,22 @@ def test_two_sessions_on_one_model_interleaved_token_by_token_each_give_what_the
     again = first.generate(prompts[0] + together[0] + tok.encode(" And Italy?"),
             max_new_tokens=4, ignore_eos=True, temperature=0)
     assert first.stats["prefill_tokens"] < 8 and len(again) == 4
+
+
+def test_a_prompt_too_long_for_any_tokenization_is_refused_before_it_is_tokenized(model):
+    """At least one character a token and at most the vocabulary's longest: a prompt of more characters than the
+    context times the longest cannot fit and is refused; one of no more characters than the context fits whatever
+    the vocabulary holds, so its size is known without walking the vocabulary."""
+    tok = model.tokenizer
+    longest = max(len(tok.backend.id_to_token(i)) for i in range(tok.vocab_size))
+    assert tok.longest_token == longest
+    with pytest.raises(ValueError, match=f"more than a context of 8 tokens can hold .at most {8 * longest},"):
+        check_prompt_size(tok, 8 * longest + 1, 8)
+    check_prompt_size(tok, 8 * longest, 8)
+
+    class Unwalked:  # (the vocabulary's longest asked for: the test fails)
+        @property
+        def longest_token(self):
+            raise AssertionError("the vocabulary was walked for a prompt that fits any tokenization")
+
+    check_prompt_size(Unwalked(), 8, 8)

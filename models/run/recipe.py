@@ -5,7 +5,8 @@ never import torch").
 ``write`` (in a run that built the plans, with torch) records each plan's calls: the kernel library and function
 of each call, or a copy between two buffers; each tensor argument as a view of a *base* — a tensor of the packed
 copy by its name, one of the plan's scratch buffers, the KV cache, or a constant (RoPE tables, biases) whose bytes
-the recipe holds — with its byte offset, shape, strides and dtype; and how a step embeds its token. ``read`` maps
+the recipe holds — with its byte offset, shape, strides and dtype, written once in a table of views that the calls
+index (a plan passes the same few hundred views thousands of times); and how a step embeds its token. ``read`` maps
 the packed copy with numpy, checks its layers as loading it with torch would (``layout_checksum``, finite floats),
 makes the bases and views, loads the kernels, and gives ``RecordedPlans``, whose plans run exactly the calls the
 recorded ones did (``tmac.models.run.calls.CallPlan``) — the same numbers bit for bit.
@@ -27,6 +28,7 @@ import math
 import mmap
 import os
 import struct
+import threading
 from types import SimpleNamespace
 
 import numpy as np
@@ -35,7 +37,7 @@ from tmac.base import files
 from tmac.base.errors import ModelFormatError
 from tmac.models.run.calls import PREFILL_ROWS_KEPT, CallPlan, prefill_rows
 
-VERSION = 1
+VERSION = 2  # 2: views in one table, each argument its index
 SUFFIX = ".plans"
 # prefill plans written down: a chunk of n prompt tokens runs on the least of them that holds prefill_rows(n) rows
 # (a row's numbers do not depend on the rows beside it: docs/decisions.md)
@@ -129,6 +131,8 @@ class _Recorder:
         self.model = model
         self.functions: dict = {}
         self.libraries: list = []
+        self.views: list = []
+        self.view_of: dict = {}
 
     def _const(self, t) -> int:
         ptr = t.untyped_storage().data_ptr()
@@ -153,13 +157,18 @@ class _Recorder:
                 return "state", name, (start, stop)
         raise _Unrecordable(f"a tensor outside the copy, the scratch, the cache and the constants ({tuple(t.shape)})")
 
-    def ref(self, t) -> list:
+    def ref(self, t) -> int:
+        """The index of ``t``'s view in the recipe's table of views."""
         if t.dtype not in (self.torch.float32, self.torch.float16, self.torch.int8, self.torch.uint8,
                            self.torch.int16, self.torch.int32):
             raise _Unrecordable(f"a tensor of dtype {t.dtype}")
         kind, ident, base = self._base(t)
         start = base[0] if kind == "state" else base.data_ptr()
-        return [kind, ident, t.data_ptr() - start, list(t.shape), list(t.stride()), _name(t.dtype)]
+        view = (kind, ident, t.data_ptr() - start, tuple(t.shape), tuple(t.stride()), _name(t.dtype))
+        if view not in self.view_of:
+            self.view_of[view] = len(self.views)
+            self.views.append([*view[:3], list(view[3]), list(view[4]), view[5]])
+        return self.view_of[view]
 
     def arg(self, plan, a) -> list:
         torch = self.torch
@@ -242,7 +251,7 @@ class _Recorder:
                 "scratch": [[_name(t.dtype), list(t.shape)] for t in self.scratch],
                 "caches": [None if c is None else [_name(c.dtype), list(c.shape)]
                            for c in self.caches],
-                "plans": written}
+                "views": self.views, "plans": written}
         return body, bytes(blob)
 
 
@@ -333,28 +342,61 @@ class CopyTensors:
 
     def check(self, names) -> None:
         """The tensors ``names`` (and the layers they belong to) are as saved: finite floats, and each layer's
-        checksum over its spec and packed tensors."""
+        checksum over its spec and packed tensors. Half the layers in a second thread: their checksums and tests are
+        zlib's and numpy's, which give the GIL away."""
+        extras = self.info.get("extra_state", {})
+        extras = extras if isinstance(extras, dict) else {}
+        layers = sorted({name.rsplit(".", 1)[0] for name in names if "." in name})
+        specs: dict = {}  # (a model's layers share a few specs)
+        failed: list = []
+
+        def check_part(part_names, part_layers) -> None:
+            stage = 0
+            try:
+                for name in part_names:
+                    if not _finite(self.tensors[name]):
+                        raise ModelFormatError(f"{self.path}: tensor {name} contains NaN or inf")
+                stage = 1
+                for layer in part_layers:
+                    self._check_layer(layer, extras.get(f"{layer}._extra_state"), specs)
+            except BaseException as e:  # (raised in the caller's thread)
+                failed.append((stage, e))
+
+        names = sorted(names)
+        other = threading.Thread(target=check_part, args=(names[1::2], layers[1::2]), name="tmac-check", daemon=True)
+        other.start()
+        check_part(names[::2], layers[::2])
+        other.join()
+        if failed:  # (the same error whichever thread came first: a tensor's, then a layer's)
+            raise min(failed, key=lambda f: f[0])[1]
+
+    def _check_layer(self, layer: str, extra, specs: dict) -> None:
         from tmac.execution.packing import layout_checksum
         from tmac.quant.spec import KernelSpec
 
-        extras = self.info.get("extra_state", {})
-        layers = {name.rsplit(".", 1)[0] for name in names if "." in name}
-        for name in names:
-            t = self.tensors[name]
-            if t.dtype.kind == "f" and not np.isfinite(t).all():
-                raise ModelFormatError(f"{self.path}: tensor {name} contains NaN or inf")
-        for layer in sorted(layers):
-            extra = extras.get(f"{layer}._extra_state") if isinstance(extras, dict) else None
-            if not isinstance(extra, dict) or "spec" not in extra:
-                continue
+        if not isinstance(extra, dict) or "spec" not in extra:
+            return
+        spec_key = json.dumps(extra["spec"], sort_keys=True)
+        if spec_key not in specs:
             try:
-                spec = KernelSpec.from_dict(extra["spec"])
+                specs[spec_key] = KernelSpec.from_dict(extra["spec"])
             except (ValueError, TypeError) as e:
                 raise ModelFormatError(f"{self.path}: layer {layer}: {e}") from None
-            crc = layout_checksum(spec, *(self.tensors.get(f"{layer}.{part}") for part in ("qweight", "scales", "zeros")))
-            if extra.get("checksum") != crc:
-                raise ModelFormatError(f"{self.path}: the packed weights of layer {layer} do not match their kernel "
-                                       f"spec and checksum: the file is damaged")
+        crc = layout_checksum(specs[spec_key], *(self.tensors.get(f"{layer}.{part}")
+                                                 for part in ("qweight", "scales", "zeros")))
+        if extra.get("checksum") != crc:
+            raise ModelFormatError(f"{self.path}: the packed weights of layer {layer} do not match their kernel "
+                                   f"spec and checksum: the file is damaged")
+
+
+def _finite(t: np.ndarray) -> bool:
+    """No NaN or infinity in ``t``; float16's by its exponent bits (numpy's ``isfinite`` takes it through float32, a
+    few times slower)."""
+    if t.dtype.kind != "f":
+        return True
+    if t.dtype == np.float16:
+        return t.size == 0 or int(np.bitwise_and(t.view(np.uint16), 0x7C00).max()) != 0x7C00
+    return bool(np.isfinite(t).all())
 
 
 class RecordedPlan(CallPlan):
@@ -529,6 +571,9 @@ class _Reader:
         self.caches = [None if c is None else _zeros(tuple(_ints(c[1], path)), _dtype(c[0], path))
                        for c in body["caches"]]
         self.libraries = body["libraries"]
+        self.views = body["views"]
+        if not isinstance(self.views, list):
+            _fail(path, "views")
         self.loaded: dict = {}
         self.handles: dict = {}
         self.labels: dict = {}
@@ -612,14 +657,17 @@ class _Reader:
             return self.caches[ident]
         _fail(self.path, f"a base {kind!r:.20} {ident!r:.40}")
 
-    def view(self, ref, raw: bool = False):
-        """The array (``raw``) or kernel handle of a recorded view, checked to lie inside its base."""
+    def view(self, index, raw: bool = False):
+        """The array (``raw``) or kernel handle of the recorded view ``index``, checked to lie inside its base."""
+        cached = self.handles.get(index) if type(index) is int else None
+        if cached is not None:
+            return cached[0] if raw else cached[1]
+        if type(index) is not int or not 0 <= index < len(self.views):
+            _fail(self.path, f"view {index!r:.20}")
+        ref = self.views[index]
         if not isinstance(ref, list) or len(ref) != 6:
             _fail(self.path, f"a view {ref!r:.60}")
         kind, ident, offset, shape, strides, dtype = ref
-        cached = self.handles.get(json.dumps(ref))
-        if cached is not None:
-            return cached[0] if raw else cached[1]
         base = self._base(kind, ident)
         dt = _dtype(dtype, self.path)
         if base.dtype != dt:  # (a view reads its tensor as the tensor is: a file of other bytes is refused)
@@ -635,7 +683,7 @@ class _Reader:
         from tmac.execution import runtime
 
         handle = runtime.ffi().from_dlpack(array)
-        self.handles[json.dumps(ref)] = (array, handle)
+        self.handles[index] = (array, handle)
         return array if raw else handle
 
 

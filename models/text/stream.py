@@ -6,7 +6,10 @@ from __future__ import annotations
 
 def check_prompt_size(tokenizer, chars: int, context: int) -> None:
     """Refuse a prompt of ``chars`` characters that cannot fit ``context`` tokens even if every token were the
-    vocabulary's longest: it would only be tokenized (memory and time growing with it) to be refused after."""
+    vocabulary's longest: it would only be tokenized (memory and time growing with it) to be refused after. A prompt
+    of at most ``context`` characters fits whatever the longest is: the vocabulary is not walked for it."""
+    if chars <= context:
+        return
     most = context * tokenizer.longest_token
     if chars > most:
         raise ValueError(f"the prompt has {chars} characters, more than a context of {context} tokens can hold "
