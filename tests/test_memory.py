@@ -1,4 +1,5 @@
-"""tmac.base.memory: packed weights and the KV cache in one huge-page arena — same results, aligned, really huge."""
+"""tmac.base.memory: packed weights in one huge-page arena — same results, aligned, really huge — and the KV cache in
+ordinary pages, untouched until written."""
 import gc
 import sys
 import threading
@@ -32,12 +33,22 @@ def test_huge_page_empty_is_aligned_and_advised(monkeypatch):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fresh anonymous mappings read as zeros on Linux")
-def test_a_zero_filled_cache_takes_no_memory_until_written():
-    """A KV cache starts as zeros without touching its pages: a long context costs memory as it fills, not at once."""
-    z = memory.huge_page_full((64, 1 << 20), 0, torch.float16)  # 128 MiB
-    assert smaps_kib(z.data_ptr(), "Rss") == 0 and not z[::7, ::4099].any()
+@pytest.mark.parametrize("make", [lambda shape, dtype: memory.huge_page_full(shape, 0, dtype), memory.fresh_zeros],
+                         ids=["huge pages", "the KV cache's pages"])
+def test_a_zero_filled_cache_takes_no_memory_until_written(make):
+    """A KV cache starts as zeros without touching its pages: a long context costs memory as it fills, not at once;
+    the KV cache's ordinary pages take a first write's few pages, not 2 MiB ones."""
+    z = make((64, 1 << 20), torch.float16)  # 128 MiB
+    assert z.shape == (64, 1 << 20) and z.dtype == torch.float16
+    assert smaps_kib(z.data_ptr(), "Rss") == 0
     z[5, :1000] = 1
-    assert 0 < smaps_kib(z.data_ptr(), "Rss") <= 8 << 10 and int(z.count_nonzero()) == 1000
+    assert 0 < smaps_kib(z.data_ptr(), "Rss") <= 8 << 10
+    assert int(z.count_nonzero()) == 1000  # (zeros everywhere else)
+    if make is memory.fresh_zeros:  # a first write takes its own page, not 2 MiB
+        y = make((64, 1 << 20), torch.float16)
+        y[5, :1000] = 1
+        assert smaps_kib(y.data_ptr(), "Rss") <= 8 and smaps_kib(y.data_ptr(), "AnonHugePages") == 0
+        assert memory.fresh_zeros((3, 0), torch.float32).shape == (3, 0)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="transparent huge pages are a Linux feature")
@@ -84,7 +95,8 @@ def test_loaded_models_and_quantize_model_use_the_arena():
         mine = [p for m in layer.modules() if isinstance(m, Linear) for p in (m.qweight, m.scales)]
         if len({t.untyped_storage().data_ptr() for t in mine}) == 1:
             assert [t.data_ptr() for t in mine] == sorted(t.data_ptr() for t in mine)
-    assert model.cache_k.data_ptr() % memory.HUGE_PAGE == 0 and model.cache_v.data_ptr() % memory.HUGE_PAGE == 0
+    # the KV cache: ordinary pages, none of them touched before a token is written
+    assert all(smaps_kib(c.data_ptr(), "Rss") == 0 for c in (model.cache_k, model.cache_v))
     small = tmac.quantize_model(nn.Sequential(nn.Linear(256, 128), nn.Linear(128, 64)), bits=3, skip=None,
                                 progress=False)
     assert small[0].qweight.untyped_storage().data_ptr() == small[1].qweight.untyped_storage().data_ptr()

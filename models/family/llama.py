@@ -23,7 +23,7 @@ from torch import nn
 
 from tmac.base.float_linear import FloatLinear
 from tmac.base.glue import ACTIVATIONS, KV_BLOCK, check_kv_dtype
-from tmac.base.memory import available_bytes, huge_page_full
+from tmac.base.memory import available_bytes, fresh_zeros
 
 
 KV_MEMORY_SHARE = 0.8  # of the available memory a KV cache may take
@@ -461,8 +461,8 @@ class Transformer(nn.Module):
             raise ValueError(f"a KV cache of {context} positions ({kv_dtype}) needs {need / 2**30:.2f} GiB, more "
                              f"than {KV_MEMORY_SHARE:.0%} of the {free / 2**30:.2f} GiB of memory available "
                              f"(the machine's, or its container's): give a smaller context")
-        return (huge_page_full((cfg.n_layers, cfg.n_kv_heads, blocks, cfg.head_dim, KV_BLOCK), 0, dtype),
-                huge_page_full((cfg.n_layers, cfg.n_kv_heads, blocks * KV_BLOCK, cfg.head_dim), 0, dtype))
+        return (fresh_zeros((cfg.n_layers, cfg.n_kv_heads, blocks, cfg.head_dim, KV_BLOCK), dtype),
+                fresh_zeros((cfg.n_layers, cfg.n_kv_heads, blocks * KV_BLOCK, cfg.head_dim), dtype))
 
     def kv_bytes(self, context: int, kv_dtype: str) -> int:
         """Bytes of a KV cache of ``context`` positions (``new_kv``'s)."""

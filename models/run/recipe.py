@@ -35,6 +35,7 @@ import numpy as np
 
 from tmac.base import files
 from tmac.base.errors import ModelFormatError
+from tmac.base.memory import fresh_zeros_array
 from tmac.models.run.calls import PREFILL_ROWS_KEPT, CallPlan, prefill_rows
 
 VERSION = 2  # 2: views in one table, each argument its index
@@ -568,7 +569,7 @@ class _Reader:
             self.consts.append(np.frombuffer(blob, dt, count, at).reshape(shape).copy())
         self.scratch_specs = [(_dtype(d, path), tuple(_ints(s, path))) for d, s in body["scratch"]]
         self.scratch: dict[int, np.ndarray] = {}
-        self.caches = [None if c is None else _zeros(tuple(_ints(c[1], path)), _dtype(c[0], path))
+        self.caches = [None if c is None else fresh_zeros_array(tuple(_ints(c[1], path)), _dtype(c[0], path))
                        for c in body["caches"]]
         self.libraries = body["libraries"]
         self.views = body["views"]
@@ -649,7 +650,7 @@ class _Reader:
         if kind == "scratch" and type(ident) is int and 0 <= ident < len(self.scratch_specs):
             if ident not in self.scratch:
                 dtype, shape = self.scratch_specs[ident]
-                self.scratch[ident] = _zeros(shape, dtype)
+                self.scratch[ident] = fresh_zeros_array(shape, dtype)
             return self.scratch[ident]
         if kind == "const" and type(ident) is int and 0 <= ident < len(self.consts):
             return self.consts[ident]
@@ -685,16 +686,6 @@ class _Reader:
         handle = runtime.ffi().from_dlpack(array)
         self.handles[index] = (array, handle)
         return array if raw else handle
-
-
-def _zeros(shape: tuple, dtype) -> np.ndarray:
-    """Zeros in pages of their own, not huge ones: numpy asks the kernel for 2 MiB pages for large arrays, and the
-    first write to one may wait tens or hundreds of milliseconds for the kernel to compact memory into one — a first
-    token's wait, where the cache and scratch are written the first time (docs/decisions.md)."""
-    count = math.prod(shape)
-    if count == 0:
-        return np.zeros(shape, dtype)
-    return np.frombuffer(mmap.mmap(-1, count * np.dtype(dtype).itemsize), dtype).reshape(shape)
 
 
 def record_run(model, session, copy: str, context: int | None, at: str | None = None) -> bool:

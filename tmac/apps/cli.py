@@ -389,7 +389,7 @@ def _huge_pages_line() -> str:
 
     mode = huge_page_mode()
     if mode in ("always", "madvise"):
-        return f"THP {mode}: packed weights and the KV cache get 2 MiB pages"
+        return f"THP {mode}: packed weights get 2 MiB pages"
     return (f"THP {mode}: weights stay in 4 KiB pages (a few % slower to stream; Linux: "
             "echo madvise > /sys/kernel/mm/transparent_hugepage/enabled)")
 

@@ -159,7 +159,7 @@ def huge_page_empty(nbytes: int, on_free=None) -> torch.Tensor:
 
 
 def huge_page_full(shape, value, dtype) -> torch.Tensor:
-    """``torch.full(shape, value, dtype=dtype)`` in huge pages (the KV cache; the read probes, as the weights)."""
+    """``torch.full(shape, value, dtype=dtype)`` in huge pages (the read probes, as the weights lie)."""
     import torch
 
     itemsize = torch.empty((), dtype=dtype).element_size()
@@ -167,6 +167,29 @@ def huge_page_full(shape, value, dtype) -> torch.Tensor:
     if value == 0 and math.copysign(1.0, value) > 0 and sys.platform.startswith("linux"):
         return t  # a fresh anonymous mapping reads as zeros: its pages stay untouched (no time, no RSS) until written
     return t.fill_(value)
+
+
+def fresh_zeros_array(shape, dtype) -> np.ndarray:
+    """Zeros in a fresh anonymous mapping of ordinary pages, each untouched (no time, no memory) until first written:
+    the KV cache and a recipe's scratch. Not huge pages (numpy asks for them from a few MiB on): a first write to one
+    may wait for the kernel to compact memory into it, and a short prompt would have one zeroed for every layer's
+    and head's first positions (docs/decisions.md, "The KV cache in ordinary pages")."""
+    import numpy as np
+
+    count = math.prod(shape)
+    if count == 0:
+        return np.zeros(shape, dtype)
+    return np.frombuffer(mmap.mmap(-1, count * np.dtype(dtype).itemsize), dtype).reshape(shape)
+
+
+def fresh_zeros(shape, dtype) -> torch.Tensor:
+    """``fresh_zeros_array`` as a torch tensor of ``dtype``."""
+    import torch
+
+    if math.prod(shape) == 0:
+        return torch.zeros(shape, dtype=dtype)
+    raw = fresh_zeros_array((math.prod(shape) * torch.empty((), dtype=dtype).element_size(),), "uint8")
+    return torch.from_numpy(raw).view(dtype).view(shape)
 
 
 def huge_page_copies(tensors, n: int) -> list[tuple]:
