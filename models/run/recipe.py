@@ -131,6 +131,7 @@ class _Recorder:
         self.scratch_of: dict = {}
         self.model = model
         self.functions: dict = {}
+        self.written: dict = {}  # id of a function → [its library's index, its name]
         self.libraries: list = []
         self.views: list = []
         self.view_of: dict = {}
@@ -187,6 +188,9 @@ class _Recorder:
         return ["t", self.ref(t)]
 
     def function(self, fn) -> list:
+        written = self.written.get(id(fn))
+        if written is not None:
+            return written
         found = self.functions.get(id(fn))
         if found is None:
             raise _Unrecordable("a call of something other than a kernel")
@@ -195,7 +199,8 @@ class _Recorder:
                  if hasattr(spec, "attend_args") else json.loads(spec.to_json()), "hold": hold}
         if entry not in self.libraries:
             self.libraries.append(entry)
-        return [self.libraries.index(entry), name]
+        written = self.written[id(fn)] = [self.libraries.index(entry), name]  # (a plan calls each thousands of times)
+        return written
 
     def record(self, plans: list) -> tuple[dict, bytes]:
         from tmac.models.run.decode import plan_functions

@@ -80,20 +80,23 @@ def scales_iq4_xs(blocks, offset):
 _TWO_BITS = np.uint64(0x0303030303030303)
 
 
-def _two_bit_fields(qs: np.ndarray) -> np.ndarray:
-    """``[n, 4·B]`` 2-bit fields of bytes ``qs [n, B]`` in runs of 32 bytes: weight 128h + 32i + l is bits 2i of
-    byte 32h + l (TQ2_0, Q2_K, Q3_K's low bits). Eight bytes at a time (uint64): numpy is slow on 32-byte rows."""
+def _two_bit_fields(qs: np.ndarray, add: int = 0) -> np.ndarray:
+    """``[n, 4·B]`` 2-bit fields of bytes ``qs [n, B]`` in runs of 32 bytes, plus ``add`` (at most 252): weight
+    128h + 32i + l is bits 2i of byte 32h + l (TQ2_0, Q2_K, Q3_K's low bits). Eight bytes at a time (uint64): numpy
+    is slow on 32-byte rows; ``add`` in the same words (no byte carries into the next), not a pass of its own."""
     n = len(qs)
     words = np.ascontiguousarray(qs).view(np.uint64).reshape(n, -1, 1, 4)  # [n, runs, 1, 4 words of a run]
     out = np.empty((n, words.shape[1], 4, 4), np.uint64)
     for i in range(4):
         np.right_shift(words[:, :, 0], np.uint64(2 * i), out=out[:, :, i])
     out &= _TWO_BITS
+    if add:
+        out += np.uint64(0x0101010101010101 * add)
     return out.view(np.uint8).reshape(n, -1)
 
 
 def codes_tq2_0(blocks, offset):  # w = d·(q − 1)
-    return _two_bit_fields(blocks[:, :64]) + np.uint8(offset - 1)
+    return _two_bit_fields(blocks[:, :64], offset - 1)
 
 
 def scales_tq2_0(blocks, offset):
