@@ -373,8 +373,8 @@ class CopyTensors:
         other.start()
         check_part(names[::2], layers[::2])
         other.join()
-        if failed:  # (the same error whichever thread came first: a tensor's, then a layer's)
-            raise min(failed, key=lambda f: f[0])[1]
+        if failed:  # (the same error whichever thread came first: an interrupt, a tensor's, then a layer's)
+            raise min(failed, key=lambda f: (isinstance(f[1], Exception), f[0]))[1]
 
     def _check_layer(self, layer: str, extra, specs: dict) -> None:
         from tmac.execution.packing import layout_checksum
