@@ -74,7 +74,8 @@ class _DotGemm:
         self.spec, self.isa = spec, isa
         self.k, self.wg, self.bm, self.vl = spec.k, spec.group_size, spec.block_rows, isa.vector_bytes
         self.lanes = self.vl // 4  # weight rows a vector holds: four bytes (activations) a row
-        self.r, self.c = isa.dot_tile  # vectors of weight rows, activation rows: a tile's accumulators
+        # vectors of weight rows, activation rows: a tile's accumulators
+        self.r, self.c = isa.dot_tile_of(spec)
         while self.bm % (self.r * self.lanes):
             self.r //= 2
         self.rows = self.r * self.lanes  # weight rows of a part (a task's)

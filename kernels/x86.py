@@ -192,4 +192,5 @@ AVX2_VNNI = X86Isa("avx2_vnni", "x86_64", 32, frozenset({"avx2", "avxvnni"}),
                    _target("alderlake"), "AVX2 + AVX-VNNI: vpshufb ymm, vpdpbusd ymm", vector_registers=16, vnni=True,
                    **STREAM)
 AVX2 = X86Isa("avx2", "x86_64", 32, frozenset({"avx2"}),
-              _target("haswell"), "AVX2: vpshufb ymm, vpmaddubsw/vpmaddwd", vector_registers=16, **STREAM)
+              _target("haswell"), "AVX2: vpshufb ymm, vpmaddubsw/vpmaddwd", vector_registers=16, dot_tile_groups=(1, 4),
+              **STREAM)

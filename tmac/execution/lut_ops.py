@@ -193,7 +193,7 @@ def takes_dot_products(spec: KernelSpec, rows: int, prefill: bool = False) -> bo
 
 def dot_padded_rows(spec: KernelSpec, rows: int) -> int:
     """``rows`` rounded up to the dot-product GEMM's tile of activation rows."""
-    tile = ISAS[spec.isa].dot_tile[1]
+    tile = ISAS[spec.isa].dot_tile_of(spec)[1]
     return -(-rows // tile) * tile
 
 
