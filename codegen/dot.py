@@ -88,9 +88,15 @@ class _DotGemm:
         # codes less their offset, where the ISA multiplies signed bytes and the format has no zeros (whose
         # K-quant form d·a·q − dmin·b takes the codes as stored): no offset term in the epilogue. A codebook's
         # codes become its levels (signed), or the levels + 128 as unsigned bytes (offset 128)
-        self.signed = isa.dot_signed_codes and not spec.has_zeros
+        self.signed = isa.dot_signed_codes and not spec.has_zeros or bool(spec.codebook) and isa.dot_signed_levels
         self.offset = 0.0 if self.signed else 128.0 if spec.codebook else float(code_offset(spec.bits))
         self.sum_term = bool(self.offset) or spec.has_zeros  # a Σx term at all (none: signed codes without zeros)
+        # the weight bytes' largest magnitude, where not the codes' own (2^bits − 1): a codebook's levels as ``dot``
+        # takes them
+        levels = [v if self.signed else v + 128 for v in spec.codebook] if spec.codebook else None
+        self.largest = max(abs(v) for v in levels) if levels else None
+        if levels and self.signed and min(levels) < -127:  # (|−128| is not a byte)
+            raise ValueError(f"{spec.name}: a codebook level of −128 cannot be multiplied as a signed byte")
 
     def declare(self):
         from tvm.script.ir_builder import tirx as T
@@ -288,7 +294,7 @@ class _DotGemm:
         pairs add as int16 and one ``vpmaddwd`` widens (and scales) them, instead of widening every step."""
         quads = span = self.unit // 4
         def int16(n):
-            return self.isa.dot_acc_dtype(self.spec.bits, n).startswith("int16")
+            return self.isa.dot_acc_dtype(self.spec.bits, n, self.largest).startswith("int16")
         while span > 1 and not int16(span):
             span //= 2
         return span if int16(span) else quads
@@ -301,7 +307,7 @@ class _DotGemm:
         r_, c_, L, rows, unit, wg, sg = self.r, self.c, self.lanes, self.rows, self.unit, self.wg, self.sg
         isa = self.isa
         span = self.sum_span()
-        elem, acc_lanes = isa.dot_acc_dtype(self.spec.bits, span).split("x")
+        elem, acc_lanes = isa.dot_acc_dtype(self.spec.bits, span, self.largest).split("x")
         F = T.alloc_buffer((c_ * rows,), F32, scope="global")
         zero = f32(0.0)
         with T.vectorized(0, c_ * rows) as i:
@@ -335,7 +341,7 @@ class _DotGemm:
                                               tirx.Broadcast(self.X32[(n0 + c) * (self.k // 4) + kk], L))
                     for r in range(r_):
                         a = r * c_ + c
-                        acc[a] = T.bind(isa.dot(acc[a], ws[r], xb))
+                        acc[a] = T.bind(isa.dot(acc[a], ws[r], xb, self.signed and bool(self.spec.codebook)))
             return pieces
 
         def float_unit(g, u):

@@ -26,9 +26,9 @@ class ArmIsa(Isa):
     def dot_codebooks(self) -> bool:
         return self.dotprod  # ``sdot``: the levels as signed bytes
 
-    def dot(self, acc, w, x):
+    def dot(self, acc, w, x, signed: bool = False):
         if not self.dotprod:
-            return super().dot(acc, w, x)
+            return super().dot(acc, w, x, signed)
         from tvm import tirx
 
         # codes of at most 6 bits (``DOT_BITS``), or less their offset (``dot_signed_codes``): ``sdot``'s int8 × int8

@@ -59,6 +59,12 @@ class Isa:
         return self.dot_tile_groups if self.dot_tile_groups and not spec.super_groups else self.dot_tile
 
     @property
+    def dot_signed_levels(self) -> bool:
+        """Whether ``dot`` takes a codebook's levels as signed bytes (``dot``'s ``signed``), not the levels + 128 as
+        unsigned ones: where unsigned ones would saturate (AVX2's ``vpmaddubsw``)."""
+        return False
+
+    @property
     def expands_grids(self) -> bool:
         """Whether the kernels expand grid i-quants' indices and sign bits into codes in registers (``permute2``,
         ``multishift``: ``tmac.codegen.grids``), so that they are held at their own size."""
@@ -96,16 +102,19 @@ class Isa:
         """The row each lane of ``accumulate``'s result holds, when not lane = row (None)."""
         return None
 
-    def dot_acc_dtype(self, bits: int, quads: int) -> str:
-        """The accumulator type of ``dot`` over ``quads`` 4-activation steps of ``bits``-bit codes."""
+    def dot_acc_dtype(self, bits: int, quads: int, largest: int | None = None) -> str:
+        """The accumulator type of ``dot`` over ``quads`` 4-activation steps of ``bits``-bit codes (or of weight
+        bytes up to ``largest`` in magnitude: a codebook's levels)."""
         return f"int32x{self.vector_bytes // 4}"
 
-    def dot(self, acc, w, x):
-        """``acc`` plus, per 32-bit lane, the dot product of its four code bytes ``w`` (unsigned, as int8xVL) with
-        the four int8 activations ``x``. Portable form: widened products."""
+    def dot(self, acc, w, x, signed: bool = False):
+        """``acc`` plus, per 32-bit lane, the dot product of its four code bytes ``w`` (unsigned, as int8xVL; signed
+        with ``signed``: a codebook's levels where ``dot_signed_levels``) with the four int8 activations ``x``.
+        Portable form: widened products."""
         from tvm import tirx
 
-        lanes, codes = self.vector_bytes // 4, tirx.reinterpret(f"uint8x{self.vector_bytes}", w)
+        lanes = self.vector_bytes // 4
+        codes = w if signed else tirx.reinterpret(f"uint8x{self.vector_bytes}", w)
         for j in range(4):
             pick = list(range(j, self.vector_bytes, 4))
             acc = acc + tirx.Cast(f"int32x{lanes}", tirx.Shuffle([codes], pick)) * \

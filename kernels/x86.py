@@ -21,8 +21,15 @@ class X86Isa(Isa):
     @property
     def dot_codebooks(self) -> bool:
         # levels + 128 as unsigned bytes: ``vpdpbusd`` sums their products in int32; ``vpmaddubsw``'s int16 pairs
-        # would saturate (2·241·127 > 2^15)
-        return self.vnni
+        # would saturate (2·241·127 > 2^15), so AVX2 multiplies the levels signed (``dot_signed_levels``); AVX-512
+        # without VNNI has no ``vpsignb``
+        return self.vnni or self.vector_bytes == 32
+
+    @property
+    def dot_signed_levels(self) -> bool:
+        # ``vpmaddubsw`` of |level| and the activation with the level's sign (``vpsignb``, llama.cpp's way for its
+        # signed weights): pairs of at most 2·127·127 < 2^15
+        return not self.vnni
 
     @property
     def expands_grids(self) -> bool:
@@ -115,18 +122,23 @@ class X86Isa(Isa):
             return self._pair_sums(acc)
         return super().widen(acc, planes)
 
-    def dot_acc_dtype(self, bits: int, quads: int) -> str:
+    def dot_acc_dtype(self, bits: int, quads: int, largest: int | None = None) -> str:
         # vpmaddubsw's pair sums of b-bit codes with int8 stay under 2·(2^b − 1)·127; in int16 while they add up
-        if not self.vnni and quads * 2 * ((1 << bits) - 1) * 127 < 1 << 15:
+        largest = (1 << bits) - 1 if largest is None else largest
+        if not self.vnni and quads * 2 * largest * 127 < 1 << 15:
             return f"int16x{self.vector_bytes // 2}"
-        return super().dot_acc_dtype(bits, quads)
+        return super().dot_acc_dtype(bits, quads, largest)
 
-    def dot(self, acc, w, x):
+    def dot(self, acc, w, x, signed: bool = False):
         from tvm import tirx
 
         vb = self.vector_bytes
         if self.vnni:
             return tirx.call_llvm_pure_intrin(f"int32x{vb // 4}", f"llvm.x86.avx512.vpdpbusd.{vb * 8}", acc, w, x)
+        if signed:  # |w| · (x with w's sign): vpsignb (AVX2 only; ``dot_codebooks``)
+            sign = "llvm.x86.avx2.psign.b"
+            x = tirx.call_llvm_pure_intrin(f"int8x{vb}", sign, x, w)
+            w = tirx.call_llvm_pure_intrin(f"int8x{vb}", sign, w, w)
         pairs = tirx.call_llvm_pure_intrin(f"int16x{vb // 2}", f"llvm.x86.{self._suffix[1]}", w, x)
         return acc + pairs if _sums_in_int16(acc) else acc + self._pair_sums(pairs)
 
