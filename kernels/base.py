@@ -29,10 +29,6 @@ class Isa:
     # vectors by four rows on AVX-512 too, whose 32 registers would hold 4 x 4 but spilled the float sums beside them
     # (docs/decisions.md, "Dot products for many rows")
     dot_tile: tuple = (2, 4)
-    # the tile for formats whose float epilogue runs every unit of 32 (no super groups: Q4_0, Q4_1, Q5_0 …), where it
-    # differs: AVX2's 16 registers hold 2 x 4 integer sums widened from int16 but not the float work beside them
-    # (docs/decisions.md, "Dot products for many rows")
-    dot_tile_groups: tuple | None = None
     # the dot-product GEMM loads an activation row's words of as many steps as a vector has lanes at once and takes
     # each step's by lane (arm64: ``sdot``'s indexed form), not as a broadcast load a step (``ld1r`` has no offset
     # addressing: each took an address computation besides)
@@ -54,9 +50,8 @@ class Isa:
         return False
 
     def dot_tile_of(self, spec) -> tuple:
-        """The dot-product GEMM's register tile for ``spec``'s kernel: ``dot_tile_groups`` where the ISA has one and
-        the format has no super groups, else ``dot_tile``."""
-        return self.dot_tile_groups if self.dot_tile_groups and not spec.super_groups else self.dot_tile
+        """The dot-product GEMM's register tile for ``spec``'s kernel (``dot_tile`` unless the ISA says otherwise)."""
+        return self.dot_tile
 
     @property
     def dot_signed_levels(self) -> bool:

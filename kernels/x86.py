@@ -21,14 +21,22 @@ class X86Isa(Isa):
     @property
     def dot_codebooks(self) -> bool:
         # levels + 128 as unsigned bytes: ``vpdpbusd`` sums their products in int32; ``vpmaddubsw``'s int16 pairs
-        # would saturate (2·241·127 > 2^15), so AVX2 multiplies the levels signed (``dot_signed_levels``); AVX-512
-        # without VNNI has no ``vpsignb``
-        return self.vnni or self.vector_bytes == 32
+        # would saturate (2·241·127 > 2^15), so without VNNI the levels are multiplied signed (``dot_signed_levels``)
+        return True
+
+    def dot_tile_of(self, spec) -> tuple:
+        # a format without super groups pays a float epilogue every unit of 32; without VNNI its sums widen from
+        # int16 besides, and the 2 x 4 tile's work spills: one weight-row vector at a time where registers are 16
+        # (AVX2), and on AVX-512 for a codebook's signed levels, whose sign flips take registers too (docs/
+        # decisions.md, "Dot products for many rows")
+        if not spec.super_groups and not self.vnni and (self.vector_registers < 32 or spec.codebook):
+            return (1, self.dot_tile[1])
+        return self.dot_tile
 
     @property
     def dot_signed_levels(self) -> bool:
         # ``vpmaddubsw`` of |level| and the activation with the level's sign (``vpsignb``, llama.cpp's way for its
-        # signed weights): pairs of at most 2·127·127 < 2^15
+        # signed weights; AVX-512, which lacks it, negates under a mask): pairs of at most 2·127·127 < 2^15
         return not self.vnni
 
     @property
@@ -135,10 +143,15 @@ class X86Isa(Isa):
         vb = self.vector_bytes
         if self.vnni:
             return tirx.call_llvm_pure_intrin(f"int32x{vb // 4}", f"llvm.x86.avx512.vpdpbusd.{vb * 8}", acc, w, x)
-        if signed:  # |w| · (x with w's sign): vpsignb (AVX2 only; ``dot_codebooks``)
+        if signed and vb == 32:  # |w| · (x with w's sign): vpsignb
             sign = "llvm.x86.avx2.psign.b"
             x = tirx.call_llvm_pure_intrin(f"int8x{vb}", sign, x, w)
             w = tirx.call_llvm_pure_intrin(f"int8x{vb}", sign, w, w)
+        elif signed:  # AVX-512 has no vpsignb: the negative weights' lanes negated (a mask from their sign bits)
+            zero = tirx.Broadcast(tirx.IntImm("int8", 0), vb)
+            negative = w < zero
+            x = tirx.Select(negative, zero - x, x)
+            w = tirx.Select(negative, zero - w, w)
         pairs = tirx.call_llvm_pure_intrin(f"int16x{vb // 2}", f"llvm.x86.{self._suffix[1]}", w, x)
         return acc + pairs if _sums_in_int16(acc) else acc + self._pair_sums(pairs)
 
@@ -204,5 +217,4 @@ AVX2_VNNI = X86Isa("avx2_vnni", "x86_64", 32, frozenset({"avx2", "avxvnni"}),
                    _target("alderlake"), "AVX2 + AVX-VNNI: vpshufb ymm, vpdpbusd ymm", vector_registers=16, vnni=True,
                    **STREAM)
 AVX2 = X86Isa("avx2", "x86_64", 32, frozenset({"avx2"}),
-              _target("haswell"), "AVX2: vpshufb ymm, vpmaddubsw/vpmaddwd", vector_registers=16, dot_tile_groups=(1, 4),
-              **STREAM)
+              _target("haswell"), "AVX2: vpshufb ymm, vpmaddubsw/vpmaddwd", vector_registers=16, **STREAM)
