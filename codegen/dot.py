@@ -91,11 +91,11 @@ class _DotGemm:
         self.signed = isa.dot_signed_codes and not spec.has_zeros or bool(spec.codebook) and isa.dot_signed_levels
         self.offset = 0.0 if self.signed else 128.0 if spec.codebook else float(code_offset(spec.bits))
         self.sum_term = bool(self.offset) or spec.has_zeros  # a Σx term at all (none: signed codes without zeros)
-        # the weight bytes' largest magnitude, where not the codes' own (2^bits − 1): a codebook's levels as ``dot``
-        # takes them
-        levels = [v if self.signed else v + 128 for v in spec.codebook] if spec.codebook else None
-        self.largest = max(abs(v) for v in levels) if levels else None
-        if levels and self.signed and min(levels) < -127:  # (|−128| is not a byte)
+        # a codebook's levels as ``dot`` takes them, and the weight bytes' largest magnitude where not the codes'
+        # own (2^bits − 1)
+        self.levels = [v if self.signed else v + 128 for v in spec.codebook] if spec.codebook else None
+        self.largest = max(abs(v) for v in self.levels) if self.levels else None
+        if self.levels and self.signed and min(self.levels) < -127:  # (|−128| is not a byte)
             raise ValueError(f"{spec.name}: a codebook level of −128 cannot be multiplied as a signed byte")
 
     def declare(self):
@@ -210,8 +210,7 @@ class _DotGemm:
         from tvm.script.ir_builder import tirx as T
 
         rows, L = self.rows, self.lanes
-        levels = [v if self.signed else v + 128 for v in self.spec.codebook]
-        table = constant([v - 256 if v > 127 else v for v in levels], "int8")
+        table = constant([v - 256 if v > 127 else v for v in self.levels], "int8")
 
         def store(word, kk):
             for r in range(self.r):
@@ -341,7 +340,7 @@ class _DotGemm:
                                               tirx.Broadcast(self.X32[(n0 + c) * (self.k // 4) + kk], L))
                     for r in range(r_):
                         a = r * c_ + c
-                        acc[a] = T.bind(isa.dot(acc[a], ws[r], xb, self.signed and bool(self.spec.codebook)))
+                        acc[a] = T.bind(isa.dot(acc[a], ws[r], xb, self.signed))
             return pieces
 
         def float_unit(g, u):

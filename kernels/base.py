@@ -104,8 +104,8 @@ class Isa:
 
     def dot(self, acc, w, x, signed: bool = False):
         """``acc`` plus, per 32-bit lane, the dot product of its four code bytes ``w`` (unsigned, as int8xVL; signed
-        with ``signed``: a codebook's levels where ``dot_signed_levels``) with the four int8 activations ``x``.
-        Portable form: widened products."""
+        with ``signed``: codes less their offset, a codebook's levels) with the four int8 activations ``x``. Portable
+        form: widened products."""
         from tvm import tirx
 
         lanes = self.vector_bytes // 4

@@ -250,9 +250,9 @@ def evict(budget: int, keep: str | None = None) -> list[dict]:
 
 def clear() -> list[dict]:
     """Remove every copy (and the plan recipes of converted files); the removed copies."""
-    removed = evict(-1)
-    for name in _listdir(directory()):
+    removed, where = evict(-1), directory()
+    for name in _listdir(where):
         if name.endswith(".plans"):
             with contextlib.suppress(OSError):
-                os.unlink(os.path.join(directory(), name))
+                os.unlink(os.path.join(where, name))
     return removed
